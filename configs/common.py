@@ -1,0 +1,150 @@
+"""Shared config blocks. Every field the code reads is defined here; experiment files override.
+
+An experiment file (configs/qwen3_8b.py, configs/tiny.py, ...) defines `get_config()` that
+starts from `base()` and sets what differs. Overrides on the command line address the same
+fields, e.g. `--config.beta=0.08 --config.loss.kl_kind=k1 --config.model.remat_policy=full`.
+Fields that may be None are declared with `placeholder(type)`.
+"""
+import dataclasses
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+from grpo_jax.models import config as model_config
+
+
+def model(preset: str) -> ml_collections.ConfigDict:
+  """The `config.model` block: every ModelConfig field, filled from a named preset.
+
+  `impl` picks the implementation ("native" flax NNX decoder, or "maxtext"); `hf_path`, when
+  set, loads a Hugging Face checkpoint folder whose config.json then defines the shape (the
+  shape fields here are checked against it at start-up); `maxtext_checkpoint` loads a MaxText
+  Orbax checkpoint (.../0/items) into the maxtext impl.
+  """
+  shape = dataclasses.asdict(model_config.PRESETS[preset])
+  m = ml_collections.ConfigDict(shape)
+  m.preset = preset
+  m.impl = "native"
+  m.hf_path = ""
+  m.maxtext_checkpoint = ""
+  return m
+
+
+def base() -> ml_collections.ConfigDict:
+  """Defaults: the Qwen3-GSM8K GRPO recipe's values where one exists (see configs/qwen3_8b.py)."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.num_steps = 200  # GRPO steps; each takes `batch_size` prompts.
+  c.sft_steps = 0  # Optional supervised warm start on demonstrations before GRPO.
+  c.num_generations = 2  # G: completions sampled per prompt.
+  c.beta = 0.08  # KL(policy || reference) weight; 0 builds no reference model at all.
+  c.num_iterations = 1  # Optimization passes over each rollout batch (mu in the GRPO paper).
+  c.batch_size = 8  # Prompts per GRPO step, over all hosts; the step trains on batch_size * G.
+  c.micro_batch_size = 0  # Sequences per gradient-accumulation micro-batch; 0 = B * G at once.
+  c.max_prompt_length = 256  # Prompts are left-padded/left-truncated to this many tokens.
+  c.max_completion_length = 1024  # Tokens generated per completion (TOTAL_GENERATION_STEPS).
+  c.save_interval_steps = 500
+  c.eval_interval_steps = 0  # 0: evaluate only before and after training.
+  c.log_interval_steps = 1
+  c.max_consecutive_nonfinite = 5  # Stop after this many skipped non-finite updates in a row.
+  # Exit (status 0, checkpoint written) after this many GRPO steps in one process, e.g. to fit
+  # a job time limit; the next launch with the same workdir resumes. 0 = no limit.
+  c.max_steps_per_run = 0
+
+  c.model = model("qwen3-0.6b")
+
+  c.tokenizer = ml_collections.ConfigDict()
+  c.tokenizer.kind = "hf"  # "hf" (tokenizer.json or vocab.json+merges.txt) or "char".
+  c.tokenizer.path = ""  # Empty: use model.hf_path.
+
+  c.data = ml_collections.ConfigDict()
+  c.data.train_source = "gsm8k"  # gsm8k | jsonl | xsum | arithmetic
+  c.data.train_path = ""
+  c.data.eval_source = "gsm8k"
+  c.data.eval_path = ""
+  c.data.template = "chatml"  # chatml | plain
+  c.data.system_prompt = "reasoning"  # reasoning | think | none
+  c.data.arithmetic = ml_collections.ConfigDict()  # The synthetic task (data_source arithmetic).
+  c.data.arithmetic.digits = 2
+  c.data.arithmetic.num_ops = 1
+  c.data.arithmetic.ops = "+"
+  c.data.arithmetic.num_train = 10000
+  c.data.arithmetic.num_test = 256
+  c.data.arithmetic.demonstration = "answer"  # answer | reasoning
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.engine = "native"  # native | vllm
+  c.rollout.temperature = 0.9
+  c.rollout.top_k = 50  # 0 = no top-k truncation.
+  c.rollout.top_p = 1.0
+  c.rollout.vllm = ml_collections.ConfigDict()
+  c.rollout.vllm.gpu_memory_utilization = 0.5
+  c.rollout.vllm.kv_cache_space_gib = 1  # vLLM's CPU backend only (VLLM_CPU_KVCACHE_SPACE).
+
+  c.loss = ml_collections.ConfigDict()
+  c.loss.estimator = "grpo"  # grpo | dr_grpo | rloo
+  c.loss.std_kind = "population"  # population | sample (grpo's std over the G rewards).
+  c.loss.adv_eps = 1e-6
+  c.loss.policy_loss = "ppo_clip"  # ppo_clip | gspo
+  c.loss.clip_eps = 0.2
+  c.loss.clip_eps_high = placeholder(float)  # None: symmetric; DAPO clip-higher uses 0.28.
+  c.loss.clip_ratio_c = placeholder(float)  # Dual-clip bound (> 1) for negative advantages.
+  c.loss.kl_kind = "k3"  # k1 | k2 | k3 (low_var_kl)
+  c.loss.kl_clamp = placeholder(float)  # verl clamps k3 to [-10, 10].
+  c.loss.loss_agg_mode = "seq-mean-token-mean"
+  c.loss.tis_cap = 0.0  # > 0: truncated importance sampling weights min(p_train/p_sample, cap).
+  c.loss.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal.
+  c.loss.overlong_buffer = 0  # DAPO soft overlong penalty; 0 disables it.
+  c.loss.overlong_factor = 1.0
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.learning_rate = 3e-6
+  c.optimizer.warmup_ratio = 0.1  # Linear warmup over this fraction of num_steps, then cosine.
+  c.optimizer.end_lr_ratio = 0.0  # Cosine decays to learning_rate * end_lr_ratio.
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.99
+  c.optimizer.weight_decay = 0.1
+  c.optimizer.max_grad_norm = 0.1  # Global-norm clipping; 0 disables it.
+
+  c.reward = ml_collections.ConfigDict()
+  c.reward.functions = ("match_format_exactly", "match_format_approximately", "check_answer",
+                        "check_numbers")
+  c.reward.weights = (1.0, 1.0, 1.0, 1.0)
+  c.reward.custom_file = ""  # A .py defining compute_score(data_source, solution_str, ...).
+  c.reward.custom_weight = 1.0
+  c.reward.on_error = "raise"  # raise | zero (score 0 and count it in reward/errors).
+  c.reward.num_workers = 0  # > 0: score in a process pool.
+  c.reward.timeout_sec = 0.0  # Per-call timeout in the pool; 0 = none.
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.generation_configs = ("greedy", "standard", "liberal")
+  c.eval.num_examples = 0  # 0: the whole eval split.
+  c.eval.batch_size = 64  # Prompts per eval batch, over all hosts.
+  c.eval.max_new_tokens = 0  # 0: max_completion_length.
+
+  c.sft = ml_collections.ConfigDict()
+  c.sft.learning_rate = 1e-4
+  c.sft.batch_size = 32
+  c.sft.num_demonstrations = 0  # The first N train rows' demonstrations are used; 0 = all.
+  # Early stopping: every eval_interval_steps, greedy accuracy on the last num_validation train
+  # rows (held out from the demonstrations); stop SFT once it reaches stop_at_accuracy (0: off).
+  c.sft.stop_at_accuracy = 0.0
+  c.sft.eval_interval_steps = 25
+  c.sft.num_validation = 256
+
+  c.reference = ml_collections.ConfigDict()
+  c.reference.offload_to_host = False  # Keep the frozen reference in host memory between uses.
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.max_to_keep = 4
+  c.checkpoint.async_save = True
+
+  c.mesh = ml_collections.ConfigDict()  # Axis sizes; -1 = all remaining devices.
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+
+  c.profile = ml_collections.ConfigDict()
+  c.profile.start_step = -1  # -1: no trace. Traces go to WORKDIR/profile (Perfetto).
+  c.profile.num_steps = 2
+  return c

@@ -1,0 +1,229 @@
+"""One validation pass over the config at start-up: every bad value becomes one clear line.
+
+Each line reads `field=value: why. Fix: what to do`. `validate` returns all lines at once so a
+user fixes a config in one round trip; main.py prints them and exits with status 2.
+"""
+import os
+
+import jax
+
+from grpo_jax.models import config as model_config
+from grpo_jax.rewards import registry as reward_registry
+from grpo_jax.rl import registry as rl_registry
+
+GENERATION_CONFIGS = ("greedy", "standard", "liberal")
+DTYPES = ("float32", "bfloat16", "float16")
+DATA_SOURCES = ("gsm8k", "jsonl", "xsum", "arithmetic")
+
+
+class _Checker:
+  """Collects `field=value: why. Fix: fix` lines."""
+
+  def __init__(self, config):
+    self.config = config
+    self.errors: list[str] = []
+
+  def value(self, field: str):
+    node = self.config
+    for part in field.split("."):
+      node = node[part]
+    return node
+
+  def fail(self, field: str, why: str, fix: str):
+    self.errors.append(f"{field}={self.value(field)!r}: {why}. Fix: {fix}.")
+
+  def require(self, ok: bool, field: str, why: str, fix: str):
+    if not ok:
+      self.fail(field, why, fix)
+
+  def one_of(self, field: str, names, what: str):
+    v = self.value(field)
+    if v not in names:
+      self.fail(field, f"unknown {what}", f"use one of {', '.join(map(str, names))}")
+
+  def path_exists(self, field: str, what: str):
+    p = self.value(field)
+    if p and not os.path.exists(p):
+      self.fail(field, f"{what} does not exist", "give an existing path")
+
+
+def _check_training(c: _Checker, cfg):
+  c.require(cfg.num_steps >= 0, "num_steps", "must be >= 0", "set a step count")
+  c.require(cfg.sft_steps >= 0, "sft_steps", "must be >= 0", "0 disables the warm start")
+  c.require(cfg.num_generations >= 1, "num_generations", "must be >= 1", "use G >= 2")
+  if cfg.loss.estimator in ("grpo", "rloo") and cfg.num_generations < 2:
+    c.fail("num_generations", f"the '{cfg.loss.estimator}' advantage compares samples within a "
+           "group, so every advantage would be 0 with fewer than 2",
+           "set num_generations >= 2 (GRPO practice: 4-16)")
+  c.require(cfg.beta >= 0, "beta", "the KL weight must be >= 0", "use 0 (no reference) or e.g. 0.04")
+  c.require(cfg.num_iterations >= 1, "num_iterations", "must be >= 1", "use 1 (on-policy)")
+  c.require(cfg.batch_size >= 1, "batch_size", "must be >= 1", "set prompts per step")
+  c.require(cfg.micro_batch_size >= 0, "micro_batch_size", "must be >= 0",
+            "0 trains on all batch_size * num_generations sequences at once")
+  seqs = cfg.batch_size * cfg.num_generations
+  if cfg.micro_batch_size > 0 and seqs % cfg.micro_batch_size:
+    c.fail("micro_batch_size", f"must divide batch_size * num_generations = {seqs}",
+           f"use a divisor of {seqs}")
+  c.require(cfg.max_prompt_length >= 1, "max_prompt_length", "must be >= 1", "set it")
+  c.require(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1", "set it")
+  for f in ("save_interval_steps", "log_interval_steps"):
+    c.require(c.value(f) >= 1, f, "must be >= 1", "use a positive interval")
+  c.require(cfg.eval_interval_steps >= 0, "eval_interval_steps", "must be >= 0",
+            "0 evaluates only before and after training")
+  c.require(cfg.max_steps_per_run >= 0, "max_steps_per_run", "must be >= 0", "0 = no limit")
+  c.require(cfg.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite", "must be >= 1",
+            "e.g. 5")
+
+
+def _check_model(c: _Checker, cfg):
+  m = cfg.model
+  c.one_of("model.impl", ("native", "maxtext"), "model implementation")
+  c.path_exists("model.hf_path", "the Hugging Face checkpoint folder")
+  c.path_exists("model.maxtext_checkpoint", "the MaxText checkpoint")
+  c.one_of("model.param_dtype", DTYPES, "dtype")
+  c.one_of("model.dtype", DTYPES, "dtype")
+  c.one_of("model.remat_policy", model_config.REMAT_POLICIES, "remat policy")
+  if not m.hf_path:
+    fields = {k: v for k, v in m.items()
+              if k not in ("preset", "impl", "hf_path", "maxtext_checkpoint")}
+    for field, why, fix in model_config.ModelConfig(**fields).problems():
+      c.fail(f"model.{field}", why, fix)
+  total = cfg.max_prompt_length + cfg.max_completion_length
+  if total > m.max_position_embeddings:
+    c.fail("max_completion_length",
+           f"max_prompt_length + max_completion_length = {total} exceeds the model's context "
+           f"model.max_position_embeddings = {m.max_position_embeddings}",
+           "shorten prompts or completions")
+
+
+def _check_loss(c: _Checker, cfg):
+  c.one_of("loss.estimator", rl_registry.ADVANTAGE_ESTIMATORS.names(), "advantage estimator")
+  c.one_of("loss.std_kind", ("population", "sample"), "std kind")
+  c.one_of("loss.policy_loss", rl_registry.POLICY_LOSSES.names(), "policy loss")
+  c.one_of("loss.kl_kind", rl_registry.KL_ESTIMATORS.names(), "KL estimator")
+  c.one_of("loss.loss_agg_mode", rl_registry.LOSS_AGG_MODES.names(), "loss aggregation mode")
+  l = cfg.loss
+  c.require(0 < l.clip_eps < 1, "loss.clip_eps", "the PPO clip range must lie in (0, 1)",
+            "use e.g. 0.2")
+  if l.clip_eps_high is not None:
+    c.require(0 < l.clip_eps_high < 1, "loss.clip_eps_high", "must lie in (0, 1)",
+              "use e.g. 0.28 (DAPO clip-higher) or None")
+  if l.clip_ratio_c is not None:
+    c.require(l.clip_ratio_c > 1, "loss.clip_ratio_c", "the dual-clip bound must be > 1",
+              "use e.g. 3.0 or None")
+  if l.kl_clamp is not None:
+    c.require(l.kl_clamp > 0, "loss.kl_clamp", "must be > 0", "use e.g. 10.0 or None")
+  c.require(l.adv_eps > 0, "loss.adv_eps", "must be > 0", "use e.g. 1e-6")
+  c.require(l.tis_cap >= 0, "loss.tis_cap", "must be >= 0", "0 disables TIS; e.g. 2.0")
+  c.require(0 <= l.overlong_buffer < cfg.max_completion_length, "loss.overlong_buffer",
+            "must lie in [0, max_completion_length)", "0 disables the overlong penalty")
+
+
+def _check_optimizer(c: _Checker, cfg):
+  o = cfg.optimizer
+  c.require(o.learning_rate > 0, "optimizer.learning_rate", "must be > 0", "use e.g. 3e-6")
+  c.require(0 <= o.warmup_ratio < 1, "optimizer.warmup_ratio", "must lie in [0, 1)", "use 0.1")
+  c.require(0 <= o.end_lr_ratio <= 1, "optimizer.end_lr_ratio", "must lie in [0, 1]", "use 0")
+  c.require(0 <= o.b1 < 1, "optimizer.b1", "must lie in [0, 1)", "use 0.9")
+  c.require(0 <= o.b2 < 1, "optimizer.b2", "must lie in [0, 1)", "use 0.99")
+  c.require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0", "use 0.1")
+  c.require(o.max_grad_norm >= 0, "optimizer.max_grad_norm", "must be >= 0", "0 disables it")
+  c.require(cfg.sft.learning_rate > 0, "sft.learning_rate", "must be > 0", "use e.g. 1e-4")
+  c.require(cfg.sft.batch_size >= 1, "sft.batch_size", "must be >= 1", "use e.g. 32")
+
+
+def _check_rollout(c: _Checker, cfg):
+  r = cfg.rollout
+  c.one_of("rollout.engine", ("native", "vllm"), "rollout engine")
+  c.require(r.temperature > 0, "rollout.temperature", "must be > 0",
+            "use e.g. 0.9 (greedy evaluation has its own generation config)")
+  c.require(r.top_k >= 0, "rollout.top_k", "must be >= 0", "0 disables top-k")
+  c.require(0 < r.top_p <= 1, "rollout.top_p", "must lie in (0, 1]", "1.0 disables top-p")
+  for name in cfg.eval.generation_configs:
+    if name not in GENERATION_CONFIGS:
+      c.fail("eval.generation_configs", f"unknown generation config '{name}'",
+             f"use names from {', '.join(GENERATION_CONFIGS)}")
+  c.require(cfg.eval.num_examples >= 0, "eval.num_examples", "must be >= 0", "0 = all")
+  c.require(cfg.eval.batch_size >= 1, "eval.batch_size", "must be >= 1", "e.g. 64")
+  c.require(cfg.eval.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0",
+            "0 = max_completion_length")
+
+
+def _check_data_and_rewards(c: _Checker, cfg):
+  d = cfg.data
+  for split in ("train", "eval"):
+    c.one_of(f"data.{split}_source", DATA_SOURCES, "data source")
+    c.path_exists(f"data.{split}_path", "the data file")
+    if d[f"{split}_source"] != "arithmetic" and not d[f"{split}_path"]:
+      c.fail(f"data.{split}_path", f"data.{split}_source={d[f'{split}_source']!r} reads a file",
+             f"set --config.data.{split}_path=/path/to/file.jsonl")
+  c.one_of("data.template", ("chatml", "plain"), "prompt template")
+  c.one_of("data.system_prompt", ("reasoning", "think", "none"), "system prompt")
+  c.one_of("data.arithmetic.demonstration", ("answer", "reasoning"), "demonstration style")
+  c.one_of("tokenizer.kind", ("hf", "char"), "tokenizer kind")
+  if cfg.tokenizer.kind == "hf" and not (cfg.tokenizer.path or cfg.model.hf_path):
+    c.fail("tokenizer.path", "the hf tokenizer needs a folder (tokenizer.json or vocab.json + "
+           "merges.txt)", "set --config.tokenizer.path or --config.model.hf_path")
+  c.path_exists("tokenizer.path", "the tokenizer folder")
+
+  rw = cfg.reward
+  known = reward_registry.names()
+  for name in rw.functions:
+    if name not in known:
+      c.fail("reward.functions", f"unknown reward function '{name}'",
+             f"use names from {', '.join(known)}, or a file via reward.custom_file")
+  if len(rw.weights) != len(rw.functions):
+    c.fail("reward.weights", f"has {len(rw.weights)} weights for {len(rw.functions)} functions",
+           "give one weight per name in reward.functions")
+  if not rw.functions and not rw.custom_file:
+    c.fail("reward.functions", "no reward at all", "name functions or set reward.custom_file")
+  c.path_exists("reward.custom_file", "the reward file")
+  c.one_of("reward.on_error", ("raise", "zero"), "reward error policy")
+  c.require(rw.num_workers >= 0, "reward.num_workers", "must be >= 0", "0 scores in-process")
+  c.require(rw.timeout_sec >= 0, "reward.timeout_sec", "must be >= 0", "0 = no timeout")
+
+
+def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
+  sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+  names = ("mesh.data", "mesh.fsdp", "mesh.tensor")
+  for name, size in zip(names, sizes):
+    c.require(size == -1 or size >= 1, name, "must be -1 (fill) or >= 1", "use -1 or a size")
+  if sizes.count(-1) > 1:
+    c.fail("mesh.data", "at most one mesh axis may be -1", "give explicit sizes to the others")
+    return
+  fixed = 1
+  for s in sizes:
+    fixed *= s if s > 0 else 1
+  if num_devices % fixed or (-1 not in sizes and fixed != num_devices):
+    c.fail("mesh.data", f"mesh {sizes} does not fit the {num_devices} available devices",
+           f"make data * fsdp * tensor = {num_devices} (or use -1 on one axis)")
+    return
+  fill = num_devices // fixed
+  data, fsdp, _ = [s if s > 0 else fill for s in sizes]
+  dp = data * fsdp
+  seqs = cfg.batch_size * cfg.num_generations
+  if seqs % dp:
+    c.fail("batch_size", f"batch_size * num_generations = {seqs} sequences do not divide over "
+           f"the data-parallel mesh size data * fsdp = {dp}",
+           f"use a batch_size that makes it a multiple of {dp}")
+  if cfg.micro_batch_size > 0 and cfg.micro_batch_size % dp:
+    c.fail("micro_batch_size", f"not divisible by the data-parallel mesh size {dp}",
+           f"use a multiple of {dp}")
+  if cfg.batch_size % num_processes:
+    c.fail("batch_size", f"must divide over the {num_processes} JAX processes (each loads its "
+           "own prompts)", f"use a multiple of {num_processes}")
+
+
+def validate(config, *, num_devices: int | None = None,
+             num_processes: int | None = None) -> list[str]:
+  """Returns one message per bad value (empty when the config is good)."""
+  c = _Checker(config)
+  _check_training(c, config)
+  _check_model(c, config)
+  _check_loss(c, config)
+  _check_optimizer(c, config)
+  _check_rollout(c, config)
+  _check_data_and_rewards(c, config)
+  _check_mesh(c, config, num_devices or jax.device_count(),
+              num_processes or jax.process_count())
+  return c.errors

@@ -1,0 +1,111 @@
+r"""Entry point: flags -> (jax.distributed) -> config validation -> train.run(config, workdir).
+
+    python -m grpo_jax.main --config=configs/qwen3_8b.py --config.beta=0.08 --workdir=/tmp/run1
+    python -m grpo_jax.main --config=configs/tiny.py            # the CPU demo
+
+Multi-host (one process per host, same command everywhere): add `--distributed` on TPU pods,
+SLURM or other clusters JAX auto-detects, or pass --coordinator_address/--num_processes/
+--process_id explicitly (launch/ has scripts).
+"""
+import os
+import sys
+import time
+
+# Config files import `configs.common`; make the repo's configs/ importable from any cwd.
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isdir(os.path.join(_REPO_ROOT, "configs")) and _REPO_ROOT not in sys.path:
+  sys.path.insert(0, _REPO_ROOT)
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file (configs/*.py).", lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None,
+    "Run directory: TensorBoard events, checkpoints/, summary.json. A run resumes from the "
+    "latest checkpoint found here. Default: runs/<config name>-<time> (a fresh run).")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Call jax.distributed.initialize() with cluster auto-detection.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0, for jax.distributed.initialize.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "JAX processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in the job.")
+
+
+def _parse_flags(argv):
+  """absl's parser, with a mistyped --config.<field> turned into one clear line."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"FATAL Flags parsing error: {e}", file=sys.stderr)
+    sys.exit(2)
+  except (AttributeError, KeyError) as e:
+    # ml_collections raises these for fields that do not exist in the (locked) config.
+    arg = next((a for a in argv[1:] if a.startswith("--config.")), "--config.?")
+    msg = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+    print(f"error: {arg.split('=')[0]}: no such config field ({msg}). Fix: check the name "
+          "against the config file (python -m grpo_jax.main --config=FILE prints it).",
+          file=sys.stderr)
+    sys.exit(2)
+
+
+class _QuietLibraries:
+  """Drops INFO lines from Orbax and grain (a dozen per checkpoint); warnings still show.
+  Pass --verbosity=1 to see them all."""
+
+  def filter(self, record) -> bool:
+    if record.levelno >= 30 or flags.FLAGS.verbosity >= 1:
+      return True
+    path = record.pathname.replace("\\", "/")
+    return "/orbax/" not in path and "/grain/" not in path
+
+
+def _init_distributed():
+  if _COORDINATOR.value or _NUM_PROCESSES.value or _PROCESS_ID.value is not None:
+    import jax
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value,
+                               process_id=_PROCESS_ID.value)
+  elif _DISTRIBUTED.value:
+    import jax
+    jax.distributed.initialize()
+
+
+def _default_workdir(config_path: str) -> str:
+  name = os.path.splitext(os.path.basename(config_path or "run"))[0]
+  return os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if _CONFIG.value is None:
+    raise app.UsageError("--config is required, e.g. --config=configs/tiny.py")
+  logging.get_absl_handler().addFilter(_QuietLibraries())
+  _init_distributed()
+
+  from grpo_jax import configuration
+  config = _CONFIG.value
+  errors = configuration.validate(config)
+  if errors:
+    print(f"error: {len(errors)} bad config value(s) in {flags.FLAGS['config'].config_filename}:",
+          file=sys.stderr)
+    for line in errors:
+      print(f"  {line}", file=sys.stderr)
+    sys.exit(2)
+
+  workdir = _WORKDIR.value or _default_workdir(flags.FLAGS["config"].config_filename)
+  logging.info("workdir: %s", os.path.abspath(workdir))
+  from grpo_jax import train
+  train.run(config, workdir)
+
+
+def run():
+  app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+  run()

