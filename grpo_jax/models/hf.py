@@ -1,0 +1,285 @@
+"""Hugging Face checkpoint interop: load_hf / save_hf and the parameter name mapping.
+
+`param_mapping(cfg)` is the one table between native parameter paths and Hugging Face tensor
+names (with the reshape/transpose each needs). save_hf, load_hf and the vLLM weight sync all
+use it; the MaxText adapter maps onto the same HF names.
+
+Loading streams: each parameter is built with `jax.make_array_from_callback` directly in its
+sharding, its callback slicing a memory-mapped safetensors tensor, so peak host memory is about
+one tensor, never the model.
+"""
+import dataclasses
+import json
+import os
+from typing import Callable, Iterator
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax import sharding
+from grpo_jax.models import safetensors_io
+from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.transformer import Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One native parameter <-> one HF tensor per layer (or one tensor for non-layer params)."""
+  path: tuple  # native path; for per-layer params without the layer index, e.g. ("attn", "q")
+  hf_name: str  # may contain "{i}" for the layer index
+  to_native: Callable[[np.ndarray], np.ndarray]
+  to_hf: Callable[[np.ndarray], np.ndarray]
+  per_layer: bool
+
+
+def _identity(x):
+  return x
+
+
+def param_mapping(cfg: ModelConfig) -> list[Entry]:
+  d, h, g, k = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  L = "model.layers.{i}."
+
+  def proj_in(n):  # HF Linear [n*K, D] <-> native [D, n, K]
+    return (lambda w: w.T.reshape(d, n, k)), (lambda w: w.reshape(d, n * k).T)
+
+  def bias(n):
+    return (lambda b: b.reshape(n, k)), (lambda b: b.reshape(n * k))
+
+  t = (lambda w: w.T), (lambda w: w.T)
+  ident = _identity, _identity
+  entries = [
+      Entry(("embed",), "model.embed_tokens.weight", *ident, False),
+      Entry(("final_norm", "scale"), "model.norm.weight", *ident, False),
+      Entry(("attn_norm", "scale"), L + "input_layernorm.weight", *ident, True),
+      Entry(("mlp_norm", "scale"), L + "post_attention_layernorm.weight", *ident, True),
+      Entry(("attn", "q"), L + "self_attn.q_proj.weight", *proj_in(h), True),
+      Entry(("attn", "k"), L + "self_attn.k_proj.weight", *proj_in(g), True),
+      Entry(("attn", "v"), L + "self_attn.v_proj.weight", *proj_in(g), True),
+      Entry(("attn", "o"), L + "self_attn.o_proj.weight",
+            lambda w: w.T.reshape(h, k, d), lambda w: w.reshape(h * k, d).T, True),
+      Entry(("mlp", "gate"), L + "mlp.gate_proj.weight", *t, True),
+      Entry(("mlp", "up"), L + "mlp.up_proj.weight", *t, True),
+      Entry(("mlp", "down"), L + "mlp.down_proj.weight", *t, True),
+  ]
+  if cfg.qk_norm:
+    entries += [Entry(("attn", "q_norm", "scale"), L + "self_attn.q_norm.weight", *ident, True),
+                Entry(("attn", "k_norm", "scale"), L + "self_attn.k_norm.weight", *ident, True)]
+  if cfg.attention_bias:
+    entries += [Entry(("attn", "q_bias"), L + "self_attn.q_proj.bias", *bias(h), True),
+                Entry(("attn", "k_bias"), L + "self_attn.k_proj.bias", *bias(g), True),
+                Entry(("attn", "v_bias"), L + "self_attn.v_proj.bias", *bias(g), True),
+                Entry(("attn", "o_bias"), L + "self_attn.o_proj.bias", *ident, True)]
+  if not cfg.tie_embeddings:
+    entries.append(Entry(("lm_head",), "lm_head.weight", *t, False))
+  return entries
+
+
+def _native_paths(cfg: ModelConfig, e: Entry):
+  """[(native path, layer index or None, hf name)] for one entry."""
+  if not e.per_layer:
+    return [(e.path, None, e.hf_name)]
+  if cfg.scan_layers:
+    return [(("layers", *e.path), i, e.hf_name.format(i=i)) for i in range(cfg.num_layers)]
+  return [(("layers", i, *e.path), None, e.hf_name.format(i=i)) for i in range(cfg.num_layers)]
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+class _Checkpoint:
+  """All tensors of an HF folder (single file or sharded with model.safetensors.index.json)."""
+
+  def __init__(self, path: str):
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index):
+      with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+      files = {n: os.path.join(path, fn) for n, fn in weight_map.items()}
+    elif os.path.exists(single):
+      files = {n: single for n in safetensors_io.SafetensorsFile(single).keys()}
+    else:
+      found = sorted(os.listdir(path))
+      raise FileNotFoundError(
+          f"{path}: no model.safetensors or model.safetensors.index.json (found: "
+          f"{', '.join(found) or 'nothing'}). Fix: point at a Hugging Face checkpoint folder "
+          "saved with safetensors (save_pretrained(..., safe_serialization=True)).")
+    self.files = files
+    self._open: dict[str, safetensors_io.SafetensorsFile] = {}
+
+  def get(self, name: str) -> np.ndarray:
+    if name not in self.files:
+      raise KeyError(f"tensor {name} is missing from the checkpoint")
+    fn = self.files[name]
+    if fn not in self._open:
+      if not os.path.exists(fn):
+        raise FileNotFoundError(f"{fn}: listed in model.safetensors.index.json but missing")
+      self._open[fn] = safetensors_io.SafetensorsFile(fn)
+    return self._open[fn].get(name)
+
+
+def read_hf_config(path: str) -> dict:
+  cfg_path = os.path.join(path, "config.json")
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"{path}: not a directory. Fix: pass a Hugging Face checkpoint folder "
+                            "(config.json + *.safetensors)")
+  if not os.path.exists(cfg_path):
+    raise FileNotFoundError(f"{cfg_path}: missing. Fix: a Hugging Face checkpoint folder holds "
+                            "config.json beside its *.safetensors files")
+  with open(cfg_path) as f:
+    return json.load(f)
+
+
+def load_hf(path: str, dtype=jnp.float32, *, mesh=None, param_dtype=None, remat_policy="none",
+            scan_layers=False) -> Transformer:
+  """Loads a Qwen3 / Llama Hugging Face checkpoint folder into a native Transformer.
+
+  `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype.
+  With `mesh`, parameters land directly in their shardings (one tensor or shard in host
+  memory at a time). Errors name the file, tensor and shapes at fault.
+  """
+  hf_cfg = read_hf_config(path)
+  dt = jnp.dtype(dtype).name
+  cfg = ModelConfig.from_hf_config(hf_cfg, dtype=dt, param_dtype=jnp.dtype(param_dtype or
+                                                                            dtype).name,
+                                   remat_policy=remat_policy, scan_layers=scan_layers)
+  ckpt = _Checkpoint(path)
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract)
+  shardings = (sharding.state_shardings(abstract_state, mesh) if mesh is not None else None)
+  flat = dict(nnx.to_flat_state(abstract_state))
+  flat_shardings = ({p: v.get_value() for p, v in nnx.to_flat_state(shardings)}
+                    if shardings is not None else {})
+  values = {}
+  for e in param_mapping(cfg):
+    pairs = _native_paths(cfg, e)
+    native_path = pairs[0][0]
+    var = flat[native_path]
+    shape, pdtype = var.get_value().shape, var.get_value().dtype
+    target = flat_shardings.get(native_path) or jax.sharding.SingleDeviceSharding(
+        jax.local_devices()[0])
+    if cfg.scan_layers and e.per_layer:
+      names = [n for _, _, n in pairs]
+      values[native_path] = _stacked_array(ckpt, names, e, shape, pdtype, target)
+    else:
+      for p, _, name in pairs:
+        shape_p = flat[p].get_value().shape
+        values[p] = _array(ckpt, name, e, shape_p, pdtype, flat_shardings.get(p) or target)
+  missing = set(flat) - set(values)
+  if missing:
+    raise ValueError(f"{path}: no mapping for native parameters {sorted(missing)}")
+  state = nnx.from_flat_state({p: flat[p].replace(values[p]) for p in flat})
+  return nnx.merge(graphdef, state)
+
+
+def _checked(ckpt, name, e: Entry, shape_native, layer_shape=None):
+  w = ckpt.get(name)
+  want = shape_native if layer_shape is None else layer_shape
+  try:
+    out = e.to_native(w)
+    ok = tuple(out.shape) == tuple(want)
+  except ValueError:
+    ok = False
+  if not ok:
+    hf_want = tuple(e.to_hf(np.zeros(want, np.float32)).shape)
+    raise ValueError(f"shape mismatch for tensor {name}: checkpoint has {tuple(w.shape)}, the "
+                     f"model config (config.json) implies {hf_want}")
+  return out
+
+
+def _array(ckpt, name, e, shape, pdtype, target):
+  cache = {}
+
+  def cb(index):
+    if "w" not in cache:
+      cache["w"] = _checked(ckpt, name, e, shape)
+    return np.asarray(cache["w"][index], dtype=pdtype)
+
+  return jax.make_array_from_callback(shape, target, cb)
+
+
+def _stacked_array(ckpt, names, e, shape, pdtype, target):
+  def cb(index):
+    rows = range(shape[0])[index[0]]
+    return np.stack([np.asarray(_checked(ckpt, names[i], e, shape, shape[1:])[index[1:]],
+                                dtype=pdtype) for i in rows])
+
+  return jax.make_array_from_callback(shape, target, cb)
+
+
+# ---------------------------------------------------------------------------------- writing
+
+
+def hf_tensors(model: Transformer, dtype=None) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
+  """(HF name, producer of the host array) for every tensor, in HF layout, one at a time.
+
+  Producers fetch lazily (multi-host: all-gathered), so callers hold one tensor at a time.
+  """
+  cfg = model.cfg
+  flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  for e in param_mapping(cfg):
+    for p, layer, name in _native_paths(cfg, e):
+      var = flat[p]
+
+      def produce(var=var, layer=layer, e=e):
+        x = var[...] if layer is None else var[...][layer]
+        x = _to_host(x)
+        return e.to_hf(x if dtype is None else x.astype(dtype))
+
+      yield name, produce
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  if jax.process_count() > 1 and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
+
+
+def save_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int = 4 << 30):
+  """Writes config.json + safetensors (sharded with an index above `max_shard_bytes`) that
+  `transformers.AutoModelForCausalLM.from_pretrained(path)` loads with equal logits.
+  In multi-host runs every process must call it (the gather is collective); process 0 writes.
+  """
+  cfg = model.cfg
+  out_dtype = np.dtype(dtype or jnp.dtype(cfg.param_dtype))
+  shapes = {}
+  abstract = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  for e in param_mapping(cfg):
+    for p, layer, name in _native_paths(cfg, e):
+      shape = abstract[p].get_value().shape
+      shape = shape if layer is None else shape[1:]
+      shapes[name] = tuple(e.to_hf(np.broadcast_to(np.zeros((), np.float32), shape)).shape)
+  writer = jax.process_index() == 0
+  if writer:
+    os.makedirs(path, exist_ok=True)
+  shards, current, size = [], [], 0
+  for name, produce in hf_tensors(model):
+    nbytes = int(np.prod(shapes[name])) * out_dtype.itemsize
+    if current and size + nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = [], 0
+    current.append((name, produce))
+    size += nbytes
+  shards.append(current)
+  weight_map = {}
+  for i, shard in enumerate(shards):
+    fname = ("model.safetensors" if len(shards) == 1 else
+             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+    items = [(n, shapes[n], out_dtype, p) for n, p in shard]
+    if writer:
+      safetensors_io.write(os.path.join(path, fname), items, metadata={"format": "pt"})
+    else:
+      for *_, p in items:  # take part in the collective gathers
+        p()
+    weight_map.update({n: fname for n, _ in shard})
+  if writer:
+    if len(shards) > 1:
+      total = sum(int(np.prod(s)) * out_dtype.itemsize for s in shapes.values())
+      with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+      json.dump(cfg.to_hf_config(torch_dtype=out_dtype.name), f, indent=2)

@@ -1,0 +1,194 @@
+"""Decoder building blocks: RMSNorm, RoPE (with Llama-3 scaling), GQA attention, SwiGLU MLP.
+
+Parameter layouts (logical axes in parentheses) keep heads as their own dimension:
+  q  [D, H, K]    (embed, q_heads, head_dim)       k, v [D, Hkv, K] (embed, kv_heads, head_dim)
+  o  [H, K, D]    (q_heads, head_dim, embed)
+  gate, up [D, F] (embed, mlp)                     down [F, D] (mlp, embed)
+Activations are tagged with `checkpoint_name` so named remat policies can pick them:
+  "qkv_proj" (q, k, v after RoPE), "attn_out" (o-projection output), "mlp_hidden" (gated
+  activation before the down projection), "mlp_out".
+
+One attention function serves every mode: queries at absolute slots `q_slot` attend to keys at
+slots 0..S-1 where `kv_valid` (padding never attended) and slot <= query slot (causal).
+"""
+import math
+
+from flax import nnx
+import jax
+from jax.ad_checkpoint import checkpoint_name
+import jax.numpy as jnp
+
+from grpo_jax.models.config import ModelConfig
+
+
+def _dtype(name: str):
+  return jnp.dtype(name)
+
+
+def _param(rngs, shape, axes, dtype, *, fan_in: int | None = None, init: str = "normal"):
+  """Normal(0, 1/sqrt(fan_in)) weights (so a random model's loss starts near log V), ones
+  for norm scales, zeros for biases."""
+  if init == "ones":
+    value = jnp.ones(shape, dtype)
+  elif init == "zeros":
+    value = jnp.zeros(shape, dtype)
+  else:
+    std = 1.0 / math.sqrt(fan_in) if fan_in else 0.02
+    value = (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+  return nnx.Param(value, logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm computed in f32, scaled in the input dtype (as Hugging Face's Qwen3/Llama do)."""
+
+  def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
+    self.eps = eps
+    self.scale = _param(rngs, (dim,), ("norm",), param_dtype, init="ones")
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+  """Inverse frequencies [K/2], with Llama-3 scaling of the long wavelengths when configured."""
+  k = cfg.head_dim
+  inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+  if cfg.rope_scaling_factor > 0:
+    factor, lo, hi = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old = cfg.rope_original_max_position
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    inv = jnp.where(medium, smoothed, scaled)
+  return inv
+
+
+def apply_rope(x, positions, inv_freq):
+  """Rotary embedding, half-split ("rotate_half") layout. x [B, T, N, K], positions [B, T]."""
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, K/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, K]
+  cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos + rotated * sin
+
+
+def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None):
+  """Grouped-query attention with an explicit key validity mask; softmax in f32.
+
+  q [B, T, H, K]; k, v [B, S, Hkv, K]; q_slot [B, T] absolute slot of each query; kv_valid
+  [B, S] (nonzero = a real token). `extra_kv=(k1, v1)` ([B, T, Hkv, K]) appends each query's
+  own key/value (decode: the token being generated attends to itself) without writing it
+  into the cache first. Fully masked query rows (padding) get a uniform softmax, never NaN.
+  """
+  b, t, h, kd = q_bthk.shape
+  g = k_bsgk.shape[2]
+  q = q_bthk.reshape(b, t, g, h // g, kd)
+  scale = kd**-0.5
+  logits = jnp.einsum("btgrk,bsgk->bgrts", q, k_bsgk,
+                      preferred_element_type=jnp.float32) * scale  # [B, G, R, T, S]
+  slots = jnp.arange(k_bsgk.shape[1])
+  allowed = (kv_valid_bs[:, None, :] != 0) & (slots[None, None, :] <= q_slot_bt[:, :, None])
+  neg = jnp.finfo(jnp.float32).min
+  logits = jnp.where(allowed[:, None, None], logits, neg)
+  values = v_bsgk
+  if extra_kv is not None:
+    k1, v1 = extra_kv
+    self_logits = jnp.einsum("btgrk,btgk->bgrt", q, k1,
+                             preferred_element_type=jnp.float32)[..., None] * scale
+    logits = jnp.concatenate([logits, self_logits], axis=-1)  # [B, G, R, T, S+1]
+  probs = jax.nn.softmax(logits, axis=-1).astype(v_bsgk.dtype)
+  if extra_kv is not None:
+    out = jnp.einsum("bgrts,bsgk->btgrk", probs[..., :-1], values)
+    out = out + jnp.einsum("bgrt,btgk->btgrk", probs[..., -1], extra_kv[1])
+  else:
+    out = jnp.einsum("bgrts,bsgk->btgrk", probs, values)
+  return out.reshape(b, t, h, kd)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pd = _dtype(cfg.param_dtype)
+    d, h, g, k = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.cfg = cfg
+    self.q = _param(rngs, (d, h, k), ("embed", "q_heads", "head_dim"), pd, fan_in=d)
+    self.k = _param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), pd, fan_in=d)
+    self.v = _param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), pd, fan_in=d)
+    self.o = _param(rngs, (h, k, d), ("q_heads", "head_dim", "embed"), pd, fan_in=h * k)
+    if cfg.attention_bias:
+      self.q_bias = _param(rngs, (h, k), ("q_heads", "head_dim"), pd, init="zeros")
+      self.k_bias = _param(rngs, (g, k), ("kv_heads", "head_dim"), pd, init="zeros")
+      self.v_bias = _param(rngs, (g, k), ("kv_heads", "head_dim"), pd, init="zeros")
+      self.o_bias = _param(rngs, (d,), ("embed",), pd, init="zeros")
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(k, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+      self.k_norm = RMSNorm(k, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+
+  def project_qkv(self, x_btd, positions_bt):
+    """q [B, T, H, K], k and v [B, T, Hkv, K], RoPE applied."""
+    dt = x_btd.dtype
+    q = jnp.einsum("btd,dhk->bthk", x_btd, self.q[...].astype(dt))
+    k = jnp.einsum("btd,dgk->btgk", x_btd, self.k[...].astype(dt))
+    v = jnp.einsum("btd,dgk->btgk", x_btd, self.v[...].astype(dt))
+    if self.cfg.attention_bias:
+      q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
+                 v + self.v_bias[...].astype(dt))
+    if self.cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq = rope_inv_freq(self.cfg)
+    q = apply_rope(q, positions_bt, inv_freq)
+    k = apply_rope(k, positions_bt, inv_freq)
+    return checkpoint_name(q, "qkv_proj"), checkpoint_name(k, "qkv_proj"), checkpoint_name(
+        v, "qkv_proj")
+
+  def out(self, attn_bthk):
+    y = jnp.einsum("bthk,hkd->btd", attn_bthk, self.o[...].astype(attn_bthk.dtype))
+    if self.cfg.attention_bias:
+      y = y + self.o_bias[...].astype(y.dtype)
+    return checkpoint_name(y, "attn_out")
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pd = _dtype(cfg.param_dtype)
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    self.gate = _param(rngs, (d, f), ("embed", "mlp"), pd, fan_in=d)
+    self.up = _param(rngs, (d, f), ("embed", "mlp"), pd, fan_in=d)
+    self.down = _param(rngs, (f, d), ("mlp", "embed"), pd, fan_in=f)
+
+  def __call__(self, x_btd):
+    dt = x_btd.dtype
+    h = jax.nn.silu(x_btd @ self.gate[...].astype(dt)) * (x_btd @ self.up[...].astype(dt))
+    h = checkpoint_name(h, "mlp_hidden")
+    return checkpoint_name(h @ self.down[...].astype(dt), "mlp_out")
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pd = _dtype(cfg.param_dtype)
+    self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x_btd, positions_bt, q_slot_bt, kv_valid_bs, cache_kv=None):
+    """Without `cache_kv`, attends within x (training forward / prefill). With
+    `cache_kv=(k [B, S, Hkv, K], v)`, the T new tokens attend to the cache plus themselves
+    (decode, T=1). Returns (x, k, v) where k, v are this call's new keys/values."""
+    q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions_bt)
+    if cache_kv is None:
+      a = attention(q, k, v, q_slot_bt, kv_valid_bs)
+    else:
+      a = attention(q, cache_kv[0], cache_kv[1], q_slot_bt, kv_valid_bs, extra_kv=(k, v))
+    x_btd = x_btd + self.attn.out(a)
+    x_btd = x_btd + self.mlp(self.mlp_norm(x_btd))
+    return x_btd, k, v

@@ -1,0 +1,69 @@
+"""Per-token log-probs of given tokens, without materializing [B, T, V] log-softmaxes.
+
+With V = 151936 (Qwen3), a [B, T, V] float32 array is where training memory goes:
+- `token_logprobs(logits, tokens)` computes logit[token] - logsumexp(logits) (one fused
+  reduction over V, no second [B, T, V] array for log_softmax);
+- `chunked_token_logprobs(hidden, unembedding, tokens)` never holds more than one chunk of
+  logits: it scans over sequence chunks, projecting [B, c, D] hidden states to [B, c, V]
+  logits, and recomputes each chunk in the backward pass (jax.checkpoint), so activation memory
+  is O(B * c * V) instead of O(B * T * V).
+Temperature divides the logits first (the distribution the sampler draws from, before top-k /
+top-p truncation).
+"""
+import jax
+import jax.numpy as jnp
+
+
+def token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array,
+                   temperature: float = 1.0) -> jax.Array:
+  """log softmax(logits / temperature)[token] in float32. [B, T, V], [B, T] -> [B, T]."""
+  logits = logits_btv.astype(jnp.float32)
+  if temperature != 1.0:
+    logits = logits / temperature
+  picked = jnp.take_along_axis(logits, tokens_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+def token_entropy(logits_btv: jax.Array, temperature: float = 1.0) -> jax.Array:
+  """Entropy of softmax(logits / temperature) per position, float32 [B, T]."""
+  logits = logits_btv.astype(jnp.float32) / temperature
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -(jnp.exp(logp) * logp).sum(-1)
+
+
+def chunked_token_logprobs(hidden_btd: jax.Array, unembedding_dv: jax.Array,
+                           tokens_bt: jax.Array, temperature: float = 1.0,
+                           chunk_size: int = 256) -> jax.Array:
+  """token_logprobs(hidden @ unembedding, tokens) one sequence chunk at a time. -> [B, T]."""
+  b, t, d = hidden_btd.shape
+  c = min(chunk_size, t)
+  pad = -t % c
+  if pad:
+    hidden_btd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
+    tokens_bt = jnp.pad(tokens_bt, ((0, 0), (0, pad)))
+  n = (t + pad) // c
+  h_nbcd = hidden_btd.reshape(b, n, c, d).swapaxes(0, 1)
+  tok_nbc = tokens_bt.reshape(b, n, c).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def chunk(h_bcd, tok_bc):
+    logits = jnp.einsum("bcd,dv->bcv", h_bcd, unembedding_dv,
+                        preferred_element_type=jnp.float32)
+    return token_logprobs(logits, tok_bc, temperature)
+
+  _, out_nbc = jax.lax.scan(lambda carry, xs: (carry, chunk(*xs)), None, (h_nbcd, tok_nbc))
+  return out_nbc.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+
+
+def completion_logprobs(model, input_ids_bs: jax.Array, attention_mask_bs: jax.Array,
+                        completion_len: int, temperature: float = 1.0,
+                        chunk_size: int = 256) -> jax.Array:
+  """Log-probs [B, L] of the last L tokens of each [prompt; completion] row under `model`.
+
+  This is the trainer-side forward of GRPO: the same positions (from the mask) and attention
+  pattern as the sampler's prefill + decode. Logits at index j predict token j + 1.
+  """
+  s = input_ids_bs.shape[1]
+  h = model.hidden(input_ids_bs, attention_mask_bs)[:, s - completion_len - 1:s - 1]
+  return chunked_token_logprobs(h, model.unembedding(), input_ids_bs[:, s - completion_len:],
+                                temperature, chunk_size)

@@ -1,0 +1,35 @@
+"""Named rematerialization policies for the layer stack (`ModelConfig.remat_policy`).
+
+  none          keep every activation (fastest, most memory)
+  full          keep only layer inputs; recompute the whole layer in the backward pass
+  save_dots     keep matmul outputs without batch dims (jax's dots_with_no_batch_dims_saveable)
+  save_qkv_out  keep the named q/k/v projections and attention/MLP outputs, recompute the rest
+  offload_dots  like save_qkv_out + mlp_hidden, but the saved activations go to pinned host
+                memory (`save_and_offload_only_these_names`): device memory of full remat at
+                a fraction of its recompute. On CPU the offload is a no-op (no host placement
+                in the compiled HLO) but numerics are the same; measure it on an accelerator.
+The layers tag activations with `checkpoint_name` ("qkv_proj", "attn_out", "mlp_hidden",
+"mlp_out"; see layers.py) so these policies can select them by name.
+"""
+import jax
+
+_SAVED = ("qkv_proj", "attn_out", "mlp_out")
+
+
+def policy(name: str):
+  """The jax.checkpoint policy for `name`, or None for "none" (no jax.checkpoint at all)."""
+  cp = jax.checkpoint_policies
+  if name == "none":
+    return None
+  if name == "full":
+    return cp.nothing_saveable
+  if name == "save_dots":
+    return cp.dots_with_no_batch_dims_saveable
+  if name == "save_qkv_out":
+    return cp.save_only_these_names(*_SAVED)
+  if name == "offload_dots":
+    return cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[*_SAVED, "mlp_hidden"],
+        offload_src="device", offload_dst="pinned_host")
+  raise ValueError(f"unknown remat policy '{name}'; known: none, full, save_dots, "
+                   "save_qkv_out, offload_dots")

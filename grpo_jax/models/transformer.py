@@ -1,0 +1,216 @@
+"""The decoder: Qwen3 dense and Llama 3 in one Flax NNX module, in three modes.
+
+1. Training forward: `model(input_ids, attention_mask) -> logits [B, T, V]` (or
+   `model.hidden(...)` -> final-norm hidden states [B, T, D] for memory-frugal log-probs).
+   Left padding is allowed: positions are `cumsum(mask) - 1`, padding is never attended.
+2. Prefill: `model.prefill(tokens, mask, cache)` runs the prompt and fills the KV cache.
+3. Decode: `model.decode(token_b, cache)` runs one new token per row against the cache.
+All three give the same log-probs for the same tokens (tests/test_model.py checks 1e-5 in f32).
+
+The KV cache is a plain pytree (a dict of arrays, see `init_cache`), passed in and out, so it
+can be a `lax.while_loop` carry. Cache slot j holds the token at sequence index j of
+[prompt (left-padded to P); completion], exactly the layout the training forward sees, so the
+sampler's and the trainer's attention patterns and positions agree by construction.
+
+Layers are a Python list or, with `scan_layers`, one stacked Block run by `lax.scan` (compile
+time flat in depth). The layer function is wrapped in `jax.checkpoint` with the named remat
+policy (`remat.py`).
+"""
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from grpo_jax import sharding
+from grpo_jax.models import remat as remat_lib
+from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.layers import Block
+from grpo_jax.models.layers import RMSNorm
+from grpo_jax.models.layers import _param
+
+
+def positions_from_mask(mask_bt: jax.Array) -> jax.Array:
+  """Position of each token = number of real tokens before it (pads get 0)."""
+  m = (mask_bt != 0).astype(jnp.int32)
+  return jnp.maximum(jnp.cumsum(m, axis=-1) - 1, 0)
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM. `Transformer(cfg, rngs=nnx.Rngs(0))`; see `build_model` for sharded init."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    cfg.validate()
+    self.cfg = cfg
+    pd = jnp.dtype(cfg.param_dtype)
+    d, v = cfg.hidden_size, cfg.vocab_size
+    self.embed = _param(rngs, (v, d), ("vocab", "embed"), pd, fan_in=d)
+    if cfg.scan_layers:
+      @nnx.split_rngs(splits=cfg.num_layers)
+      @nnx.vmap(in_axes=0, out_axes=0)
+      def make(rngs):
+        return Block(cfg, rngs=rngs)
+      self.layers = make(rngs)
+      _prepend_layers_axis(self.layers)
+    else:
+      self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), pd, fan_in=d)
+
+  # ------------------------------------------------------------------------------ pieces
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.cfg.dtype)
+
+  def unembedding(self) -> jax.Array:
+    """The output projection [D, V] in the compute dtype (the tied embedding transposed)."""
+    w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+    return w.astype(self.compute_dtype)
+
+  def logits_from_hidden(self, h_btd: jax.Array) -> jax.Array:
+    return jnp.einsum("btd,dv->btv", h_btd, self.unembedding(),
+                      preferred_element_type=jnp.float32)
+
+  def _embed(self, tokens_bt):
+    x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(self.compute_dtype)
+    return sharding.constrain(x, "batch", "length", "act_embed")
+
+  def _run_layers(self, x, positions, q_slot, kv_valid, cache_k=None, cache_v=None):
+    """All layers. Returns (x, k_lbsgk, v_lbsgk): each layer's new keys/values, stacked."""
+    policy = remat_lib.policy(self.cfg.remat_policy)
+
+    def make_layer(graphdef):
+      def layer(block_state, x, cache_kv):
+        return nnx.merge(graphdef, block_state)(x, positions, q_slot, kv_valid, cache_kv)
+      if policy is None:
+        return layer
+      return jax.checkpoint(layer, policy=policy, prevent_cse=not self.cfg.scan_layers)
+
+    if self.cfg.scan_layers:
+      graphdef, stacked = nnx.split(self.layers)
+      layer = make_layer(graphdef)
+
+      def body(x, xs):
+        state, ck, cv = xs
+        x, k, v = layer(state, x, None if ck is None else (ck, cv))
+        return sharding.constrain(x, "batch", "length", "act_embed"), (k, v)
+
+      x, (ks, vs) = jax.lax.scan(body, x, (stacked, cache_k, cache_v))
+      return x, ks, vs
+
+    ks, vs = [], []
+    for i, blk in enumerate(self.layers):
+      graphdef, state = nnx.split(blk)
+      kv = None if cache_k is None else (cache_k[i], cache_v[i])
+      x, k, v = make_layer(graphdef)(state, x, kv)
+      x = sharding.constrain(x, "batch", "length", "act_embed")
+      ks.append(k)
+      vs.append(v)
+    return x, jnp.stack(ks), jnp.stack(vs)
+
+  # ------------------------------------------------------------------------- training mode
+
+  def hidden(self, input_ids, attention_mask=None):
+    """Final-norm hidden states [B, T, D] (compute dtype) for a left- or right-padded batch."""
+    if attention_mask is None:
+      attention_mask = jnp.ones_like(input_ids)
+    b, t = input_ids.shape
+    positions = positions_from_mask(attention_mask)
+    q_slot = jnp.broadcast_to(jnp.arange(t), (b, t))
+    x, _, _ = self._run_layers(self._embed(input_ids), positions, q_slot, attention_mask)
+    return self.final_norm(x)
+
+  def __call__(self, input_ids, attention_mask=None):
+    """Logits [B, T, V] (float32) of the next token at every position."""
+    return self.logits_from_hidden(self.hidden(input_ids, attention_mask))
+
+  # --------------------------------------------------------------------- generation modes
+
+  def init_cache(self, batch: int, max_len: int, dtype=None) -> dict:
+    """An empty KV cache of `max_len` slots (>= prompt length + new tokens).
+
+    k, v   [L, B, S, Hkv, K]  keys/values by slot (slot j = sequence index j)
+    valid  [B, S] int32       1 where a slot holds a real token
+    index  int32 scalar       the next slot to write (the same for every row)
+    pos    [B] int32          the RoPE position of the next token of each row
+    """
+    c = self.cfg
+    dtype = dtype or self.compute_dtype
+    shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim)
+    return dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                valid=jnp.zeros((batch, max_len), jnp.int32), index=jnp.zeros((), jnp.int32),
+                pos=jnp.zeros((batch,), jnp.int32))
+
+  def prefill(self, tokens_bp, mask_bp, cache: dict, *, all_logits: bool = False):
+    """Runs a left-padded prompt batch, writes slots 0..P-1. -> (logits, cache).
+
+    logits: [B, V] for the last prompt position (the next-token distribution), or
+    [B, P, V] with `all_logits`. Every row needs at least one real token.
+    """
+    b, p = tokens_bp.shape
+    positions = positions_from_mask(mask_bp)
+    q_slot = jnp.broadcast_to(jnp.arange(p), (b, p))
+    x, ks, vs = self._run_layers(self._embed(tokens_bp), positions, q_slot, mask_bp)
+    h = self.final_norm(x if all_logits else x[:, -1:])
+    logits = self.logits_from_hidden(h)
+    cache = dict(
+        k=jax.lax.dynamic_update_slice(cache["k"], ks.astype(cache["k"].dtype), (0,) * 5),
+        v=jax.lax.dynamic_update_slice(cache["v"], vs.astype(cache["v"].dtype), (0,) * 5),
+        valid=jax.lax.dynamic_update_slice(cache["valid"], mask_bp.astype(jnp.int32), (0, 0)),
+        index=jnp.asarray(p, jnp.int32),
+        pos=(mask_bp != 0).sum(-1).astype(jnp.int32))
+    return (logits if all_logits else logits[:, 0]), cache
+
+  def decode(self, token_b, cache: dict):
+    """One new token per row at slot `cache["index"]`. -> (logits [B, V] float32, cache)."""
+    b = token_b.shape[0]
+    index = cache["index"]
+    positions = cache["pos"][:, None]
+    q_slot = jnp.full((b, 1), index)
+    x, ks, vs = self._run_layers(self._embed(token_b[:, None]), positions, q_slot,
+                                 cache["valid"], cache["k"], cache["v"])
+    logits = self.logits_from_hidden(self.final_norm(x))[:, 0]
+    start = (0, 0, index, 0, 0)
+    cache = dict(
+        k=jax.lax.dynamic_update_slice(cache["k"], ks.astype(cache["k"].dtype), start),
+        v=jax.lax.dynamic_update_slice(cache["v"], vs.astype(cache["v"].dtype), start),
+        valid=jax.lax.dynamic_update_slice(cache["valid"], jnp.ones((b, 1), jnp.int32),
+                                           (0, index)),
+        index=index + 1,
+        pos=cache["pos"] + 1)
+    return logits, cache
+
+
+def repeat_cache(cache: dict, n: int) -> dict:
+  """Each row's cache repeated n times, group-major (row i -> rows i*n .. i*n+n-1)."""
+  return dict(k=jnp.repeat(cache["k"], n, axis=1), v=jnp.repeat(cache["v"], n, axis=1),
+              valid=jnp.repeat(cache["valid"], n, axis=0), index=cache["index"],
+              pos=jnp.repeat(cache["pos"], n, axis=0))
+
+
+def _prepend_layers_axis(module):
+  """Marks every stacked parameter's leading axis as the "layers" logical axis."""
+  for _, var in nnx.iter_graph(module):
+    if isinstance(var, nnx.Variable):
+      axes = var.get_metadata().get("logical_axes")
+      if axes is not None and len(axes) == var[...].ndim - 1:
+        var.set_metadata("logical_axes", ("layers", *axes))
+
+
+def build_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Transformer:
+  """A randomly initialized model, created directly sharded over `mesh` when given.
+
+  Initialization runs under jit with out_shardings from the logical-axis rules, so each device
+  materializes only its shards; no full host or single-device copy is ever made.
+  """
+  if mesh is None:
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=seed)))
+  graphdef, abstract_state = nnx.split(abstract)
+  shardings = sharding.state_shardings(abstract_state, mesh)
+
+  def init():
+    return nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=seed)))
+
+  state = jax.jit(init, out_shardings=shardings)()
+  return nnx.merge(graphdef, state)
