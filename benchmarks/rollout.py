@@ -1,0 +1,156 @@
+r"""Rollout throughput: our jitted group sampler vs `transformers` generate, same weights.
+
+    python benchmarks/rollout.py            # tiny (2L d256) and small (8L d512), vocab 32k
+    python benchmarks/rollout.py --quick    # tiny only, shorter; seconds (used by the tests)
+
+For each model: 16 prompts (random lengths, left-padded) x G=8 samples x 128 new tokens at
+temperature 1 with no stop token, so both sides generate exactly the same number of tokens.
+Prints generated tokens/s for each and the ratio ours / transformers, measured in one run on
+this machine, plus the prefill time of the group sampler for G=1 and G=8 (one prefill per
+prompt, cache broadcast to the G samples) next to a naive G-fold prefill (B*G prompts).
+Compile time is excluded (one warm-up call each); the best of --repeats timed calls is kept.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from grpo_jax.models import config as model_config  # noqa: E402
+from grpo_jax.models import hf  # noqa: E402
+from grpo_jax.models.transformer import build_model  # noqa: E402
+from grpo_jax.rollout import Sampler  # noqa: E402
+from grpo_jax.rollout.types import GenerationConfig  # noqa: E402
+
+MODELS = {
+    "tiny": dict(num_layers=2, hidden_size=256, intermediate_size=768, num_heads=4,
+                 num_kv_heads=2, head_dim=64),
+    "small": dict(num_layers=8, hidden_size=512, intermediate_size=1536, num_heads=8,
+                  num_kv_heads=4, head_dim=64),
+}
+
+
+def _prompts(b, p, vocab, seed=0):
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(p // 2, p + 1, b)
+  ids = np.zeros((b, p), np.int32)
+  mask = np.zeros((b, p), np.int32)
+  for i, n in enumerate(lengths):
+    ids[i, p - n:] = rng.integers(3, vocab, n)
+    mask[i, p - n:] = 1
+  return ids, mask
+
+
+def _best(fn, repeats):
+  fn()  # warm-up / compile
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return min(times)
+
+
+def bench_ours(model, ids, mask, g, new_tokens, repeats):
+  graphdef, state = nnx.split(model)
+  sampler = Sampler(graphdef, max_prompt_length=ids.shape[1], max_new_tokens=new_tokens,
+                    num_generations=g, eos_ids=())
+  ids_j, mask_j = jnp.asarray(ids), jnp.asarray(mask)
+  gen = GenerationConfig(1.0, 0, 1.0)
+  key = jax.random.key(0)
+
+  def run():
+    out = sampler(state, ids_j, mask_j, key, gen)
+    jax.block_until_ready(out.tokens)
+    assert int(out.mask.sum()) == ids.shape[0] * g * new_tokens
+  return _best(run, repeats)
+
+
+def bench_transformers(path, ids, mask, g, new_tokens, repeats):
+  import torch
+  import transformers
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+  model.eval()
+  ids_t, mask_t = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
+
+  def run():
+    with torch.inference_mode():
+      out = model.generate(input_ids=ids_t, attention_mask=mask_t, do_sample=True,
+                           temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, num_return_sequences=g, pad_token_id=0,
+                           eos_token_id=None)
+    assert out.shape == (ids.shape[0] * g, ids.shape[1] + new_tokens)
+  return _best(run, repeats)
+
+
+def bench_prefill(model, ids, mask, g, repeats):
+  """Prefill (+ cache broadcast to G) + one sampled token: the sampler with 1 new token."""
+  return bench_ours(model, ids, mask, g, 1, repeats)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--quick", action="store_true", help="tiny model only, 32 new tokens")
+  ap.add_argument("--models", default="tiny,small")
+  ap.add_argument("--batch", type=int, default=16)
+  ap.add_argument("--generations", type=int, default=8)
+  ap.add_argument("--new_tokens", type=int, default=128)
+  ap.add_argument("--prompt_len", type=int, default=32)
+  ap.add_argument("--vocab", type=int, default=32000)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--no_transformers", action="store_true")
+  ap.add_argument("--json", default="", help="also write the results to this file")
+  args = ap.parse_args()
+  models = ["tiny"] if args.quick else args.models.split(",")
+  new_tokens = 32 if args.quick else args.new_tokens
+  repeats = 1 if args.quick else args.repeats
+  b, g = args.batch, args.generations
+  ids, mask = _prompts(b, args.prompt_len, args.vocab)
+  print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  batch {b} prompts x "
+        f"G={g}, {new_tokens} new tokens, prompt length <= {args.prompt_len}, vocab {args.vocab}")
+  results = []
+  for name in models:
+    cfg = model_config.ModelConfig(arch="qwen3", vocab_size=args.vocab, rope_theta=1e6,
+                                   tie_embeddings=True, max_position_embeddings=4096,
+                                   **MODELS[name])
+    model = build_model(cfg, seed=0)
+    r = dict(model=name, params_m=round(cfg.num_params / 1e6, 1))
+    tokens = b * g * new_tokens
+    r["ours_sec"] = bench_ours(model, ids, mask, g, new_tokens, repeats)
+    r["ours_tok_s"] = tokens / r["ours_sec"]
+    if not args.no_transformers:
+      with tempfile.TemporaryDirectory() as d:
+        hf.save_hf(model, d)
+        r["hf_sec"] = bench_transformers(d, ids, mask, g, new_tokens, repeats)
+      r["hf_tok_s"] = tokens / r["hf_sec"]
+      r["ratio"] = r["ours_tok_s"] / r["hf_tok_s"]
+    r["prefill_g1_ms"] = 1e3 * bench_prefill(model, ids, mask, 1, repeats)
+    r["prefill_g8_ms"] = 1e3 * bench_prefill(model, ids, mask, g, repeats)
+    r["naive_prefill_ms"] = 1e3 * bench_prefill(model, np.repeat(ids, g, 0),
+                                                np.repeat(mask, g, 0), 1, repeats)
+    results.append(r)
+
+  print(f"\n{'model':<7}{'params':>8}{'ours tok/s':>12}{'transformers tok/s':>20}{'ratio':>8}"
+        f"{'prefill G=1':>13}{f'G={g} shared':>13}{f'naive B*{g}':>12}")
+  for r in results:
+    hf_col = f"{r['hf_tok_s']:>20.0f}{r['ratio']:>7.1f}x" if "ratio" in r else f"{'-':>20}{'-':>8}"
+    print(f"{r['model']:<7}{r['params_m']:>7.1f}M{r['ours_tok_s']:>12.0f}{hf_col}"
+          f"{r['prefill_g1_ms']:>11.1f}ms{r['prefill_g8_ms']:>11.1f}ms"
+          f"{r['naive_prefill_ms']:>10.1f}ms")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(batch=b, generations=g, new_tokens=new_tokens, results=results), f, indent=2)
+  return results
+
+
+if __name__ == "__main__":
+  main()

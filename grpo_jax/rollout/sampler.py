@@ -1,0 +1,160 @@
+"""The jitted group sampler: one prefill per prompt, a shared KV cache, a while_loop decode.
+
+    sampler = Sampler(graphdef, max_prompt_length=P, max_new_tokens=L, num_generations=G,
+                      eos_ids=(eos,), pad_id=pad, mesh=mesh)
+    rollout = sampler(params_state, prompt_ids, prompt_mask, rng, "standard")
+
+1. Prefill: the B left-padded prompts run once ([B, P]); their caches are then repeated G
+   times along the batch (group-major), so prefill cost does not grow with G.
+2. Decode: a `lax.while_loop` over a static [layers, B*G, P+L, ...] cache; each step samples
+   one token per row (sampling.py), records it and its log-probs, and stops when every row has
+   emitted a stop token (or after L steps). Rows that stopped keep emitting `pad_id`.
+3. Everything is one jit per (shapes, static sampling path); new parameters, prompts, rng,
+   temperature and top_p reuse the compiled program. Batch rows shard over (data, fsdp).
+
+Randomness: step t of a call uses fold_in(rng, t); each draw covers the whole [B*G] batch, so
+a row's sample depends on the rng and its position in the batch (same inputs + rng -> same
+tokens, on one device or a mesh).
+"""
+import functools
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from grpo_jax import sharding
+from grpo_jax.models.transformer import repeat_cache
+from grpo_jax.rollout import sampling
+from grpo_jax.rollout.types import GenerationConfig
+from grpo_jax.rollout.types import Rollout
+from grpo_jax.rollout.types import generation_config
+
+
+class Sampler:
+  """Compile-once rollout generation for a model graph (see the module docstring)."""
+
+  def __init__(self, graphdef, *, max_prompt_length: int, max_new_tokens: int,
+               num_generations: int = 1, eos_ids=(), pad_id: int = 0, mesh=None):
+    self.graphdef = graphdef
+    self.max_prompt_length = max_prompt_length
+    self.max_new_tokens = max_new_tokens
+    self.num_generations = num_generations
+    self.eos_ids = tuple(int(e) for e in eos_ids)
+    self.pad_id = int(pad_id)
+    self.mesh = mesh
+    self._compiled = {}
+
+  def _fn(self, top_k: int, use_top_p: bool, greedy: bool):
+    key = (top_k, use_top_p, greedy)
+    if key not in self._compiled:
+      fn = functools.partial(self._generate, top_k=top_k, use_top_p=use_top_p, greedy=greedy)
+      kw = {}
+      if self.mesh is not None:
+        rows = sharding.batch_sharding(self.mesh, 2)
+        vec = sharding.batch_sharding(self.mesh, 1)
+        kw["out_shardings"] = Rollout(tokens=rows, mask=rows, logprobs=rows, raw_logprobs=rows,
+                                      lengths=vec, truncated=vec)
+      self._compiled[key] = jax.jit(fn, **kw)
+    return self._compiled[key]
+
+  def __call__(self, state, prompt_ids, prompt_mask, rng, generation="greedy") -> Rollout:
+    gen: GenerationConfig = generation_config(generation)
+    b, p = prompt_ids.shape
+    if p != self.max_prompt_length:
+      raise ValueError(f"prompt_ids has {p} columns; this sampler was built for "
+                       f"max_prompt_length={self.max_prompt_length} (left-pad prompts to it)")
+    if self.mesh is not None:
+      dp = self.mesh.shape[sharding.DATA] * self.mesh.shape[sharding.FSDP]
+      if b % dp:
+        raise ValueError(f"{b} prompts do not split over the data-parallel mesh size {dp}: "
+                         f"pad the batch to a multiple of {dp}")
+    fn = self._fn(int(gen.top_k) if not gen.is_greedy else 0, gen.top_p < 1.0, gen.is_greedy)
+    temperature = jnp.float32(gen.temperature)
+    top_p = jnp.float32(gen.top_p)
+    if self.mesh is not None:
+      with jax.set_mesh(self.mesh):
+        return fn(state, prompt_ids, prompt_mask, rng, temperature, top_p)
+    return fn(state, prompt_ids, prompt_mask, rng, temperature, top_p)
+
+  def _generate(self, state, prompt_ids, prompt_mask, rng, temperature, top_p, *, top_k,
+                use_top_p, greedy) -> Rollout:
+    model = nnx.merge(self.graphdef, state)
+    g, L = self.num_generations, self.max_new_tokens
+    b, p = prompt_ids.shape
+    n = b * g
+    prompt_ids = sharding.constrain(prompt_ids, "batch", "length")
+    cache = model.init_cache(b, p + L)
+    cache = _constrain_cache(cache)
+    logits, cache = model.prefill(prompt_ids, prompt_mask, cache)  # [B, V]
+    if g > 1:
+      cache = _constrain_cache(repeat_cache(cache, g))
+      logits = jnp.repeat(logits, g, axis=0)
+    stop_ids = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
+    draw = functools.partial(sampling.sample_token, temperature=temperature, top_p=top_p,
+                             top_k=top_k, use_top_p=use_top_p, greedy=greedy)
+
+    def cond(c):
+      return (c["t"] < L) & ~jnp.all(c["done"])
+
+    def body(c):
+      t = c["t"]
+      token, lp, raw = draw(c["logits"], jax.random.fold_in(rng, t))
+      live = ~c["done"]
+      token = jnp.where(live, token, self.pad_id)
+      col = lambda arr, v: jax.lax.dynamic_update_slice(arr, v[:, None].astype(arr.dtype),
+                                                        (0, t))
+      done = c["done"] | (live & jnp.isin(token, stop_ids))
+      out = dict(c, t=t + 1, done=done,
+                 tokens=col(c["tokens"], token), mask=col(c["mask"], live),
+                 logprobs=col(c["logprobs"], jnp.where(live, lp, 0.0)),
+                 raw_logprobs=col(c["raw_logprobs"], jnp.where(live, raw, 0.0)))
+
+      def step(args):
+        logits, cache = model.decode(*args)
+        return logits, _constrain_cache(cache)
+
+      out["logits"], out["cache"] = jax.lax.cond(
+          (t + 1 < L) & ~jnp.all(done), step, lambda args: (c["logits"], args[1]),
+          (token, c["cache"]))
+      return out
+
+    init = dict(t=jnp.zeros((), jnp.int32), done=jnp.zeros((n,), bool), logits=logits,
+                cache=cache, tokens=jnp.full((n, L), self.pad_id, jnp.int32),
+                mask=jnp.zeros((n, L), jnp.int32), logprobs=jnp.zeros((n, L), jnp.float32),
+                raw_logprobs=jnp.zeros((n, L), jnp.float32))
+    final = jax.lax.while_loop(cond, body, init)
+    return Rollout(tokens=final["tokens"], mask=final["mask"], logprobs=final["logprobs"],
+                   raw_logprobs=final["raw_logprobs"], lengths=final["mask"].sum(-1),
+                   truncated=~final["done"])
+
+
+def _constrain_cache(cache: dict) -> dict:
+  return dict(cache,
+              k=sharding.constrain(cache["k"], "layers", "batch", "length", "kv_heads",
+                                   "head_dim"),
+              v=sharding.constrain(cache["v"], "layers", "batch", "length", "kv_heads",
+                                   "head_dim"),
+              valid=sharding.constrain(cache["valid"], "batch", "length"),
+              pos=sharding.constrain(cache["pos"], "batch"))
+
+
+_SAMPLERS: dict = {}
+
+
+def sample(model, prompt_ids, prompt_mask, *, num_generations: int, max_new_tokens: int, rng,
+           generation="greedy", eos_ids=(), pad_id: int = 0, mesh=None) -> Rollout:
+  """Samples `num_generations` completions per prompt (DESIGN.md's stable entry point).
+
+  prompt_ids / prompt_mask: int32 [B, P], left-padded. Returns a Rollout with rows grouped by
+  prompt (prompt i -> rows i*G .. i*G+G-1). Compiled samplers are cached per model graph and
+  shapes, so repeated calls with new weights or prompts do not recompile.
+  """
+  graphdef, state = nnx.split(model)
+  key = (graphdef, prompt_ids.shape[1], max_new_tokens, num_generations, tuple(eos_ids),
+         pad_id, mesh)
+  if key not in _SAMPLERS:
+    _SAMPLERS[key] = Sampler(graphdef, max_prompt_length=prompt_ids.shape[1],
+                             max_new_tokens=max_new_tokens, num_generations=num_generations,
+                             eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
+  return _SAMPLERS[key](state, jnp.asarray(prompt_ids, jnp.int32),
+                        jnp.asarray(prompt_mask, jnp.int32), rng, generation)

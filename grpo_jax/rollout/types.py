@@ -1,0 +1,59 @@
+"""What every rollout engine (the native sampler, vLLM) takes and returns."""
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+  """Sampling controls. `top_k=0` and `top_p=1.0` mean no truncation.
+
+  `temperature` <= 1e-4 with `top_k=1` is greedy (the "greedy" config below); engines treat
+  `top_k == 1` as argmax so no division by a tiny temperature happens.
+  """
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  @property
+  def is_greedy(self) -> bool:
+    return self.top_k == 1
+
+
+# The three named configs of the GSM8K GRPO recipe, used for evaluation.
+GENERATION_CONFIGS = {
+    "greedy": GenerationConfig(temperature=1e-4, top_k=1, top_p=1.0),
+    "standard": GenerationConfig(temperature=0.7, top_k=50, top_p=0.95),
+    "liberal": GenerationConfig(temperature=0.85, top_k=2000, top_p=1.0),
+}
+
+
+def generation_config(generation: "str | GenerationConfig") -> GenerationConfig:
+  if isinstance(generation, GenerationConfig):
+    return generation
+  try:
+    return GENERATION_CONFIGS[generation]
+  except KeyError:
+    raise ValueError(f"unknown generation config {generation!r}; known: "
+                     f"{', '.join(GENERATION_CONFIGS)} (or pass a GenerationConfig)") from None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Rollout:
+  """Completions of B prompts x G samples, group-major (prompt i -> rows i*G .. i*G+G-1).
+
+  tokens      int32 [B*G, L]  sampled tokens; after the stop token, pad_id.
+  mask        int32 [B*G, L]  1 up to and including the stop token, else 0.
+  logprobs    f32   [B*G, L]  log-prob of each sampled token under the distribution it was
+                              sampled from (temperature, top-k, top-p applied); 0 where masked.
+  raw_logprobs f32  [B*G, L]  log-prob under the raw policy (temperature 1, no truncation).
+  lengths     int32 [B*G]     completion lengths (= mask.sum(-1)).
+  truncated   bool  [B*G]     True when the row hit L tokens without a stop token.
+  """
+  tokens: jax.Array
+  mask: jax.Array
+  logprobs: jax.Array
+  raw_logprobs: jax.Array
+  lengths: jax.Array
+  truncated: jax.Array

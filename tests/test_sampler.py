@@ -1,0 +1,226 @@
+"""The rollout sampler: exact log-probs, greedy parity with transformers, sampling statistics."""
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from grpo_jax import sharding
+from grpo_jax.models import PRESETS
+from grpo_jax.models import build_model
+from grpo_jax.models import completion_logprobs
+from grpo_jax.rollout import GenerationConfig
+from grpo_jax.rollout import Sampler
+from grpo_jax.rollout import sample
+from grpo_jax.rollout import sampling
+
+CFG = PRESETS["tiny-qwen3"]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return build_model(CFG, seed=0)
+
+
+def prompts(vocab, seed=0, b=4, p=7):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(1, vocab, (b, p))
+  lens = np.array([7, 3, 1, 5, 6, 2, 4, 7])[:b]
+  mask = (np.arange(p)[None] >= (p - lens)[:, None]).astype(np.int32)
+  return jnp.asarray(np.where(mask > 0, ids, 0), jnp.int32), jnp.asarray(mask)
+
+
+def trainer_logprobs(model, prompt_ids, prompt_mask, r, g, temperature=1.0):
+  ids = jnp.concatenate([jnp.repeat(prompt_ids, g, 0), r.tokens], 1)
+  mask = jnp.concatenate([jnp.repeat(prompt_mask, g, 0), r.mask], 1)
+  return completion_logprobs(model, ids, mask, r.tokens.shape[1], temperature)
+
+
+@pytest.mark.parametrize("gen", ["greedy", "standard", "liberal",
+                                 GenerationConfig(temperature=1.0)])
+def test_sampled_logprobs_equal_training_forward(model, gen):
+  ids, mask = prompts(CFG.vocab_size)
+  r = sample(model, ids, mask, num_generations=3, max_new_tokens=9, rng=jax.random.key(1),
+             generation=gen, eos_ids=(5, 9))
+  m = np.asarray(r.mask) > 0
+  train = np.asarray(trainer_logprobs(model, ids, mask, r, 3))
+  assert np.abs(train - np.asarray(r.raw_logprobs))[m].max() <= 1e-5
+  if isinstance(gen, GenerationConfig):  # no truncation, T=1: sampled == raw
+    assert np.abs(train - np.asarray(r.logprobs))[m].max() <= 1e-5
+  assert np.all(np.asarray(r.logprobs)[~m] == 0) and np.all(np.asarray(r.raw_logprobs)[~m] == 0)
+
+
+def test_temperature_logprobs_match_scaled_forward(model):
+  ids, mask = prompts(CFG.vocab_size, seed=2)
+  gen = GenerationConfig(temperature=0.6)
+  r = sample(model, ids, mask, num_generations=2, max_new_tokens=6, rng=jax.random.key(2),
+             generation=gen)
+  train = np.asarray(trainer_logprobs(model, ids, mask, r, 2, temperature=0.6))
+  np.testing.assert_allclose(np.asarray(r.logprobs), train * np.asarray(r.mask), atol=1e-5)
+
+
+def test_eos_stops_rows_and_masks_the_rest(model):
+  ids, mask = prompts(CFG.vocab_size, seed=3, b=8)
+  free = sample(model, ids, mask, num_generations=2, max_new_tokens=12, rng=jax.random.key(3),
+                generation=GenerationConfig(temperature=1.5))
+  toks = np.asarray(free.tokens)
+  stop = int(toks[0, 4])  # a token row 0 emits mid-way: make it a stop token
+  r = sample(model, ids, mask, num_generations=2, max_new_tokens=12, rng=jax.random.key(3),
+             generation=GenerationConfig(temperature=1.5), eos_ids=(stop,), pad_id=-7)
+  t, m = np.asarray(r.tokens), np.asarray(r.mask)
+  saw_stop = False
+  for row in range(t.shape[0]):
+    hits = np.nonzero(toks[row] == stop)[0]
+    if len(hits):  # same rng -> same tokens up to and including the first stop
+      k = hits[0]
+      saw_stop = True
+      np.testing.assert_array_equal(t[row, :k + 1], toks[row, :k + 1])
+      assert m[row, :k + 1].all() and not m[row, k + 1:].any()
+      assert (t[row, k + 1:] == -7).all()
+      assert r.lengths[row] == k + 1 and not r.truncated[row]
+    else:
+      assert m[row].all() and r.truncated[row]
+  assert saw_stop
+
+
+def test_reproducible_for_a_seed_and_different_across_seeds(model):
+  ids, mask = prompts(CFG.vocab_size)
+  kw = dict(num_generations=4, max_new_tokens=8, generation="liberal")
+  a = sample(model, ids, mask, rng=jax.random.key(7), **kw)
+  b = sample(model, ids, mask, rng=jax.random.key(7), **kw)
+  c = sample(model, ids, mask, rng=jax.random.key(8), **kw)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert not np.array_equal(a.tokens, c.tokens)
+  # The G samples of a prompt differ from each other.
+  assert len({tuple(row) for row in np.asarray(a.tokens)[:4]}) > 1
+
+
+def test_top_k_1_equals_greedy(model):
+  ids, mask = prompts(CFG.vocab_size, seed=4)
+  greedy = sample(model, ids, mask, num_generations=1, max_new_tokens=8, rng=jax.random.key(0))
+  g = nnx.split(model)
+  s = Sampler(g[0], max_prompt_length=7, max_new_tokens=8)
+  k1 = s(g[1], ids, mask, jax.random.key(5), GenerationConfig(temperature=1.3, top_k=1))
+  np.testing.assert_array_equal(greedy.tokens, k1.tokens)
+
+
+def test_compiles_once_for_new_params_prompts_and_temperature(model):
+  graphdef, state = nnx.split(model)
+  s = Sampler(graphdef, max_prompt_length=7, max_new_tokens=4, num_generations=2)
+  ids, mask = prompts(CFG.vocab_size)
+  s(state, ids, mask, jax.random.key(0), GenerationConfig(temperature=0.9, top_k=5))
+  fn = s._compiled[(5, False, False)]
+  before = fn._cache_size()
+  state2 = jax.tree.map(lambda x: x * 1.01, state)
+  ids2, _ = prompts(CFG.vocab_size, seed=9)
+  s(state2, ids2, mask, jax.random.key(1), GenerationConfig(temperature=0.5, top_k=5))
+  assert fn._cache_size() == before
+
+
+# ------------------------------------------------------------------- sampling statistics
+
+N_DRAWS = 20000
+
+
+def draws(logits_v, **kw):
+  logits = jnp.broadcast_to(jnp.asarray(logits_v, jnp.float32), (N_DRAWS, len(logits_v)))
+  kw = dict(dict(temperature=1.0, top_p=1.0, top_k=0, use_top_p=False, greedy=False), **kw)
+  # logits as an argument, not a closure constant (XLA would constant-fold the sort slowly)
+  tok, lp, raw = jax.jit(lambda x, k: sampling.sample_token(x, k, **kw))(logits,
+                                                                        jax.random.key(11))
+  return np.asarray(tok), np.asarray(lp), np.asarray(raw)
+
+
+LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5])
+
+
+def test_temperature_one_matches_softmax_chi_square():
+  tok, lp, raw = draws(LOGITS)
+  p = np.exp(LOGITS - LOGITS.max())
+  p /= p.sum()
+  counts = np.bincount(tok, minlength=len(p))
+  chi2, pval = stats.chisquare(counts, p * N_DRAWS)
+  assert pval > 1e-4, (chi2, pval)  # fixed seed: deterministic, with a wide margin
+  np.testing.assert_allclose(lp, np.log(p)[tok], atol=1e-6)
+  np.testing.assert_allclose(raw, np.log(p)[tok], atol=1e-6)
+
+
+def test_top_k_support_and_renormalized_logprobs():
+  tok, lp, raw = draws(LOGITS, top_k=3, temperature=0.8)
+  allowed = np.argsort(-LOGITS)[:3]
+  assert set(np.unique(tok)) == set(allowed)
+  z = LOGITS[allowed] / 0.8
+  q = np.exp(z - z.max())
+  q /= q.sum()
+  want = dict(zip(allowed, np.log(q)))
+  np.testing.assert_allclose(lp, [want[t] for t in tok], atol=1e-5)
+  counts = np.array([np.sum(tok == a) for a in allowed])
+  assert stats.chisquare(counts, q * N_DRAWS).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("top_p,top_k", [(0.5, 0), (0.8, 0), (0.9, 4), (0.3, 0)])
+def test_top_p_support_is_the_smallest_nucleus(top_p, top_k):
+  tok, lp, _ = draws(LOGITS, top_p=top_p, use_top_p=True, top_k=top_k)
+  order = np.argsort(-LOGITS)
+  if top_k:
+    order = order[:top_k]
+  p = np.exp(LOGITS[order] - LOGITS[order].max())
+  p /= p.sum()
+  keep = order[:np.searchsorted(np.cumsum(p), top_p) + 1]
+  assert set(np.unique(tok)) == set(keep)
+  q = p[:len(keep)] / p[:len(keep)].sum()
+  q_of = dict(zip(keep, q))
+  np.testing.assert_allclose(lp, np.log([q_of[t] for t in tok]), atol=1e-5)
+
+
+def test_greedy_path():
+  tok, lp, raw = draws(LOGITS, greedy=True)
+  assert (tok == np.argmax(LOGITS)).all() and (lp == 0).all()
+  np.testing.assert_allclose(raw, LOGITS.max() - np.log(np.exp(LOGITS).sum()), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- parity / mesh
+
+
+def test_mesh_results_equal_single_device(model):
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 (fake) devices")
+  mesh = sharding.make_mesh(2, 2, 2)
+  ids, mask = prompts(CFG.vocab_size, b=8)
+  graphdef, state = nnx.split(model)
+  sharded_state = jax.device_put(state, sharding.state_shardings(state, mesh))
+  kw = dict(max_prompt_length=7, max_new_tokens=6, num_generations=2, eos_ids=(3,))
+  single = Sampler(graphdef, **kw)(state, ids, mask, jax.random.key(4), "standard")
+  on_mesh = Sampler(graphdef, mesh=mesh, **kw)(
+      sharded_state, jax.device_put(ids, sharding.batch_sharding(mesh)),
+      jax.device_put(mask, sharding.batch_sharding(mesh)), jax.random.key(4), "standard")
+  assert on_mesh.tokens.sharding.spec[0] == sharding.BATCH_AXES
+  np.testing.assert_array_equal(single.tokens, on_mesh.tokens)
+  np.testing.assert_array_equal(single.mask, on_mesh.mask)
+  np.testing.assert_allclose(single.logprobs, on_mesh.logprobs, atol=1e-5)
+  np.testing.assert_allclose(single.raw_logprobs, on_mesh.raw_logprobs, atol=1e-5)
+
+
+def test_greedy_equals_transformers_generate(tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from grpo_jax.models import load_hf
+  torch.manual_seed(0)
+  cfg = transformers.Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=24, rope_theta=10000.0,
+                                 max_position_embeddings=128, attn_implementation="eager",
+                                 tie_word_embeddings=False)
+  hf = transformers.Qwen3ForCausalLM(cfg).eval()
+  hf.save_pretrained(tmp_path, safe_serialization=True)
+  ours = load_hf(str(tmp_path))
+  ids, mask = prompts(97, seed=6)
+  new = 10
+  with torch.no_grad():
+    out = hf.generate(torch.tensor(np.asarray(ids)), attention_mask=torch.tensor(np.asarray(mask)),
+                      max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                      eos_token_id=None)
+  want = out[:, ids.shape[1]:].numpy()
+  r = sample(ours, ids, mask, num_generations=1, max_new_tokens=new, rng=jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(r.tokens), want)
