@@ -1,0 +1,76 @@
+"""A synthetic verifiable task for the CPU demo: arithmetic problems like "12+30=".
+
+Difficulty: `digits` per operand and `num_ops` operations (from `ops`, e.g. "+-*"). Problems
+are drawn deterministically from a seed. The held-out test split is fixed by the seed and
+disjoint from train: a problem's split is decided by a hash of its text, so no test problem
+ever appears in the train rows, whatever the sizes asked for.
+
+Rows follow the dataset row shape (datasets.py): prompt "12+30=", ground_truth "42",
+data_source "arithmetic", and a demonstration in the chosen style:
+  "answer"    -> "<answer>42</answer>"
+  "reasoning" -> "<reasoning>12+30=42</reasoning><answer>42</answer>"
+Answers are integers, checkable by the GSM8K-style rewards (answer_match, check_answer).
+"""
+import hashlib
+
+import numpy as np
+
+_TEST_PERCENT = 10  # share of the problem space reserved for the test split (by hash)
+
+
+def _evaluate(operands, ops) -> int:
+  value = operands[0]
+  text = str(operands[0])
+  for o, x in zip(ops, operands[1:]):
+    text += f"{o}{x}"
+  # Python's own precedence (* before + and -), integers only.
+  value = eval(text, {"__builtins__": {}})  # noqa: S307 - digits and + - * only
+  return int(value), text
+
+
+def _is_test(text: str, seed: int) -> bool:
+  h = hashlib.sha256(f"{seed}:{text}".encode()).digest()
+  return h[0] * 100 // 256 < _TEST_PERCENT
+
+
+def make_problem(rng: np.random.Generator, digits: int, num_ops: int, ops: str):
+  hi = 10 ** digits
+  operands = [int(rng.integers(0, hi)) for _ in range(num_ops + 1)]
+  chosen = [ops[int(rng.integers(0, len(ops)))] for _ in range(num_ops)]
+  return _evaluate(operands, chosen)
+
+
+def demonstration(text: str, answer: int, style: str) -> str:
+  if style == "answer":
+    return f"<answer>{answer}</answer>"
+  if style == "reasoning":
+    return f"<reasoning>{text}={answer}</reasoning><answer>{answer}</answer>"
+  raise ValueError(f"unknown demonstration style {style!r}; known: answer, reasoning")
+
+
+def arithmetic_rows(n: int, *, split: str, seed: int = 0, digits: int = 2, num_ops: int = 1,
+                    ops: str = "+", style: str = "answer") -> list[dict]:
+  """`n` distinct problems of the `split` ("train" or "test"); deterministic for the seed.
+
+  When the problem space is too small for n distinct problems of the split, all of them are
+  returned (e.g. 1-digit addition has only 100 problems).
+  """
+  if split not in ("train", "test"):
+    raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+  if not ops or any(o not in "+-*" for o in ops):
+    raise ValueError(f"ops must be a non-empty string of + - *, got {ops!r}")
+  want_test = split == "test"
+  rng = np.random.default_rng([seed, 0 if want_test else 1])
+  seen, rows = set(), []
+  misses = 0  # consecutive draws that gave nothing new: many means the space is exhausted
+  while len(rows) < n and misses < 2000:
+    answer, text = make_problem(rng, digits, num_ops, ops)
+    if text in seen or _is_test(text, seed) != want_test:
+      misses += 1
+      continue
+    misses = 0
+    seen.add(text)
+    rows.append(dict(prompt=f"{text}=", ground_truth=str(answer), data_source="arithmetic",
+                     extra_info={"expression": text},
+                     demonstration=demonstration(text, answer, style)))
+  return rows

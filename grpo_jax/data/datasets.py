@@ -1,0 +1,131 @@
+"""Dataset readers -> lists of row dicts, with file:line errors for bad rows.
+
+Every reader returns rows of the same shape:
+  prompt        str   the user message (templating happens in the pipeline)
+  ground_truth  str   what rewards compare against
+  data_source   str   selects the scorer (gsm8k, summarization, qa, ...)
+  extra_info    dict  every other field of the row, passed to rewards
+  demonstration str   (optional) a target completion, for the SFT warm start
+"""
+import json
+import os
+
+from grpo_jax.rewards import parsing
+
+
+class DataError(ValueError):
+  pass
+
+
+def _read_records(path: str):
+  """(line number, dict) for each row of a .jsonl file, or of a .json list."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"data file {path!r} does not exist")
+  if path.endswith(".json"):
+    with open(path, encoding="utf-8") as f:
+      try:
+        data = json.load(f)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(data, list):
+      raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
+    for i, rec in enumerate(data):
+      if not isinstance(rec, dict):
+        raise DataError(f"{path}: item {i}: expected an object, got {type(rec).__name__}")
+      yield f"item {i}", rec
+    return
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        rec = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+      if not isinstance(rec, dict):
+        raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+      yield lineno, rec
+
+
+def _field(path, where, rec, name, types=(str,), what="a string"):
+  if name not in rec:
+    raise DataError(f"{path}:{where}: missing field '{name}' (expected {what}); the row has "
+                    f"fields {sorted(rec)}")
+  v = rec[name]
+  if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+    raise DataError(f"{path}:{where}: field '{name}' should be {what}, got "
+                    f"{type(v).__name__} {str(v)[:40]!r}")
+  return v
+
+
+def read_prompt_file(path: str, default_data_source: str = "") -> list[dict]:
+  """Generic JSON/JSONL prompt files: `prompt` (str), `ground_truth` (str, number, or list of
+  acceptable answers), `data_source` (str; may be omitted when a default is given), optional
+  `demonstration` (str); every other field goes to extra_info."""
+  rows = []
+  for where, rec in _read_records(path):
+    prompt = _field(path, where, rec, "prompt")
+    truth = _field(path, where, rec, "ground_truth", (str, int, float, list),
+                   "a string, a number or a list of strings")
+    if "data_source" in rec or not default_data_source:
+      source = _field(path, where, rec, "data_source")
+    else:
+      source = default_data_source
+    row = dict(prompt=prompt, ground_truth=truth if isinstance(truth, list) else str(truth),
+               data_source=source,
+               extra_info={k: v for k, v in rec.items()
+                           if k not in ("prompt", "ground_truth", "data_source", "demonstration")})
+    if "demonstration" in rec:
+      row["demonstration"] = _field(path, where, rec, "demonstration")
+    rows.append(row)
+  if not rows:
+    raise DataError(f"{path}: no rows")
+  return rows
+
+
+def gsm8k_demonstration(answer: str) -> str:
+  """GSM8K's worked answer in the <reasoning>/<answer> format ("<<48/2=24>>" calculator
+  annotations removed)."""
+  import re
+  body, _, _ = answer.rpartition("####")
+  body = re.sub(r"<<[^>]*>>", "", body).strip()
+  return f"<reasoning>{body}</reasoning><answer>{parsing.gsm8k_ground_truth(answer)}</answer>"
+
+
+def read_gsm8k(path: str) -> list[dict]:
+  """GSM8K jsonl: `question`, `answer` (worked solution ending in '#### N')."""
+  rows = []
+  for where, rec in _read_records(path):
+    q = _field(path, where, rec, "question")
+    a = _field(path, where, rec, "answer")
+    try:
+      truth = parsing.gsm8k_ground_truth(a)
+    except ValueError as e:
+      raise DataError(f"{path}:{where}: field 'answer': {e}") from None
+    rows.append(dict(prompt=q, ground_truth=truth, data_source="gsm8k",
+                     extra_info={k: v for k, v in rec.items() if k not in ("question",)},
+                     demonstration=gsm8k_demonstration(a)))
+  if not rows:
+    raise DataError(f"{path}: no rows")
+  return rows
+
+
+SUMMARIZE_INSTRUCTION = "Summarize the following article in one sentence.\n\n"
+
+
+def read_xsum(path: str) -> list[dict]:
+  """XSum-style jsonl: `document`, `summary` (optional `id`) -> data_source summarization."""
+  rows = []
+  for where, rec in _read_records(path):
+    doc = _field(path, where, rec, "document")
+    summ = _field(path, where, rec, "summary")
+    rows.append(dict(prompt=SUMMARIZE_INSTRUCTION + doc, ground_truth=summ,
+                     data_source="summarization",
+                     extra_info={k: v for k, v in rec.items() if k not in ("document",)},
+                     demonstration=summ))
+  if not rows:
+    raise DataError(f"{path}: no rows")
+  return rows
+
+
+READERS = {"gsm8k": read_gsm8k, "jsonl": read_prompt_file, "xsum": read_xsum}

@@ -1,0 +1,125 @@
+"""From rows to batches: pre-tokenized prompts, a checkpointable grain iterator, eval and SFT batches.
+
+    data = PromptData(rows, tokenizer, template="chatml", system_prompt="...", max_prompt_length=256)
+    it = make_prompt_iterator(len(data), batch_size=8, seed=0)   # grain; yields row indices
+    batch = data.batch(next(it))     # prompt_ids/prompt_mask int32 [b, P] left-padded + rows
+
+The iterator yields row indices (per process: each JAX process reads its own shard of rows),
+so its state is a few integers: `it.get_state()` / `it.set_state(s)` continue with exactly the
+next batch, and Orbax saves it with grain's handler (grpo_jax/checkpoint.py). Each epoch is
+reshuffled (grain's epoch-aware shuffle).
+
+Prompts longer than P are LEFT-truncated (the end of a chat prompt holds the question and the
+assistant header, which must survive); `num_truncated` counts them and the loop logs it.
+"""
+from absl import logging
+import grain
+import jax
+import numpy as np
+
+from grpo_jax.data.templates import render_prompt
+
+
+def left_pad(seqs: list[list[int]], length: int, pad_id: int):
+  """(ids, mask) int32 [N, length], each sequence right-aligned; longer ones keep their end."""
+  ids = np.full((len(seqs), length), pad_id, np.int32)
+  mask = np.zeros((len(seqs), length), np.int32)
+  for i, s in enumerate(seqs):
+    s = s[-length:] if length else []
+    if s:
+      ids[i, length - len(s):] = s
+      mask[i, length - len(s):] = 1
+  return ids, mask
+
+
+class PromptData:
+  """Rows with their prompts rendered, tokenized and left-padded once, up front."""
+
+  def __init__(self, rows: list[dict], tokenizer, *, template: str, system_prompt: str,
+               max_prompt_length: int):
+    if not rows:
+      raise ValueError("no rows to build prompts from")
+    self.rows = rows
+    self.tokenizer = tokenizer
+    self.texts = [render_prompt(r["prompt"], template, system_prompt) for r in rows]
+    encoded = [tokenizer.encode(t) for t in self.texts]
+    empty = [i for i, e in enumerate(encoded) if not e]
+    if empty:
+      raise ValueError(f"row {empty[0]} renders to an empty prompt; every prompt needs a token")
+    self.num_truncated = sum(len(e) > max_prompt_length for e in encoded)
+    if self.num_truncated:
+      logging.warning("%d of %d prompts are longer than max_prompt_length=%d tokens and were "
+                      "left-truncated (longest: %d tokens)", self.num_truncated, len(rows),
+                      max_prompt_length, max(map(len, encoded)))
+    self.ids, self.mask = left_pad(encoded, max_prompt_length, tokenizer.pad_id)
+
+  def __len__(self):
+    return len(self.rows)
+
+  def batch(self, indices) -> dict:
+    """prompt_ids, prompt_mask [b, P] int32; rows and prompt texts (lists of length b)."""
+    indices = np.asarray(indices, np.int64)
+    return dict(prompt_ids=self.ids[indices], prompt_mask=self.mask[indices],
+                rows=[self.rows[i] for i in indices], prompts=[self.texts[i] for i in indices],
+                indices=indices)
+
+
+def make_prompt_iterator(num_rows: int, *, batch_size: int, seed: int, shuffle: bool = True,
+                         num_epochs: int | None = None, shard_by_process: bool = True):
+  """A grain iterator of row-index batches [batch_size] (the per-process batch size).
+
+  Shards rows over JAX processes (process p takes rows p, p + n, p + 2n, ...), shuffles with
+  `seed` (a new permutation each epoch), repeats `num_epochs` times (None: forever) and drops
+  the last partial batch of the stream.
+  """
+  ds = grain.MapDataset.source(np.arange(num_rows, dtype=np.int64))
+  if shard_by_process and jax.process_count() > 1:
+    ds = ds[jax.process_index()::jax.process_count()]
+  if len(ds) < batch_size and num_epochs is not None:
+    raise ValueError(f"{len(ds)} rows per process cannot fill one batch of {batch_size}")
+  if shuffle:
+    ds = ds.shuffle(seed=seed)
+  ds = ds.repeat(num_epochs).batch(batch_size, drop_remainder=True)
+  return iter(ds.to_iter_dataset())
+
+
+def eval_batches(num_rows: int, batch_size: int, *, shard_by_process: bool = True):
+  """Deterministic one pass over all rows: (indices [batch_size], valid [batch_size] bool).
+
+  The last batch is filled up by repeating row indices with valid=False, so every batch has
+  the same static shape (no recompilation) and the filler rows are excluded from metrics.
+  """
+  idx = np.arange(num_rows)
+  if shard_by_process and jax.process_count() > 1:
+    idx = idx[jax.process_index()::jax.process_count()]
+  for start in range(0, len(idx), batch_size):
+    chunk = idx[start:start + batch_size]
+    valid = np.ones(batch_size, bool)
+    if len(chunk) < batch_size:
+      valid[len(chunk):] = False
+      chunk = np.concatenate([chunk, np.resize(chunk, batch_size - len(chunk))])
+    yield chunk, valid
+
+
+def sft_batch(data: PromptData, indices, completion_length: int) -> dict:
+  """Teacher-forcing batch: [prompt (left-padded); demonstration + eos (right-padded)].
+
+  tokens, attention_mask int32 [b, P + C]; loss_mask [b, C] marks the demonstration tokens
+  (eos included) whose log-probs the SFT loss maximizes. Longer demonstrations are cut at C.
+  """
+  tok = data.tokenizer
+  b = data.batch(indices)
+  comps = []
+  for r in b["rows"]:
+    if "demonstration" not in r:
+      raise ValueError("sft_steps > 0 needs rows with a 'demonstration' field (the dataset "
+                       f"{r.get('data_source')!r} has none)")
+    comps.append((tok.encode(r["demonstration"]) + [tok.eos_id])[:completion_length])
+  comp_ids = np.full((len(comps), completion_length), tok.pad_id, np.int32)
+  comp_mask = np.zeros((len(comps), completion_length), np.int32)
+  for i, c in enumerate(comps):
+    comp_ids[i, :len(c)] = c
+    comp_mask[i, :len(c)] = 1
+  return dict(tokens=np.concatenate([b["prompt_ids"], comp_ids], 1),
+              attention_mask=np.concatenate([b["prompt_mask"], comp_mask], 1),
+              loss_mask=comp_mask)

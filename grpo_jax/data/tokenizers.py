@@ -1,0 +1,188 @@
+"""Tokenizers behind one small protocol: encode, decode, vocab_size, pad_id, eos_id, stop_ids.
+
+- CharTokenizer: one id per character for the tiny CPU task, plus atomic special tokens
+  (`<answer>` is ONE id), so a completion like `<answer>42</answer>` is 4 tokens.
+- HFTokenizer: a Hugging Face byte-level BPE tokenizer (Qwen2/2.5/3, Llama 3) from a folder
+  with tokenizer.json, or vocab.json + merges.txt (Qwen's published files), via the
+  `tokenizers` package; no hub access.
+"""
+import json
+import os
+from typing import Protocol, Sequence
+
+
+class Tokenizer(Protocol):
+  vocab_size: int
+  pad_id: int
+  eos_id: int
+  stop_ids: tuple[int, ...]
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
+
+
+CHAR_SPECIALS = ("<pad>", "<eos>", "<reasoning>", "</reasoning>", "<answer>", "</answer>",
+                 "<think>", "</think>")
+CHAR_ALPHABET = ("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                 " \n+-*/=()[].,?!:;'\"%$#&<>_")
+
+
+class CharTokenizer:
+  """Characters of a fixed alphabet plus atomic special tokens (ids 0..7, `<pad>` = 0)."""
+
+  def __init__(self, specials: Sequence[str] = CHAR_SPECIALS, alphabet: str = CHAR_ALPHABET):
+    self.specials = tuple(specials)
+    self.itos = list(self.specials) + list(dict.fromkeys(alphabet))
+    self.stoi = {s: i for i, s in enumerate(self.itos)}
+    self._by_length = sorted(self.specials, key=len, reverse=True)
+    self.vocab_size = len(self.itos)
+    self.pad_id = self.stoi["<pad>"]
+    self.eos_id = self.stoi["<eos>"]
+    self.stop_ids = (self.eos_id,)
+
+  def encode(self, text: str) -> list[int]:
+    ids, i = [], 0
+    while i < len(text):
+      for s in self._by_length:
+        if text.startswith(s, i):
+          ids.append(self.stoi[s])
+          i += len(s)
+          break
+      else:
+        ch = text[i]
+        if ch not in self.stoi:
+          raise ValueError(f"character {ch!r} at offset {i} of {text[:40]!r} is not in the "
+                           "char tokenizer's alphabet (grpo_jax.data.tokenizers.CHAR_ALPHABET)")
+        ids.append(self.stoi[ch])
+        i += 1
+    return ids
+
+  def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+    out = []
+    for i in ids:
+      i = int(i)
+      if i in (self.pad_id, self.eos_id) and skip_special:
+        continue
+      out.append(self.itos[i] if 0 <= i < self.vocab_size else "")
+    return "".join(out)
+
+
+# Qwen2's pre-tokenization split (from its tokenizer.json).
+_QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+               r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3 added tokens beyond Qwen2's three (ids from Qwen3's tokenizer_config.json).
+QWEN3_EXTRA_TOKENS = {
+    "<|object_ref_start|>": 151646, "<|object_ref_end|>": 151647, "<|box_start|>": 151648,
+    "<|box_end|>": 151649, "<|quad_start|>": 151650, "<|quad_end|>": 151651,
+    "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|vision_pad|>": 151654,
+    "<|image_pad|>": 151655, "<|video_pad|>": 151656, "<tool_call>": 151657,
+    "</tool_call>": 151658, "<|fim_prefix|>": 151659, "<|fim_middle|>": 151660,
+    "<|fim_suffix|>": 151661, "<|fim_pad|>": 151662, "<|repo_name|>": 151663,
+    "<|file_sep|>": 151664, "<tool_response>": 151665, "</tool_response>": 151666,
+    "<think>": 151667, "</think>": 151668,
+}
+
+
+class HFTokenizer:
+  """A Hugging Face tokenizer folder: tokenizer.json, or vocab.json + merges.txt (Qwen BPE).
+
+  Special tokens come from tokenizer_config.json's added_tokens_decoder / added_tokens.json;
+  `add_qwen3_tokens=True` also adds Qwen3's <think>, </think>, tool tokens (151646-151668)
+  when the folder only defines Qwen2's. eos = tokenizer_config's eos_token; stop ids = eos
+  plus <|endoftext|> and <|im_end|> where present. pad = pad_token or <|endoftext|>.
+  """
+
+  def __init__(self, path: str, *, add_qwen3_tokens: bool = True):
+    import tokenizers
+    if not os.path.isdir(path):
+      raise FileNotFoundError(f"tokenizer folder {path!r} does not exist")
+    tj = os.path.join(path, "tokenizer.json")
+    vocab, merges = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
+    if os.path.exists(tj):
+      self._tok = tokenizers.Tokenizer.from_file(tj)
+    elif os.path.exists(vocab) and os.path.exists(merges):
+      self._tok = _bpe_from_files(vocab, merges)
+    else:
+      raise FileNotFoundError(f"{path}: no tokenizer.json and no vocab.json + merges.txt")
+    config = _read_json(os.path.join(path, "tokenizer_config.json"))
+    added = {v["content"]: int(k) for k, v in config.get("added_tokens_decoder", {}).items()}
+    added.update(_read_json(os.path.join(path, "added_tokens.json")))
+    if add_qwen3_tokens and "<|im_start|>" in added:
+      for tok, i in QWEN3_EXTRA_TOKENS.items():
+        added.setdefault(tok, i)
+    self._add_specials(added)
+    self.special_ids = {self._tok.token_to_id(t) for t in added}
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    eos = _token_str(config.get("eos_token")) or "<|endoftext|>"
+    pad = _token_str(config.get("pad_token")) or "<|endoftext|>"
+    self.eos_id = self._id(eos)
+    self.pad_id = self._id(pad)
+    stops = [self.eos_id] + [self._tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>",
+                                                                  "<|eot_id|>")]
+    self.stop_ids = tuple(dict.fromkeys(i for i in stops if i is not None))
+
+  def _add_specials(self, added: dict[str, int]):
+    import tokenizers
+    for content, want in sorted(added.items(), key=lambda kv: kv[1]):
+      have = self._tok.token_to_id(content)
+      if have is None:
+        n = self._tok.get_vocab_size(with_added_tokens=True)
+        if n != want:
+          raise ValueError(f"special token {content!r} should have id {want} but would get {n}")
+        self._tok.add_special_tokens([tokenizers.AddedToken(content, special=True,
+                                                            normalized=False)])
+      elif have != want:
+        raise ValueError(f"special token {content!r} has id {have}, config says {want}")
+
+  def _id(self, token: str) -> int:
+    i = self._tok.token_to_id(token)
+    if i is None:
+      raise ValueError(f"token {token!r} is not in the tokenizer's vocabulary")
+    return i
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+    ids = [int(i) for i in ids]
+    if skip_special:
+      ids = [i for i in ids if i not in self.special_ids]
+    return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def _bpe_from_files(vocab: str, merges: str):
+  import tokenizers
+  from tokenizers import decoders
+  from tokenizers import models
+  from tokenizers import normalizers
+  from tokenizers import pre_tokenizers
+  tok = tokenizers.Tokenizer(models.BPE.from_file(vocab, merges, fuse_unk=False,
+                                                  byte_fallback=False))
+  tok.normalizer = normalizers.NFC()
+  tok.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Split(tokenizers.Regex(_QWEN_SPLIT), behavior="isolated", invert=False),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  tok.decoder = decoders.ByteLevel()
+  return tok
+
+
+def _read_json(path: str) -> dict:
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def _token_str(tok) -> str | None:
+  if isinstance(tok, dict):
+    return tok.get("content")
+  return tok
+
+
+def build_tokenizer(kind: str, path: str = "") -> Tokenizer:
+  if kind == "char":
+    return CharTokenizer()
+  if kind == "hf":
+    return HFTokenizer(path)
+  raise ValueError(f"unknown tokenizer kind {kind!r}; known: char, hf")

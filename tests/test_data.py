@@ -1,0 +1,229 @@
+"""Data: readers with file:line errors, the checkpointable grain iterator, templates,
+tokenizers (vs transformers' Qwen2Tokenizer), truncation, and the arithmetic task."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from grpo_jax import data
+from grpo_jax.data import arithmetic
+from grpo_jax.data import datasets
+from grpo_jax.data import templates
+from grpo_jax.rewards import gsm8k
+from tests.conftest import SHARED_DATA
+
+QWEN_TOK = os.path.join(SHARED_DATA, "qwen_tokenizer")
+GSM8K_TRAIN = os.path.join(SHARED_DATA, "gsm8k", "train.jsonl")
+XSUM = os.path.join(SHARED_DATA, "summarization", "xsum", "test_1000.jsonl")
+
+
+def need(path):
+  if not os.path.exists(path):
+    pytest.skip(f"{path} not present (../shared/data)")
+
+
+# ------------------------------------------------------------------------------ readers
+
+
+GOOD = {"prompt": "2+2?", "ground_truth": "4", "data_source": "math"}
+
+
+@pytest.mark.parametrize("bad_line,words", [
+    ('{"prompt": "x", "ground_truth": "1", "data_source": "math"', ["invalid JSON"]),
+    ('{"ground_truth": "1", "data_source": "math"}', ["missing field 'prompt'", "a string"]),
+    ('{"prompt": "x", "data_source": "math"}', ["missing field 'ground_truth'"]),
+    ('{"prompt": 7, "ground_truth": "1", "data_source": "math"}',
+     ["field 'prompt' should be a string, got int"]),
+    ('{"prompt": "x", "ground_truth": {"a": 1}, "data_source": "math"}',
+     ["field 'ground_truth' should be a string, a number or a list", "got dict"]),
+    ('["not", "an", "object"]', ["expected a JSON object, got list"]),
+])
+def test_malformed_jsonl_rows_name_file_and_line(tmp_path, bad_line, words):
+  f = tmp_path / "prompts.jsonl"
+  f.write_text(json.dumps(GOOD) + "\n\n" + json.dumps(GOOD) + "\n" + bad_line + "\n")
+  with pytest.raises(data.DataError) as e:
+    data.read_prompt_file(str(f))
+  msg = str(e.value)
+  assert msg.startswith(f"{f}:4: "), msg  # line 4 (the blank line 2 counts)
+  for w in words:
+    assert w in msg, msg
+
+
+def test_prompt_file_rows_and_extra_info(tmp_path):
+  f = tmp_path / "p.jsonl"
+  rows_in = [dict(GOOD, difficulty=3), {"prompt": "cap of France?", "ground_truth": ["Paris"],
+                                        "data_source": "qa", "demonstration": "Paris"}]
+  f.write_text("\n".join(json.dumps(r) for r in rows_in))
+  rows = data.read_prompt_file(str(f))
+  assert rows[0] == dict(prompt="2+2?", ground_truth="4", data_source="math",
+                         extra_info={"difficulty": 3})
+  assert rows[1]["ground_truth"] == ["Paris"] and rows[1]["demonstration"] == "Paris"
+  j = tmp_path / "p.json"
+  j.write_text(json.dumps(rows_in))
+  assert data.read_prompt_file(str(j)) == rows
+  j.write_text(json.dumps([GOOD, {"prompt": "x"}]))
+  with pytest.raises(data.DataError, match=r"p.json:item 1: missing field 'ground_truth'"):
+    data.read_prompt_file(str(j))
+
+
+def test_missing_file_and_empty_file(tmp_path):
+  with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    data.read_prompt_file(str(tmp_path / "nope.jsonl"))
+  (tmp_path / "e.jsonl").write_text("\n")
+  with pytest.raises(data.DataError, match="no rows"):
+    data.read_prompt_file(str(tmp_path / "e.jsonl"))
+
+
+def test_gsm8k_reader_on_real_rows():
+  need(GSM8K_TRAIN)
+  rows = data.read_gsm8k(GSM8K_TRAIN)
+  assert len(rows) == 7473
+  r = rows[0]
+  assert r["data_source"] == "gsm8k" and r["ground_truth"] == "72"
+  assert r["prompt"].startswith("Natalia sold clips")
+  assert "<<" not in r["demonstration"]
+  # Every demonstration earns the full structured-format rewards.
+  demos = [x["demonstration"] for x in rows[:500]]
+  truths = [x["ground_truth"] for x in rows[:500]]
+  assert set(gsm8k.match_format_exactly(None, demos)) == {3.0}
+  assert set(gsm8k.check_answer(None, demos, truths)) == {3.0}
+
+
+def test_gsm8k_bad_answer_line(tmp_path):
+  f = tmp_path / "g.jsonl"
+  f.write_text(json.dumps({"question": "q", "answer": "no marker here"}) + "\n")
+  with pytest.raises(data.DataError, match=r"g.jsonl:1: field 'answer': .*'#### N'"):
+    data.read_gsm8k(str(f))
+
+
+def test_xsum_reader_on_real_rows():
+  need(XSUM)
+  rows = data.read_xsum(XSUM)
+  assert len(rows) == 1000
+  assert all(r["data_source"] == "summarization" and r["ground_truth"] for r in rows)
+  assert rows[0]["prompt"].startswith(datasets.SUMMARIZE_INSTRUCTION)
+
+
+# ------------------------------------------------------------------------ grain iterator
+
+
+def test_iterator_restored_from_state_continues_with_the_next_batch():
+  it = data.make_prompt_iterator(50, batch_size=8, seed=3)
+  for _ in range(9):  # past the first epoch boundary (50 // 8 = 6 batches per epoch)
+    next(it)
+  state = it.get_state()
+  expected = [next(it).tolist() for _ in range(5)]
+  fresh = data.make_prompt_iterator(50, batch_size=8, seed=3)
+  fresh.set_state(state)
+  assert [next(fresh).tolist() for _ in range(5)] == expected
+
+
+def test_iterator_shuffles_per_epoch_and_covers_rows():
+  it = data.make_prompt_iterator(48, batch_size=8, seed=0)
+  epoch1 = np.concatenate([next(it) for _ in range(6)])
+  epoch2 = np.concatenate([next(it) for _ in range(6)])
+  assert sorted(epoch1) == sorted(epoch2) == list(range(48))
+  assert not np.array_equal(epoch1, epoch2)
+  other_seed = data.make_prompt_iterator(48, batch_size=8, seed=1)
+  assert not np.array_equal(next(other_seed), epoch1[:8])
+
+
+def test_eval_batches_pad_the_last_batch_with_invalid_rows():
+  batches = list(data.eval_batches(10, 4))
+  assert [b[0].shape for b in batches] == [(4,)] * 3
+  assert np.concatenate([i[v] for i, v in batches]).tolist() == list(range(10))
+  assert batches[-1][1].tolist() == [True, True, False, False]
+
+
+# ------------------------------------------------------------------- templates, tokenizers
+
+
+def test_chatml_template():
+  text = templates.render_prompt("What is 2+2?", "chatml", "Be brief.")
+  assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?"
+                  "<|im_end|>\n<|im_start|>assistant\n")
+  assert templates.render_prompt("hi", "plain") == "hi"
+  with pytest.raises(ValueError, match="unknown template 'llama'"):
+    templates.render_prompt("hi", "llama")
+  assert "<reasoning>" in templates.system_prompt("reasoning")
+
+
+TEXTS = ["Natalia sold clips to 48 of her friends in April.", "  leading spaces\tand\ttabs\n\n",
+         "unicode: café naïve 日本語 🙂 ½", "numbers 1234567 3.14159 -42 $1,000",
+         "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+         "<think>\nhmm\n</think>\n<answer>\n4\n</answer>", ""]
+
+
+def test_hf_tokenizer_matches_transformers_qwen2():
+  need(QWEN_TOK)
+  transformers = pytest.importorskip("transformers")
+  ours = data.HFTokenizer(QWEN_TOK)
+  theirs = transformers.Qwen2Tokenizer(os.path.join(QWEN_TOK, "vocab.json"),
+                                       os.path.join(QWEN_TOK, "merges.txt"))
+  theirs.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+  for text in TEXTS:
+    ids = ours.encode(text)
+    if "<think>" not in text:  # Qwen2's files do not define <think>; we add Qwen3's ids
+      assert ids == theirs.encode(text, add_special_tokens=False), text
+    assert ours.decode(ids, skip_special=False) == text
+  assert ours.encode("<|im_end|>") == [151645]
+  assert ours.encode("<think>") == [151667]  # Qwen3's added token
+  assert ours.eos_id == 151645 or ours.eos_id == 151643
+  assert set(ours.stop_ids) >= {151645, 151643}
+  assert ours.decode(ours.encode("<|im_start|>user\nhi<|im_end|>")) == "user\nhi"
+
+
+def test_char_tokenizer_round_trip_and_atomic_specials():
+  tok = data.CharTokenizer()
+  ids = tok.encode("<answer>42</answer>")
+  assert len(ids) == 4
+  assert tok.decode(ids) == "<answer>42</answer>"
+  assert tok.decode(ids + [tok.eos_id, tok.pad_id]) == "<answer>42</answer>"
+  with pytest.raises(ValueError, match="'é' at offset 1"):
+    tok.encode("cé")
+
+
+def test_long_prompts_are_left_truncated_and_counted():
+  tok = data.CharTokenizer()
+  rows = [dict(prompt="1+2=", ground_truth="3"), dict(prompt="12345+67890=", ground_truth="x")]
+  pd = data.PromptData(rows, tok, template="plain", system_prompt="", max_prompt_length=6)
+  assert pd.num_truncated == 1
+  b = pd.batch([0, 1])
+  assert tok.decode(b["prompt_ids"][1]) == "67890="  # the end survives
+  assert b["prompt_mask"][0].tolist() == [0, 0, 1, 1, 1, 1]  # left-padded
+  assert tok.decode(b["prompt_ids"][0][2:]) == "1+2="
+
+
+# ---------------------------------------------------------------------- arithmetic task
+
+
+def test_arithmetic_split_is_fixed_and_disjoint():
+  train = data.arithmetic_rows(2000, split="train", seed=5)
+  test = data.arithmetic_rows(200, split="test", seed=5)
+  assert len(train) == 2000 and len(test) == 200
+  assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+  assert data.arithmetic_rows(200, split="test", seed=5) == test  # deterministic
+  # A bigger train set never takes a test problem.
+  big = data.arithmetic_rows(5000, split="train", seed=5)
+  assert not {r["prompt"] for r in big} & {r["prompt"] for r in test}
+
+
+@pytest.mark.parametrize("digits,num_ops,ops", [(2, 1, "+"), (3, 2, "+-*"), (1, 3, "-")])
+def test_arithmetic_answers_are_correct_and_checkable(digits, num_ops, ops):
+  rows = data.arithmetic_rows(100, split="train", seed=0, digits=digits, num_ops=num_ops,
+                              ops=ops, style="reasoning")
+  for r in rows:
+    expr = r["prompt"].rstrip("=")
+    assert int(r["ground_truth"]) == eval(expr)  # noqa: S307 - generated digits and + - *
+    assert sum(c in "+-*" for c in expr.lstrip("-")) == num_ops
+  demos = [r["demonstration"] for r in rows]
+  assert gsm8k.answer_match(None, demos, [r["ground_truth"] for r in rows]) == [1.0] * len(rows)
+  assert set(gsm8k.check_answer(None, demos, [r["ground_truth"] for r in rows])) == {3.0}
+
+
+def test_arithmetic_small_space_returns_all_problems():
+  rows = arithmetic.arithmetic_rows(10_000, split="train", seed=0, digits=1)
+  assert 80 <= len(rows) <= 100
+  with pytest.raises(ValueError, match="ops must be"):
+    arithmetic.arithmetic_rows(1, split="train", ops="/")
