@@ -1,0 +1,122 @@
+r"""Sample from a trained policy: the latest checkpoint in a workdir, or model.hf_path.
+
+    python -m grpo_jax.infer --config=configs/tiny.py --workdir=/tmp/run1 "12+30="
+    python -m grpo_jax.infer --config=configs/qwen3_8b.py --config.model.hf_path=/ckpt/Qwen3-8B \
+        --generation=standard --num_samples=4 "What is 12 + 30?"
+    python -m grpo_jax.infer --config=configs/tiny.py --workdir=/tmp/run1 --export_hf=/tmp/hf
+
+Prompts are rendered with the config's template and system prompt, exactly as in training.
+Pass prompts as arguments, or `-` to read one prompt per line from stdin. `--export_hf` writes
+the policy as a Hugging Face folder (config.json + model.safetensors) instead of sampling.
+"""
+import os
+import sys
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isdir(os.path.join(_REPO_ROOT, "configs")) and _REPO_ROOT not in sys.path:
+  sys.path.insert(0, _REPO_ROOT)
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint to use. "
+                               "Without it: model.hf_path (or a random init, with a warning).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_GENERATION = flags.DEFINE_string("generation", "greedy", "greedy | standard | liberal")
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Completions per prompt.")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 0, "0: config.max_completion_length.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_EXPORT_HF = flags.DEFINE_string("export_hf", None, "Write the policy as an HF folder and exit.")
+
+
+def load_params(config, workdir, step, mesh):
+  """(policy, step or None): the policy with parameters from a checkpoint when there is one."""
+  from grpo_jax import checkpoint as ckpt_lib
+  from grpo_jax import train
+
+  ckpt_dir = os.path.join(workdir, "checkpoints") if workdir else None
+  have = ckpt_dir and os.path.isdir(ckpt_dir)
+  ckpt = ckpt_lib.Checkpointer(ckpt_dir, max_to_keep=None, async_save=False) if have else None
+  step = step if step is not None else (ckpt.latest_step() if ckpt else None)
+  if workdir and step is None:
+    raise FileNotFoundError(f"no checkpoint under {ckpt_dir}: train first, or drop --workdir to "
+                            "sample from model.hf_path")
+  policy = train.make_policy(config, mesh, abstract=step is not None)
+  if step is not None:
+    if step not in ckpt.all_steps():
+      raise FileNotFoundError(f"--step={step}: not in {ckpt_dir} (have {ckpt.all_steps()})")
+    policy.params = ckpt.restore_params(step, policy.params)
+    logging.info("restored the policy from %s/%d", ckpt_dir, step)
+  elif not config.model.hf_path:
+    logging.warning("no --workdir and no model.hf_path: sampling from a RANDOM-INIT model")
+  return policy, step
+
+
+def generate(config, policy, prompts, mesh, *, generation="greedy", num_samples=1,
+             max_new_tokens=0, seed=0) -> list[list[str]]:
+  """For each prompt, `num_samples` completions (decoded text)."""
+  import jax
+  import numpy as np
+
+  from grpo_jax import data as data_lib
+  from grpo_jax import multihost
+  from grpo_jax import sharding
+  from grpo_jax.rollout import Sampler
+
+  tok = data_lib.build_tokenizer(config.tokenizer.kind,
+                                 config.tokenizer.path or config.model.hf_path)
+  rows = [dict(prompt=p, ground_truth="") for p in prompts]
+  pd = data_lib.PromptData(rows, tok, template=config.data.template,
+                           system_prompt=data_lib.system_prompt(config.data.system_prompt),
+                           max_prompt_length=config.max_prompt_length)
+  dp = mesh.shape[sharding.DATA] * mesh.shape[sharding.FSDP]
+  b = -(-len(prompts) // dp) * dp  # pad the batch to fill the data-parallel devices
+  sampler = Sampler(policy.sampler_graphdef, max_prompt_length=config.max_prompt_length,
+                    max_new_tokens=max_new_tokens or config.max_completion_length,
+                    num_generations=num_samples, eos_ids=tok.stop_ids, pad_id=tok.pad_id,
+                    mesh=mesh)
+  idx = np.resize(np.arange(len(prompts)), b)
+  batch = pd.batch(idx)
+  out = sampler(jax.jit(policy.rollout_params)(policy.params),
+                multihost.to_global(batch["prompt_ids"], mesh),
+                multihost.to_global(batch["prompt_mask"], mesh), jax.random.key(seed),
+                generation)
+  tokens, mask = multihost.local_rows(out.tokens), multihost.local_rows(out.mask)
+  texts = [tok.decode([int(t) for t, m in zip(tr, mr) if m]) for tr, mr in zip(tokens, mask)]
+  return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
+
+
+def main(argv):
+  from grpo_jax import sharding
+  from grpo_jax.models import hf
+
+  prompts = argv[1:]
+  if prompts == ["-"]:
+    prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+  if _CONFIG.value is None:
+    raise app.UsageError("--config is required (the config the run was trained with)")
+  if not prompts and not _EXPORT_HF.value:
+    raise app.UsageError("give one or more prompts (or `-` for stdin), or --export_hf=DIR")
+  config = _CONFIG.value
+  mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  policy, step = load_params(config, _WORKDIR.value, _STEP.value, mesh)
+  if _EXPORT_HF.value:
+    import flax.nnx as nnx
+    hf.save_hf(nnx.merge(policy.sampler_graphdef, policy.rollout_params(policy.params)),
+               _EXPORT_HF.value)
+    print(f"wrote {_EXPORT_HF.value} (step {step})")
+    return
+  results = generate(config, policy, prompts, mesh, generation=_GENERATION.value,
+                     num_samples=_NUM_SAMPLES.value, max_new_tokens=_MAX_NEW_TOKENS.value,
+                     seed=_SEED.value)
+  for prompt, completions in zip(prompts, results):
+    for c in completions:
+      print(f"{prompt}{c}" if config.data.template == "plain" else f"{prompt}\n--> {c}")
+
+
+if __name__ == "__main__":
+  app.run(main)
