@@ -27,6 +27,16 @@ def model(preset: str) -> ml_collections.ConfigDict:
   m.impl = "native"
   m.hf_path = ""
   m.maxtext_checkpoint = ""
+  # MaxText-only settings (impl="maxtext"; see grpo_jax/models/maxtext_adapter.py).
+  m.maxtext = ml_collections.ConfigDict()
+  m.maxtext.remat_policy = "full"  # MaxText's names: full, minimal, save_qkv_proj, custom, ...
+  m.maxtext.attention = "dot_product"  # dot_product, flash, cudnn_flash_te, autoselected
+  # Extra MaxText pyconfig keys as "k=v,k=v", e.g. with remat_policy=custom:
+  # "decoder_layer_input=offload,query_proj=remat,mlpwo=device".
+  m.maxtext.overrides = ""
+  # True: start from the native decoder's fan-in init (same weights as impl=native for a seed);
+  # False: MaxText's own init (embedding N(0, 1): initial loss ~0.7 * hidden_size, not log V).
+  m.maxtext.native_init = True
   return m
 
 

@@ -83,9 +83,22 @@ def _check_model(c: _Checker, cfg):
   c.one_of("model.param_dtype", DTYPES, "dtype")
   c.one_of("model.dtype", DTYPES, "dtype")
   c.one_of("model.remat_policy", model_config.REMAT_POLICIES, "remat policy")
+  if m.impl == "maxtext":
+    c.one_of("model.maxtext.attention", ("dot_product", "flash", "cudnn_flash_te",
+                                         "autoselected"), "MaxText attention kernel")
+    c.require(m.arch == "qwen3" or bool(m.hf_path), "model.arch",
+              "model.impl=maxtext supports qwen3 only", "use --config.model.impl=native")
+    c.require(not m.maxtext_checkpoint or not m.hf_path, "model.maxtext_checkpoint",
+              "both model.hf_path and model.maxtext_checkpoint are set",
+              "give one source of weights")
+    try:
+      import maxtext  # noqa: F401
+    except ImportError:
+      c.fail("model.impl", "maxtext is not installed", "pip install -e '.[maxtext]' (Python "
+             ">= 3.12), or use --config.model.impl=native")
   if not m.hf_path:
     fields = {k: v for k, v in m.items()
-              if k not in ("preset", "impl", "hf_path", "maxtext_checkpoint")}
+              if k not in ("preset", "impl", "hf_path", "maxtext_checkpoint", "maxtext")}
     for field, why, fix in model_config.ModelConfig(**fields).problems():
       c.fail(f"model.{field}", why, fix)
   total = cfg.max_prompt_length + cfg.max_completion_length

@@ -73,6 +73,7 @@ def generate(config, policy, prompts, mesh, *, generation="greedy", num_samples=
   pd = data_lib.PromptData(rows, tok, template=config.data.template,
                            system_prompt=data_lib.system_prompt(config.data.system_prompt),
                            max_prompt_length=config.max_prompt_length)
+  mesh = policy.mesh or mesh
   dp = mesh.shape[sharding.DATA] * mesh.shape[sharding.FSDP]
   b = -(-len(prompts) // dp) * dp  # pad the batch to fill the data-parallel devices
   sampler = Sampler(policy.sampler_graphdef, max_prompt_length=config.max_prompt_length,

@@ -150,6 +150,7 @@ def run(config, workdir: str) -> dict:
                                async_save=config.checkpoint.async_save)
   resume_step = ckpt.latest_step()
   policy = make_policy(config, mesh, abstract=resume_step is not None)
+  mesh = policy.mesh or mesh  # MaxText: its own axes added (size 1) over the same devices
   param_shardings = policy.param_shardings(mesh)
   logging.info("policy: %s (%s), %.2fM parameters", config.model.impl, config.model.preset,
                sum(x.size for x in jax.tree.leaves(policy.params)) / 1e6)
@@ -380,7 +381,10 @@ def run(config, workdir: str) -> dict:
     attention_mask = jnp.concatenate([jnp.repeat(prompt_mask, G, 0), rollout.mask], 1)
     upd = dict(input_ids=input_ids, attention_mask=attention_mask,
                completion_mask=completion_mask, advantages=advantages)
-    if config.num_iterations > 1 or config.loss.tis_cap > 0 or config.rollout.engine == "vllm":
+    # The sampler is a different program from the trainer with vLLM, and with a MaxText policy
+    # (native sampler on mapped weights): measure the mismatch there.
+    mismatch = config.rollout.engine == "vllm" or config.model.impl == "maxtext"
+    if config.num_iterations > 1 or config.loss.tis_cap > 0 or mismatch:
       upd["old_logp"] = logprob_fn(train_state["params"], input_ids, attention_mask)
     if config.loss.tis_cap > 0:
       upd["sampler_logp"] = rollout.logprobs
@@ -412,9 +416,10 @@ def run(config, workdir: str) -> dict:
         "perf/reward_sec": reward_sec,
         "perf/update_sec": update_sec,
     }
-    if config.rollout.engine == "vllm":  # sampler/trainer mismatch, and the sync cost
-      diff = jnp.abs(rollout.logprobs - upd["old_logp"]) * rollout.mask
+    if config.rollout.engine == "vllm":
       host["perf/weight_sync_sec"] = sampler.last_sync_sec
+    if mismatch:  # sampler/trainer log-prob mismatch on the sampled tokens
+      diff = jnp.abs(rollout.logprobs - upd["old_logp"]) * rollout.mask
       host["rollout/logprob_abs_diff_mean"] = float(diff.sum() / jnp.maximum(rollout.mask.sum(),
                                                                                1))
       host["rollout/logprob_abs_diff_max"] = float(diff.max())

@@ -41,6 +41,23 @@ def test_shipped_configs_are_valid(name):
   assert errors_of(config) == []
 
 
+def test_qwen3_8b_validates_with_either_model_impl():
+  pytest.importorskip("maxtext")
+  c = load("qwen3_8b")
+  with c.unlocked():
+    c.data.train_path = c.data.eval_path = __file__
+    c.tokenizer.path = ROOT
+  for impl in ("native", "maxtext"):
+    c.model.impl = impl
+    assert errors_of(c) == [], impl
+  c.model.maxtext.attention = "flashy"
+  assert any("model.maxtext.attention='flashy'" in e for e in errors_of(c))
+  llama = load("llama3_8b")
+  llama.model.impl = "maxtext"
+  assert any(e.startswith("model.arch='llama3'") and "qwen3 only" in e
+             for e in errors_of(llama))
+
+
 def test_qwen3_8b_has_the_recipe_values():
   c = load("qwen3_8b")
   assert (c.num_generations, c.beta, c.loss.clip_eps, c.num_iterations) == (2, 0.08, 0.2, 1)

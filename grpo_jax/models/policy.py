@@ -30,8 +30,14 @@ class Policy:
   sampler_graphdef: nnx.GraphDef
   model_config: ModelConfig
   save_hf: Callable  # (params, path) -> None
+  # The MaxText policy runs on MaxText's mesh (our three axes plus size-1 others, same devices)
+  # and brings its own parameter shardings; None for the native policy.
+  mesh: jax.sharding.Mesh | None = None
+  shardings: Callable | None = None  # mesh -> State of NamedShardings
 
   def param_shardings(self, mesh):
+    if self.shardings is not None:
+      return self.shardings(mesh)
     return sharding.state_shardings(self.params, mesh)
 
 
