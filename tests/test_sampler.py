@@ -146,6 +146,27 @@ def test_temperature_one_matches_softmax_chi_square():
   np.testing.assert_allclose(raw, np.log(p)[tok], atol=1e-6)
 
 
+def test_large_vocab_blocked_inverse_cdf_matches_softmax():
+  """The two-level inverse-CDF draw (vocabularies > 512, not a multiple of its block) keeps
+  softmax's distribution and never draws a masked (-inf) token."""
+  rng = np.random.default_rng(5)
+  logits = (rng.normal(size=1531) * 2).astype(np.float32)
+  logits[::5] = -np.inf
+  logits[-1] = -np.inf  # the last real column, next to the block padding
+  x = jnp.broadcast_to(jnp.asarray(logits), (N_DRAWS, logits.size))
+  tok = np.asarray(jax.jit(sampling.categorical)(jax.random.key(3), x))
+  assert tok.min() >= 0 and tok.max() < logits.size
+  assert np.isfinite(logits[tok]).all()
+  p = np.exp((logits - logits[np.isfinite(logits)].max()).astype(np.float64))
+  p /= p.sum()
+  counts = np.bincount(tok, minlength=logits.size)
+  big = p * N_DRAWS >= 5  # chi-square over well-populated cells, the rest pooled
+  obs = np.append(counts[big], counts[~big].sum())
+  exp = np.append(p[big], p[~big].sum()) * N_DRAWS
+  exp *= obs.sum() / exp.sum()  # float rounding only
+  assert stats.chisquare(obs, exp).pvalue > 1e-4
+
+
 def test_top_k_support_and_renormalized_logprobs():
   tok, lp, raw = draws(LOGITS, top_k=3, temperature=0.8)
   allowed = np.argsort(-LOGITS)[:3]

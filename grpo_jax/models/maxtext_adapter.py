@@ -43,6 +43,12 @@ first steps meaningless, so this adapter initializes with the native decoder's f
 the same weights, and the initial loss is ~log(V). `model.maxtext.native_init=False` keeps
 MaxText's own init.
 
+Tied embeddings: MaxText 0.2.5 rounds the tied embedding table to bfloat16 for the output
+projection (layers/embeddings.py, `attend_on_embedding`) whatever `dtype` says, so a tied
+MaxText policy's log-probs differ from the native sampler's (f32 head) by ~1e-3 (logged as
+rollout/logprob_abs_diff_*; ~7e-4 mean on configs/tiny_maxtext.py). Untied models (Qwen3-4B and
+up, e.g. qwen3-8b) match the native decoder to <= 1e-4 in f32.
+
 Loading: `model.hf_path` streams an HF checkpoint through the native loader (models/hf.py) and
 maps it on device into MaxText's layout (peak device memory: both copies, briefly);
 `model.maxtext_checkpoint` restores a MaxText Orbax checkpoint (`.../<step>/items`, the

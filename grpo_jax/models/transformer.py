@@ -76,7 +76,8 @@ class Transformer(nnx.Module):
     return sharding.constrain(x, "batch", "length", "act_embed")
 
   def _run_layers(self, x, positions, q_slot, kv_valid, cache_k=None, cache_v=None):
-    """All layers. Returns (x, k_lbsgk, v_lbsgk): each layer's new keys/values, stacked."""
+    """All layers. Returns (x, ks, vs): each layer's new keys/values [B, T, Hkv, K], stacked
+    on a leading layer axis with scan_layers, else a tuple per layer (like the cache)."""
     policy = remat_lib.policy(self.cfg.remat_policy)
 
     def make_layer(graphdef):
@@ -106,7 +107,7 @@ class Transformer(nnx.Module):
       x = sharding.constrain(x, "batch", "length", "act_embed")
       ks.append(k)
       vs.append(v)
-    return x, jnp.stack(ks), jnp.stack(vs)
+    return x, tuple(ks), tuple(vs)
 
   # ------------------------------------------------------------------------- training mode
 
@@ -129,15 +130,24 @@ class Transformer(nnx.Module):
   def init_cache(self, batch: int, max_len: int, dtype=None) -> dict:
     """An empty KV cache of `max_len` slots (>= prompt length + new tokens).
 
-    k, v   [L, B, S, Hkv, K]  keys/values by slot (slot j = sequence index j)
+    k, v   keys/values by slot (slot j = sequence index j), head-major: a tuple of L arrays
+           [B, Hkv, S, K] (one buffer per layer: the decode step reads and updates each in
+           place, no per-step slice copies of a stacked cache), or with scan_layers one
+           stacked [L, B, Hkv, S, K] array for the scan
     valid  [B, S] int32       1 where a slot holds a real token
     index  int32 scalar       the next slot to write (the same for every row)
     pos    [B] int32          the RoPE position of the next token of each row
     """
     c = self.cfg
     dtype = dtype or self.compute_dtype
-    shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim)
-    return dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+    shape = (batch, c.num_kv_heads, max_len, c.head_dim)
+    if c.scan_layers:
+      k = jnp.zeros((c.num_layers, *shape), dtype)
+      v = jnp.zeros((c.num_layers, *shape), dtype)
+    else:
+      k = tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers))
+      v = tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers))
+    return dict(k=k, v=v,
                 valid=jnp.zeros((batch, max_len), jnp.int32), index=jnp.zeros((), jnp.int32),
                 pos=jnp.zeros((batch,), jnp.int32))
 
@@ -154,8 +164,7 @@ class Transformer(nnx.Module):
     h = self.final_norm(x if all_logits else x[:, -1:])
     logits = self.logits_from_hidden(h)
     cache = dict(
-        k=jax.lax.dynamic_update_slice(cache["k"], ks.astype(cache["k"].dtype), (0,) * 5),
-        v=jax.lax.dynamic_update_slice(cache["v"], vs.astype(cache["v"].dtype), (0,) * 5),
+        k=_write_kv(cache["k"], ks, 0), v=_write_kv(cache["v"], vs, 0),
         valid=jax.lax.dynamic_update_slice(cache["valid"], mask_bp.astype(jnp.int32), (0, 0)),
         index=jnp.asarray(p, jnp.int32),
         pos=(mask_bp != 0).sum(-1).astype(jnp.int32))
@@ -170,10 +179,8 @@ class Transformer(nnx.Module):
     x, ks, vs = self._run_layers(self._embed(token_b[:, None]), positions, q_slot,
                                  cache["valid"], cache["k"], cache["v"])
     logits = self.logits_from_hidden(self.final_norm(x))[:, 0]
-    start = (0, 0, index, 0, 0)
     cache = dict(
-        k=jax.lax.dynamic_update_slice(cache["k"], ks.astype(cache["k"].dtype), start),
-        v=jax.lax.dynamic_update_slice(cache["v"], vs.astype(cache["v"].dtype), start),
+        k=_write_kv(cache["k"], ks, index), v=_write_kv(cache["v"], vs, index),
         valid=jax.lax.dynamic_update_slice(cache["valid"], jnp.ones((b, 1), jnp.int32),
                                            (0, index)),
         index=index + 1,
@@ -181,9 +188,20 @@ class Transformer(nnx.Module):
     return logits, cache
 
 
+def _write_kv(cache_kv, new_kv, slot):
+  """Writes new keys/values ([B, T, Hkv, K] per layer, as _run_layers returns them) into the
+  head-major cache at `slot`, per layer buffer (tuple) or into the stacked array."""
+  if isinstance(cache_kv, tuple):
+    return tuple(jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype), (0, 0, slot, 0))
+                 for c, n in zip(cache_kv, new_kv))
+  return jax.lax.dynamic_update_slice(cache_kv, new_kv.swapaxes(2, 3).astype(cache_kv.dtype),
+                                      (0, 0, 0, slot, 0))
+
+
 def repeat_cache(cache: dict, n: int) -> dict:
   """Each row's cache repeated n times, group-major (row i -> rows i*n .. i*n+n-1)."""
-  return dict(k=jnp.repeat(cache["k"], n, axis=1), v=jnp.repeat(cache["v"], n, axis=1),
+  rep = lambda x: jnp.repeat(x, n, axis=x.ndim - 4)  # noqa: E731  (the batch axis)
+  return dict(k=jax.tree.map(rep, cache["k"]), v=jax.tree.map(rep, cache["v"]),
               valid=jnp.repeat(cache["valid"], n, axis=0), index=cache["index"],
               pos=jnp.repeat(cache["pos"], n, axis=0))
 

@@ -93,47 +93,49 @@ class Sampler:
     draw = functools.partial(sampling.sample_token, temperature=temperature, top_p=top_p,
                              top_k=top_k, use_top_p=use_top_p, greedy=greedy)
 
+    def col(arr, v, t):
+      return jax.lax.dynamic_update_slice(arr, v[:, None].astype(arr.dtype), (0, t))
+
+    def record(c, t, logits, done):
+      """Draws token t for the rows still live and writes it (and its log-probs) out."""
+      token, lp, raw = draw(logits, jax.random.fold_in(rng, t))
+      live = ~done
+      token = jnp.where(live, token, self.pad_id)
+      return dict(c, t=t + 1, token=token,
+                  done=done | (live & jnp.isin(token, stop_ids)),
+                  tokens=col(c["tokens"], token, t), mask=col(c["mask"], live, t),
+                  logprobs=col(c["logprobs"], jnp.where(live, lp, 0.0), t),
+                  raw_logprobs=col(c["raw_logprobs"], jnp.where(live, raw, 0.0), t))
+
+    # Token 0 comes from the prefill's logits; each loop iteration decodes the previous token
+    # and draws the next, so no decode runs after the last token (no per-step lax.cond, and
+    # the [N, V] logits never sit in the loop carry).
     def cond(c):
       return (c["t"] < L) & ~jnp.all(c["done"])
 
     def body(c):
-      t = c["t"]
-      token, lp, raw = draw(c["logits"], jax.random.fold_in(rng, t))
-      live = ~c["done"]
-      token = jnp.where(live, token, self.pad_id)
-      col = lambda arr, v: jax.lax.dynamic_update_slice(arr, v[:, None].astype(arr.dtype),
-                                                        (0, t))
-      done = c["done"] | (live & jnp.isin(token, stop_ids))
-      out = dict(c, t=t + 1, done=done,
-                 tokens=col(c["tokens"], token), mask=col(c["mask"], live),
-                 logprobs=col(c["logprobs"], jnp.where(live, lp, 0.0)),
-                 raw_logprobs=col(c["raw_logprobs"], jnp.where(live, raw, 0.0)))
+      logits, cache = model.decode(c["token"], c["cache"])
+      return record(dict(c, cache=_constrain_cache(cache)), c["t"], logits, c["done"])
 
-      def step(args):
-        logits, cache = model.decode(*args)
-        return logits, _constrain_cache(cache)
-
-      out["logits"], out["cache"] = jax.lax.cond(
-          (t + 1 < L) & ~jnp.all(done), step, lambda args: (c["logits"], args[1]),
-          (token, c["cache"]))
-      return out
-
-    init = dict(t=jnp.zeros((), jnp.int32), done=jnp.zeros((n,), bool), logits=logits,
-                cache=cache, tokens=jnp.full((n, L), self.pad_id, jnp.int32),
+    init = dict(t=jnp.zeros((), jnp.int32), token=jnp.zeros((n,), jnp.int32), cache=cache,
+                done=jnp.zeros((n,), bool), tokens=jnp.full((n, L), self.pad_id, jnp.int32),
                 mask=jnp.zeros((n, L), jnp.int32), logprobs=jnp.zeros((n, L), jnp.float32),
                 raw_logprobs=jnp.zeros((n, L), jnp.float32))
+    init = record(init, init["t"], logits, init["done"])
     final = jax.lax.while_loop(cond, body, init)
     return Rollout(tokens=final["tokens"], mask=final["mask"], logprobs=final["logprobs"],
                    raw_logprobs=final["raw_logprobs"], lengths=final["mask"].sum(-1),
                    truncated=~final["done"])
 
 
+def _constrain_kv(x):
+  names = ("batch", "kv_heads", "length", "head_dim")
+  return sharding.constrain(x, *(("layers",) if x.ndim == 5 else ()), *names)
+
+
 def _constrain_cache(cache: dict) -> dict:
-  return dict(cache,
-              k=sharding.constrain(cache["k"], "layers", "batch", "length", "kv_heads",
-                                   "head_dim"),
-              v=sharding.constrain(cache["v"], "layers", "batch", "length", "kv_heads",
-                                   "head_dim"),
+  return dict(cache, k=jax.tree.map(_constrain_kv, cache["k"]),
+              v=jax.tree.map(_constrain_kv, cache["v"]),
               valid=sharding.constrain(cache["valid"], "batch", "length"),
               pos=sharding.constrain(cache["pos"], "batch"))
 

@@ -22,6 +22,43 @@ def _top_p_keep(sorted_logits_nk: jax.Array, top_p) -> jax.Array:
   return mass_before < top_p  # the first token always survives (mass_before = 0)
 
 
+def categorical(key: jax.Array, logits_nv: jax.Array, block: int = 256) -> jax.Array:
+  """One draw per row from softmax(logits) by inverse-CDF sampling: token i with probability
+  p_i / sum(p) (up to float32 rounding of the cumulative sums, ~1e-7 relative).
+
+  `jax.random.categorical` draws V Gumbel variates per row; on CPU the threefry bits for a
+  [128, 32000] batch cost ~85 ms, several times the whole decode step. Here one uniform per row
+  is compared against cumulative probabilities, two-level (block sums, then within the chosen
+  block) so the scan is over V / block + block values: ~20x faster at V = 32k. A token of
+  probability 0 (masked to -inf or to the float32 minimum) is never drawn.
+  """
+  n, v = logits_nv.shape
+  logits = logits_nv.astype(jnp.float32)
+  p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+  if v <= 2 * block:  # small vocabularies / top-k sets: one level
+    c = jnp.cumsum(p, axis=-1)
+    u = _uniform_in(key, n, c[:, -1])
+    return jnp.sum(c < u[:, None], axis=-1).astype(jnp.int32)
+  pad = -v % block
+  p_nbk = jnp.pad(p, ((0, 0), (0, pad))).reshape(n, (v + pad) // block, block)
+  cb = jnp.cumsum(p_nbk.sum(-1), axis=-1)  # [N, nb]
+  u = _uniform_in(key, n, cb[:, -1])
+  blk = jnp.sum(cb < u[:, None], axis=-1)  # first block whose cumulative mass reaches u
+  before = jnp.where(blk > 0, jnp.take_along_axis(cb, jnp.maximum(blk - 1, 0)[:, None], 1)[:, 0],
+                     0.0)
+  inner = jnp.take_along_axis(p_nbk, blk[:, None, None], 1)[:, 0]  # [N, block]
+  ci = jnp.cumsum(inner, axis=-1)
+  u_in = jnp.clip(u - before, jnp.finfo(jnp.float32).tiny, ci[:, -1])
+  j = jnp.sum(ci < u_in[:, None], axis=-1)
+  return (blk * block + j).astype(jnp.int32)
+
+
+def _uniform_in(key, n, total_n):
+  """u in (0, total]: never 0, so a leading zero-probability token is never chosen."""
+  u = jax.random.uniform(key, (n,), jnp.float32) * total_n
+  return jnp.clip(u, jnp.finfo(jnp.float32).tiny, total_n)
+
+
 def sample_token(logits_nv: jax.Array, key: jax.Array, *, temperature, top_p, top_k: int,
                  use_top_p: bool, greedy: bool):
   """-> (token [N] int32, sampled-distribution log-prob [N], raw log-prob [N]).
@@ -39,7 +76,7 @@ def sample_token(logits_nv: jax.Array, key: jax.Array, *, temperature, top_p, to
 
   scaled = logits / temperature
   if top_k == 0 and not use_top_p:
-    token = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    token = categorical(key, scaled)
     logp = scaled[rows, token] - jax.nn.logsumexp(scaled, axis=-1)
     return token, logp, logits[rows, token] - raw_lse
 
@@ -49,7 +86,7 @@ def sample_token(logits_nv: jax.Array, key: jax.Array, *, temperature, top_p, to
   neg = jnp.finfo(jnp.float32).min
   if use_top_p:
     vals_nk = jnp.where(_top_p_keep(vals_nk, top_p), vals_nk, neg)
-  choice = jax.random.categorical(key, vals_nk, axis=-1)
+  choice = categorical(key, vals_nk)
   token = idx_nk[rows, choice].astype(jnp.int32)
   logp = vals_nk[rows, choice] - jax.nn.logsumexp(vals_nk, axis=-1)
   return token, logp, logits[rows, token] - raw_lse
