@@ -139,9 +139,13 @@ class Attention(nnx.Module):
   def project_qkv(self, x_btd, positions_bt):
     """q [B, T, H, K], k and v [B, T, Hkv, K], RoPE applied."""
     dt = x_btd.dtype
-    q = jnp.einsum("btd,dhk->bthk", x_btd, self.q[...].astype(dt))
-    k = jnp.einsum("btd,dgk->btgk", x_btd, self.k[...].astype(dt))
-    v = jnp.einsum("btd,dgk->btgk", x_btd, self.v[...].astype(dt))
+    b, t, d = x_btd.shape
+    x = x_btd.reshape(b * t, d)
+
+    def proj(w_dnk):  # as one 2-D GEMM (faster on XLA:CPU than the 3-D einsum, same values)
+      n, kd = w_dnk.shape[1:]
+      return (x @ w_dnk[...].astype(dt).reshape(d, n * kd)).reshape(b, t, n, kd)
+    q, k, v = proj(self.q), proj(self.k), proj(self.v)
     if self.cfg.attention_bias:
       q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
                  v + self.v_bias[...].astype(dt))
@@ -154,7 +158,9 @@ class Attention(nnx.Module):
         v, "qkv_proj")
 
   def out(self, attn_bthk):
-    y = jnp.einsum("bthk,hkd->btd", attn_bthk, self.o[...].astype(attn_bthk.dtype))
+    b, t, h, kd = attn_bthk.shape
+    w = self.o[...].astype(attn_bthk.dtype)
+    y = (attn_bthk.reshape(b * t, h * kd) @ w.reshape(h * kd, -1)).reshape(b, t, -1)
     if self.cfg.attention_bias:
       y = y + self.o_bias[...].astype(y.dtype)
     return checkpoint_name(y, "attn_out")
@@ -172,9 +178,12 @@ class MLP(nnx.Module):
 
   def __call__(self, x_btd):
     dt = x_btd.dtype
-    h = jax.nn.silu(x_btd @ self.gate[...].astype(dt)) * (x_btd @ self.up[...].astype(dt))
-    h = checkpoint_name(h, "mlp_hidden")
-    return checkpoint_name(h @ self.down[...].astype(dt), "mlp_out")
+    b, t, d = x_btd.shape
+    x = x_btd.reshape(b * t, d)  # 2-D GEMMs: XLA:CPU's backward is ~30% faster than for 3-D
+    h = jax.nn.silu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
+    h = checkpoint_name(h.reshape(b, t, -1), "mlp_hidden")
+    y = h.reshape(b * t, -1) @ self.down[...].astype(dt)
+    return checkpoint_name(y.reshape(b, t, d), "mlp_out")
 
 
 class Block(nnx.Module):
