@@ -116,12 +116,17 @@ def test_after_a_training_step_and_sync_vllm_follows_the_policy(setup):
     assert np.abs((trainer - lp) * m).max() <= 1e-4
 
 
-def test_two_grpo_steps_with_the_vllm_engine(tmp_path):
+@pytest.mark.parametrize("config", ["tiny", "tiny_maxtext"])
+def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config):
+  """Native policy, and a MaxText policy whose weights reach vLLM through the native layout."""
+  if config == "tiny_maxtext":
+    pytest.importorskip("maxtext")
   workdir = tmp_path / "run"
   env = dict(os.environ, JAX_PLATFORMS="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0",
              VLLM_CPU_KVCACHE_SPACE="1")
   r = subprocess.run(
-      [sys.executable, "-m", "grpo_jax.main", "--config=configs/tiny.py", f"--workdir={workdir}",
+      [sys.executable, "-m", "grpo_jax.main", f"--config=configs/{config}.py",
+       f"--workdir={workdir}",
        "--config.rollout.engine=vllm", "--config.sft_steps=0", "--config.num_steps=2",
        "--config.batch_size=8", "--config.num_generations=4",
        "--config.data.arithmetic.num_train=64", "--config.data.arithmetic.num_test=16",
@@ -134,6 +139,9 @@ def test_two_grpo_steps_with_the_vllm_engine(tmp_path):
   assert [x["step"] for x in steps] == [1, 2]
   for x in steps:
     assert x["perf/weight_sync_sec"] > 0
-    assert x["rollout/logprob_abs_diff_max"] <= 1e-4  # vLLM samples what the trainer scores
+    # vLLM samples what the trainer scores; MaxText's tied head is bf16-rounded (see
+    # models/maxtext_adapter.py), hence its looser bound.
+    tol = 1e-4 if config == "tiny" else 2e-2
+    assert x["rollout/logprob_abs_diff_max"] <= tol
     assert x["loss/grad_norm"] > 0
   assert json.load(open(workdir / "summary.json"))["final_step"] == 2
