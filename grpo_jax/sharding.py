@@ -120,3 +120,16 @@ def constrain(x: jax.Array, *logical_axes: str | None) -> jax.Array:
   if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
     return x
   return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))
+
+
+def abstract_with(tree, shardings):
+  """ShapeDtypeStructs of `tree` carrying `shardings` (a restore target)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
+def opt_state_shardings(optimizer, opt_state, param_shardings, mesh: Mesh):
+  """Optimizer-state shardings: moments like their params, scalars (counts) replicated."""
+  import optax
+  return optax.tree_map_params(optimizer, lambda _, s: s, opt_state, param_shardings,
+                               transform_non_params=lambda _: replicated(mesh))

@@ -5,7 +5,7 @@
   setup       mesh, tokenizer, data, policy (+ frozen reference when beta > 0), optimizer,
               jitted functions, checkpoint manager; resume from the latest checkpoint
   eval        before training (and after an SFT warm start)
-  sft         optional supervised warm start on demonstrations (config.sft_steps)
+  sft         optional supervised warm start on demonstrations (config.sft_steps; sft.py)
   grpo step   prompts -> rollout (G per prompt) -> rewards -> advantages -> old/ref log-probs
               -> num_iterations updates (micro-batched, gradient accumulation) -> log / eval /
               checkpoint
@@ -15,7 +15,6 @@ Multi-host: every process runs this same function. Each loads its own shard of p
 global arrays from them, decodes and scores its own rows of each rollout on its host, and only
 process 0 writes logs and summary.json (Orbax coordinates checkpoint writes).
 """
-import dataclasses
 import json
 import os
 import signal
@@ -25,7 +24,6 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from grpo_jax import checkpoint as ckpt_lib
 from grpo_jax import data as data_lib
@@ -35,6 +33,7 @@ from grpo_jax import multihost
 from grpo_jax import profiling
 from grpo_jax import rewards as rewards_lib
 from grpo_jax import sharding
+from grpo_jax import sft as sft_lib
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.rl import advantages as adv_lib
 from grpo_jax.rl import step as step_lib
@@ -71,11 +70,6 @@ def make_policy(config, mesh, *, abstract=False):
     from grpo_jax.models import maxtext_adapter  # optional dependency
     return maxtext_adapter.maxtext_policy(config, mesh, abstract=abstract)
   return policy_lib.native_policy(config, mesh, abstract=abstract)
-
-
-def opt_state_shardings(optimizer, opt_state, param_shardings, mesh):
-  return optax.tree_map_params(optimizer, lambda _, s: s, opt_state, param_shardings,
-                               transform_non_params=lambda _: sharding.replicated(mesh))
 
 
 class _Preemption:
@@ -191,7 +185,7 @@ def run(config, workdir: str) -> dict:
   abstract_state = jax.eval_shape(init_train_state, policy.params)
   state_shardings = dict(
       params=param_shardings,
-      opt_state=opt_state_shardings(optimizer, abstract_state["opt_state"], param_shardings,
+      opt_state=sharding.opt_state_shardings(optimizer, abstract_state["opt_state"], param_shardings,
                                     mesh),
       nonfinite_streak=sharding.replicated(mesh), nonfinite_total=sharding.replicated(mesh))
   rows2 = sharding.batch_sharding(mesh, 2)
@@ -216,13 +210,13 @@ def run(config, workdir: str) -> dict:
     logging.info("resuming from %s/%d", ckpt.directory, resume_step)
     phase = ckpt.restore_meta(resume_step)["phase"]
     if phase == "sft":
-      sft = _SFT(config, policy, mesh, param_shardings)
+      sft = sft_lib.SFTStage(config, policy, mesh, param_shardings)
       target = sft.abstract_state()
       iterator = sft.iterator(train_data)
     else:
-      target = {"train": abstract_state_with(abstract_state, state_shardings)}
+      target = {"train": sharding.abstract_with(abstract_state, state_shardings)}
       if use_ref:
-        target["ref"] = abstract_state_with(policy.params, param_shardings)
+        target["ref"] = sharding.abstract_with(policy.params, param_shardings)
       iterator = train_iter
     target["rng"] = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sharding.replicated(mesh))
     restored, meta = ckpt.restore(resume_step, target, iterator)
@@ -275,7 +269,7 @@ def run(config, workdir: str) -> dict:
     if meta["eval_initial"] is None:
       meta["eval_initial"] = run_eval(policy.params, 0, jax.random.fold_in(rng, 1 << 20))
     if sft is None:
-      sft = _SFT(config, policy, mesh, param_shardings)
+      sft = sft_lib.SFTStage(config, policy, mesh, param_shardings)
       sft.start(policy.params, train_data)
     val_data = sft.validation_data(train_rows, tokenizer, prompt_kw)
     progress = metrics_lib.Progress(config.sft_steps, meta["sft_step"], "sft")
@@ -489,11 +483,6 @@ def run(config, workdir: str) -> dict:
 # ======================================================================== loop helpers
 
 
-def abstract_state_with(tree, shardings):
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-                      shardings)
-
-
 def _eval_batch(config, dp, nproc) -> int:
   """Per-process eval batch: config.eval.batch_size rounded to fill the data-parallel devices."""
   per_proc_devices = max(dp // nproc, 1)
@@ -540,86 +529,3 @@ def _flush_metrics(pending, writer, G, step_sec) -> dict:
     last = scalars
   writer.flush()
   return last
-
-
-# =========================================================================== SFT warm start
-
-
-class _SFT:
-  """Supervised next-token training on demonstrations (cold start before RL).
-
-  Loss: mean negative log-likelihood of the demonstration tokens (eos included), on the first
-  `sft.num_demonstrations` train rows, AdamW at a constant `sft.learning_rate`.
-  """
-
-  def __init__(self, config, policy, mesh, param_shardings):
-    self.config = config
-    self.policy = policy
-    self.mesh = mesh
-    self.optimizer = optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(config.sft.learning_rate, b1=config.optimizer.b1, b2=config.optimizer.b2,
-                    weight_decay=0.0))
-    L = config.max_completion_length
-    lp = policy.logprobs
-
-    def loss_fn(params, batch):
-      logp = lp(params, batch["tokens"], batch["attention_mask"], L, 1.0)
-      m = batch["loss_mask"].astype(jnp.float32)
-      return -(logp * m).sum() / jnp.maximum(m.sum(), 1.0)
-
-    def update(state, batch):
-      loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
-      updates, opt = self.optimizer.update(grads, state["opt_state"], state["params"])
-      return dict(params=optax.apply_updates(state["params"], updates), opt_state=opt), loss
-
-    abstract_opt = jax.eval_shape(self.optimizer.init, policy.params)
-    self.shardings = dict(params=param_shardings,
-                          opt_state=opt_state_shardings(self.optimizer, abstract_opt,
-                                                        param_shardings, mesh))
-    self._update = jax.jit(update, donate_argnums=0,
-                           out_shardings=(self.shardings, sharding.replicated(mesh)))
-    self._init = jax.jit(lambda p: dict(params=p, opt_state=self.optimizer.init(p)),
-                         out_shardings=self.shardings)
-    self.state = None
-    self.data_iter = None
-
-  def _num_rows(self, n):
-    """Demonstration rows: the first num_demonstrations (0: all but the validation rows)."""
-    c = self.config.sft
-    held_out = c.num_validation if c.stop_at_accuracy > 0 else 0
-    return min(c.num_demonstrations, n) if c.num_demonstrations else n - held_out
-
-  def validation_data(self, train_rows, tokenizer, prompt_kw):
-    """Held-out train rows for early stopping (never the test split); None when disabled."""
-    c = self.config.sft
-    if c.stop_at_accuracy <= 0:
-      return None
-    rows = train_rows[len(train_rows) - c.num_validation:]
-    if self._num_rows(len(train_rows)) > len(train_rows) - c.num_validation:
-      raise ValueError(f"sft.num_demonstrations={c.num_demonstrations} overlaps the last "
-                       f"sft.num_validation={c.num_validation} train rows held out for early "
-                       "stopping: lower one of them")
-    return data_lib.PromptData(rows, tokenizer, **prompt_kw)
-
-  def iterator(self, train_data):
-    n = self._num_rows(len(train_data))
-    return data_lib.make_prompt_iterator(
-        n, batch_size=self.config.sft.batch_size // jax.process_count(),
-        seed=self.config.seed + 1)
-
-  def start(self, params, train_data):
-    self.state = self._init(params)
-    self.data_iter = self.iterator(train_data)
-
-  def abstract_state(self):
-    abstract = jax.eval_shape(lambda p: dict(params=p, opt_state=self.optimizer.init(p)),
-                              self.policy.params)
-    return {"sft": abstract_state_with(abstract, self.shardings)}
-
-  def step(self, train_data):
-    idx = next(self.data_iter)
-    b = data_lib.sft_batch(train_data, idx, self.config.max_completion_length)
-    batch = {k: multihost.to_global(v, self.mesh) for k, v in b.items()}
-    self.state, loss = self._update(self.state, batch)
-    return loss

@@ -122,11 +122,11 @@ def _global_entries(cfg: ModelConfig):
 
 def _check_supported(cfg: ModelConfig):
   if cfg.arch != "qwen3":
-    raise NotImplementedError(
+    raise ValueError(
         f"model.impl=maxtext supports arch qwen3 only (got {cfg.arch!r}): use "
         "--config.model.impl=native for Llama 3")
   if cfg.attention_bias:
-    raise NotImplementedError("model.impl=maxtext: attention_bias=True has no MaxText qwen3 "
+    raise ValueError("model.impl=maxtext: attention_bias=True has no MaxText qwen3 "
                               "counterpart; use model.impl=native")
 
 
