@@ -11,7 +11,7 @@ from typing import Sequence
 import jax
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec
 import numpy as np
 
 DATA = "data"
@@ -52,6 +52,16 @@ def resolve_mesh_shape(sizes: Sequence[int], num_devices: int) -> tuple[int, ...
   return tuple(sizes)
 
 
+def data_parallel_size(mesh_or_shape) -> int:
+  """Devices a batch's rows split over: data * fsdp (the one place this is computed).
+
+  Takes a Mesh, or a (data, fsdp, tensor) shape from `resolve_mesh_shape`."""
+  if isinstance(mesh_or_shape, Mesh):
+    return mesh_or_shape.shape[DATA] * mesh_or_shape.shape[FSDP]
+  data, fsdp, _ = mesh_or_shape
+  return data * fsdp
+
+
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
   """A (data, fsdp, tensor) mesh over all global devices (every process, multi-host ready)."""
   devices = jax.devices() if devices is None else list(devices)
@@ -64,11 +74,11 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
 
 
 def logical_to_spec(logical_axes: Sequence[str | None] | None, shape=None,
-                    mesh: Mesh | None = None) -> P:
+                    mesh: Mesh | None = None) -> PartitionSpec:
   """PartitionSpec for logical axis names. With `shape` and `mesh`, a mesh axis that does not
   divide its dimension is dropped (that dimension stays replicated) instead of failing."""
   if logical_axes is None:
-    return P()
+    return PartitionSpec()
   out, used = [], set()
   for i, name in enumerate(logical_axes):
     axes = LOGICAL_RULES.get(name) if name is not None else None
@@ -82,7 +92,7 @@ def logical_to_spec(logical_axes: Sequence[str | None] | None, shape=None,
         axes_t = ()
     used |= set(axes_t)
     out.append(None if not axes_t else axes_t if isinstance(axes, tuple) else axes_t[0])
-  return P(*out)
+  return PartitionSpec(*out)
 
 
 def _is_variable(x) -> bool:
@@ -107,11 +117,11 @@ def state_shardings(state, mesh: Mesh):
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
   """Rows over (data, fsdp), everything else replicated."""
-  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+  return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, P())
+  return NamedSharding(mesh, PartitionSpec())
 
 
 def constrain(x: jax.Array, *logical_axes: str | None) -> jax.Array:

@@ -1,0 +1,36 @@
+"""The run's mesh and policy from config: the one place that knows `config.model.impl`.
+
+    mesh = build.make_mesh(config)               # every stage and engine uses this mesh
+    policy = build.make_policy(config, mesh)     # models.policy.Policy, whatever the impl
+
+`IMPLS` names the implementations (the config validator lists them). The MaxText policy needs
+MaxText's many-axis mesh (our data/fsdp/tensor axes plus its own, of size 1, over the same
+devices in the same order), so `make_mesh` builds that mesh up front for impl=maxtext: the
+loop, the sampler and the policy then share one mesh object and PartitionSpecs over
+(data, fsdp, tensor) mean the same thing on it.
+"""
+from grpo_jax import sharding
+from grpo_jax.models import policy as policy_lib
+
+IMPLS = ("native", "maxtext")
+
+
+def make_mesh(config, devices=None):
+  """The mesh of the run (config.mesh sizes; -1 fills), shaped for the model implementation."""
+  base = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
+                            devices=devices)
+  if config.model.impl == "maxtext":
+    from grpo_jax.models import maxtext_adapter  # optional dependency
+    return maxtext_adapter.make_mesh(config, base)
+  return base
+
+
+def make_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy:
+  """The trained policy on `mesh` (from make_mesh). `abstract=True`: shapes and shardings only,
+  a target to restore a checkpoint into."""
+  if config.model.impl == "maxtext":
+    from grpo_jax.models import maxtext_adapter  # optional dependency
+    return maxtext_adapter.maxtext_policy(config, mesh, abstract=abstract)
+  if config.model.impl != "native":
+    raise ValueError(f"model.impl={config.model.impl!r}: use one of {', '.join(IMPLS)}")
+  return policy_lib.native_policy(config, mesh, abstract=abstract)
