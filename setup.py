@@ -36,7 +36,7 @@ setuptools.setup(
     name="grpo_jax",
     version="0.1.0",
     description="GRPO for language models in pure JAX / Flax NNX, with MaxText and vLLM paths.",
-    packages=setuptools.find_packages(include=["grpo_jax", "grpo_jax.*"]),
+    packages=setuptools.find_packages(include=["grpo_jax", "grpo_jax.*", "configs"]),
     python_requires=">=3.12",
     install_requires=CORE,
     extras_require={

@@ -157,4 +157,9 @@ def base() -> ml_collections.ConfigDict:
   c.profile = ml_collections.ConfigDict()
   c.profile.start_step = -1  # -1: no trace. Traces go to WORKDIR/profile (Perfetto).
   c.profile.num_steps = 2
+
+  c.debug = ml_collections.ConfigDict()
+  # jax.transfer_guard level for every GRPO step after the first (steady state): "disallow"
+  # turns any host<->device transfer the loop does not make on purpose into an error.
+  c.debug.transfer_guard = "allow"  # allow | log | disallow
   return c

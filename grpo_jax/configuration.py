@@ -2,18 +2,32 @@
 
 Each line reads `field=value: why. Fix: what to do`. `validate` returns all lines at once so a
 user fixes a config in one round trip; main.py prints them and exits with status 2.
+
+Every set of accepted names is imported from the module that implements it (and read when
+`validate` runs), so registering a remat policy, generation config, reader, loss or reward
+makes it a valid config value without touching this file.
 """
 import os
 
 import jax
 
+from grpo_jax import sharding
+from grpo_jax.data import arithmetic
+from grpo_jax.data import sources
+from grpo_jax.data import templates
+from grpo_jax.data import tokenizers
+from grpo_jax.models import build as model_build
 from grpo_jax.models import config as model_config
+from grpo_jax.models import remat
+from grpo_jax.rewards import computer as reward_computer
 from grpo_jax.rewards import registry as reward_registry
+from grpo_jax.rl import advantages
 from grpo_jax.rl import registry as rl_registry
+from grpo_jax.rollout import engine as rollout_engine
+from grpo_jax.rollout import types as rollout_types
 
-GENERATION_CONFIGS = ("greedy", "standard", "liberal")
-DTYPES = ("float32", "bfloat16", "float16")
-DATA_SOURCES = ("gsm8k", "jsonl", "xsum", "arithmetic")
+# jax.transfer_guard levels that config.debug.transfer_guard may name (passed to jax as is).
+TRANSFER_GUARDS = ("allow", "log", "disallow")
 
 
 class _Checker:
@@ -30,7 +44,9 @@ class _Checker:
     return node
 
   def fail(self, field: str, why: str, fix: str):
-    self.errors.append(f"{field}={self.value(field)!r}: {why}. Fix: {fix}.")
+    line = f"{field}={self.value(field)!r}: {why}. Fix: {fix}."
+    if line not in self.errors:  # e.g. a dtype checked here and by ModelConfig.problems()
+      self.errors.append(line)
 
   def require(self, ok: bool, field: str, why: str, fix: str):
     if not ok:
@@ -55,7 +71,8 @@ def _check_training(c: _Checker, cfg):
     c.fail("num_generations", f"the '{cfg.loss.estimator}' advantage compares samples within a "
            "group, so every advantage would be 0 with fewer than 2",
            "set num_generations >= 2 (GRPO practice: 4-16)")
-  c.require(cfg.beta >= 0, "beta", "the KL weight must be >= 0", "use 0 (no reference) or e.g. 0.04")
+  c.require(cfg.beta >= 0, "beta", "the KL weight must be >= 0",
+            "use 0 (no reference) or e.g. 0.04")
   c.require(cfg.num_iterations >= 1, "num_iterations", "must be >= 1", "use 1 (on-policy)")
   c.require(cfg.batch_size >= 1, "batch_size", "must be >= 1", "set prompts per step")
   c.require(cfg.micro_batch_size >= 0, "micro_batch_size", "must be >= 0",
@@ -77,15 +94,16 @@ def _check_training(c: _Checker, cfg):
 
 def _check_model(c: _Checker, cfg):
   m = cfg.model
-  c.one_of("model.impl", ("native", "maxtext"), "model implementation")
+  c.one_of("model.impl", model_build.IMPLS, "model implementation")
   c.path_exists("model.hf_path", "the Hugging Face checkpoint folder")
   c.path_exists("model.maxtext_checkpoint", "the MaxText checkpoint")
-  c.one_of("model.param_dtype", DTYPES, "dtype")
-  c.one_of("model.dtype", DTYPES, "dtype")
-  c.one_of("model.remat_policy", model_config.REMAT_POLICIES, "remat policy")
+  c.one_of("model.param_dtype", model_config.DTYPES, "dtype")
+  c.one_of("model.dtype", model_config.DTYPES, "dtype")
+  c.one_of("model.remat_policy", remat.POLICIES, "remat policy")
   if m.impl == "maxtext":
-    c.one_of("model.maxtext.attention", ("dot_product", "flash", "cudnn_flash_te",
-                                         "autoselected"), "MaxText attention kernel")
+    from grpo_jax.models import maxtext_adapter  # imports maxtext lazily itself
+    c.one_of("model.maxtext.attention", maxtext_adapter.ATTENTION_KERNELS,
+             "MaxText attention kernel")
     c.require(m.arch == "qwen3" or bool(m.hf_path), "model.arch",
               "model.impl=maxtext supports qwen3 only", "use --config.model.impl=native")
     c.require(not m.maxtext_checkpoint or not m.hf_path, "model.maxtext_checkpoint",
@@ -111,7 +129,7 @@ def _check_model(c: _Checker, cfg):
 
 def _check_loss(c: _Checker, cfg):
   c.one_of("loss.estimator", rl_registry.ADVANTAGE_ESTIMATORS.names(), "advantage estimator")
-  c.one_of("loss.std_kind", ("population", "sample"), "std kind")
+  c.one_of("loss.std_kind", advantages.STD_KINDS, "std kind")
   c.one_of("loss.policy_loss", rl_registry.POLICY_LOSSES.names(), "policy loss")
   c.one_of("loss.kl_kind", rl_registry.KL_ESTIMATORS.names(), "KL estimator")
   c.one_of("loss.loss_agg_mode", rl_registry.LOSS_AGG_MODES.names(), "loss aggregation mode")
@@ -147,15 +165,16 @@ def _check_optimizer(c: _Checker, cfg):
 
 def _check_rollout(c: _Checker, cfg):
   r = cfg.rollout
-  c.one_of("rollout.engine", ("native", "vllm"), "rollout engine")
+  c.one_of("rollout.engine", rollout_engine.ENGINES, "rollout engine")
   c.require(r.temperature > 0, "rollout.temperature", "must be > 0",
             "use e.g. 0.9 (greedy evaluation has its own generation config)")
   c.require(r.top_k >= 0, "rollout.top_k", "must be >= 0", "0 disables top-k")
   c.require(0 < r.top_p <= 1, "rollout.top_p", "must lie in (0, 1]", "1.0 disables top-p")
+  known = rollout_types.GENERATION_CONFIGS
   for name in cfg.eval.generation_configs:
-    if name not in GENERATION_CONFIGS:
+    if name not in known:
       c.fail("eval.generation_configs", f"unknown generation config '{name}'",
-             f"use names from {', '.join(GENERATION_CONFIGS)}")
+             f"use names from {', '.join(known)}")
   c.require(cfg.eval.num_examples >= 0, "eval.num_examples", "must be >= 0", "0 = all")
   c.require(cfg.eval.batch_size >= 1, "eval.batch_size", "must be >= 1", "e.g. 64")
   c.require(cfg.eval.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0",
@@ -165,15 +184,16 @@ def _check_rollout(c: _Checker, cfg):
 def _check_data_and_rewards(c: _Checker, cfg):
   d = cfg.data
   for split in ("train", "eval"):
-    c.one_of(f"data.{split}_source", DATA_SOURCES, "data source")
+    c.one_of(f"data.{split}_source", sources.SOURCES, "data source")
     c.path_exists(f"data.{split}_path", "the data file")
-    if d[f"{split}_source"] != "arithmetic" and not d[f"{split}_path"]:
+    if d[f"{split}_source"] in sources.FILE_SOURCES and not d[f"{split}_path"]:
       c.fail(f"data.{split}_path", f"data.{split}_source={d[f'{split}_source']!r} reads a file",
              f"set --config.data.{split}_path=/path/to/file.jsonl")
-  c.one_of("data.template", ("chatml", "plain"), "prompt template")
-  c.one_of("data.system_prompt", ("reasoning", "think", "none"), "system prompt")
-  c.one_of("data.arithmetic.demonstration", ("answer", "reasoning"), "demonstration style")
-  c.one_of("tokenizer.kind", ("hf", "char"), "tokenizer kind")
+  c.one_of("data.template", templates.TEMPLATES, "prompt template")
+  c.one_of("data.system_prompt", templates.SYSTEM_PROMPTS, "system prompt")
+  c.one_of("data.arithmetic.demonstration", arithmetic.DEMONSTRATION_STYLES,
+           "demonstration style")
+  c.one_of("tokenizer.kind", tokenizers.KINDS, "tokenizer kind")
   if cfg.tokenizer.kind == "hf" and not (cfg.tokenizer.path or cfg.model.hf_path):
     c.fail("tokenizer.path", "the hf tokenizer needs a folder (tokenizer.json or vocab.json + "
            "merges.txt)", "set --config.tokenizer.path or --config.model.hf_path")
@@ -191,29 +211,24 @@ def _check_data_and_rewards(c: _Checker, cfg):
   if not rw.functions and not rw.custom_file:
     c.fail("reward.functions", "no reward at all", "name functions or set reward.custom_file")
   c.path_exists("reward.custom_file", "the reward file")
-  c.one_of("reward.on_error", ("raise", "zero"), "reward error policy")
+  c.one_of("reward.on_error", reward_computer.ON_ERROR, "reward error policy")
   c.require(rw.num_workers >= 0, "reward.num_workers", "must be >= 0", "0 scores in-process")
   c.require(rw.timeout_sec >= 0, "reward.timeout_sec", "must be >= 0", "0 = no timeout")
 
 
 def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
-  sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
-  names = ("mesh.data", "mesh.fsdp", "mesh.tensor")
-  for name, size in zip(names, sizes):
+  sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  for name, size in zip(("mesh.data", "mesh.fsdp", "mesh.tensor"), sizes):
     c.require(size == -1 or size >= 1, name, "must be -1 (fill) or >= 1", "use -1 or a size")
-  if sizes.count(-1) > 1:
-    c.fail("mesh.data", "at most one mesh axis may be -1", "give explicit sizes to the others")
+  if any(s != -1 and s < 1 for s in sizes):
     return
-  fixed = 1
-  for s in sizes:
-    fixed *= s if s > 0 else 1
-  if num_devices % fixed or (-1 not in sizes and fixed != num_devices):
-    c.fail("mesh.data", f"mesh {sizes} does not fit the {num_devices} available devices",
-           f"make data * fsdp * tensor = {num_devices} (or use -1 on one axis)")
+  try:
+    shape = sharding.resolve_mesh_shape(sizes, num_devices)
+  except ValueError as e:
+    c.fail("mesh.data", str(e), f"make data * fsdp * tensor equal the {num_devices} available "
+           "devices, with at most one axis -1 (filled to fit)")
     return
-  fill = num_devices // fixed
-  data, fsdp, _ = [s if s > 0 else fill for s in sizes]
-  dp = data * fsdp
+  dp = sharding.data_parallel_size(shape)
   seqs = cfg.batch_size * cfg.num_generations
   if seqs % dp:
     c.fail("batch_size", f"batch_size * num_generations = {seqs} sequences do not divide over "
@@ -227,6 +242,11 @@ def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
            "own prompts)", f"use a multiple of {num_processes}")
 
 
+def _check_debug(c: _Checker, cfg):
+  if "debug" in cfg:  # configs written before the debug section have none
+    c.one_of("debug.transfer_guard", TRANSFER_GUARDS, "transfer guard level")
+
+
 def validate(config, *, num_devices: int | None = None,
              num_processes: int | None = None) -> list[str]:
   """Returns one message per bad value (empty when the config is good)."""
@@ -237,6 +257,7 @@ def validate(config, *, num_devices: int | None = None,
   _check_optimizer(c, config)
   _check_rollout(c, config)
   _check_data_and_rewards(c, config)
+  _check_debug(c, config)
   _check_mesh(c, config, num_devices or jax.device_count(),
               num_processes or jax.process_count())
   return c.errors

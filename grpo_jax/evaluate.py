@@ -12,16 +12,18 @@ import jax
 import numpy as np
 
 from grpo_jax import multihost
+from grpo_jax import sharding
 from grpo_jax.data import pipeline
 from grpo_jax.rewards import eval_flags
 
 
-def evaluate(sampler, params, data: pipeline.PromptData, mesh, *, generation_configs,
-             batch_size: int, rng, decode) -> dict[str, dict[str, float]]:
+def evaluate(engine, params, data: pipeline.PromptData, *, generation_configs, batch_size: int,
+             rng, decode) -> dict[str, dict[str, float]]:
   """-> {generation config: {"accuracy", "partial_accuracy", "format_accuracy", "num_examples"}}.
 
-  `sampler` is a rollout.Sampler with num_generations=1; `decode(token_ids, mask) -> str`.
-  `batch_size` is per process and must divide over the data-parallel devices.
+  `engine` is a rollout engine with num_generations=1 (rollout/engine.py);
+  `decode(token_ids, mask) -> str`. `batch_size` is per process and must divide over this
+  process's data-parallel devices (`per_process_batch_size`).
   """
   results = {}
   for gi, name in enumerate(generation_configs):
@@ -29,9 +31,7 @@ def evaluate(sampler, params, data: pipeline.PromptData, mesh, *, generation_con
     counts = np.zeros(4, np.float64)  # correct, partial, formatted, examples
     for bi, (indices, valid) in enumerate(pipeline.eval_batches(len(data), batch_size)):
       batch = data.batch(indices)
-      rollout = sampler(params, multihost.to_global(batch["prompt_ids"], mesh),
-                        multihost.to_global(batch["prompt_mask"], mesh),
-                        jax.random.fold_in(rng, gi * 100_003 + bi), name)
+      rollout = engine.generate(params, batch, jax.random.fold_in(rng, gi * 100_003 + bi), name)
       tokens = multihost.local_rows(rollout.tokens)
       mask = multihost.local_rows(rollout.mask)
       for row, ok in enumerate(valid):
@@ -49,6 +49,47 @@ def evaluate(sampler, params, data: pipeline.PromptData, mesh, *, generation_con
                                               "format_accuracy")), int(counts[3]),
                  time.time() - t0)
   return results
+
+
+def per_process_batch_size(total: int, mesh) -> int:
+  """`total` prompts per eval batch over all processes, rounded up per process to fill this
+  process's data-parallel devices."""
+  nproc = jax.process_count()
+  per_proc_devices = max(sharding.data_parallel_size(mesh) // nproc, 1)
+  b = max(total // nproc, 1)
+  return -(-b // per_proc_devices) * per_proc_devices
+
+
+class Evaluator:
+  """Held-out evaluation of a run: `evaluator(params, step, rng)` evaluates `data` with each
+  of config.eval.generation_configs, writes eval/* scalars at `step` and returns the results.
+  `evaluator.accuracy(params, data, rng)`: greedy accuracy on other rows (SFT early stopping).
+  """
+
+  def __init__(self, config, engine, data: pipeline.PromptData, mesh, *, decode, writer):
+    self.engine = engine
+    self.data = data
+    self.generation_configs = tuple(config.eval.generation_configs)
+    self.batch_size = per_process_batch_size(config.eval.batch_size, mesh)
+    self.decode = decode
+    self.writer = writer
+
+  def __call__(self, params, step: int, rng) -> dict:
+    results = evaluate(self.engine, params, self.data,
+                       generation_configs=self.generation_configs,
+                       batch_size=self.batch_size, rng=rng, decode=self.decode)
+    self.writer.write_scalars(step, as_scalars(results))
+    return results
+
+  def accuracy(self, params, data: pipeline.PromptData, rng) -> float:
+    return evaluate(self.engine, params, data, generation_configs=("greedy",),
+                    batch_size=self.batch_size, rng=rng, decode=self.decode)["greedy"]["accuracy"]
+
+
+def log_results(what: str, results: dict):
+  for name, r in results.items():
+    logging.info("eval %s [%s]: accuracy=%.3f partial=%.3f format=%.3f", what, name,
+                 r["accuracy"], r["partial_accuracy"], r["format_accuracy"])
 
 
 def as_scalars(results: dict) -> dict[str, float]:

@@ -12,14 +12,10 @@ the policy as a Hugging Face folder (config.json + model.safetensors) instead of
 import os
 import sys
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isdir(os.path.join(_REPO_ROOT, "configs")) and _REPO_ROOT not in sys.path:
-  sys.path.insert(0, _REPO_ROOT)
-
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-from absl import logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file.",
                                           lock_config=True)
@@ -36,7 +32,7 @@ _EXPORT_HF = flags.DEFINE_string("export_hf", None, "Write the policy as an HF f
 def load_params(config, workdir, step, mesh):
   """(policy, step or None): the policy with parameters from a checkpoint when there is one."""
   from grpo_jax import checkpoint as ckpt_lib
-  from grpo_jax import train
+  from grpo_jax.models import build
 
   ckpt_dir = os.path.join(workdir, "checkpoints") if workdir else None
   have = ckpt_dir and os.path.isdir(ckpt_dir)
@@ -45,7 +41,7 @@ def load_params(config, workdir, step, mesh):
   if workdir and step is None:
     raise FileNotFoundError(f"no checkpoint under {ckpt_dir}: train first, or drop --workdir to "
                             "sample from model.hf_path")
-  policy = train.make_policy(config, mesh, abstract=step is not None)
+  policy = build.make_policy(config, mesh, abstract=step is not None)
   if step is not None:
     if step not in ckpt.all_steps():
       raise FileNotFoundError(f"--step={step}: not in {ckpt_dir} (have {ckpt.all_steps()})")
@@ -64,8 +60,8 @@ def generate(config, policy, prompts, mesh, *, generation="greedy", num_samples=
 
   from grpo_jax import data as data_lib
   from grpo_jax import multihost
+  from grpo_jax import rollout
   from grpo_jax import sharding
-  from grpo_jax.rollout import Sampler
 
   tok = data_lib.build_tokenizer(config.tokenizer.kind,
                                  config.tokenizer.path or config.model.hf_path)
@@ -73,26 +69,20 @@ def generate(config, policy, prompts, mesh, *, generation="greedy", num_samples=
   pd = data_lib.PromptData(rows, tok, template=config.data.template,
                            system_prompt=data_lib.system_prompt(config.data.system_prompt),
                            max_prompt_length=config.max_prompt_length)
-  mesh = policy.mesh or mesh
-  dp = mesh.shape[sharding.DATA] * mesh.shape[sharding.FSDP]
+  dp = sharding.data_parallel_size(mesh)
   b = -(-len(prompts) // dp) * dp  # pad the batch to fill the data-parallel devices
-  sampler = Sampler(policy.sampler_graphdef, max_prompt_length=config.max_prompt_length,
-                    max_new_tokens=max_new_tokens or config.max_completion_length,
-                    num_generations=num_samples, eos_ids=tok.stop_ids, pad_id=tok.pad_id,
-                    mesh=mesh)
-  idx = np.resize(np.arange(len(prompts)), b)
-  batch = pd.batch(idx)
-  out = sampler(jax.jit(policy.rollout_params)(policy.params),
-                multihost.to_global(batch["prompt_ids"], mesh),
-                multihost.to_global(batch["prompt_mask"], mesh), jax.random.key(seed),
-                generation)
+  engine = rollout.make_engine(config, policy, tok, mesh, kind="native",
+                               num_generations=num_samples,
+                               max_new_tokens=max_new_tokens or config.max_completion_length)
+  out = engine.generate(policy.params, pd.batch(np.resize(np.arange(len(prompts)), b)),
+                        jax.random.key(seed), generation)
   tokens, mask = multihost.local_rows(out.tokens), multihost.local_rows(out.mask)
   texts = [tok.decode([int(t) for t, m in zip(tr, mr) if m]) for tr, mr in zip(tokens, mask)]
   return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
 
 
 def main(argv):
-  from grpo_jax import sharding
+  from grpo_jax.models import build
   from grpo_jax.models import hf
 
   prompts = argv[1:]
@@ -103,7 +93,7 @@ def main(argv):
   if not prompts and not _EXPORT_HF.value:
     raise app.UsageError("give one or more prompts (or `-` for stdin), or --export_hf=DIR")
   config = _CONFIG.value
-  mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  mesh = build.make_mesh(config)
   policy, step = load_params(config, _WORKDIR.value, _STEP.value, mesh)
   if _EXPORT_HF.value:
     import flax.nnx as nnx

@@ -11,15 +11,10 @@ import os
 import sys
 import time
 
-# Config files import `configs.common`; make the repo's configs/ importable from any cwd.
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isdir(os.path.join(_REPO_ROOT, "configs")) and _REPO_ROOT not in sys.path:
-  sys.path.insert(0, _REPO_ROOT)
-
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-from absl import logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (configs/*.py).", lock_config=True)

@@ -1,4 +1,11 @@
-"""TensorBoard scalars (tensorboardX), the console progress line, and device-memory stats.
+"""Per-step bookkeeping: scalars assembled and read once per log interval, TensorBoard, ETA.
+
+`StepLog` keeps each GRPO step's figures where they are (device scalars on the device,
+process-local sums on the host) and reads them once per log interval: one `jax.device_get`
+of all pending device scalars (replicated, so every process can read them) and one
+cross-process sum of one stacked [steps, k] matrix of host sums, instead of a transfer or an
+allgather per scalar per step. The non-finite-update streak stop is checked there, as the
+values arrive (`NonFiniteError`).
 
 Every scalar also goes, one JSON object per step, to WORKDIR/metrics.jsonl
 (`{"step": 3, "reward/total": 0.41, ...}`), for scripts that do not want to parse event files.
@@ -13,7 +20,100 @@ import time
 
 from absl import logging
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from grpo_jax import multihost
+
+
+class NonFiniteError(RuntimeError):
+  """max_consecutive_nonfinite GRPO updates in a row had a non-finite loss or gradients."""
+
+
+# Update-metric keys of rl/step.py -> logged names (anything else logs as loss/<key>).
+_UPDATE_NAMES = {
+    "loss": "loss/total", "pg_loss": "loss/policy_loss", "kl": "loss/kl_divergence",
+    "clip_frac": "loss/clip_fraction", "clip_frac_low": "loss/clip_fraction_low",
+    "clip_frac_high": "loss/clip_fraction_high", "skipped": "loss/skipped_updates",
+}
+_PROGRESS_KEYS = ("reward/total", "loss/kl_divergence", "loss/policy_loss",
+                  "completions/mean_length", "perf/step_time_sec")
+
+
+def rollout_stats(rewards_n, advantages_n, mask_nc, *, group_size: int, sampler_logp_nc=None,
+                  trainer_logp_nc=None) -> dict:
+  """Scalars over the global rollout batch, computed where the arrays live (jit this with
+  replicated outputs). With both log-prob arrays: the sampler/trainer gap on sampled tokens."""
+  std_b = rewards_n.reshape(-1, group_size).std(-1)
+  out = {"reward/std_within_group": std_b.mean(),
+         "reward/zero_std_group_fraction": (std_b == 0).astype(jnp.float32).mean(),
+         "advantages/mean": advantages_n.mean(), "advantages/std": advantages_n.std()}
+  if trainer_logp_nc is not None:
+    m = mask_nc.astype(jnp.float32)
+    gap_nc = jnp.abs(sampler_logp_nc - trainer_logp_nc) * m
+    out["rollout/logprob_abs_diff_mean"] = gap_nc.sum() / jnp.maximum(m.sum(), 1.0)
+    out["rollout/logprob_abs_diff_max"] = gap_nc.max()
+  return out
+
+
+class StepLog:
+  """Per-step scalars of the GRPO loop, flushed once per log interval (module docstring).
+
+  add(step, means=, totals=, host=, device=):
+    means   process-local sums over rows, summed over processes and divided by `num_rows`
+    totals  process-local counts, summed over processes
+    host    values of this process (timings), logged as they are
+    device  jax scalars (replicated): rollout_stats and the update's metrics, which carry
+            `skipped` and `nonfinite_streak` for the stop check
+  """
+
+  def __init__(self, writer: "MetricWriter", progress: "Progress", *, num_rows: int,
+               max_consecutive_nonfinite: int):
+    self.writer = writer
+    self.progress = progress
+    self.num_rows = num_rows
+    self.max_nonfinite = max_consecutive_nonfinite
+    self._pending = []
+
+  def add(self, step: int, *, means: dict, totals: dict, host: dict, device: dict):
+    self._pending.append((step, means, totals, host, device))
+
+  def flush(self) -> dict:
+    """Reads and writes every pending step; returns the last step's scalars. Raises
+    NonFiniteError (after writing the steps up to it) when the update streak hits the limit."""
+    if not self._pending:
+      return {}
+    device = jax.device_get([p[4] for p in self._pending])
+    keys = list(self._pending[0][1]) + list(self._pending[0][2])
+    sums = multihost.sum_over_processes(np.asarray(
+        [[*p[1].values(), *p[2].values()] for p in self._pending], np.float64))
+    memory = device_memory_gib()
+    pending, self._pending = self._pending, []
+    scalars = {}
+    for (step, means, _, host, _), dev, row in zip(pending, device, sums):
+      scalars = {k: v / self.num_rows if k in means else v for k, v in zip(keys, row)}
+      scalars.update(host)
+      if "completions/tokens" in scalars:
+        scalars["perf/rollout_tokens_per_sec"] = scalars["completions/tokens"] / max(
+            host["perf/rollout_sec"], 1e-9)
+      streak = int(dev.pop("nonfinite_streak"))
+      for k, v in dev.items():
+        scalars[_UPDATE_NAMES.get(k, k if "/" in k else f"loss/{k}")] = float(v)
+      scalars.update(memory)
+      self.writer.write_scalars(step, scalars)
+      if scalars.get("loss/skipped_updates"):
+        logging.warning("step %d: non-finite loss or gradients; update skipped (%d in a row)",
+                        step, streak)
+      if streak >= self.max_nonfinite:
+        self.writer.flush()
+        raise NonFiniteError(
+            f"{streak} consecutive GRPO updates had a non-finite loss or gradients (last at "
+            f"step {step}); stopping. Check rewards (reward/errors), the learning rate, and "
+            "param/compute dtypes; lower optimizer.learning_rate or raise "
+            "max_consecutive_nonfinite to keep going.")
+    self.writer.flush()
+    self.progress.log(pending[-1][0], scalars, _PROGRESS_KEYS)
+    return scalars
 
 
 class MetricWriter:

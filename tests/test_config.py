@@ -1,4 +1,4 @@
-"""The config system: shipped configs load and validate; typos and bad values give one clear line."""
+"""The config system: shipped configs load and validate; typos and bad values give one line."""
 import importlib.util
 import os
 import subprocess
@@ -139,3 +139,102 @@ def test_bad_value_on_command_line_stops_before_training(tmp_path):
   assert any("loss.clip_eps=1.5" in l for l in lines)
   assert any("num_generations=1" in l for l in lines)
   assert not os.listdir(tmp_path)
+
+
+# ------------------------------------------------------- accepted names come from their owners
+
+
+def _owner_names():
+  """(config field, the names its owner module defines): what the validator must accept."""
+  from grpo_jax.data import arithmetic
+  from grpo_jax.data import sources
+  from grpo_jax.data import templates
+  from grpo_jax.data import tokenizers
+  from grpo_jax.models import build
+  from grpo_jax.models import config as model_config
+  from grpo_jax.models import remat
+  from grpo_jax.rewards import computer
+  from grpo_jax.rl import advantages
+  from grpo_jax.rl import registry
+  from grpo_jax.rollout import engine
+  from grpo_jax.rollout import types
+  impls = [i for i in build.IMPLS
+           if i != "maxtext" or importlib.util.find_spec("maxtext") is not None]
+  return [
+      ("model.impl", impls),
+      ("model.param_dtype", model_config.DTYPES),
+      ("model.dtype", model_config.DTYPES),
+      ("model.remat_policy", remat.POLICIES),
+      ("eval.generation_configs", [(name,) for name in types.GENERATION_CONFIGS]),
+      ("data.train_source", sources.SOURCES),
+      ("data.eval_source", sources.SOURCES),
+      ("data.template", templates.TEMPLATES),
+      ("data.system_prompt", templates.SYSTEM_PROMPTS),
+      ("data.arithmetic.demonstration", arithmetic.DEMONSTRATION_STYLES),
+      ("tokenizer.kind", tokenizers.KINDS),
+      ("reward.on_error", computer.ON_ERROR),
+      ("loss.std_kind", advantages.STD_KINDS),
+      ("loss.estimator", registry.ADVANTAGE_ESTIMATORS.names()),
+      ("loss.policy_loss", registry.POLICY_LOSSES.names()),
+      ("loss.kl_kind", registry.KL_ESTIMATORS.names()),
+      ("loss.loss_agg_mode", registry.LOSS_AGG_MODES.names()),
+      ("rollout.engine", engine.ENGINES),
+      ("debug.transfer_guard", configuration.TRANSFER_GUARDS),
+  ]
+
+
+def _set(config, field, value):
+  node = config
+  parts = field.split(".")
+  with config.unlocked():
+    for p in parts[:-1]:
+      node = node[p]
+    setattr(node, parts[-1], value)
+
+
+def _tiny_with_paths():
+  """tiny.py with files and a tokenizer folder, so any source or tokenizer kind is usable."""
+  config = load("tiny")
+  with config.unlocked():
+    config.data.train_path = config.data.eval_path = __file__
+    config.tokenizer.path = ROOT
+  return config
+
+
+@pytest.mark.parametrize("field,names", _owner_names(), ids=[f for f, _ in _owner_names()])
+def test_validator_accepts_exactly_the_owners_names(field, names):
+  assert len(names) >= 2, (field, names)
+  for name in names:
+    config = _tiny_with_paths()
+    _set(config, field, name)
+    assert errors_of(config) == [], (field, name)
+  config = _tiny_with_paths()
+  bad = ("not-a-name",) if field == "eval.generation_configs" else "not-a-name"
+  _set(config, field, bad)
+  errors = errors_of(config)
+  assert len(errors) == 1 and errors[0].startswith(f"{field}="), errors
+  assert "Fix:" in errors[0]
+
+
+def test_names_registered_at_runtime_are_accepted(monkeypatch):
+  from grpo_jax.models import remat
+  from grpo_jax.rollout import types
+  config = load("tiny")
+  _set(config, "model.remat_policy", "save_everything")
+  _set(config, "eval.generation_configs", ("greedy", "lukewarm"))
+  assert len(errors_of(config)) == 2
+  monkeypatch.setitem(remat.POLICIES, "save_everything", lambda: None)
+  monkeypatch.setitem(types.GENERATION_CONFIGS, "lukewarm",
+                      types.GenerationConfig(temperature=0.5, top_k=10, top_p=0.9))
+  assert errors_of(config) == []
+
+
+@pytest.mark.parametrize("data,fsdp,tensor", [(3, 1, 1), (-1, 1, 3), (-1, -1, 1), (2, 2, 4)])
+def test_bad_mesh_gives_one_mesh_line_with_the_fix(data, fsdp, tensor):
+  config = load("tiny")
+  with config.unlocked():
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = data, fsdp, tensor
+  errors = errors_of(config)
+  assert len(errors) == 1, errors
+  assert errors[0].startswith("mesh."), errors[0]
+  assert "Fix: make data * fsdp * tensor equal the 8 available devices" in errors[0]

@@ -227,3 +227,40 @@ def test_arithmetic_small_space_returns_all_problems():
   assert 80 <= len(rows) <= 100
   with pytest.raises(ValueError, match="ops must be"):
     arithmetic.arithmetic_rows(1, split="train", ops="/")
+
+
+# ------------------------------------------------------------------------- data sources
+
+
+def _data_config(**data_fields):
+  import ml_collections
+  arith = dict(digits=2, num_ops=1, ops="+", num_train=50, num_test=20, demonstration="reasoning")
+  d = dict(train_source="arithmetic", train_path="", eval_source="arithmetic", eval_path="",
+           arithmetic=arith)
+  return ml_collections.ConfigDict(dict(seed=3, data={**d, **data_fields}))
+
+
+def test_load_rows_arithmetic_gives_the_seeded_disjoint_splits():
+  train, test = data.load_rows(_data_config())
+  assert train == data.arithmetic_rows(50, split="train", seed=3, style="reasoning")
+  assert test == data.arithmetic_rows(20, split="test", seed=3, style="reasoning")
+  assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+
+
+def test_load_rows_reads_a_jsonl_file_for_one_split(tmp_path):
+  f = tmp_path / "rows.jsonl"
+  f.write_text("\n".join(json.dumps(dict(GOOD, prompt=f"{i}+{i}?")) for i in range(3)))
+  config = _data_config()
+  config.data.eval_source, config.data.eval_path = "jsonl", str(f)
+  train, test = data.load_rows(config)
+  assert len(train) == 50 and train[0]["data_source"] == "arithmetic"
+  assert test == data.read_prompt_file(str(f)) and [r["prompt"] for r in test] == [
+      "0+0?", "1+1?", "2+2?"]
+
+
+def test_sources_are_the_readers_plus_arithmetic():
+  from grpo_jax.data import sources
+  assert set(sources.FILE_SOURCES) == set(datasets.READERS)
+  assert set(data.SOURCES) == set(datasets.READERS) | {"arithmetic"}
+  with pytest.raises(ValueError, match="unknown data source 'csv'.*arithmetic"):
+    data.load_rows(_data_config(train_source="csv"))

@@ -150,6 +150,39 @@ def test_aggregate_all_masked_is_zero(mode):
   assert float(out) == 0.0
 
 
+@pytest.mark.parametrize("num_micro", [1, 2, 3, 6])
+@pytest.mark.parametrize("mode", losses.LOSS_AGG_MODES.names())
+def test_weighted_micro_batches_sum_to_the_whole_batch(mode, num_micro):
+  """What exact gradient accumulation relies on, for every registered mode: over strided
+  micro-batches (rows i, i + n, ...), sum(micro_batch_weight * aggregate(micro)) equals the
+  whole batch's aggregation."""
+  assert mode in AGG_MODES, f"write a NumPy reference (np_aggregate) for the new mode {mode!r}"
+  rng = np.random.default_rng(7)
+  B, T, L = 12, 9, 11
+  l = rng.uniform(0.5, 2.0, size=(B, T)).astype(np.float32)  # one sign: no cancellation
+  lens = rng.integers(1, T + 1, size=B)
+  lens[[1, 4, 7]] = 0  # with num_micro=6, micro-batch 1 (rows 1, 7) has no tokens at all
+  mask = (np.arange(T)[None] < lens[:, None]).astype(np.float32)
+  l[mask == 0] = np.nan
+  total_tokens = jnp.asarray(mask.sum())
+  got = jnp.zeros((), jnp.float32)
+  for i in range(num_micro):
+    l_mb, m_mb = jnp.asarray(l[i::num_micro]), jnp.asarray(mask[i::num_micro])
+    w = losses.micro_batch_weight(mode, m_mb, total_tokens, B)
+    got = got + w * losses.aggregate(l_mb, m_mb, mode, L)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(np.float64(got), np_aggregate(l, mask, mode, L), rtol=1e-6)
+
+
+def test_agg_mode_without_a_weight_fails_at_registration():
+  reduce = lambda lm, m, max_len: lm.sum()
+  with pytest.raises(TypeError, match="weight"):
+    losses.register_agg_mode("token-sum")(reduce)
+  with pytest.raises(TypeError, match="weight must be a function"):
+    losses.register_agg_mode("token-sum", weight=None)(reduce)
+  assert "token-sum" not in losses.LOSS_AGG_MODES
+
+
 def test_dr_grpo_norm_requires_max_len():
   with pytest.raises(ValueError, match="max_completion_length"):
     losses.aggregate(jnp.ones((2, 3)), jnp.ones((2, 3)), "seq-mean-token-sum-norm")

@@ -315,3 +315,89 @@ def test_infer_samples_and_exports_the_trained_policy(tmp_path):
   from flax import nnx
   mine = nnx.merge(policy.graphdef, policy.params)
   np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(mine(ids)), atol=1e-6)
+
+
+# ------------------------------------------------------------- host traffic and teardown
+
+
+@pytest.fixture
+def device_reads_guarded(monkeypatch):
+  """On CPU a device array already lives in host memory, so jax.transfer_guard never sees a
+  read of one. Make reads obey the device-to-host guard as they do on an accelerator: an
+  implicit read (np.asarray, float(), int(), bool(), .tolist()) of a value not yet on the host
+  raises under "disallow"; jax.device_get (an explicit transfer) stays allowed."""
+  from jax._src import array as array_lib
+  from jax._src import config as jax_config
+  from jax._src.lib import guard_lib
+
+  real = array_lib.ArrayImpl._value
+  reads = []
+
+  def guarded(self):
+    level = jax_config.transfer_guard_device_to_host.value
+    explicit = guard_lib.thread_local_state().explicit_device_get
+    if self._npy_value is None and level == "disallow" and not explicit:
+      reads.append(self.shape)
+      raise RuntimeError(f"implicit device-to-host read of an array {self.shape} "
+                         f"{self.dtype} inside a guarded step")
+    return real.fget(self)
+
+  monkeypatch.setattr(array_lib.ArrayImpl, "_value", property(guarded))
+  return reads
+
+
+def test_emulated_guard_catches_an_implicit_read(device_reads_guarded):
+  x = jax.numpy.arange(3.0) + 1
+  with jax.transfer_guard("disallow"):
+    with pytest.raises(RuntimeError, match="implicit device-to-host read"):
+      float(x.sum())
+    assert jax.device_get(x.sum()) == 6.0  # explicit: allowed
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    # Every optional path of the step: reference, old log-probs (2 passes), TIS, DAPO.
+    {"beta": 0.04, "num_iterations": 2, "loss.tis_cap": 2.0, "loss.dynamic_sampling": True,
+     "loss.overlong_buffer": 2, "micro_batch_size": 8, "log_interval_steps": 2},
+])
+def test_steady_state_steps_touch_the_host_only_on_purpose(tmp_path, device_reads_guarded,
+                                                           overrides):
+  """Steps after the first run under jax.transfer_guard("disallow") (host-to-device as JAX
+  enforces it, device-to-host as an accelerator would): the only transfers are the loop's
+  own (prompts, completions, rewards, the log-interval read)."""
+  workdir = str(tmp_path / "run")
+  summary = train.run(tiny_config(num_steps=4, **{"debug.transfer_guard": "disallow"},
+                                  **overrides), workdir)
+  assert summary["final_step"] == 4 and device_reads_guarded == []
+  rows = grpo_rows(workdir)
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  assert all(np.isfinite(r["loss/total"]) and r["loss/grad_norm"] > 0 for r in rows)
+
+
+def test_error_path_tears_everything_down(tmp_path, monkeypatch):
+  """A forced non-finite stop leaves no SIGTERM handler of ours installed, the reward worker
+  pool closed, the metric writer closed and the checkpointer finished."""
+  from grpo_jax import checkpoint as ckpt_lib
+  from grpo_jax import metrics as metrics_lib
+  from grpo_jax.rewards import computer
+  live = []  # strong references: a close() from __del__ must not count
+  real_call = computer.RewardComputer.__call__
+
+  def nan_call(self, prompts, completions, rows):
+    live.append(self)
+    out = real_call(self, prompts, completions, rows)
+    out.total = np.full_like(out.total, np.nan)
+    return out
+
+  monkeypatch.setattr(computer.RewardComputer, "__call__", nan_call)
+  closed = []
+  for cls in (computer.RewardComputer, metrics_lib.MetricWriter, ckpt_lib.Checkpointer):
+    monkeypatch.setattr(cls, "close", lambda self, _c=cls.close, _n=cls.__name__: (
+        closed.append(_n), _c(self))[1])
+  before = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(train.NonFiniteError):
+    train.run(tiny_config(num_steps=5, max_consecutive_nonfinite=2,
+                          **{"reward.num_workers": 1}), str(tmp_path / "run"))
+  assert signal.getsignal(signal.SIGTERM) is before
+  assert sorted(set(closed)) == ["Checkpointer", "MetricWriter", "RewardComputer"]
+  assert live and live[0]._pool is None  # the spawned worker pool is gone

@@ -40,12 +40,19 @@ def make_problem(rng: np.random.Generator, digits: int, num_ops: int, ops: str):
   return _evaluate(operands, chosen)
 
 
+# config.data.arithmetic.demonstration -> the SFT target for (expression, answer).
+DEMONSTRATION_STYLES = {
+    "answer": lambda text, answer: f"<answer>{answer}</answer>",
+    "reasoning": lambda text, answer: (f"<reasoning>{text}={answer}</reasoning>"
+                                       f"<answer>{answer}</answer>"),
+}
+
+
 def demonstration(text: str, answer: int, style: str) -> str:
-  if style == "answer":
-    return f"<answer>{answer}</answer>"
-  if style == "reasoning":
-    return f"<reasoning>{text}={answer}</reasoning><answer>{answer}</answer>"
-  raise ValueError(f"unknown demonstration style {style!r}; known: answer, reasoning")
+  if style not in DEMONSTRATION_STYLES:
+    raise ValueError(f"unknown demonstration style {style!r}; known: "
+                     f"{', '.join(DEMONSTRATION_STYLES)}")
+  return DEMONSTRATION_STYLES[style](text, answer)
 
 
 def arithmetic_rows(n: int, *, split: str, seed: int = 0, digits: int = 2, num_ops: int = 1,

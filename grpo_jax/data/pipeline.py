@@ -46,7 +46,8 @@ class PromptData:
     empty = [i for i, e in enumerate(encoded) if not e]
     if empty:
       raise ValueError(f"row {empty[0]} renders to an empty prompt; every prompt needs a token")
-    self.num_truncated = sum(len(e) > max_prompt_length for e in encoded)
+    self.truncated = np.array([len(e) > max_prompt_length for e in encoded])
+    self.num_truncated = int(self.truncated.sum())
     if self.num_truncated:
       logging.warning("%d of %d prompts are longer than max_prompt_length=%d tokens and were "
                       "left-truncated (longest: %d tokens)", self.num_truncated, len(rows),
@@ -55,6 +56,18 @@ class PromptData:
 
   def __len__(self):
     return len(self.rows)
+
+  def select(self, indices) -> "PromptData":
+    """The rows at `indices` as their own PromptData (already tokenized: no re-encoding)."""
+    indices = np.asarray(indices, np.int64)
+    out = object.__new__(PromptData)
+    out.rows = [self.rows[i] for i in indices]
+    out.tokenizer = self.tokenizer
+    out.texts = [self.texts[i] for i in indices]
+    out.ids, out.mask = self.ids[indices], self.mask[indices]
+    out.truncated = self.truncated[indices]
+    out.num_truncated = int(out.truncated.sum())
+    return out
 
   def batch(self, indices) -> dict:
     """prompt_ids, prompt_mask [b, P] int32; rows and prompt texts (lists of length b)."""

@@ -180,9 +180,11 @@ def _token_str(tok) -> str | None:
   return tok
 
 
+# tokenizer.kind -> constructor from a folder path (the char tokenizer needs none).
+KINDS = {"char": lambda path: CharTokenizer(), "hf": lambda path: HFTokenizer(path)}
+
+
 def build_tokenizer(kind: str, path: str = "") -> Tokenizer:
-  if kind == "char":
-    return CharTokenizer()
-  if kind == "hf":
-    return HFTokenizer(path)
-  raise ValueError(f"unknown tokenizer kind {kind!r}; known: char, hf")
+  if kind not in KINDS:
+    raise ValueError(f"unknown tokenizer kind {kind!r}; known: {', '.join(KINDS)}")
+  return KINDS[kind](path)

@@ -6,8 +6,12 @@ Preset shapes are the published Hugging Face config.json values of each model.
 """
 import dataclasses
 
+from grpo_jax.models import remat
+
 ARCHS = ("qwen3", "llama3")
-REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_out", "offload_dots")
+# The names `remat.POLICIES` defines (a snapshot for importers; checks read POLICIES itself so
+# a policy registered later is accepted too).
+REMAT_POLICIES = tuple(remat.POLICIES)
 DTYPES = ("float32", "bfloat16", "float16")
 
 _HF_ARCH = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama3": ("LlamaForCausalLM", "llama")}
@@ -62,9 +66,9 @@ class ModelConfig:
     for f in ("param_dtype", "dtype"):
       if getattr(self, f) not in DTYPES:
         out.append((f, "unknown dtype", f"use one of {', '.join(DTYPES)}"))
-    if self.remat_policy not in REMAT_POLICIES:
+    if self.remat_policy not in remat.POLICIES:
       out.append(("remat_policy", "unknown remat policy",
-                  f"use one of {', '.join(REMAT_POLICIES)}"))
+                  f"use one of {', '.join(remat.POLICIES)}"))
     return out
 
   def validate(self) -> "ModelConfig":

@@ -6,29 +6,23 @@ remat policies (`model.maxtext.remat_policy`, per-tensor `remat|device|offload` 
 `model.maxtext.overrides`), scanned layers and attention kernels are MaxText's. The loop sees
 the usual Policy interface:
 
-  logprobs(params, ids, mask, L, temperature)  MaxText forward with positions = cumsum(mask) - 1
+  logprobs(params, ids, mask, C, temperature)  MaxText forward with positions = cumsum(mask) - 1
                                                and decoder_segment_ids = mask, so a real token
                                                never attends to left padding (segment 1 vs 0);
   rollout_params(params)                       the same weights in the native decoder's layout,
                                                for the jitted native sampler and the vLLM sync
-                                               (which then goes native -> HF names, models/hf.py).
+                                               (which then goes native -> HF names, models/hf.py);
+  sampler_is_trainer=False                     the sampler runs the native decoder, not this
+                                               program, so the loop measures the mismatch.
 
-Weight mapping (`maxtext_to_native` / `native_to_maxtext`, pure dicts, exact both ways):
+The weight mapping (native <-> MaxText <-> HF, scanned or not) lives in models/maxtext_mapping.py,
+which needs no MaxText; its names are re-exported here.
 
-  native (models/transformer.py)      MaxText (decoder_block qwen3)            HF
-  embed [V, D]                        token_embedder.embedding [V, D]          model.embed_tokens
-  final_norm.scale                    decoder.decoder_norm.scale               model.norm
-  lm_head [D, V] (untied only)        decoder.logits_dense.kernel [D, V]       lm_head (transposed)
-  layers[i].attn_norm.scale           decoder.layers_i.pre_self_attention_layer_norm.scale
-  layers[i].mlp_norm.scale            decoder.layers_i.post_self_attention_layer_norm.scale
-  layers[i].attn.{q,k,v} [D, n, K]    decoder.layers_i.self_attention.{query,key,value}.kernel
-  layers[i].attn.o [H, K, D]          decoder.layers_i.self_attention.out.kernel
-  layers[i].attn.{q,k}_norm.scale     decoder.layers_i.self_attention.{query,key}_norm.scale
-  layers[i].mlp.{gate,up,down}        decoder.layers_i.mlp.{wi_0,wi_1,wo}.kernel
-
-Per-layer tensors have the same shapes on both sides (no transposes). Scanned layers stack
-them: native on axis 0 (`layers.attn.q` [L, D, H, K]), MaxText on `param_scan_axis` (1 by
-default: `decoder.layers.self_attention.query.kernel` [D, L, H, K]).
+Mesh. MaxText shards over its own many-axis mesh. `make_mesh(config, base_mesh)` (called by
+models/build.py) lays our (data, fsdp, tensor) mesh out as MaxText's: the same devices in the
+same order, MaxText's other axes of size 1, so our PartitionSpecs mean the same thing on it and
+the loop, the sampler and this policy share one mesh. `maxtext_policy` accepts that mesh or a
+plain (data, fsdp, tensor) one (converted the same way); the params live on the MaxText mesh.
 
 Initialization. MaxText initializes the token embedding N(0, 1) (models.py: `normal(stddev=1.0)`)
 and, for tied-embedding models (`logits_via_embedding: true`, `normalize_embedding_logits: false`
@@ -55,8 +49,9 @@ maps it on device into MaxText's layout (peak device memory: both copies, briefl
 `{"params": {"params": ...}}` tree MaxText's trainer writes, scanned or unscanned, detected
 from the stored shapes) straight into the sharded parameters.
 
-Supported: Qwen3 dense (decoder_block qwen3). Llama 3 with impl=maxtext is refused with a clear
-error (its MaxText RoPE layout is not yet parity-tested here).
+Supported: Qwen3 dense (decoder_block qwen3); see maxtext_mapping.check_supported.
+MaxText is imported inside the functions that need it, so this module (and ATTENTION_KERNELS,
+which the config validator reads) imports without it.
 """
 import dataclasses
 import os
@@ -73,127 +68,18 @@ from grpo_jax.models import hf
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.logprobs import token_logprobs
+# The mapping, re-exported: callers and tests use it as maxtext_adapter.<name>.
+from grpo_jax.models.maxtext_mapping import check_supported
+from grpo_jax.models.maxtext_mapping import GLOBAL_MAP  # noqa: F401
+from grpo_jax.models.maxtext_mapping import LAYER_MAP  # noqa: F401
+from grpo_jax.models.maxtext_mapping import maxtext_hf_names  # noqa: F401
+from grpo_jax.models.maxtext_mapping import maxtext_to_native
+from grpo_jax.models.maxtext_mapping import native_to_maxtext
 from grpo_jax.models.transformer import Transformer
 from grpo_jax.models.transformer import positions_from_mask
 
-# (native per-layer path, MaxText per-layer path); qk-norm entries only when cfg.qk_norm.
-LAYER_MAP = (
-    (("attn_norm", "scale"), ("pre_self_attention_layer_norm", "scale")),
-    (("mlp_norm", "scale"), ("post_self_attention_layer_norm", "scale")),
-    (("attn", "q"), ("self_attention", "query", "kernel")),
-    (("attn", "k"), ("self_attention", "key", "kernel")),
-    (("attn", "v"), ("self_attention", "value", "kernel")),
-    (("attn", "o"), ("self_attention", "out", "kernel")),
-    (("attn", "q_norm", "scale"), ("self_attention", "query_norm", "scale")),
-    (("attn", "k_norm", "scale"), ("self_attention", "key_norm", "scale")),
-    (("mlp", "gate"), ("mlp", "wi_0", "kernel")),
-    (("mlp", "up"), ("mlp", "wi_1", "kernel")),
-    (("mlp", "down"), ("mlp", "wo", "kernel")),
-)
-GLOBAL_MAP = (
-    (("embed",), ("token_embedder", "embedding")),
-    (("final_norm", "scale"), ("decoder", "decoder_norm", "scale")),
-    (("lm_head",), ("decoder", "logits_dense", "kernel")),
-)
-
-
-# ------------------------------------------------------------------------- weight mapping
-
-
-def _get(tree, path):
-  for p in path:
-    tree = tree[p]
-  return tree
-
-
-def _set(tree, path, value):
-  for p in path[:-1]:
-    tree = tree.setdefault(p, {})
-  tree[path[-1]] = value
-
-
-def _layer_entries(cfg: ModelConfig):
-  return [(n, m) for n, m in LAYER_MAP if cfg.qk_norm or "norm" not in n[1]]
-
-
-def _global_entries(cfg: ModelConfig):
-  return [(n, m) for n, m in GLOBAL_MAP if n != ("lm_head",) or not cfg.tie_embeddings]
-
-
-def _check_supported(cfg: ModelConfig):
-  if cfg.arch != "qwen3":
-    raise ValueError(
-        f"model.impl=maxtext supports arch qwen3 only (got {cfg.arch!r}): use "
-        "--config.model.impl=native for Llama 3")
-  if cfg.attention_bias:
-    raise ValueError("model.impl=maxtext: attention_bias=True has no MaxText qwen3 "
-                              "counterpart; use model.impl=native")
-
-
-def native_to_maxtext(native: dict, cfg: ModelConfig, *, scan_layers: bool,
-                      scan_axis: int = 1) -> dict:
-  """Native decoder params (pure dict, scanned or not per cfg.scan_layers) -> MaxText params."""
-  _check_supported(cfg)
-  out: dict = {}
-  for n, m in _global_entries(cfg):
-    _set(out, m, _get(native, n))
-  for n, m in _layer_entries(cfg):
-    if cfg.scan_layers:
-      stacked = _get(native, ("layers", *n))  # [L, ...]
-      per_layer = [stacked[i] for i in range(cfg.num_layers)]
-    else:
-      per_layer = [_get(native, ("layers", i, *n)) for i in range(cfg.num_layers)]
-    if scan_layers:
-      _set(out, ("decoder", "layers", *m), jnp.stack(per_layer, axis=scan_axis))
-    else:
-      for i, x in enumerate(per_layer):
-        _set(out, ("decoder", f"layers_{i}", *m), x)
-  return out
-
-
-def maxtext_to_native(mt: dict, cfg: ModelConfig, *, scan_layers: bool,
-                      scan_axis: int = 1) -> dict:
-  """MaxText params (pure dict) -> native decoder params (scanned or not per cfg.scan_layers)."""
-  _check_supported(cfg)
-  out: dict = {}
-  for n, m in _global_entries(cfg):
-    _set(out, n, _get(mt, m))
-  for n, m in _layer_entries(cfg):
-    if scan_layers:
-      stacked = _get(mt, ("decoder", "layers", *m))
-      per_layer = [jnp.take(stacked, i, axis=scan_axis) for i in range(cfg.num_layers)]
-    else:
-      per_layer = [_get(mt, ("decoder", f"layers_{i}", *m)) for i in range(cfg.num_layers)]
-    if cfg.scan_layers:
-      _set(out, ("layers", *n), jnp.stack(per_layer, axis=0))
-    else:
-      for i, x in enumerate(per_layer):
-        _set(out, ("layers", i, *n), x)
-  return out
-
-
-def maxtext_hf_names(cfg: ModelConfig, *, scan_layers: bool) -> dict[str, str]:
-  """MaxText parameter path ("decoder/layers_3/mlp/wo/kernel") -> HF tensor name (per layer;
-  with scan_layers the stacked path maps to the name with "{i}"). Shapes: see hf.param_mapping
-  (native <-> HF); MaxText <-> native needs no reshapes."""
-  by_native = {e.path: e.hf_name for e in hf.param_mapping(cfg)}
-  out = {}
-  for n, m in _global_entries(cfg):
-    out["/".join(m)] = by_native[n]
-  for n, m in _layer_entries(cfg):
-    if scan_layers:
-      out["/".join(("decoder", "layers", *m))] = by_native[n]
-    else:
-      for i in range(cfg.num_layers):
-        out["/".join(("decoder", f"layers_{i}", *m))] = by_native[n].format(i=i)
-  return out
-
-
-def _fill_state(template: nnx.State, pure: dict) -> nnx.State:
-  """A new State shaped like `template` holding the arrays of the pure dict `pure`."""
-  state = jax.tree.map(lambda x: x, template)
-  nnx.replace_by_pure_dict(state, pure)
-  return state
+# MaxText's `attention` kernels that model.maxtext.attention may name (configuration.py).
+ATTENTION_KERNELS = ("dot_product", "flash", "cudnn_flash_te", "autoselected")
 
 
 # ------------------------------------------------------------------------- MaxText config
@@ -226,7 +112,10 @@ def maxtext_config(config, cfg: ModelConfig, mesh):
   """MaxText HyperParameters for our model shape, dtypes, remat and mesh sizes."""
   from maxtext.configs import pyconfig  # optional dependency
 
-  _check_supported(cfg)
+  check_supported(cfg)
+  if not set(sharding.MESH_AXES) <= set(mesh.axis_names):
+    raise ValueError(f"mesh axes {mesh.axis_names} lack some of {sharding.MESH_AXES}: build "
+                     "the mesh with models.build.make_mesh")
   mx = config.model.maxtext
   base = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
   kw = dict(
@@ -253,20 +142,38 @@ def maxtext_config(config, cfg: ModelConfig, mesh):
   return pyconfig.initialize(["", base], **kw)
 
 
-def maxtext_mesh(mt_cfg, mesh):
+def make_mesh(config, base_mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+  """MaxText's many-axis mesh for `config` over `base_mesh`'s devices (models/build.py)."""
+  return maxtext_mesh(maxtext_config(config, _native_cfg(config), base_mesh), base_mesh)
+
+
+def maxtext_mesh(mt_cfg, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
   """MaxText's many-axis mesh over the same devices in the same order as our (data, fsdp, tensor)
-  mesh: the extra axes have size 1, so our PartitionSpecs mean the same thing on it."""
-  sizes = {sharding.DATA: mesh.shape[sharding.DATA], sharding.FSDP: mesh.shape[sharding.FSDP],
-           sharding.TENSOR: mesh.shape[sharding.TENSOR]}
+  mesh: the extra axes have size 1, so our PartitionSpecs mean the same thing on it. A mesh that
+  already has MaxText's axes (from make_mesh) is returned as is."""
   names = tuple(mt_cfg.mesh_axes)
-  missing = set(sizes) - set(names)
+  if tuple(mesh.axis_names) == names:
+    _check_extra_axes(mesh)
+    return mesh
+  if set(mesh.axis_names) != set(sharding.MESH_AXES):
+    raise ValueError(f"mesh axes {mesh.axis_names}: expected {sharding.MESH_AXES} (from "
+                     f"sharding.make_mesh) or MaxText's {names} (from build.make_mesh)")
+  missing = set(sharding.MESH_AXES) - set(names)
   if missing:
     raise ValueError(f"MaxText mesh_axes {names} lack {sorted(missing)}")
-  shape = tuple(sizes.get(a, 1) for a in names)
-  devices = np.asarray(mesh.devices).transpose(
-      [list(mesh.axis_names).index(a) for a in sharding.MESH_AXES]).reshape(shape)
+  ours = [a for a in names if a in sharding.MESH_AXES]  # our axes in MaxText's order
+  devices = np.asarray(mesh.devices).transpose([mesh.axis_names.index(a) for a in ours])
+  devices = devices.reshape(tuple(mesh.shape.get(a, 1) for a in names))
   return jax.sharding.Mesh(devices, names,
                            axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def _check_extra_axes(mesh: jax.sharding.Mesh):
+  """maxtext_config reads only the data/fsdp/tensor sizes; any other axis must be trivial."""
+  extra = {a: n for a, n in mesh.shape.items() if a not in sharding.MESH_AXES and n != 1}
+  if extra:
+    raise ValueError(f"MaxText mesh axes {extra} have size > 1: only data, fsdp and tensor "
+                     "(config.mesh) may shard")
 
 
 # ------------------------------------------------------------------------------- policy
@@ -286,6 +193,7 @@ class MaxTextParts:
 
 
 def build_parts(config, mesh, cfg: ModelConfig | None = None) -> MaxTextParts:
+  """MaxText's abstract model for `config` on `mesh` (ours or MaxText's; see maxtext_mesh)."""
   from maxtext.utils import model_creation_utils  # optional dependency
 
   if cfg is None:
@@ -315,6 +223,13 @@ def _native_cfg(config) -> ModelConfig:
   return policy_lib.model_config_from(config)
 
 
+def _fill_state(template: nnx.State, pure: dict) -> nnx.State:
+  """A new State shaped like `template` holding the arrays of the pure dict `pure`."""
+  state = jax.tree.map(lambda x: x, template)
+  nnx.replace_by_pure_dict(state, pure)
+  return state
+
+
 def _shardings(abstract_state):
   return jax.tree.map(lambda x: x.sharding, abstract_state)
 
@@ -327,7 +242,8 @@ def _params_of(parts: MaxTextParts, make_pure_fn):
 
 
 def maxtext_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy:
-  """The Policy for `config.model.impl == "maxtext"` (see the module docstring)."""
+  """The Policy for `config.model.impl == "maxtext"` (see the module docstring). `mesh` is
+  build.make_mesh's (or a plain data/fsdp/tensor one); the params live on MaxText's mesh."""
   parts = build_parts(config, mesh)
   cfg, mx = parts.native_cfg, config.model.maxtext
   scan, scan_axis = cfg.scan_layers, parts.mt_config.param_scan_axis
@@ -345,7 +261,8 @@ def maxtext_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy
     params = load_maxtext_checkpoint(m.maxtext_checkpoint, parts)
   elif m.hf_path:
     native = hf.load_hf(m.hf_path, jnp.dtype(m.dtype), param_dtype=jnp.dtype(m.param_dtype),
-                        mesh=mesh, remat_policy=m.remat_policy, scan_layers=m.scan_layers)
+                        mesh=parts.mesh, remat_policy=m.remat_policy,
+                        scan_layers=m.scan_layers)
     native_pure = nnx.to_pure_dict(nnx.state(native))
     params = _params_of(parts, lambda: to_maxtext(native_pure))
     del native, native_pure
@@ -374,7 +291,7 @@ def maxtext_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy
   shardings = _shardings(parts.abstract_params)
   return policy_lib.Policy(params=params, graphdef=graphdef, logprobs=logprobs,
                            rollout_params=rollout_params, sampler_graphdef=parts.native_graphdef,
-                           model_config=cfg, save_hf=save, mesh=parts.mesh,
+                           model_config=cfg, save_hf=save, sampler_is_trainer=False,
                            shardings=lambda mesh: shardings)
 
 

@@ -1,6 +1,6 @@
 """The policy as the training loop sees it: trainable params + a log-prob function + rollout weights.
 
-The loop never touches a model class. It holds `policy.params` (an nnx.State), trains them
+Built by `models.build.make_policy(config, mesh)`. The loop never touches a model class. It holds `policy.params` (an nnx.State), trains them
 through `policy.logprobs(params, input_ids, attention_mask, completion_len)`, and before each
 rollout turns them into the native decoder's weights with `policy.rollout_params(params)` for
 the jitted sampler (`policy.sampler_graphdef`). The native policy is the identity there; the
@@ -25,14 +25,16 @@ from grpo_jax.models.transformer import build_model
 class Policy:
   params: nnx.State
   graphdef: nnx.GraphDef
-  logprobs: Callable  # (params, input_ids [B,S], attention_mask [B,S], L, temperature) -> [B, L]
+  logprobs: Callable  # (params, input_ids [B,S], attention_mask [B,S], C, temperature) -> [B, C]
   rollout_params: Callable  # params -> native decoder state for the sampler
   sampler_graphdef: nnx.GraphDef
   model_config: ModelConfig
   save_hf: Callable  # (params, path) -> None
-  # The MaxText policy runs on MaxText's mesh (our three axes plus size-1 others, same devices)
-  # and brings its own parameter shardings; None for the native policy.
-  mesh: jax.sharding.Mesh | None = None
+  # True when the native sampler runs the very program the trainer differentiates (same
+  # weights, same layers): its log-probs are the trainer's. False for the MaxText policy (the
+  # sampler runs the native decoder on mapped weights), so the loop measures the mismatch.
+  sampler_is_trainer: bool = True
+  # The MaxText policy brings its own parameter shardings; None: from logical-axis metadata.
   shardings: Callable | None = None  # mesh -> State of NamedShardings
 
   def param_shardings(self, mesh):

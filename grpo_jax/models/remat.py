@@ -16,20 +16,26 @@ import jax
 _SAVED = ("qkv_proj", "attn_out", "mlp_out")
 
 
+def _offload_dots():
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=[*_SAVED, "mlp_hidden"],
+      offload_src="device", offload_dst="pinned_host")
+
+
+# name -> factory of the jax.checkpoint policy (None: no jax.checkpoint at all). Factories, not
+# policies, so this module stays importable (by the config validator) without touching a
+# backend; a new entry here is a new `model.remat_policy` value everywhere.
+POLICIES = {
+    "none": lambda: None,
+    "full": lambda: jax.checkpoint_policies.nothing_saveable,
+    "save_dots": lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_qkv_out": lambda: jax.checkpoint_policies.save_only_these_names(*_SAVED),
+    "offload_dots": _offload_dots,
+}
+
+
 def policy(name: str):
   """The jax.checkpoint policy for `name`, or None for "none" (no jax.checkpoint at all)."""
-  cp = jax.checkpoint_policies
-  if name == "none":
-    return None
-  if name == "full":
-    return cp.nothing_saveable
-  if name == "save_dots":
-    return cp.dots_with_no_batch_dims_saveable
-  if name == "save_qkv_out":
-    return cp.save_only_these_names(*_SAVED)
-  if name == "offload_dots":
-    return cp.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=[*_SAVED, "mlp_hidden"],
-        offload_src="device", offload_dst="pinned_host")
-  raise ValueError(f"unknown remat policy '{name}'; known: none, full, save_dots, "
-                   "save_qkv_out, offload_dots")
+  if name not in POLICIES:
+    raise ValueError(f"unknown remat policy '{name}'; known: {', '.join(POLICIES)}")
+  return POLICIES[name]()

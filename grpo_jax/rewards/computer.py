@@ -23,6 +23,8 @@ from grpo_jax.rewards import registry
 from grpo_jax.rewards import scoring
 
 CUSTOM = "custom"
+# What a failing reward call does: stop the run, or score the row 0 and count it.
+ON_ERROR = ("raise", "zero")
 
 
 class RewardError(RuntimeError):
@@ -68,8 +70,8 @@ class RewardComputer:
 
   def __init__(self, specs: dict[str, tuple], weights: dict[str, float], *,
                on_error: str = "raise", num_workers: int = 0, timeout_sec: float = 0.0):
-    if on_error not in ("raise", "zero"):
-      raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
+    if on_error not in ON_ERROR:
+      raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
     self.specs = specs
     self.weights = weights
     self.fns = {name: _resolve(spec) for name, spec in specs.items()}

@@ -6,8 +6,13 @@ Groups of size 1 and groups whose rewards are all equal get advantage 0, never N
 """
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from grpo_jax.rl.registry import ADVANTAGE_ESTIMATORS
+
+# std_kind -> delta degrees of freedom of the group std: population (divide by G) or sample
+# (divide by G-1, torch.std's default, as TRL and verl use).
+STD_KINDS = {"population": 0, "sample": 1}
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
@@ -18,14 +23,11 @@ def grpo(rewards_bg: jax.Array, *, eps: float = 1e-6, std_kind: str = "populatio
   one (ddof=1, divide by G-1), as TRL and verl do via torch.std. A group of one has no spread:
   its std is defined as 0, and its advantage is 0.
   """
+  if std_kind not in STD_KINDS:
+    raise ValueError(f"unknown std_kind '{std_kind}'; known: {', '.join(STD_KINDS)}")
   g = rewards_bg.shape[-1]
   centred = rewards_bg - rewards_bg.mean(-1, keepdims=True)
-  if std_kind == "population":
-    var = (centred**2).mean(-1, keepdims=True)
-  elif std_kind == "sample":
-    var = (centred**2).sum(-1, keepdims=True) / max(g - 1, 1)
-  else:
-    raise ValueError(f"unknown std_kind '{std_kind}'; known: population, sample")
+  var = (centred**2).sum(-1, keepdims=True) / max(g - STD_KINDS[std_kind], 1)
   std = jnp.sqrt(var)
   # All-equal groups get exactly 0: their mean is not exact in floating point (0.1 * 8 / 8),
   # so r - mean is ~1e-9, and dividing that by (~1e-9 + eps) would give +-1e-3, not 0.
@@ -103,7 +105,10 @@ def overlong_penalty(lengths: jax.Array, max_len: int, buffer_len: int,
   min(-(len - (Lmax - Lbuf)) / Lbuf * factor, 0): 0 up to Lmax - Lbuf tokens, then linear down
   to -factor at len == Lmax. `buffer_len` = 0 disables it (returns zeros).
   """
-  lengths = jnp.asarray(lengths, jnp.float32)
+  # Host lengths (numpy) give a host penalty: rewards are host values until they go to the
+  # device with the batch, and the loop makes no transfer it does not mean to.
+  xp = np if isinstance(lengths, np.ndarray) else jnp
+  lengths = xp.asarray(lengths, xp.float32)
   if buffer_len <= 0:
-    return jnp.zeros_like(lengths)
-  return jnp.minimum(-(lengths - (max_len - buffer_len)) / buffer_len * factor, 0.0)
+    return xp.zeros_like(lengths)
+  return xp.minimum(-(lengths - (max_len - buffer_len)) / buffer_len * factor, 0.0)

@@ -11,6 +11,9 @@ Definitions (../shared/DESIGN.md):
   k1 = logp - ref;  k2 = 0.5*(logp - ref)^2;  k3 = exp(ref - logp) - (ref - logp) - 1
   token loss = PPO-clip token loss (x TIS weight) + beta * KL token value, then aggregated.
 """
+import dataclasses
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -75,27 +78,75 @@ def token_kl(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3",
 
 
 # ----------------------------------------------------------------------- loss aggregation
+# A mode registers its reduction together with its micro-batch weight, so exact gradient
+# accumulation (rl/step.py) never meets a mode whose denominator it does not know how to split.
 
 
-@LOSS_AGG_MODES.register("token-mean")
+@dataclasses.dataclass(frozen=True)
+class AggMode:
+  """A loss aggregation mode, as LOSS_AGG_MODES stores it.
+
+  reduce(lm_bt, m_bt, max_len) -> scalar: the masked [B, T] token loss to one number.
+  weight(mask_bt, total_tokens, total_rows) -> scalar: a micro-batch's share of the
+    batch-level denominator, so that sum over micro-batches of weight * reduce(micro) equals
+    reduce(whole batch).
+  """
+  reduce: Callable
+  weight: Callable
+
+
+def register_agg_mode(*names: str, weight: Callable):
+  """Decorator: registers a reduction under `names` with its (required) micro-batch weight."""
+  if not callable(weight):
+    raise TypeError(f"loss aggregation mode {', '.join(names)}: weight must be a function "
+                    "(mask_bt, total_tokens, total_rows) -> scalar, e.g. losses.row_share")
+  def deco(reduce):
+    LOSS_AGG_MODES.register(*names)(AggMode(reduce, weight))
+    return reduce
+  return deco
+
+
+def _agg_mode(name: str) -> AggMode:
+  mode = LOSS_AGG_MODES.get(name)
+  if not isinstance(mode, AggMode):
+    raise TypeError(f"loss aggregation mode '{name}' was registered without a micro-batch "
+                    "weight: register it with losses.register_agg_mode(name, weight=...)")
+  return mode
+
+
+def token_share(mask_bt, total_tokens, total_rows):
+  """Denominator = the batch's token count: a micro-batch holds its tokens' share."""
+  del total_rows
+  return mask_bt.sum() / jnp.maximum(total_tokens, 1.0)
+
+
+def row_share(mask_bt, total_tokens, total_rows):
+  """Denominator = the batch's row count B (or B * L, L fixed): a micro-batch of b rows has
+  b / B of it."""
+  del total_tokens
+  return mask_bt.shape[0] / total_rows
+
+
+@register_agg_mode("token-mean", weight=token_share)
 def _token_mean(lm, m, max_len):
   del max_len
   return lm.sum() / jnp.maximum(m.sum(), 1)
 
 
-@LOSS_AGG_MODES.register("seq-mean-token-mean")
+@register_agg_mode("seq-mean-token-mean", weight=row_share)
 def _seq_mean_token_mean(lm, m, max_len):
   del max_len
   return (lm.sum(-1) / jnp.maximum(m.sum(-1), 1)).mean()
 
 
-@LOSS_AGG_MODES.register("seq-mean-token-sum")
+@register_agg_mode("seq-mean-token-sum", weight=row_share)
 def _seq_mean_token_sum(lm, m, max_len):
   del m, max_len
   return lm.sum(-1).mean()
 
 
-@LOSS_AGG_MODES.register("seq-mean-token-sum-norm")
+# sum(l*m) / (B*L): a micro-batch of b rows computes sum_mb / (b*L), so its weight is b / B.
+@register_agg_mode("seq-mean-token-sum-norm", weight=row_share)
 def _seq_mean_token_sum_norm(lm, m, max_len):
   del m
   if max_len is None:
@@ -117,7 +168,20 @@ def aggregate(loss_bt: jax.Array, mask_bt: jax.Array, mode: str = "seq-mean-toke
   """
   m = mask_bt.astype(bool)
   lm = jnp.where(m, loss_bt, 0.0)
-  return LOSS_AGG_MODES.get(mode)(lm, m.astype(jnp.float32), max_completion_length)
+  return _agg_mode(mode).reduce(lm, m.astype(jnp.float32), max_completion_length)
+
+
+def micro_batch_weight(mode: str, mask_bt: jax.Array, total_tokens: jax.Array,
+                       total_rows: int) -> jax.Array:
+  """This micro-batch's share of the batch-level aggregation's denominator.
+
+  `mask_bt` [b, T] is the micro-batch's completion mask; `total_tokens` (sum of the whole
+  batch's mask) and `total_rows` (its B) describe the whole batch. Summing
+  `micro_batch_weight * aggregate(micro)` over a partition of the rows gives
+  `aggregate(whole)`, so accumulated gradients do not depend on the micro-batch size.
+  """
+  w = _agg_mode(mode).weight(mask_bt.astype(jnp.float32), total_tokens, total_rows)
+  return jnp.asarray(w, jnp.float32)
 
 
 # ------------------------------------------------------------------------- policy losses

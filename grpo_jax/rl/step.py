@@ -1,7 +1,7 @@
 """The jitted GRPO update: micro-batched gradient accumulation, AdamW, non-finite guard.
 
 The step knows nothing about the model: it takes `logprob_fn(params, input_ids_bs,
-attention_mask_bs) -> logp_bl`, the per-token log-probs of the L completion tokens at the end
+attention_mask_bs) -> logp_bc`, the per-token log-probs of the C completion tokens at the end
 of each [prompt; completion] row. The native decoder and the MaxText adapter each provide one,
 so both policies train through this same code.
 
@@ -58,34 +58,27 @@ def make_optimizer(*, learning_rate: float, total_steps: int, warmup_ratio: floa
   return optax.chain(*parts)
 
 
-def _agg_weight(mask_bl: jax.Array, total_tokens: jax.Array, total_rows: int, mode: str):
-  """This micro-batch's share of the batch-level aggregation's denominator."""
-  if mode == "token-mean":
-    return mask_bl.sum() / jnp.maximum(total_tokens, 1.0)
-  return mask_bl.shape[0] / total_rows
-
-
 def grpo_micro_loss(params, batch: dict, *, logprob_fn: Callable, settings: LossSettings):
   """policy_loss on one micro-batch. `batch` holds (all [b, ...]):
 
-  input_ids, attention_mask [b, P+L]; completion_mask [b, L]; advantages [b];
-  old_logp [b, L] (optional: None means on-policy, ratio = 1 in value);
-  ref_logp [b, L] (when beta > 0); sampler_logp [b, L] (when tis_cap > 0).
+  input_ids, attention_mask [b, P+C]; completion_mask [b, C]; advantages [b];
+  old_logp [b, C] (optional: None means on-policy, ratio = 1 in value);
+  ref_logp [b, C] (when beta > 0); sampler_logp [b, C] (when tis_cap > 0).
   """
-  logp_bl = logprob_fn(params, batch["input_ids"], batch["attention_mask"])
-  old_bl = batch.get("old_logp")
-  if old_bl is None:
-    old_bl = jax.lax.stop_gradient(logp_bl)
-  tis_bl = None
+  logp_bc = logprob_fn(params, batch["input_ids"], batch["attention_mask"])
+  old_bc = batch.get("old_logp")
+  if old_bc is None:
+    old_bc = jax.lax.stop_gradient(logp_bc)
+  tis_bc = None
   if settings.tis_cap > 0:
-    tis_bl = losses.tis_weights(old_bl, batch["sampler_logp"], settings.tis_cap)
+    tis_bc = losses.tis_weights(old_bc, batch["sampler_logp"], settings.tis_cap)
   return losses.policy_loss(
-      logp_bl, old_bl, batch.get("ref_logp"), batch["advantages"], batch["completion_mask"],
+      logp_bc, old_bc, batch.get("ref_logp"), batch["advantages"], batch["completion_mask"],
       clip_eps=settings.clip_eps, clip_eps_high=settings.clip_eps_high, beta=settings.beta,
       kl_kind=settings.kl_kind, loss_agg_mode=settings.loss_agg_mode,
       max_completion_length=settings.max_completion_length,
       policy_loss_kind=settings.policy_loss, clip_ratio_c=settings.clip_ratio_c,
-      kl_clamp=settings.kl_clamp, tis_weights=tis_bl)
+      kl_clamp=settings.kl_clamp, tis_weights=tis_bc)
 
 
 def accumulate_gradients(loss_fn: Callable, params, batch: dict, num_micro: int,
@@ -106,7 +99,8 @@ def accumulate_gradients(loss_fn: Callable, params, batch: dict, num_micro: int,
 
   def weighted(params, mb):
     loss, metrics = loss_fn(params, mb)
-    w = _agg_weight(mb["completion_mask"].astype(jnp.float32), total_tokens, rows, agg_mode)
+    w = losses.micro_batch_weight(agg_mode, mb["completion_mask"].astype(jnp.float32),
+                                  total_tokens, rows)
     return loss * w, (loss, metrics, w)
 
   grad_fn = jax.value_and_grad(weighted, has_aux=True)
@@ -152,7 +146,8 @@ def apply_update(optimizer: optax.GradientTransformation, state: dict, loss, gra
       nonfinite_streak=jnp.where(finite, 0, state["nonfinite_streak"] + 1),
       nonfinite_total=state["nonfinite_total"] + (~finite).astype(jnp.int32))
   metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(safe_grads),
-                 skipped=(~finite).astype(jnp.float32))
+                 skipped=(~finite).astype(jnp.float32),
+                 nonfinite_streak=new_state["nonfinite_streak"])  # its own buffer: not donated
   return new_state, metrics
 
 
@@ -175,3 +170,79 @@ def init_state(params, optimizer: optax.GradientTransformation) -> dict:
   return dict(params=params, opt_state=optimizer.init(params),
               nonfinite_streak=jnp.zeros((), jnp.int32),
               nonfinite_total=jnp.zeros((), jnp.int32))
+
+
+# ------------------------------------------------------------------ compiled for a run
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainFunctions:
+  """The jitted pieces of GRPO's steps 4-6 for one policy on one mesh (explicit shardings).
+
+  init(params) -> state                 the update state (params, AdamW moments, counters)
+  update(state, batch) -> (state, metrics)   one optimizer update; `state` is donated
+  logprobs(params, input_ids, attention_mask) -> [N, C]   completion log-probs, rows sharded
+  assemble(prompt_ids, prompt_mask, rollout, rewards) -> batch   advantages and the
+                                        [prompt; completion] rows the update trains on
+  abstract_state                        `init`'s output as a restore target
+  """
+  init: Callable
+  update: Callable
+  logprobs: Callable
+  assemble: Callable
+  abstract_state: dict
+
+
+def build(config, policy, mesh) -> TrainFunctions:
+  """TrainFunctions from config (optimizer, loss settings, micro-batching, advantages)."""
+  from grpo_jax import sharding
+  from grpo_jax.rl import advantages as adv_lib
+
+  group, completion_len = config.num_generations, config.max_completion_length
+  rows = group * config.batch_size
+  optimizer = make_optimizer(
+      learning_rate=config.optimizer.learning_rate,
+      total_steps=config.num_steps * config.num_iterations,
+      warmup_ratio=config.optimizer.warmup_ratio, end_lr_ratio=config.optimizer.end_lr_ratio,
+      b1=config.optimizer.b1, b2=config.optimizer.b2,
+      weight_decay=config.optimizer.weight_decay, max_grad_norm=config.optimizer.max_grad_norm)
+  temperature = float(config.rollout.temperature)
+
+  def logprobs(params, input_ids, attention_mask):
+    return policy.logprobs(params, input_ids, attention_mask, completion_len, temperature)
+
+  def assemble(prompt_ids_bp, prompt_mask_bp, rollout, rewards_n):
+    adv_n = adv_lib.group_advantages(rewards_n, group, estimator=config.loss.estimator,
+                                     eps=config.loss.adv_eps, std_kind=config.loss.std_kind)
+    completion_mask_nc = rollout.mask
+    if config.loss.dynamic_sampling:  # DAPO: groups with equal rewards leave the loss
+      keep_n = adv_lib.dynamic_sampling_mask(rewards_n, group)
+      completion_mask_nc = completion_mask_nc * keep_n[:, None].astype(completion_mask_nc.dtype)
+    batch = dict(
+        input_ids=jnp.concatenate([jnp.repeat(prompt_ids_bp, group, 0), rollout.tokens], 1),
+        attention_mask=jnp.concatenate([jnp.repeat(prompt_mask_bp, group, 0), rollout.mask], 1),
+        completion_mask=completion_mask_nc, advantages=adv_n)
+    if config.loss.tis_cap > 0:
+      batch["sampler_logp"] = rollout.logprobs
+    return batch
+
+  def init(params):
+    return init_state(params, optimizer)
+
+  param_shardings = policy.param_shardings(mesh)
+  abstract = jax.eval_shape(init, policy.params)
+  shardings = dict(
+      params=param_shardings,
+      opt_state=sharding.opt_state_shardings(optimizer, abstract["opt_state"], param_shardings,
+                                             mesh),
+      nonfinite_streak=sharding.replicated(mesh), nonfinite_total=sharding.replicated(mesh))
+  update = make_grpo_update(logprobs, optimizer, LossSettings.from_config(config),
+                            rows // (config.micro_batch_size or rows))
+  rows2 = sharding.batch_sharding(mesh, 2)
+  return TrainFunctions(
+      init=jax.jit(init, out_shardings=shardings),
+      update=jax.jit(update, donate_argnums=0,
+                     out_shardings=(shardings, sharding.replicated(mesh))),
+      logprobs=jax.jit(logprobs, out_shardings=rows2),
+      assemble=jax.jit(assemble, out_shardings=sharding.batch_sharding(mesh, 1)),
+      abstract_state=sharding.abstract_with(abstract, shardings))

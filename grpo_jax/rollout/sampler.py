@@ -1,14 +1,14 @@
 """The jitted group sampler: one prefill per prompt, a shared KV cache, a while_loop decode.
 
-    sampler = Sampler(graphdef, max_prompt_length=P, max_new_tokens=L, num_generations=G,
+    sampler = Sampler(graphdef, max_prompt_length=P, max_new_tokens=C, num_generations=G,
                       eos_ids=(eos,), pad_id=pad, mesh=mesh)
     rollout = sampler(params_state, prompt_ids, prompt_mask, rng, "standard")
 
 1. Prefill: the B left-padded prompts run once ([B, P]); their caches are then repeated G
    times along the batch (group-major), so prefill cost does not grow with G.
-2. Decode: a `lax.while_loop` over a static [layers, B*G, P+L, ...] cache; each step samples
+2. Decode: a `lax.while_loop` over a static [layers, B*G, P+C, ...] cache; each step samples
    one token per row (sampling.py), records it and its log-probs, and stops when every row has
-   emitted a stop token (or after L steps). Rows that stopped keep emitting `pad_id`.
+   emitted a stop token (or after C steps). Rows that stopped keep emitting `pad_id`.
 3. Everything is one jit per (shapes, static sampling path); new parameters, prompts, rng,
    temperature and top_p reuse the compiled program. Batch rows shard over (data, fsdp).
 
@@ -21,6 +21,7 @@ import functools
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from grpo_jax import sharding
 from grpo_jax.models.transformer import repeat_cache
@@ -43,6 +44,7 @@ class Sampler:
     self.pad_id = int(pad_id)
     self.mesh = mesh
     self._compiled = {}
+    self._device_scalars = {}
 
   def _fn(self, top_k: int, use_top_p: bool, greedy: bool):
     key = (top_k, use_top_p, greedy)
@@ -64,26 +66,34 @@ class Sampler:
       raise ValueError(f"prompt_ids has {p} columns; this sampler was built for "
                        f"max_prompt_length={self.max_prompt_length} (left-pad prompts to it)")
     if self.mesh is not None:
-      dp = self.mesh.shape[sharding.DATA] * self.mesh.shape[sharding.FSDP]
+      dp = sharding.data_parallel_size(self.mesh)
       if b % dp:
         raise ValueError(f"{b} prompts do not split over the data-parallel mesh size {dp}: "
                          f"pad the batch to a multiple of {dp}")
     fn = self._fn(int(gen.top_k) if not gen.is_greedy else 0, gen.top_p < 1.0, gen.is_greedy)
-    temperature = jnp.float32(gen.temperature)
-    top_p = jnp.float32(gen.top_p)
+    temperature, top_p = self._scalars(gen)
     if self.mesh is not None:
       with jax.set_mesh(self.mesh):
         return fn(state, prompt_ids, prompt_mask, rng, temperature, top_p)
     return fn(state, prompt_ids, prompt_mask, rng, temperature, top_p)
 
+  def _scalars(self, gen: GenerationConfig):
+    """Temperature and top_p as device scalars, put there once per config (explicitly: the
+    training loop runs its steady state under jax.transfer_guard("disallow"))."""
+    key = (float(gen.temperature), float(gen.top_p))
+    if key not in self._device_scalars:
+      where = sharding.replicated(self.mesh) if self.mesh is not None else None
+      self._device_scalars[key] = tuple(jax.device_put(np.float32(v), where) for v in key)
+    return self._device_scalars[key]
+
   def _generate(self, state, prompt_ids, prompt_mask, rng, temperature, top_p, *, top_k,
                 use_top_p, greedy) -> Rollout:
     model = nnx.merge(self.graphdef, state)
-    g, L = self.num_generations, self.max_new_tokens
+    g, c_len = self.num_generations, self.max_new_tokens
     b, p = prompt_ids.shape
     n = b * g
     prompt_ids = sharding.constrain(prompt_ids, "batch", "length")
-    cache = model.init_cache(b, p + L)
+    cache = model.init_cache(b, p + c_len)
     cache = _constrain_cache(cache)
     logits, cache = model.prefill(prompt_ids, prompt_mask, cache)  # [B, V]
     if g > 1:
@@ -111,16 +121,16 @@ class Sampler:
     # and draws the next, so no decode runs after the last token (no per-step lax.cond, and
     # the [N, V] logits never sit in the loop carry).
     def cond(c):
-      return (c["t"] < L) & ~jnp.all(c["done"])
+      return (c["t"] < c_len) & ~jnp.all(c["done"])
 
     def body(c):
       logits, cache = model.decode(c["token"], c["cache"])
       return record(dict(c, cache=_constrain_cache(cache)), c["t"], logits, c["done"])
 
     init = dict(t=jnp.zeros((), jnp.int32), token=jnp.zeros((n,), jnp.int32), cache=cache,
-                done=jnp.zeros((n,), bool), tokens=jnp.full((n, L), self.pad_id, jnp.int32),
-                mask=jnp.zeros((n, L), jnp.int32), logprobs=jnp.zeros((n, L), jnp.float32),
-                raw_logprobs=jnp.zeros((n, L), jnp.float32))
+                done=jnp.zeros((n,), bool), tokens=jnp.full((n, c_len), self.pad_id, jnp.int32),
+                mask=jnp.zeros((n, c_len), jnp.int32), logprobs=jnp.zeros((n, c_len), jnp.float32),
+                raw_logprobs=jnp.zeros((n, c_len), jnp.float32))
     init = record(init, init["t"], logits, init["done"])
     final = jax.lax.while_loop(cond, body, init)
     return Rollout(tokens=final["tokens"], mask=final["mask"], logprobs=final["logprobs"],

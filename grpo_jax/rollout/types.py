@@ -43,13 +43,13 @@ def generation_config(generation: "str | GenerationConfig") -> GenerationConfig:
 class Rollout:
   """Completions of B prompts x G samples, group-major (prompt i -> rows i*G .. i*G+G-1).
 
-  tokens      int32 [B*G, L]  sampled tokens; after the stop token, pad_id.
-  mask        int32 [B*G, L]  1 up to and including the stop token, else 0.
-  logprobs    f32   [B*G, L]  log-prob of each sampled token under the distribution it was
+  tokens      int32 [B*G, C]  sampled tokens; after the stop token, pad_id.
+  mask        int32 [B*G, C]  1 up to and including the stop token, else 0.
+  logprobs    f32   [B*G, C]  log-prob of each sampled token under the distribution it was
                               sampled from (temperature, top-k, top-p applied); 0 where masked.
-  raw_logprobs f32  [B*G, L]  log-prob under the raw policy (temperature 1, no truncation).
+  raw_logprobs f32  [B*G, C]  log-prob under the raw policy (temperature 1, no truncation).
   lengths     int32 [B*G]     completion lengths (= mask.sum(-1)).
-  truncated   bool  [B*G]     True when the row hit L tokens without a stop token.
+  truncated   bool  [B*G]     True when the row hit C tokens without a stop token.
   """
   tokens: jax.Array
   mask: jax.Array

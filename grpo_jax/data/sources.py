@@ -1,0 +1,30 @@
+"""Where rows come from: the names `config.data.{train,eval}_source` accepts, and the loader.
+
+A file source is a reader of `datasets.READERS` and needs `config.data.{split}_path`;
+"arithmetic" generates its rows from `config.data.arithmetic` and the seed. A reader added to
+READERS (in datasets.py) is a valid source here and in the config validator.
+"""
+from grpo_jax.data import arithmetic
+from grpo_jax.data import datasets
+
+ARITHMETIC = "arithmetic"
+FILE_SOURCES = tuple(datasets.READERS)  # need data.{split}_path
+SOURCES = (*FILE_SOURCES, ARITHMETIC)
+
+
+def _read(config, source: str, path: str, split: str) -> list[dict]:
+  if source == ARITHMETIC:
+    a = config.data.arithmetic
+    n = a.num_train if split == "train" else a.num_test
+    return arithmetic.arithmetic_rows(n, split=split, seed=config.seed, digits=a.digits,
+                                      num_ops=a.num_ops, ops=a.ops, style=a.demonstration)
+  if source not in datasets.READERS:
+    raise ValueError(f"unknown data source {source!r}; known: {', '.join(SOURCES)}")
+  return datasets.READERS[source](path)
+
+
+def load_rows(config) -> tuple[list[dict], list[dict]]:
+  """Train and eval rows from config.data (every reader gives the same row shape)."""
+  d = config.data
+  return (_read(config, d.train_source, d.train_path, "train"),
+          _read(config, d.eval_source, d.eval_path, "test"))

@@ -1,0 +1,69 @@
+"""One rollout-engine interface for the loop, whichever engine samples.
+
+    engine = make_engine(config, policy, tokenizer, mesh)        # config.rollout.engine
+    rollout = engine.generate(params, batch, rng, generation)    # -> Rollout (global arrays)
+    engine.matches_trainer    # True: its log-probs are the trainer's (same program, same weights)
+    engine.stats()            # optional figures, e.g. {"perf/weight_sync_sec": 0.02}
+    engine.close()
+
+`params` are the policy's trainable params (the engine maps them to its own layout with
+`policy.rollout_params`); `batch` is this process's rows of a prompt batch as
+`data.PromptData.batch` returns them (host arrays `prompt_ids`/`prompt_mask` [b, P]). Every
+engine returns the same `Rollout`: global arrays whose rows (group-major, G per prompt) are
+sharded over the mesh's (data, fsdp) axes, so the update consumes either engine's output the
+same way. Engines: "native" (the jitted sampler of rollout/sampler.py) and "vllm"
+(rollout/vllm_engine.py, optional dependency).
+"""
+import jax
+
+from grpo_jax import multihost
+from grpo_jax.rollout.sampler import Sampler
+from grpo_jax.rollout.types import Rollout
+
+ENGINES = ("native", "vllm")
+
+
+class NativeEngine:
+  """The jitted group sampler on the policy's rollout weights (no copy for a native policy)."""
+
+  def __init__(self, policy, mesh, *, num_generations: int, max_prompt_length: int,
+               max_new_tokens: int, eos_ids, pad_id: int):
+    self.mesh = mesh
+    self.sampler = Sampler(policy.sampler_graphdef, max_prompt_length=max_prompt_length,
+                           max_new_tokens=max_new_tokens, num_generations=num_generations,
+                           eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
+    self.matches_trainer = policy.sampler_is_trainer
+    # A native policy samples from the trained arrays themselves; MaxText maps them on device.
+    self._to_rollout = None if policy.sampler_is_trainer else jax.jit(policy.rollout_params)
+
+  def generate(self, params, batch: dict, rng, generation) -> Rollout:
+    state = params if self._to_rollout is None else self._to_rollout(params)
+    return self.sampler(state, multihost.to_global(batch["prompt_ids"], self.mesh),
+                        multihost.to_global(batch["prompt_mask"], self.mesh), rng, generation)
+
+  def stats(self) -> dict[str, float]:
+    return {}
+
+  def close(self):
+    pass
+
+
+def make_engine(config, policy, tokenizer, mesh, *, num_generations: int | None = None,
+                max_new_tokens: int | None = None, kind: str | None = None):
+  """The engine named by `kind` (default config.rollout.engine) for `policy` on `mesh`.
+
+  num_generations / max_new_tokens default to the training rollout's (config.num_generations,
+  config.max_completion_length); evaluation asks for 1 and config.eval.max_new_tokens.
+  """
+  kind = kind or config.rollout.engine
+  g = config.num_generations if num_generations is None else num_generations
+  c = config.max_completion_length if max_new_tokens is None else max_new_tokens
+  if kind == "vllm":
+    from grpo_jax.rollout import vllm_engine  # optional dependency
+    return vllm_engine.VLLMEngine.from_config(config, policy, tokenizer, mesh,
+                                              num_generations=g, max_new_tokens=c)
+  if kind != "native":
+    raise ValueError(f"rollout.engine={kind!r}: use one of {', '.join(ENGINES)}")
+  return NativeEngine(policy, mesh, num_generations=g, max_prompt_length=config.max_prompt_length,
+                      max_new_tokens=c, eos_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id)
+

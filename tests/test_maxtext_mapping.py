@@ -1,0 +1,192 @@
+"""The native <-> MaxText weight mapping (models/maxtext_mapping.py), run without MaxText.
+
+The expected MaxText paths, shapes and HF names below are written out from MaxText's qwen3
+decoder block, not read from the module's tables, and values are matched through the HF name
+of each tensor (hf.param_mapping, checked against transformers in test_hf_parity.py): a swapped
+entry (q/k, gate/up, the two norms), a wrong scan axis or a dropped tensor fails here.
+"""
+import collections
+import os
+import subprocess
+import sys
+
+from flax import nnx
+import jax
+import numpy as np
+import pytest
+
+from grpo_jax.models import hf
+from grpo_jax.models import maxtext_mapping as mm
+from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.transformer import build_model
+
+D, F, V, L, H, G, K = 32, 64, 61, 3, 4, 2, 8
+
+# MaxText per-layer path -> (HF name without "model.layers.{i}.", per-layer shape).
+MT_LAYER = {
+    "pre_self_attention_layer_norm/scale": ("input_layernorm.weight", (D,)),
+    "post_self_attention_layer_norm/scale": ("post_attention_layernorm.weight", (D,)),
+    "self_attention/query/kernel": ("self_attn.q_proj.weight", (D, H, K)),
+    "self_attention/key/kernel": ("self_attn.k_proj.weight", (D, G, K)),
+    "self_attention/value/kernel": ("self_attn.v_proj.weight", (D, G, K)),
+    "self_attention/out/kernel": ("self_attn.o_proj.weight", (H, K, D)),
+    "self_attention/query_norm/scale": ("self_attn.q_norm.weight", (K,)),
+    "self_attention/key_norm/scale": ("self_attn.k_norm.weight", (K,)),
+    "mlp/wi_0/kernel": ("mlp.gate_proj.weight", (D, F)),
+    "mlp/wi_1/kernel": ("mlp.up_proj.weight", (D, F)),
+    "mlp/wo/kernel": ("mlp.down_proj.weight", (F, D)),
+}
+MT_GLOBAL = {
+    "token_embedder/embedding": ("model.embed_tokens.weight", (V, D)),
+    "decoder/decoder_norm/scale": ("model.norm.weight", (D,)),
+    "decoder/logits_dense/kernel": ("lm_head.weight", (D, V)),  # untied only
+}
+
+
+def model_cfg(*, tied=False, scan=False, qk_norm=True, arch="qwen3", **kw) -> ModelConfig:
+  return ModelConfig(arch=arch, vocab_size=V, hidden_size=D, intermediate_size=F,
+                     num_layers=L, num_heads=H, num_kv_heads=G, head_dim=K,
+                     tie_embeddings=tied, scan_layers=scan, qk_norm=qk_norm, **kw)
+
+
+def native_params(cfg: ModelConfig) -> dict:
+  """Unscanned native params with distinct values everywhere: build_model's norms are all
+  ones, which would hide a swapped q_norm/k_norm or pre/post norm."""
+  cfg = cfg.replace(scan_layers=False)
+  pure = nnx.to_pure_dict(nnx.state(build_model(cfg, seed=0)))
+  rng = np.random.default_rng(0)
+  return jax.tree.map(lambda x: np.asarray(x) + rng.standard_normal(x.shape, np.float32), pure)
+
+
+def stacked(native: dict) -> dict:
+  """The scanned native layout of an unscanned tree: layers stacked on axis 0."""
+  layers = [native["layers"][i] for i in range(L)]
+  return {**native, "layers": jax.tree.map(lambda *xs: np.stack(xs), *layers)}
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(flat(v, f"{prefix}{k}/"))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def expected_maxtext(cfg: ModelConfig, *, scan_layers: bool, scan_axis: int = 1) -> dict:
+  """MaxText path -> (HF name, with "{i}" when stacked; shape)."""
+  out = {p: v for p, v in MT_GLOBAL.items() if "logits_dense" not in p or not cfg.tie_embeddings}
+  for p, (name, shape) in MT_LAYER.items():
+    if p.startswith("self_attention/") and "_norm" in p and not cfg.qk_norm:
+      continue
+    name = "model.layers.{i}." + name
+    if scan_layers:
+      out[f"decoder/layers/{p}"] = (name, shape[:scan_axis] + (L,) + shape[scan_axis:])
+    else:
+      out.update({f"decoder/layers_{i}/{p}": (name.format(i=i), shape) for i in range(L)})
+  return out
+
+
+def native_by_hf_name(native: dict, cfg: ModelConfig) -> dict:
+  """HF tensor name -> the unscanned native tensor hf.param_mapping pairs with it."""
+  out = {}
+  for e in hf.param_mapping(cfg):
+    if e.per_layer:
+      for i in range(L):
+        out[e.hf_name.format(i=i)] = mm._get(native, ("layers", i, *e.path))
+    else:
+      out[e.hf_name] = mm._get(native, e.path)
+  return out
+
+
+def assert_trees_equal(got: dict, want: dict):
+  got, want = flat(got), flat(want)
+  assert sorted(got) == sorted(want)
+  for k in want:
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("mt_scan", [False, True])
+@pytest.mark.parametrize("native_scan", [False, True])
+def test_round_trips_exactly_between_every_layout(native_scan, mt_scan, tied):
+  cfg = model_cfg(tied=tied, scan=native_scan)
+  unscanned = native_params(cfg)
+  layouts = {False: unscanned, True: stacked(unscanned)}
+  native = layouts[native_scan]
+  mt = mm.native_to_maxtext(native, cfg, scan_layers=mt_scan)
+  # The MaxText tree does not depend on the native layout it came from.
+  assert_trees_equal(mt, mm.native_to_maxtext(unscanned, cfg.replace(scan_layers=False),
+                                              scan_layers=mt_scan))
+  assert_trees_equal(mm.maxtext_to_native(mt, cfg, scan_layers=mt_scan), native)
+  # Into the other native layout too (what a scanned <-> unscanned checkpoint load does).
+  other = cfg.replace(scan_layers=not native_scan)
+  assert_trees_equal(mm.maxtext_to_native(mt, other, scan_layers=mt_scan),
+                     layouts[not native_scan])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("mt_scan,scan_axis", [(False, 1), (True, 1), (True, 0)])
+def test_maxtext_tensors_have_maxtext_paths_shapes_and_the_right_values(mt_scan, scan_axis,
+                                                                         tied):
+  cfg = model_cfg(tied=tied)
+  native = native_params(cfg)
+  by_hf = native_by_hf_name(native, cfg)
+  mt_tree = mm.native_to_maxtext(native, cfg, scan_layers=mt_scan, scan_axis=scan_axis)
+  assert_trees_equal(mm.maxtext_to_native(mt_tree, cfg, scan_layers=mt_scan,
+                                          scan_axis=scan_axis), native)
+  mt = flat(mt_tree)
+  want = expected_maxtext(cfg, scan_layers=mt_scan, scan_axis=scan_axis)
+  assert sorted(mt) == sorted(want)
+  for path, (name, shape) in want.items():
+    x = np.asarray(mt[path])
+    assert x.shape == shape, path
+    if "{i}" in name:  # each layer's slice on the scan axis is that layer's tensor
+      for i in range(L):
+        np.testing.assert_array_equal(np.take(x, i, axis=scan_axis), by_hf[name.format(i=i)],
+                                      err_msg=f"{path} layer {i}")
+    else:
+      np.testing.assert_array_equal(x, by_hf[name], err_msg=path)
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("mt_scan", [False, True])
+def test_hf_names_cover_every_hf_tensor_once(mt_scan, tied, qk_norm):
+  cfg = model_cfg(tied=tied, qk_norm=qk_norm)
+  names = mm.maxtext_hf_names(cfg, scan_layers=mt_scan)
+  want = expected_maxtext(cfg, scan_layers=mt_scan)
+  assert names == {p: name for p, (name, _) in want.items()}
+  # Keys are the real MaxText tensors of the mapped tree.
+  assert sorted(names) == sorted(flat(mm.native_to_maxtext(native_params(cfg), cfg,
+                                                           scan_layers=mt_scan)))
+  expand = lambda n: [n.format(i=i) for i in range(L)] if "{i}" in n else [n]  # noqa: E731
+  got = collections.Counter(x for n in names.values() for x in expand(n))
+  hf_names = [x for e in hf.param_mapping(cfg) for x in expand(e.hf_name)]
+  assert max(got.values()) == 1
+  assert sorted(got) == sorted(hf_names)
+
+
+@pytest.mark.parametrize("field,value", [("arch", "llama3"), ("attention_bias", True)])
+def test_unsupported_models_are_refused_with_the_fix(field, value):
+  cfg = model_cfg(**{field: value})
+  with pytest.raises(ValueError, match=r"--config\.model\.impl=native"):
+    mm.check_supported(cfg)
+  with pytest.raises(ValueError, match=field if field == "attention_bias" else "qwen3 only"):
+    mm.native_to_maxtext(native_params(model_cfg()), cfg, scan_layers=False)
+  mm.check_supported(model_cfg())  # Qwen3 dense passes
+
+
+def test_modules_import_without_maxtext():
+  """The mapping, and the adapter's module level (ATTENTION_KERNELS for the config validator),
+  must import on an install without the optional maxtext package."""
+  code = ("import sys; sys.modules['maxtext'] = None; "
+          "import grpo_jax.models.maxtext_mapping; "
+          "from grpo_jax.models import maxtext_adapter as m; print(m.ATTENTION_KERNELS)")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "dot_product" in out.stdout
