@@ -243,8 +243,7 @@ def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
 
 
 def _check_debug(c: _Checker, cfg):
-  if "debug" in cfg:  # configs written before the debug section have none
-    c.one_of("debug.transfer_guard", TRANSFER_GUARDS, "transfer guard level")
+  c.one_of("debug.transfer_guard", TRANSFER_GUARDS, "transfer guard level")
 
 
 def validate(config, *, num_devices: int | None = None,

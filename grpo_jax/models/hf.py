@@ -40,7 +40,7 @@ def _identity(x):
 
 def param_mapping(cfg: ModelConfig) -> list[Entry]:
   d, h, g, k = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  L = "model.layers.{i}."
+  layer = "model.layers.{i}."
 
   def proj_in(n):  # HF Linear [n*K, D] <-> native [D, n, K]
     return (lambda w: w.T.reshape(d, n, k)), (lambda w: w.reshape(d, n * k).T)
@@ -53,25 +53,25 @@ def param_mapping(cfg: ModelConfig) -> list[Entry]:
   entries = [
       Entry(("embed",), "model.embed_tokens.weight", *ident, False),
       Entry(("final_norm", "scale"), "model.norm.weight", *ident, False),
-      Entry(("attn_norm", "scale"), L + "input_layernorm.weight", *ident, True),
-      Entry(("mlp_norm", "scale"), L + "post_attention_layernorm.weight", *ident, True),
-      Entry(("attn", "q"), L + "self_attn.q_proj.weight", *proj_in(h), True),
-      Entry(("attn", "k"), L + "self_attn.k_proj.weight", *proj_in(g), True),
-      Entry(("attn", "v"), L + "self_attn.v_proj.weight", *proj_in(g), True),
-      Entry(("attn", "o"), L + "self_attn.o_proj.weight",
+      Entry(("attn_norm", "scale"), layer + "input_layernorm.weight", *ident, True),
+      Entry(("mlp_norm", "scale"), layer + "post_attention_layernorm.weight", *ident, True),
+      Entry(("attn", "q"), layer + "self_attn.q_proj.weight", *proj_in(h), True),
+      Entry(("attn", "k"), layer + "self_attn.k_proj.weight", *proj_in(g), True),
+      Entry(("attn", "v"), layer + "self_attn.v_proj.weight", *proj_in(g), True),
+      Entry(("attn", "o"), layer + "self_attn.o_proj.weight",
             lambda w: w.T.reshape(h, k, d), lambda w: w.reshape(h * k, d).T, True),
-      Entry(("mlp", "gate"), L + "mlp.gate_proj.weight", *t, True),
-      Entry(("mlp", "up"), L + "mlp.up_proj.weight", *t, True),
-      Entry(("mlp", "down"), L + "mlp.down_proj.weight", *t, True),
+      Entry(("mlp", "gate"), layer + "mlp.gate_proj.weight", *t, True),
+      Entry(("mlp", "up"), layer + "mlp.up_proj.weight", *t, True),
+      Entry(("mlp", "down"), layer + "mlp.down_proj.weight", *t, True),
   ]
   if cfg.qk_norm:
-    entries += [Entry(("attn", "q_norm", "scale"), L + "self_attn.q_norm.weight", *ident, True),
-                Entry(("attn", "k_norm", "scale"), L + "self_attn.k_norm.weight", *ident, True)]
+    entries += [Entry(("attn", "q_norm", "scale"), layer + "self_attn.q_norm.weight", *ident, True),
+                Entry(("attn", "k_norm", "scale"), layer + "self_attn.k_norm.weight", *ident, True)]
   if cfg.attention_bias:
-    entries += [Entry(("attn", "q_bias"), L + "self_attn.q_proj.bias", *bias(h), True),
-                Entry(("attn", "k_bias"), L + "self_attn.k_proj.bias", *bias(g), True),
-                Entry(("attn", "v_bias"), L + "self_attn.v_proj.bias", *bias(g), True),
-                Entry(("attn", "o_bias"), L + "self_attn.o_proj.bias", *ident, True)]
+    entries += [Entry(("attn", "q_bias"), layer + "self_attn.q_proj.bias", *bias(h), True),
+                Entry(("attn", "k_bias"), layer + "self_attn.k_proj.bias", *bias(g), True),
+                Entry(("attn", "v_bias"), layer + "self_attn.v_proj.bias", *bias(g), True),
+                Entry(("attn", "o_bias"), layer + "self_attn.o_proj.bias", *ident, True)]
   if not cfg.tie_embeddings:
     entries.append(Entry(("lm_head",), "lm_head.weight", *t, False))
   return entries

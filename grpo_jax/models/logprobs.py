@@ -58,7 +58,7 @@ def chunked_token_logprobs(hidden_btd: jax.Array, unembedding_dv: jax.Array,
 def completion_logprobs(model, input_ids_bs: jax.Array, attention_mask_bs: jax.Array,
                         completion_len: int, temperature: float = 1.0,
                         chunk_size: int = 256) -> jax.Array:
-  """Log-probs [B, L] of the last L tokens of each [prompt; completion] row under `model`.
+  """Log-probs [B, C] of the last C (completion) tokens of each [prompt; completion] row.
 
   This is the trainer-side forward of GRPO: the same positions (from the mask) and attention
   pattern as the sampler's prefill + decode. Logits at index j predict token j + 1.

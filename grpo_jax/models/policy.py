@@ -1,9 +1,10 @@
 """The policy as the training loop sees it: trainable params + a log-prob function + rollout weights.
 
-Built by `models.build.make_policy(config, mesh)`. The loop never touches a model class. It holds `policy.params` (an nnx.State), trains them
-through `policy.logprobs(params, input_ids, attention_mask, completion_len)`, and before each
-rollout turns them into the native decoder's weights with `policy.rollout_params(params)` for
-the jitted sampler (`policy.sampler_graphdef`). The native policy is the identity there; the
+Built by `models.build.make_policy(config, mesh)`. The loop never touches a model class: it
+holds `policy.params` (an nnx.State), trains them through `policy.logprobs(params, input_ids,
+attention_mask, completion_len)`, and the rollout engine turns them into the native decoder's
+weights with `policy.rollout_params(params)` for the jitted sampler (`policy.sampler_graphdef`).
+The native policy samples from the trained arrays themselves (`sampler_is_trainer`); the
 MaxText policy (models/maxtext_adapter.py) maps MaxText weights onto the native layout.
 """
 import dataclasses

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from grpo_jax import sharding
+from grpo_jax.rl import advantages as adv_lib
 from grpo_jax.rl import losses
 
 
@@ -195,9 +197,6 @@ class TrainFunctions:
 
 def build(config, policy, mesh) -> TrainFunctions:
   """TrainFunctions from config (optimizer, loss settings, micro-batching, advantages)."""
-  from grpo_jax import sharding
-  from grpo_jax.rl import advantages as adv_lib
-
   group, completion_len = config.num_generations, config.max_completion_length
   rows = group * config.batch_size
   optimizer = make_optimizer(

