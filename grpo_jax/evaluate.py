@@ -42,8 +42,8 @@ def evaluate(engine, params, data: pipeline.PromptData, *, generation_configs, b
         counts += (*flags, 1)
     counts = multihost.sum_over_processes(counts)
     n = max(counts[3], 1)
-    results[name] = {"accuracy": counts[0] / n, "partial_accuracy": counts[1] / n,
-                     "format_accuracy": counts[2] / n, "num_examples": int(counts[3])}
+    results[name] = {"accuracy": float(counts[0] / n), "partial_accuracy": float(counts[1] / n),
+                     "format_accuracy": float(counts[2] / n), "num_examples": int(counts[3])}
     logging.info("eval %-8s accuracy=%.3f partial=%.3f format=%.3f (%d examples, %.1fs)", name,
                  *(results[name][k] for k in ("accuracy", "partial_accuracy",
                                               "format_accuracy")), int(counts[3]),

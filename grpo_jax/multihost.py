@@ -19,6 +19,15 @@ def to_global(local: np.ndarray, mesh) -> jax.Array:
   return jax.make_array_from_process_local_data(spec, local)
 
 
+def replicated(value, mesh) -> jax.Array:
+  """A host value that every process holds alike -> one array replicated over the mesh (an
+  explicit transfer; `jax.device_put` refuses a sharding that spans other processes)."""
+  value = np.asarray(value)
+  with jax.transfer_guard_host_to_device("allow"):  # on purpose (the loop's transfer guard)
+    return jax.make_array_from_callback(value.shape, sharding.replicated(mesh),
+                                        lambda index: value[index])
+
+
 def local_rows(x: jax.Array) -> np.ndarray:
   """The rows of a row-sharded global array held by this process, in global row order (the
   order `to_global` took them in). One device-to-host copy."""

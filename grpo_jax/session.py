@@ -76,7 +76,8 @@ class Session:
     stack.callback(self.preempt.restore)
     # Replicated over the mesh: every process holds it, steps fold it in without moving it.
     self.mesh = mesh
-    self.rng = jax.device_put(jax.random.key(config.seed), sharding.replicated(mesh))
+    self.rng = jax.random.wrap_key_data(multihost.replicated(
+        jax.random.key_data(jax.random.key(config.seed)), mesh))
     self.resume_step = self.ckpt.latest_step()
     self.meta = dict(phase="sft" if config.sft_steps > 0 else "grpo", sft_step=0, grpo_step=0,
                      eval_initial=None, eval_before=None, wall_time_sec=0.0, history=[])

@@ -108,8 +108,8 @@ def run(config, workdir: str) -> dict:
       with jax.transfer_guard(config.debug.transfer_guard if step > first_step else "allow"):
         # 1. Prompts: this process's rows of the batch.
         batch = train_data.batch(next(train_iter))
-        prompt_ids = multihost.to_global(batch["prompt_ids"], mesh)
-        prompt_mask = multihost.to_global(batch["prompt_mask"], mesh)
+        prompt_ids_bp = multihost.to_global(batch["prompt_ids"], mesh)
+        prompt_mask_bp = multihost.to_global(batch["prompt_mask"], mesh)
 
         # 2. Rollout: G completions per prompt from the current policy.
         t0 = time.time()
@@ -124,15 +124,15 @@ def run(config, workdir: str) -> dict:
                            [decode(t, m) for t, m in zip(tokens_nc, mask_nc)],
                            [row for row in batch["rows"] for _ in range(G)])
         lengths_n = mask_nc.sum(-1)
-        rewards_n = scored.total + adv_lib.overlong_penalty(
+        host_rewards_n = scored.total + adv_lib.overlong_penalty(
             lengths_n, config.max_completion_length, config.loss.overlong_buffer,
             config.loss.overlong_factor)
-        rewards = multihost.to_global(rewards_n.astype(np.float32), mesh)
+        rewards_n = multihost.to_global(host_rewards_n.astype(np.float32), mesh)
         reward_sec = time.time() - t0
 
         # 4. Advantages per group, and the [prompt; completion] rows to train on.
         t0 = time.time()
-        upd = fns.assemble(prompt_ids, prompt_mask, rollout, rewards)
+        upd = fns.assemble(prompt_ids_bp, prompt_mask_bp, rollout, rewards_n)
 
         # 5. Log-probs: old policy (when needed) and frozen reference (beta > 0).
         if needs_old_logp:
@@ -150,7 +150,7 @@ def run(config, workdir: str) -> dict:
         # 7a. This step's figures stay where they are until the log interval (metrics.py).
         mismatch = {} if engine.matches_trainer else dict(
             sampler_logp_nc=rollout.logprobs, trainer_logp_nc=upd["old_logp"])
-        log.add(step, means={"reward/total": rewards_n.sum(),
+        log.add(step, means={"reward/total": host_rewards_n.sum(),
                              **{f"reward/{k}": v.sum() for k, v in scored.per_function.items()},
                              "completions/mean_length": lengths_n.sum(),
                              "completions/truncated_fraction":
@@ -159,7 +159,7 @@ def run(config, workdir: str) -> dict:
                 host={"perf/rollout_sec": rollout_sec, "perf/reward_sec": reward_sec,
                       "perf/update_sec": time.time() - t0,
                       "perf/step_time_sec": time.time() - t_step, **engine.stats()},
-                device={**stats_fn(rewards, upd["advantages"], rollout.mask, **mismatch),
+                device={**stats_fn(rewards_n, upd["advantages"], rollout.mask, **mismatch),
                         **upd_metrics})
       profiler.step_end(step - 1, block_on=state["params"])
 
@@ -236,7 +236,7 @@ def _start_grpo(config, session, fns, policy, mesh, params, train_iter):
 
 def _step_key(rng, step: int, mesh):
   """fold_in(rng, step), the step put beside the (replicated) key explicitly."""
-  return jax.random.fold_in(rng, jax.device_put(np.uint32(step), sharding.replicated(mesh)))
+  return jax.random.fold_in(rng, multihost.replicated(np.uint32(step), mesh))
 
 
 def _on_device(config, params):

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax import multihost
 from grpo_jax import sharding
 from grpo_jax.models.transformer import repeat_cache
 from grpo_jax.rollout import sampling
@@ -82,8 +83,9 @@ class Sampler:
     training loop runs its steady state under jax.transfer_guard("disallow"))."""
     key = (float(gen.temperature), float(gen.top_p))
     if key not in self._device_scalars:
-      where = sharding.replicated(self.mesh) if self.mesh is not None else None
-      self._device_scalars[key] = tuple(jax.device_put(np.float32(v), where) for v in key)
+      self._device_scalars[key] = tuple(
+          jax.device_put(np.float32(v)) if self.mesh is None else
+          multihost.replicated(np.float32(v), self.mesh) for v in key)
     return self._device_scalars[key]
 
   def _generate(self, state, prompt_ids, prompt_mask, rng, temperature, top_p, *, top_k,
