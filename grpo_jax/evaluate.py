@@ -32,8 +32,7 @@ def evaluate(engine, params, data: pipeline.PromptData, *, generation_configs, b
     for bi, (indices, valid) in enumerate(pipeline.eval_batches(len(data), batch_size)):
       batch = data.batch(indices)
       rollout = engine.generate(params, batch, jax.random.fold_in(rng, gi * 100_003 + bi), name)
-      tokens = multihost.local_rows(rollout.tokens)
-      mask = multihost.local_rows(rollout.mask)
+      tokens, mask = multihost.local_rows((rollout.tokens, rollout.mask))
       for row, ok in enumerate(valid):
         if not ok:
           continue

@@ -76,7 +76,7 @@ def generate(config, policy, prompts, mesh, *, generation="greedy", num_samples=
                                max_new_tokens=max_new_tokens or config.max_completion_length)
   out = engine.generate(policy.params, pd.batch(np.resize(np.arange(len(prompts)), b)),
                         jax.random.key(seed), generation)
-  tokens, mask = multihost.local_rows(out.tokens), multihost.local_rows(out.mask)
+  tokens, mask = multihost.local_rows((out.tokens, out.mask))
   texts = [tok.decode([int(t) for t, m in zip(tr, mr) if m]) for tr, mr in zip(tokens, mask)]
   return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
 

@@ -28,18 +28,21 @@ def replicated(value, mesh) -> jax.Array:
                                         lambda index: value[index])
 
 
-def local_rows(x: jax.Array) -> np.ndarray:
-  """The rows of a row-sharded global array held by this process, in global row order (the
-  order `to_global` took them in). One device-to-host copy."""
+def local_rows(tree):
+  """The rows of row-sharded global arrays (one, or a pytree of them) held by this process, in
+  global row order (the order `to_global` took them in). One device-to-host transfer for all."""
   if jax.process_count() == 1:
-    return np.asarray(jax.device_get(x))
-  by_start = {}
-  for s in x.addressable_shards:  # replicas over the tensor axis hold the same rows
-    start = s.index[0].start or 0
-    if start not in by_start:
-      by_start[start] = s.data
-  parts = jax.device_get([by_start[k] for k in sorted(by_start)])
-  return np.concatenate([np.asarray(p) for p in parts], axis=0)
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+  def own_shards(x):
+    by_start = {}
+    for s in x.addressable_shards:  # replicas over the tensor axis hold the same rows
+      by_start.setdefault(s.index[0].start or 0, s.data)
+    return [by_start[k] for k in sorted(by_start)]
+
+  shards = jax.device_get(jax.tree.map(own_shards, tree))  # leaves: lists of row blocks
+  return jax.tree.map(lambda blocks: np.concatenate([np.asarray(b) for b in blocks], axis=0),
+                      shards, is_leaf=lambda x: isinstance(x, list))
 
 
 def sum_over_processes(x) -> np.ndarray:

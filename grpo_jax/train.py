@@ -114,8 +114,9 @@ def run(config, workdir: str) -> dict:
         # 2. Rollout: G completions per prompt from the current policy.
         t0 = time.time()
         rollout = engine.generate(state["params"], batch, _step_key(rng, step, mesh), train_gen)
-        tokens_nc = multihost.local_rows(rollout.tokens)  # this process's rows, on the host
-        mask_nc = multihost.local_rows(rollout.mask)
+        # This process's rows, on the host (one transfer).
+        tokens_nc, mask_nc, truncated_n = multihost.local_rows(
+            (rollout.tokens, rollout.mask, rollout.truncated))
         rollout_sec = time.time() - t0
 
         # 3. Rewards on the host, for this process's rows (+ DAPO's overlong penalty).
@@ -153,8 +154,7 @@ def run(config, workdir: str) -> dict:
         log.add(step, means={"reward/total": host_rewards_n.sum(),
                              **{f"reward/{k}": v.sum() for k, v in scored.per_function.items()},
                              "completions/mean_length": lengths_n.sum(),
-                             "completions/truncated_fraction":
-                                 multihost.local_rows(rollout.truncated).sum()},
+                             "completions/truncated_fraction": truncated_n.sum()},
                 totals={"reward/errors": scored.errors, "completions/tokens": lengths_n.sum()},
                 host={"perf/rollout_sec": rollout_sec, "perf/reward_sec": reward_sec,
                       "perf/update_sec": time.time() - t0,

@@ -145,6 +145,18 @@ def test_resume_continues_exactly(tmp_path):
       open(os.path.join(straight, "summary.json")))["eval_before"]
 
 
+def test_stop_on_a_save_step_exits_0_and_resumes(tmp_path):
+  """The step budget runs out on a save step: the interval save and the stop's save are the
+  same checkpoint, written once (Orbax refuses a second write of a step)."""
+  workdir = str(tmp_path / "run")
+  config = tiny_config(num_steps=6, max_steps_per_run=3, save_interval_steps=3)
+  with pytest.raises(SystemExit) as e:
+    train.run(config, workdir)
+  assert e.value.code == 0
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
+  assert train.run(config, workdir)["final_step"] == 6
+
+
 def test_sigterm_saves_a_restorable_checkpoint_and_exits_0(tmp_path):
   workdir = tmp_path / "run"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
