@@ -8,9 +8,12 @@
 #
 # Under SLURM, Open MPI or on a TPU pod use `--distributed` instead (auto-detection).
 # LOCAL_DEVICES=k fakes k CPU devices per process (CPU testing of a multi-host mesh).
+# --dry_run right after PROCESS_ID prints the command (shell-quoted) instead of running it.
 set -euo pipefail
-COORD="${1:?usage: launch/multihost.sh HOST:PORT NUM_PROCESSES PROCESS_ID -- ARGS}"
+COORD="${1:?usage: launch/multihost.sh HOST:PORT NUM_PROCESSES PROCESS_ID [--dry_run] -- ARGS}"
 NPROC="${2:?num processes}"; PID="${3:?process id}"; shift 3
+DRY=0
+if [ "${1:-}" = "--dry_run" ]; then DRY=1; shift; fi
 [ "${1:-}" = "--" ] && shift
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$REPO/.venv/bin/python}"
@@ -19,5 +22,22 @@ if [ -n "${LOCAL_DEVICES:-}" ]; then
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$LOCAL_DEVICES"
 fi
 cd "$REPO"
-exec "$PY" -m grpo_jax.main --coordinator_address="$COORD" --num_processes="$NPROC" \
-  --process_id="$PID" "$@"
+CMD=("$PY" -m grpo_jax.main --coordinator_address="$COORD" --num_processes="$NPROC"
+     --process_id="$PID" "$@")
+if [ "$DRY" = 1 ]; then
+  q() {  # shell-quotes each argument (plain words stay bare), joined by spaces
+    local out="" s
+    for s in "$@"; do
+      if [[ $s =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+="$s "
+      elif [[ $s == *$'\n'* ]]; then out+="$(printf '%q' "$s") "
+      else out+="'${s//\'/\'\\\'\'}' "; fi
+    done
+    printf '%s' "${out% }"
+  }
+  ENV=()
+  if [ -n "${LOCAL_DEVICES:-}" ]; then ENV=("JAX_PLATFORMS=cpu" "XLA_FLAGS=$(q "$XLA_FLAGS")"); fi
+  echo "cd $(q "$REPO")"
+  echo "${ENV[*]+${ENV[*]} }$(q "${CMD[@]}")"
+  exit 0
+fi
+exec "${CMD[@]}"
