@@ -16,9 +16,12 @@ IMPLS = ("native", "maxtext")
 
 
 def make_mesh(config, devices=None):
-  """The mesh of the run (config.mesh sizes; -1 fills), shaped for the model implementation."""
+  """The mesh of the run (config.mesh sizes; -1 fills), shaped for the model implementation.
+
+  config.mesh.dcn_data > 1 makes it multi-slice: the sizes are per slice and the data axis is
+  dcn_data times longer, one block per slice (sharding.make_mesh)."""
   base = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
-                            devices=devices)
+                            devices=devices, dcn_data=config.mesh.get("dcn_data", 1))
   if config.model.impl == "maxtext":
     from grpo_jax.models import maxtext_adapter  # optional dependency
     return maxtext_adapter.make_mesh(config, base)
