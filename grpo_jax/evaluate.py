@@ -18,18 +18,20 @@ from grpo_jax.rewards import eval_flags
 
 
 def evaluate(engine, params, data: pipeline.PromptData, *, generation_configs, batch_size: int,
-             rng, decode) -> dict[str, dict[str, float]]:
+             rng, decode, rows=None) -> dict[str, dict[str, float]]:
   """-> {generation config: {"accuracy", "partial_accuracy", "format_accuracy", "num_examples"}}.
 
   `engine` is a rollout engine with num_generations=1 (rollout/engine.py);
-  `decode(token_ids, mask) -> str`. `batch_size` is per process and must divide over this
-  process's data-parallel devices (`per_process_batch_size`).
+  `decode(token_ids, mask) -> str`. `batch_size` is the global batch (a multiple of the
+  data-parallel size: `global_batch_size`); each process takes its `rows` of every batch
+  (`multihost.process_rows`; None: all, one process).
   """
   results = {}
   for gi, name in enumerate(generation_configs):
     t0 = time.time()
     counts = np.zeros(4, np.float64)  # correct, partial, formatted, examples
-    for bi, (indices, valid) in enumerate(pipeline.eval_batches(len(data), batch_size)):
+    for bi, (indices, valid) in enumerate(pipeline.eval_batches(len(data), batch_size,
+                                                                rows=rows)):
       batch = data.batch(indices)
       rollout = engine.generate(params, batch, jax.random.fold_in(rng, gi * 100_003 + bi), name)
       tokens, mask = multihost.local_rows((rollout.tokens, rollout.mask))
@@ -50,13 +52,10 @@ def evaluate(engine, params, data: pipeline.PromptData, *, generation_configs, b
   return results
 
 
-def per_process_batch_size(total: int, mesh) -> int:
-  """`total` prompts per eval batch over all processes, rounded up per process to fill this
-  process's data-parallel devices."""
-  nproc = jax.process_count()
-  per_proc_devices = max(sharding.data_parallel_size(mesh) // nproc, 1)
-  b = max(total // nproc, 1)
-  return -(-b // per_proc_devices) * per_proc_devices
+def global_batch_size(total: int, mesh) -> int:
+  """`total` prompts per eval batch, rounded up to fill the data-parallel devices."""
+  dp = sharding.data_parallel_size(mesh)
+  return -(-max(total, 1) // dp) * dp
 
 
 class Evaluator:
@@ -69,20 +68,22 @@ class Evaluator:
     self.engine = engine
     self.data = data
     self.generation_configs = tuple(config.eval.generation_configs)
-    self.batch_size = per_process_batch_size(config.eval.batch_size, mesh)
+    self.batch_size = global_batch_size(config.eval.batch_size, mesh)
+    self.rows = multihost.process_rows(mesh, self.batch_size)
     self.decode = decode
     self.writer = writer
 
   def __call__(self, params, step: int, rng) -> dict:
     results = evaluate(self.engine, params, self.data,
                        generation_configs=self.generation_configs,
-                       batch_size=self.batch_size, rng=rng, decode=self.decode)
+                       batch_size=self.batch_size, rng=rng, decode=self.decode, rows=self.rows)
     self.writer.write_scalars(step, as_scalars(results))
     return results
 
   def accuracy(self, params, data: pipeline.PromptData, rng) -> float:
-    return evaluate(self.engine, params, data, generation_configs=("greedy",),
-                    batch_size=self.batch_size, rng=rng, decode=self.decode)["greedy"]["accuracy"]
+    results = evaluate(self.engine, params, data, generation_configs=("greedy",),
+                       batch_size=self.batch_size, rng=rng, decode=self.decode, rows=self.rows)
+    return results["greedy"]["accuracy"]
 
 
 def log_results(what: str, results: dict):

@@ -9,7 +9,6 @@ Prompts are rendered with the config's template and system prompt, exactly as in
 Pass prompts as arguments, or `-` to read one prompt per line from stdin. `--export_hf` writes
 the policy as a Hugging Face folder (config.json + model.safetensors) instead of sampling.
 """
-import os
 import sys
 
 from absl import app
@@ -34,8 +33,9 @@ def load_params(config, workdir, step, mesh):
   from grpo_jax import checkpoint as ckpt_lib
   from grpo_jax.models import build
 
-  ckpt_dir = os.path.join(workdir, "checkpoints") if workdir else None
-  have = ckpt_dir and os.path.isdir(ckpt_dir)
+  from grpo_jax import paths
+  ckpt_dir = paths.path(workdir) / "checkpoints" if workdir else None
+  have = ckpt_dir is not None and ckpt_dir.is_dir()
   ckpt = ckpt_lib.Checkpointer(ckpt_dir, max_to_keep=None, async_save=False) if have else None
   step = step if step is not None else (ckpt.latest_step() if ckpt else None)
   if workdir and step is None:

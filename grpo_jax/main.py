@@ -93,7 +93,16 @@ def main(argv):
     sys.exit(2)
 
   workdir = _WORKDIR.value or _default_workdir(flags.FLAGS["config"].config_filename)
-  logging.info("workdir: %s", os.path.abspath(workdir))
+  from grpo_jax import paths
+  problem = paths.check_scheme(workdir)
+  if problem:
+    print(f"error: --workdir={workdir}: {problem[0]}. Fix: {problem[1]}.", file=sys.stderr)
+    sys.exit(2)
+  logging.info("workdir: %s", paths.path(workdir))
+  if config.compilation_cache_dir:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", os.fspath(paths.path(
+        config.compilation_cache_dir)))
   from grpo_jax import train
   train.run(config, workdir)
 

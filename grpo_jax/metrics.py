@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import multihost
+from grpo_jax import paths
 
 
 class NonFiniteError(RuntimeError):
@@ -125,8 +126,10 @@ class MetricWriter:
     self._jsonl = None
     if self.enabled:
       from tensorboardX import SummaryWriter
+      paths.register_tensorboard_schemes()
+      logdir = os.fspath(paths.path(logdir))
       self._writer = SummaryWriter(logdir=logdir, flush_secs=30)
-      self._jsonl = open(os.path.join(logdir, "metrics.jsonl"), "a")
+      self._jsonl = paths.AppendLog(paths.path(logdir) / "metrics.jsonl")
 
   def write_scalars(self, step: int, scalars: dict):
     if not self._writer:

@@ -1,6 +1,6 @@
 """Host <-> global-array plumbing that works the same on one process and on many.
 
-Each JAX process owns the rows of a batch that live on its devices. It builds the global batch
+Each JAX process owns the rows of a batch that live on its devices (`process_rows`). It builds the global batch
 from its own rows (`to_global`), reads back just its rows of a global result (`local_rows`,
 e.g. rollout tokens to decode and score on its host), and sums host-side statistics over all
 processes (`sum_over_processes`).
@@ -17,6 +17,14 @@ def to_global(local: np.ndarray, mesh) -> jax.Array:
   local = np.asarray(local)
   spec = sharding.batch_sharding(mesh, local.ndim)
   return jax.make_array_from_process_local_data(spec, local)
+
+
+def process_rows(mesh, global_rows: int) -> np.ndarray:
+  """Positions (sorted) of the rows of a [global_rows, ...] batch sharded over (data, fsdp)
+  that this process's devices hold: the rows `to_global` expects from it, in that order."""
+  index_map = sharding.batch_sharding(mesh, 1).addressable_devices_indices_map((global_rows,))
+  starts = sorted({(idx[0].start or 0, idx[0].stop) for idx in index_map.values()})
+  return np.concatenate([np.arange(a, global_rows if b is None else b) for a, b in starts])
 
 
 def replicated(value, mesh) -> jax.Array:

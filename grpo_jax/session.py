@@ -19,7 +19,6 @@ its own state with `restore` when it is the one that was interrupted.
 """
 import contextlib
 import json
-import os
 import signal
 import time
 
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 from grpo_jax import checkpoint as ckpt_lib
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import multihost
+from grpo_jax import paths
 from grpo_jax import sharding
 
 _PROCESS_START = time.time()
@@ -66,8 +66,8 @@ class Session:
     self.is_main = jax.process_index() == 0
     self._stack = stack
     if self.is_main:
-      os.makedirs(workdir, exist_ok=True)
-    self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+      paths.makedirs(workdir)
+    self.ckpt = ckpt_lib.Checkpointer(paths.path(workdir) / "checkpoints",
                                       max_to_keep=config.checkpoint.max_to_keep,
                                       async_save=config.checkpoint.async_save)
     stack.callback(self.ckpt.close)
@@ -133,7 +133,5 @@ class Session:
 
   def write_summary(self, summary: dict):
     if self.is_main:
-      path = os.path.join(self.workdir, "summary.json")
-      with open(path + ".tmp", "w") as f:
-        json.dump(summary, f, indent=2)
-      os.replace(path + ".tmp", path)
+      paths.write_atomic(paths.path(self.workdir) / "summary.json",
+                         json.dumps(summary, indent=2))

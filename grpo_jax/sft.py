@@ -118,9 +118,9 @@ class SFTStage:
 
   def iterator(self, train_data):
     n = self._num_rows(len(train_data))
-    return data_lib.make_prompt_iterator(
-        n, batch_size=self.config.sft.batch_size // jax.process_count(),
-        seed=self.config.seed + 1)
+    b = self.config.sft.batch_size
+    return data_lib.make_prompt_iterator(n, batch_size=b, seed=self.config.seed + 1,
+                                         rows=multihost.process_rows(self.mesh, b))
 
   def start(self, params, train_data):
     self.state = self._init(params)

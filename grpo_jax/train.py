@@ -75,7 +75,8 @@ def run(config, workdir: str) -> dict:
 
     # ---------------------------------------------------------- GRPO: start or resume
     train_iter = data_lib.make_prompt_iterator(
-        len(train_data), batch_size=config.batch_size // jax.process_count(), seed=config.seed)
+        len(train_data), batch_size=config.batch_size, seed=config.seed,
+        rows=multihost.process_rows(mesh, config.batch_size))
     state, ref_params = _start_grpo(config, session, fns, policy, mesh, params, train_iter)
     meta, rng, G = session.meta, session.rng, config.num_generations
     if meta["eval_before"] is None:

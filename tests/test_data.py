@@ -129,6 +129,22 @@ def test_iterator_shuffles_per_epoch_and_covers_rows():
   assert not np.array_equal(next(other_seed), epoch1[:8])
 
 
+def test_process_parts_of_a_global_batch_reassemble_the_single_process_batch():
+  # What two processes see (rows [0, 4) and [4, 8) of each global batch of 8), concatenated,
+  # is what one process sees: the data of a step does not depend on the process count.
+  whole = data.make_prompt_iterator(50, batch_size=8, seed=3)
+  parts = [data.make_prompt_iterator(50, batch_size=8, seed=3, rows=np.arange(p * 4, p * 4 + 4))
+           for p in range(2)]
+  for _ in range(10):  # across an epoch boundary
+    assert np.concatenate([next(it) for it in parts]).tolist() == next(whole).tolist()
+  states = [it.get_state() for it in parts]
+  assert states[0] == states[1]  # the same few integers on every process
+  evals = [list(data.eval_batches(10, 4, rows=r)) for r in ([0, 1], [2, 3])]
+  for (i0, v0), (i1, v1), (i, v) in zip(*evals, data.eval_batches(10, 4)):
+    assert np.concatenate([i0, i1]).tolist() == i.tolist()
+    assert np.concatenate([v0, v1]).tolist() == v.tolist()
+
+
 def test_eval_batches_pad_the_last_batch_with_invalid_rows():
   batches = list(data.eval_batches(10, 4))
   assert [b[0].shape for b in batches] == [(4,)] * 3

@@ -1,12 +1,38 @@
-"""Two JAX processes (jax.distributed over 127.0.0.1, 4 fake CPU devices each) run the whole
-loop: SFT warm start, GRPO steps, checkpoints, a stop on the step budget, and the resume."""
+"""Two JAX processes (jax.distributed over 127.0.0.1, 4 fake CPU devices each) == one process
+with 8: SFT warm start, GRPO steps, checkpoints, a clean stop on the step budget, a hard kill
+(SIGKILL of both processes mid-run) and the resume give the same losses, rewards and final
+parameters as one uninterrupted single-process run.
+
+The two-process job's workdir is gs://bucket/pair on an offline GCS emulator
+(tests/fake_gcs.py): checkpoints (tensorstore's gcs driver), events, metrics.jsonl and
+summary.json go over the same clients as on Google Cloud, and the restarts resume from there."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+
+import jax
+from etils import epath
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from tests import fake_gcs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SFT_STEPS, NUM_STEPS = 10, 6
+ARGS = ["--config=configs/tiny.py", f"--config.sft_steps={SFT_STEPS}",
+        "--config.sft.stop_at_accuracy=0", f"--config.num_steps={NUM_STEPS}",
+        "--config.batch_size=8", "--config.num_generations=4",
+        "--config.data.arithmetic.num_train=128", "--config.eval.num_examples=32",
+        "--config.eval.batch_size=16", "--config.log_interval_steps=1",
+        "--config.save_interval_steps=2"]
+# Figures that measure time or memory, not the arithmetic.
+_UNTIMED = ("perf/", "time", "_sec", "memory", "eta", "throughput", "tokens_per_sec")
 
 
 def _free_port() -> int:
@@ -15,37 +41,125 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(workdir, *args):
-  """Both processes of a 2-process job; -> [(returncode, stderr)] by process id."""
+@pytest.fixture
+def gcs(monkeypatch):
+  """An offline gs:// (in-memory GCS emulator) for this process and the runs it starts."""
+  server, env = fake_gcs.start()
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  yield "gs://" + fake_gcs.BUCKET
+  server.stop()
+
+
+def _launch_pair(workdir, *args, kill_when=None):
+  """Both processes of a 2-process job -> [(returncode, stderr)] by process id. `kill_when`:
+  a predicate polled while they run; when it turns true both get SIGKILL (a hard crash)."""
   port = _free_port()
   env = dict(os.environ, LOCAL_DEVICES="4", PYTHON=sys.executable)
   env.pop("XLA_FLAGS", None)  # the launcher sets the per-process device count
+  logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
   procs = [subprocess.Popen(
       ["bash", "launch/multihost.sh", f"127.0.0.1:{port}", "2", str(pid), "--",
-       "--config=configs/tiny.py", f"--workdir={workdir}", "--config.sft_steps=10",
-       "--config.sft.stop_at_accuracy=0", "--config.num_steps=4",
-       "--config.batch_size=8", "--config.num_generations=4",
-       "--config.data.arithmetic.num_train=128", "--config.eval.num_examples=32",
-       "--config.eval.batch_size=16", "--config.log_interval_steps=1",
-       "--config.save_interval_steps=2", *args],
-      cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) for pid in range(2)]
-  return [(p.wait(timeout=600), p.stderr.read()) for p in procs]
+       f"--workdir={workdir}", *ARGS, *args], cwd=ROOT, env=env, stderr=logs[pid],
+      stdout=subprocess.DEVNULL, text=True) for pid in range(2)]
+  if kill_when is not None:
+    deadline = time.time() + 600
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+      if kill_when():
+        for p in procs:
+          p.send_signal(signal.SIGKILL)
+        break
+      time.sleep(0.02)
+  out = []
+  for p, log in zip(procs, logs):
+    rc = p.wait(timeout=600)
+    log.seek(0)
+    out.append((rc, log.read()))
+  return out
 
 
-def test_two_processes_train_stop_and_resume(tmp_path):
-  workdir = tmp_path / "run"
-  first = _launch(workdir, "--config.max_steps_per_run=2")
-  for rc, err in first:
+def _launch_single(workdir, *args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  p = subprocess.run([sys.executable, "-m", "grpo_jax.main", f"--workdir={workdir}", *ARGS,
+                      *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+
+
+def _logged(workdir) -> dict[tuple[str, int], dict]:
+  """(what, step) -> the figures logged there; what is sft, eval or grpo. The last logging of
+  a step wins: a step redone after a crash is logged twice, only the redone one counts."""
+  out = {}
+  for line in (workdir / "metrics.jsonl").read_text().splitlines():
+    row = json.loads(line)
+    what = ("sft" if "sft/loss" in row else "grpo" if "loss/policy_loss" in row else
+            "eval" if any(k.startswith("eval/") for k in row) else "other")
+    out[what, row["step"]] = {k: v for k, v in row.items() if isinstance(v, (int, float))
+                              and not any(u in k for u in _UNTIMED)}
+  return out
+
+
+def _final_params(workdir):
+  step = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  path = workdir / "checkpoints" / str(step) / "state"
+  meta = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
+  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+  state = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+      restore_args=restore_args))
+  return step, state["train"]["params"]
+
+
+def test_two_processes_equal_one_through_stop_kill_and_resume(tmp_path, gcs):
+  single, pair = epath.Path(tmp_path / "single"), epath.Path(gcs) / "pair"
+  t0 = time.time()
+  _launch_single(single)
+  single_sec = time.time() - t0
+
+  # 1. A clean stop on the step budget after one GRPO step: exit 0 on both processes.
+  t0 = time.time()
+  for rc, err in _launch_pair(pair, "--config.max_steps_per_run=1"):
     assert rc == 0, err[-3000:]
-    assert "max_steps_per_run=2 reached: checkpoint 12 written" in err
-  assert not (workdir / "summary.json").exists()
-  second = _launch(workdir)
-  for rc, err in second:
-    assert rc == 0, err[-3000:]
+    assert "max_steps_per_run=1 reached" in err
+  assert not (pair / "summary.json").exists()
+
+  # 2. Resume, then a hard kill of both processes once GRPO step 2's checkpoint is committed.
+  committed = pair / "checkpoints" / str(SFT_STEPS + 2) / "commit_success.txt"  # GCS: no rename
+  killed = _launch_pair(pair, kill_when=committed.exists)
+  for rc, err in killed:
     assert "resuming from" in err
-  summary = json.loads((workdir / "summary.json").read_text())
-  assert summary["final_step"] == 4 and summary["sft_steps"] == 10
-  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-  grpo = sorted({r["step"] for r in rows if "loss/policy_loss" in r})
-  assert grpo == [1, 2, 3, 4]  # only process 0 writes, every step once per run
-  assert sorted(os.listdir(workdir / "checkpoints"))[-1] == "14"
+  if all(rc == -signal.SIGKILL for rc, _ in killed):
+    assert not (pair / "summary.json").exists()
+  else:  # the job outran the poll: it must then have finished cleanly
+    assert all(rc == 0 for rc, _ in killed), killed[0][1][-3000:]
+
+  # 3. Restart: resumes from the last committed checkpoint and finishes.
+  for rc, err in _launch_pair(pair):
+    assert rc == 0, err[-3000:]
+  pair_sec = time.time() - t0
+
+  assert not os.path.exists(os.path.join(ROOT, "gs:"))  # no local ./gs:/bucket/... copy
+  summaries = [json.loads((d / "summary.json").read_text()) for d in (single, pair)]
+  for s in summaries:
+    assert s["final_step"] == NUM_STEPS and s["sft_steps"] == SFT_STEPS
+  ref, got = _logged(single), _logged(pair)
+  assert sorted(ref) == sorted(got)
+  assert sorted(s for what, s in ref if what == "grpo") == list(range(1, NUM_STEPS + 1))
+  assert sorted(s for what, s in ref if what == "sft") == list(range(1, SFT_STEPS + 1))
+  worst = {}
+  for step in ref:
+    assert set(ref[step]) == set(got[step])
+    for k, v in ref[step].items():
+      worst[k] = max(worst.get(k, 0.0), abs(v - got[step][k]) / max(1.0, abs(v)))
+  assert max(worst.values()) <= 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
+  for k in ("reward/total", "loss/policy_loss", "loss/grad_norm", "sft/loss",
+            "eval/accuracy/greedy"):
+    assert k in worst
+
+  (s1, p1), (s2, p2) = _final_params(single), _final_params(pair)
+  assert s1 == s2 == SFT_STEPS + NUM_STEPS
+  diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), p1, p2)
+  assert max(jax.tree.leaves(diffs)) <= 1e-5, diffs
+  print(f"1x8 {single_sec:.1f}s; 2x4 stop+kill+resume {pair_sec:.1f}s (kill rcs "
+        f"{[rc for rc, _ in killed]}); "
+        f"max metric diff {max(worst.values()):.2e}; max param diff "
+        f"{max(jax.tree.leaves(diffs)):.2e}")

@@ -8,8 +8,8 @@ Every reader returns rows of the same shape:
   demonstration str   (optional) a target completion, for the SFT warm start
 """
 import json
-import os
 
+from grpo_jax import paths
 from grpo_jax.rewards import parsing
 
 
@@ -19,10 +19,10 @@ class DataError(ValueError):
 
 def _read_records(path: str):
   """(line number, dict) for each row of a .jsonl file, or of a .json list."""
-  if not os.path.exists(path):
+  if not paths.exists(path):
     raise FileNotFoundError(f"data file {path!r} does not exist")
   if path.endswith(".json"):
-    with open(path, encoding="utf-8") as f:
+    with paths.path(path).open("r") as f:
       try:
         data = json.load(f)
       except json.JSONDecodeError as e:
@@ -34,7 +34,7 @@ def _read_records(path: str):
         raise DataError(f"{path}: item {i}: expected an object, got {type(rec).__name__}")
       yield f"item {i}", rec
     return
-  with open(path, encoding="utf-8") as f:
+  with paths.path(path).open("r") as f:
     for lineno, line in enumerate(f, 1):
       if not line.strip():
         continue

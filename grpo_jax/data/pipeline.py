@@ -4,8 +4,8 @@
     it = make_prompt_iterator(len(data), batch_size=8, seed=0)   # grain; yields row indices
     batch = data.batch(next(it))     # prompt_ids/prompt_mask int32 [b, P] left-padded + rows
 
-The iterator yields row indices (per process: each JAX process reads its own shard of rows),
-so its state is a few integers: `it.get_state()` / `it.set_state(s)` continue with exactly the
+The iterator yields row indices of global batches (each JAX process keeps the rows its devices
+hold, so the data a step sees does not depend on the process count); its state is a few integers: `it.get_state()` / `it.set_state(s)` continue with exactly the
 next batch, and Orbax saves it with grain's handler (grpo_jax/checkpoint.py). Each epoch is
 reshuffled (grain's epoch-aware shuffle).
 
@@ -14,7 +14,6 @@ assistant header, which must survive); `num_truncated` counts them and the loop 
 """
 from absl import logging
 import grain
-import jax
 import numpy as np
 
 from grpo_jax.data.templates import render_prompt
@@ -78,40 +77,44 @@ class PromptData:
 
 
 def make_prompt_iterator(num_rows: int, *, batch_size: int, seed: int, shuffle: bool = True,
-                         num_epochs: int | None = None, shard_by_process: bool = True):
-  """A grain iterator of row-index batches [batch_size] (the per-process batch size).
+                         num_epochs: int | None = None, rows=None):
+  """A grain iterator of row-index batches: this process's part of each GLOBAL batch.
 
-  Shards rows over JAX processes (process p takes rows p, p + n, p + 2n, ...), shuffles with
-  `seed` (a new permutation each epoch), repeats `num_epochs` times (None: forever) and drops
-  the last partial batch of the stream.
+  Every process walks the same stream of global batches of `batch_size` row indices (shuffled
+  with `seed`, a new permutation each epoch, repeated `num_epochs` times (None: forever), the
+  last partial batch of the stream dropped) and keeps the positions `rows` of each (from
+  `multihost.process_rows`: the rows of the global batch its devices hold; None: all). So the
+  global batch is the same for any number of processes, and the iterator state (a few
+  integers) is the same on every process.
   """
+  if num_epochs is not None and num_rows < batch_size:
+    raise ValueError(f"{num_rows} rows cannot fill one batch of {batch_size}")
   ds = grain.MapDataset.source(np.arange(num_rows, dtype=np.int64))
-  if shard_by_process and jax.process_count() > 1:
-    ds = ds[jax.process_index()::jax.process_count()]
-  if len(ds) < batch_size and num_epochs is not None:
-    raise ValueError(f"{len(ds)} rows per process cannot fill one batch of {batch_size}")
   if shuffle:
     ds = ds.shuffle(seed=seed)
   ds = ds.repeat(num_epochs).batch(batch_size, drop_remainder=True)
+  if rows is not None:
+    rows = np.asarray(rows, np.int64)
+    ds = ds.map(lambda b: b[rows])
   return iter(ds.to_iter_dataset())
 
 
-def eval_batches(num_rows: int, batch_size: int, *, shard_by_process: bool = True):
-  """Deterministic one pass over all rows: (indices [batch_size], valid [batch_size] bool).
+def eval_batches(num_rows: int, batch_size: int, *, rows=None):
+  """Deterministic one pass over all rows in global batches of `batch_size`; yields this
+  process's positions `rows` of each (None: all) as (indices, valid) bool arrays.
 
   The last batch is filled up by repeating row indices with valid=False, so every batch has
   the same static shape (no recompilation) and the filler rows are excluded from metrics.
   """
   idx = np.arange(num_rows)
-  if shard_by_process and jax.process_count() > 1:
-    idx = idx[jax.process_index()::jax.process_count()]
-  for start in range(0, len(idx), batch_size):
+  rows = np.arange(batch_size) if rows is None else np.asarray(rows, np.int64)
+  for start in range(0, num_rows, batch_size):
     chunk = idx[start:start + batch_size]
     valid = np.ones(batch_size, bool)
     if len(chunk) < batch_size:
       valid[len(chunk):] = False
       chunk = np.concatenate([chunk, np.resize(chunk, batch_size - len(chunk))])
-    yield chunk, valid
+    yield chunk[rows], valid[rows]
 
 
 def sft_batch(data: PromptData, indices, completion_length: int) -> dict:

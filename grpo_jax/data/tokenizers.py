@@ -7,8 +7,9 @@
   `tokenizers` package; no hub access.
 """
 import json
-import os
 from typing import Protocol, Sequence
+
+from grpo_jax import paths
 
 
 class Tokenizer(Protocol):
@@ -95,19 +96,19 @@ class HFTokenizer:
 
   def __init__(self, path: str, *, add_qwen3_tokens: bool = True):
     import tokenizers
-    if not os.path.isdir(path):
+    if not paths.isdir(path):
       raise FileNotFoundError(f"tokenizer folder {path!r} does not exist")
-    tj = os.path.join(path, "tokenizer.json")
-    vocab, merges = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
-    if os.path.exists(tj):
-      self._tok = tokenizers.Tokenizer.from_file(tj)
-    elif os.path.exists(vocab) and os.path.exists(merges):
-      self._tok = _bpe_from_files(vocab, merges)
+    folder = paths.path(path)
+    tj, vocab, merges = folder / "tokenizer.json", folder / "vocab.json", folder / "merges.txt"
+    if tj.exists():
+      self._tok = tokenizers.Tokenizer.from_str(tj.read_text(encoding="utf-8"))
+    elif vocab.exists() and merges.exists():
+      self._tok = _bpe_from_files(paths.local_copy(vocab), paths.local_copy(merges))
     else:
       raise FileNotFoundError(f"{path}: no tokenizer.json and no vocab.json + merges.txt")
-    config = _read_json(os.path.join(path, "tokenizer_config.json"))
+    config = _read_json(folder / "tokenizer_config.json")
     added = {v["content"]: int(k) for k, v in config.get("added_tokens_decoder", {}).items()}
-    added.update(_read_json(os.path.join(path, "added_tokens.json")))
+    added.update(_read_json(folder / "added_tokens.json"))
     if add_qwen3_tokens and "<|im_start|>" in added:
       for tok, i in QWEN3_EXTRA_TOKENS.items():
         added.setdefault(tok, i)
@@ -167,11 +168,10 @@ def _bpe_from_files(vocab: str, merges: str):
   return tok
 
 
-def _read_json(path: str) -> dict:
-  if not os.path.exists(path):
+def _read_json(path) -> dict:
+  if not paths.exists(path):
     return {}
-  with open(path) as f:
-    return json.load(f)
+  return json.loads(paths.read_text(path))
 
 
 def _token_str(tok) -> str | None:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax import paths
 from grpo_jax import sharding
 from grpo_jax.models import safetensors_io
 from grpo_jax.models.config import ModelConfig
@@ -93,16 +94,16 @@ class _Checkpoint:
   """All tensors of an HF folder (single file or sharded with model.safetensors.index.json)."""
 
   def __init__(self, path: str):
-    index = os.path.join(path, "model.safetensors.index.json")
-    single = os.path.join(path, "model.safetensors")
-    if os.path.exists(index):
-      with open(index) as f:
-        weight_map = json.load(f)["weight_map"]
-      files = {n: os.path.join(path, fn) for n, fn in weight_map.items()}
-    elif os.path.exists(single):
+    folder = paths.path(path)
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    if index.exists():
+      weight_map = json.loads(index.read_text())["weight_map"]
+      files = {n: os.fspath(folder / fn) for n, fn in weight_map.items()}
+    elif single.exists():
+      single = os.fspath(single)
       files = {n: single for n in safetensors_io.SafetensorsFile(single).keys()}
     else:
-      found = sorted(os.listdir(path))
+      found = paths.listdir(path)
       raise FileNotFoundError(
           f"{path}: no model.safetensors or model.safetensors.index.json (found: "
           f"{', '.join(found) or 'nothing'}). Fix: point at a Hugging Face checkpoint folder "
@@ -115,22 +116,21 @@ class _Checkpoint:
       raise KeyError(f"tensor {name} is missing from the checkpoint")
     fn = self.files[name]
     if fn not in self._open:
-      if not os.path.exists(fn):
+      if not paths.exists(fn):
         raise FileNotFoundError(f"{fn}: listed in model.safetensors.index.json but missing")
       self._open[fn] = safetensors_io.SafetensorsFile(fn)
     return self._open[fn].get(name)
 
 
 def read_hf_config(path: str) -> dict:
-  cfg_path = os.path.join(path, "config.json")
-  if not os.path.isdir(path):
+  cfg_path = paths.path(path) / "config.json"
+  if not paths.isdir(path):
     raise FileNotFoundError(f"{path}: not a directory. Fix: pass a Hugging Face checkpoint folder "
                             "(config.json + *.safetensors)")
-  if not os.path.exists(cfg_path):
+  if not cfg_path.exists():
     raise FileNotFoundError(f"{cfg_path}: missing. Fix: a Hugging Face checkpoint folder holds "
                             "config.json beside its *.safetensors files")
-  with open(cfg_path) as f:
-    return json.load(f)
+  return json.loads(cfg_path.read_text())
 
 
 def load_hf(path: str, dtype=jnp.float32, *, mesh=None, param_dtype=None, remat_policy="none",
@@ -255,7 +255,7 @@ def save_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int =
       shapes[name] = tuple(e.to_hf(np.broadcast_to(np.zeros((), np.float32), shape)).shape)
   writer = jax.process_index() == 0
   if writer:
-    os.makedirs(path, exist_ok=True)
+    paths.makedirs(path)
   shards, current, size = [], [], 0
   for name, produce in hf_tensors(model):
     nbytes = int(np.prod(shapes[name])) * out_dtype.itemsize
@@ -271,7 +271,8 @@ def save_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int =
              f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
     items = [(n, shapes[n], out_dtype, p) for n, p in shard]
     if writer:
-      safetensors_io.write(os.path.join(path, fname), items, metadata={"format": "pt"})
+      safetensors_io.write(os.fspath(paths.path(path) / fname), items,
+                           metadata={"format": "pt"})
     else:
       for *_, p in items:  # take part in the collective gathers
         p()
@@ -279,7 +280,7 @@ def save_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int =
   if writer:
     if len(shards) > 1:
       total = sum(int(np.prod(s)) * out_dtype.itemsize for s in shapes.values())
-      with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(path, "config.json"), "w") as f:
-      json.dump(cfg.to_hf_config(torch_dtype=out_dtype.name), f, indent=2)
+      paths.write_atomic(paths.path(path) / "model.safetensors.index.json", json.dumps(
+          {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    paths.write_atomic(paths.path(path) / "config.json",
+                       json.dumps(cfg.to_hf_config(torch_dtype=out_dtype.name), indent=2))

@@ -329,9 +329,10 @@ def load_maxtext_checkpoint(path: str, parts: MaxTextParts) -> nnx.State:
   layers loads into an unscanned model (and vice versa) by restacking on the host."""
   import orbax.checkpoint as ocp
 
-  if os.path.isdir(os.path.join(path, "items")):
-    path = os.path.join(path, "items")
-  if not os.path.isdir(path):
+  from grpo_jax import paths
+  if (paths.path(path) / "items").is_dir():
+    path = os.fspath(paths.path(path) / "items")
+  if not paths.isdir(path):
     raise FileNotFoundError(f"model.maxtext_checkpoint={path}: no such directory (expected "
                             "MaxText's <run>/checkpoints/<step>/items)")
   ckptr = ocp.PyTreeCheckpointer()

@@ -4,14 +4,16 @@ The format is an 8-byte little-endian header length, a JSON header
 {name: {"dtype", "shape", "data_offsets": [begin, end]}}, then the raw bytes. Reading through
 np.memmap means a tensor's pages are read only when sliced, so loading a model one tensor (or
 one shard) at a time never holds more than that in host memory. bfloat16 comes from ml_dtypes
-(a JAX dependency), which the `safetensors` numpy API lacks.
+(a JAX dependency), which the `safetensors` numpy API lacks. On cloud storage (gs://) each
+tensor is one ranged read instead (grpo_jax/paths.py).
 """
 import json
-import os
 import struct
 
 import ml_dtypes
 import numpy as np
+
+from grpo_jax import paths
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -26,7 +28,8 @@ class SafetensorsFile:
 
   def __init__(self, path: str):
     self.path = path
-    with open(path, "rb") as f:
+    self.remote = paths.is_remote(path)
+    with paths.path(path).open("rb") as f:
       raw = f.read(8)
       if len(raw) != 8:
         raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header)")
@@ -47,10 +50,15 @@ class SafetensorsFile:
     info = self.header[name]
     if info["dtype"] not in _DTYPES:
       raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
-    if self._mm is None:
-      self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
     begin, end = info["data_offsets"]
-    buf = self._mm[self._data_start + begin:self._data_start + end]
+    if self.remote:
+      with paths.path(self.path).open("rb") as f:
+        f.seek(self._data_start + begin)
+        buf = np.frombuffer(f.read(end - begin), np.uint8)
+    else:
+      if self._mm is None:
+        self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+      buf = self._mm[self._data_start + begin:self._data_start + end]
     return buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
@@ -69,8 +77,7 @@ def write(path: str, tensors, metadata: dict | None = None):
     header["__metadata__"] = metadata
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # 8-byte alignment of the data section
-  tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
+  with paths.open_atomic(path, "wb") as f:
     f.write(struct.pack("<Q", len(blob)))
     f.write(blob)
     for name, shape, dtype, producer in tensors:
@@ -78,4 +85,3 @@ def write(path: str, tensors, metadata: dict | None = None):
       if tuple(arr.shape) != tuple(shape):
         raise ValueError(f"{name}: produced shape {arr.shape}, header says {tuple(shape)}")
       f.write(arr.tobytes())
-  os.replace(tmp, path)

@@ -13,10 +13,10 @@ A user file defining the same function (verl's interface) plugs in with
 `--config.reward.custom_file=path.py` (see `load_custom_file`).
 """
 import importlib.util
-import os
 import re
 import string
 
+from grpo_jax import paths
 from grpo_jax.rewards import parsing
 from grpo_jax.rewards import rouge
 
@@ -80,9 +80,10 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth,
 
 def load_custom_file(path: str):
   """compute_score from a user .py file (verl's interface), with clear errors."""
-  if not os.path.exists(path):
+  if not paths.exists(path):
     raise FileNotFoundError(f"reward.custom_file={path!r} does not exist")
-  spec = importlib.util.spec_from_file_location(f"grpo_user_reward_{abs(hash(path))}", path)
+  spec = importlib.util.spec_from_file_location(f"grpo_user_reward_{abs(hash(path))}",
+                                                paths.local_copy(path, ".py"))
   module = importlib.util.module_from_spec(spec)
   try:
     spec.loader.exec_module(module)
