@@ -4,7 +4,7 @@ with 8: SFT warm start, GRPO steps, checkpoints, a clean stop on the step budget
 parameters as one uninterrupted single-process run.
 
 The two-process job's workdir is gs://bucket/pair on an offline GCS emulator
-(tests/fake_gcs.py): checkpoints (tensorstore's gcs driver), events, metrics.jsonl and
+(tests/fake_gcs.py, the `gcs` fixture): checkpoints (tensorstore's gcs driver), events, metrics.jsonl and
 summary.json go over the same clients as on Google Cloud, and the restarts resume from there."""
 import json
 import os
@@ -19,9 +19,6 @@ import jax
 from etils import epath
 import numpy as np
 import orbax.checkpoint as ocp
-import pytest
-
-from tests import fake_gcs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT_STEPS, NUM_STEPS = 10, 6
@@ -39,16 +36,6 @@ def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
-
-
-@pytest.fixture
-def gcs(monkeypatch):
-  """An offline gs:// (in-memory GCS emulator) for this process and the runs it starts."""
-  server, env = fake_gcs.start()
-  for k, v in env.items():
-    monkeypatch.setenv(k, v)
-  yield "gs://" + fake_gcs.BUCKET
-  server.stop()
 
 
 def _launch_pair(workdir, *args, kill_when=None):
