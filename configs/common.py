@@ -152,6 +152,9 @@ def base() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.max_to_keep = 4
   c.checkpoint.async_save = True
+  # Resume although these recorded fields changed (comma-separated, e.g. "seed,batch_size");
+  # fields that fix the checkpoint's shapes (model size, reference model, sft_steps) never can.
+  c.checkpoint.allow_changes = ""
 
   # Axis sizes of one slice; -1 = all remaining devices of the slice. Batches shard over
   # (data, fsdp), parameters over fsdp (ZeRO-3) and tensor (Megatron).

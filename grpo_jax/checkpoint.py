@@ -9,7 +9,13 @@ One checkpoint (WORKDIR/checkpoints/<step>/) holds three items:
          anything else the loop wants back (written by process 0).
 Saves are asynchronous: the loop continues while Orbax writes, and `wait()` blocks only before
 exit or the next save of the same step.
+
+A damaged checkpoint (an empty or unparsable metadata file, a missing item, array data that
+fails to read) is never resumed from: `problem(directory, step)` finds what can be seen without
+reading arrays, a failed restore raises `DamagedCheckpoint`, and `move_aside` puts the step
+under WORKDIR/checkpoints_damaged/ so the previous checkpoint becomes the latest.
 """
+import json
 import os
 
 import grain
@@ -17,6 +23,73 @@ import jax
 import orbax.checkpoint as ocp
 
 from grpo_jax import paths
+
+
+class DamagedCheckpoint(RuntimeError):
+  """A checkpoint that cannot be restored; `step` and one-line `reason`."""
+
+  def __init__(self, step: int, reason: str):
+    super().__init__(f"checkpoint {step} is damaged: {reason}")
+    self.step, self.reason = step, reason
+
+
+ITEMS = ("state", "data", "meta")
+DAMAGED_DIR = "checkpoints_damaged"
+
+
+def steps_in(directory) -> list[int]:
+  """Committed step folders under `directory` (Orbax's temporary folders are not digits)."""
+  d = paths.path(directory)
+  if not d.exists():
+    return []
+  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit())
+
+
+def problem(directory, step: int) -> str | None:
+  """What makes checkpoint `step` unusable as far as can be seen without reading its arrays
+  (metadata files present, non-empty and parsable; every item there); None when it looks whole.
+  """
+  d = paths.path(directory) / str(step)
+  json_files = [d / "_CHECKPOINT_METADATA", d / "state" / "_METADATA", d / "meta" / "metadata"]
+  for item in ITEMS:
+    if not (d / item).is_dir():
+      return f"its {item!r} item is missing ({d / item})"
+  data_files = [p for p in (d / "data").iterdir() if p.name.endswith(".json")]
+  if not data_files:
+    return f"no data-iterator state in {d / 'data'}"
+  for f in json_files + data_files:
+    if not f.exists():
+      return f"{f} is missing"
+    text = f.read_text()
+    if not text.strip():
+      return f"{f} is empty"
+    try:
+      json.loads(text)
+    except ValueError as e:
+      return f"{f} is not valid JSON ({e})"
+  manifests = [d / "state" / "manifest.ocdbt"]
+  for m in manifests:
+    if m.exists() and m.stat().length == 0:
+      return f"{m} is empty"
+  return None
+
+
+def move_aside(directory, step: int) -> str:
+  """Moves checkpoint `step` to <workdir>/checkpoints_damaged/<step>[.n]; -> where it went.
+  Call from one process."""
+  src = paths.path(directory) / str(step)
+  dst_dir = paths.path(directory).parent / DAMAGED_DIR
+  dst_dir.mkdir(parents=True, exist_ok=True)
+  dst, n = dst_dir / str(step), 1
+  while dst.exists():
+    dst, n = dst_dir / f"{step}.{n}", n + 1
+  if paths.is_remote(src):  # object stores: a recursive copy + delete under the new prefix
+    from etils.epath import backend
+    backend.fsspec_backend.fs(os.fspath(src)).mv(os.fspath(src), os.fspath(dst),
+                                                   recursive=True)
+  else:
+    src.rename(dst)
+  return os.fspath(dst)
 
 
 class Checkpointer:

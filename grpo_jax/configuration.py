@@ -72,7 +72,7 @@ def _check_training(c: _Checker, cfg):
   c.require(cfg.num_steps >= 0, "num_steps", "must be >= 0", "set a step count")
   c.require(cfg.sft_steps >= 0, "sft_steps", "must be >= 0", "0 disables the warm start")
   c.require(cfg.num_generations >= 1, "num_generations", "must be >= 1", "use G >= 2")
-  if cfg.loss.estimator in ("grpo", "rloo") and cfg.num_generations < 2:
+  if cfg.loss.estimator in ("grpo", "dr_grpo", "rloo") and cfg.num_generations < 2:
     c.fail("num_generations", f"the '{cfg.loss.estimator}' advantage compares samples within a "
            "group, so every advantage would be 0 with fewer than 2",
            "set num_generations >= 2 (GRPO practice: 4-16)")
@@ -264,11 +264,12 @@ def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
   shape = (dcn * ici[0], *ici[1:])
   dp = sharding.data_parallel_size(shape)
   dp_name = "data * fsdp" if dcn == 1 else f"data * fsdp (data includes mesh.dcn_data={dcn})"
-  seqs = cfg.batch_size * cfg.num_generations
-  if seqs % dp:
-    c.fail("batch_size", f"batch_size * num_generations = {seqs} sequences do not divide over "
-           f"the data-parallel mesh size {dp_name} = {dp}",
-           f"use a batch_size that makes it a multiple of {dp}")
+  if cfg.batch_size % dp:  # the prompts of a step (and so their G samples) shard over it
+    c.fail("batch_size", f"the prompts of a step do not divide over the data-parallel mesh "
+           f"size {dp_name} = {dp}", f"use a multiple of {dp}")
+  if cfg.sft_steps > 0 and cfg.sft.batch_size % dp:
+    c.fail("sft.batch_size", f"does not divide over the data-parallel mesh size {dp_name} = "
+           f"{dp}", f"use a multiple of {dp}")
   if cfg.micro_batch_size > 0 and cfg.micro_batch_size % dp:
     c.fail("micro_batch_size", f"not divisible by the data-parallel mesh size {dp}",
            f"use a multiple of {dp}")

@@ -28,6 +28,11 @@ _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0, for jax.distributed.initialize.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "JAX processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in the job.")
+_PRINT_CONFIG = flags.DEFINE_bool(
+    "print_config", False, "Print the resolved config (file + --config.* overrides) and exit.")
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False, "On an error, show the full traceback here too (it always goes to "
+    "WORKDIR/error.log; the console gets one line).")
 
 
 def _parse_flags(argv):
@@ -39,12 +44,38 @@ def _parse_flags(argv):
     sys.exit(2)
   except (AttributeError, KeyError) as e:
     # ml_collections raises these for fields that do not exist in the (locked) config.
-    arg = next((a for a in argv[1:] if a.startswith("--config.")), "--config.?")
+    arg = _unknown_override(argv) or next(
+        (a for a in argv[1:] if a.startswith("--config.")), "--config.?")
     msg = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
     print(f"error: {arg.split('=')[0]}: no such config field ({msg}). Fix: check the name "
-          "against the config file (python -m grpo_jax.main --config=FILE prints it).",
-          file=sys.stderr)
+          "against the config file (python -m grpo_jax.main --config=FILE --print_config "
+          "prints every field).", file=sys.stderr)
     sys.exit(2)
+
+
+def _unknown_override(argv) -> str | None:
+  """The first --config.<a.b.c> argument whose field the config file does not define."""
+  path = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), None)
+  if path is None:
+    return None
+  try:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_grpo_config_probe", path.split(":")[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+  except Exception:  # the file itself is reported by absl's own parser
+    return None
+  for arg in argv[1:]:
+    if not arg.startswith("--config."):
+      continue
+    node = config
+    for part in arg[len("--config."):].split("=", 1)[0].split("."):
+      try:
+        node = node[part]
+      except (KeyError, TypeError, AttributeError):
+        return arg
+  return None
 
 
 class _QuietLibraries:
@@ -84,6 +115,9 @@ def main(argv):
 
   from grpo_jax import configuration
   config = _CONFIG.value
+  if _PRINT_CONFIG.value:
+    print(config)
+    return
   errors = configuration.validate(config)
   if errors:
     print(f"error: {len(errors)} bad config value(s) in {flags.FLAGS['config'].config_filename}:",
@@ -104,7 +138,47 @@ def main(argv):
     jax.config.update("jax_compilation_cache_dir", os.fspath(paths.path(
         config.compilation_cache_dir)))
   from grpo_jax import train
-  train.run(config, workdir)
+  try:
+    train.run(config, workdir)
+  except (SystemExit, KeyboardInterrupt):
+    raise
+  except Exception as e:  # one line on the console, the traceback in WORKDIR/error.log
+    if _VERBOSE.value:
+      raise
+    where = _write_traceback(workdir)
+    print(f"error: {_one_line(e)} (traceback: {where}; --verbose prints it here)",
+          file=sys.stderr)
+    sys.exit(1)
+
+
+def _one_line(e: BaseException, limit: int = 600) -> str:
+  """The exception as one line: our own messages already say what, where and the fix; for
+  anything else the type name leads."""
+  text = " ".join(str(e).split()) or "(no message)"
+  if type(e).__module__.startswith("grpo_jax") or isinstance(
+      e, (FileNotFoundError, ValueError, KeyError, RuntimeError)):
+    line = text
+  else:
+    line = f"{type(e).__name__}: {text}"
+  return line if len(line) <= limit else line[:limit] + " ..."
+
+
+def _write_traceback(workdir: str) -> str:
+  import traceback
+  import jax
+  from grpo_jax import paths
+  text = traceback.format_exc()
+  name = "error.log" if jax.process_index() == 0 else f"error.process_{jax.process_index()}.log"
+  try:
+    target = paths.path(workdir) / name
+    paths.write_atomic(target, text)
+    return os.fspath(target)
+  except Exception:  # the workdir itself may be the problem
+    import tempfile
+    fd, tmp = tempfile.mkstemp(prefix="grpo_jax_error_", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    return tmp
 
 
 def run():

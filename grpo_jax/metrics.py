@@ -120,16 +120,20 @@ class StepLog:
 class MetricWriter:
   """Scalars to WORKDIR (TensorBoard events) from process 0; a no-op elsewhere."""
 
-  def __init__(self, logdir: str, *, enabled: bool | None = None):
+  def __init__(self, logdir: str, *, enabled: bool | None = None, keep_rows: int | None = None):
+    """`keep_rows`: keep only the first rows of an existing metrics.jsonl (a resumed run drops
+    what was logged after its checkpoint, which it logs again)."""
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self._writer = None
     self._jsonl = None
+    self.rows = 0  # rows in metrics.jsonl (recorded with each checkpoint)
     if self.enabled:
       from tensorboardX import SummaryWriter
       paths.register_tensorboard_schemes()
       logdir = os.fspath(paths.path(logdir))
       self._writer = SummaryWriter(logdir=logdir, flush_secs=30)
-      self._jsonl = paths.AppendLog(paths.path(logdir) / "metrics.jsonl")
+      self._jsonl = paths.AppendLog(paths.path(logdir) / "metrics.jsonl", keep_lines=keep_rows)
+      self.rows = self._jsonl.lines
 
   def write_scalars(self, step: int, scalars: dict):
     if not self._writer:
@@ -141,6 +145,7 @@ class MetricWriter:
         self._writer.add_scalar(name, value, global_step=step)
       row[name] = value if math.isfinite(value) else str(value)
     self._jsonl.write(json.dumps(row) + "\n")
+    self.rows += 1
 
   def write_text(self, step: int, name: str, text: str):
     if self._writer:

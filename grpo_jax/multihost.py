@@ -66,3 +66,9 @@ def any_process(flag: bool) -> bool:
   if jax.process_count() == 1:
     return bool(flag)
   return bool(np.asarray(multihost_utils.process_allgather(np.array(flag))).any())
+
+
+def barrier(name: str):
+  """Every process waits here until all have arrived (no-op on one process)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)

@@ -97,14 +97,21 @@ class AppendLog:
   whole object is rewritten from a host-side copy on every `flush` (objects cannot be
   appended to); what was there before (an earlier run of the same workdir) is kept."""
 
-  def __init__(self, p):
+  def __init__(self, p, *, keep_lines: int | None = None):
+    """`keep_lines`: first drop all but the first lines of an existing file."""
     self.path = path(p)
     self.remote = is_remote(self.path)
+    old = self.path.read_text(encoding="utf-8") if self.path.exists() else ""
+    lines = old.splitlines(keepends=True)
+    if keep_lines is not None and keep_lines < len(lines):
+      lines = lines[:keep_lines]
+      if not self.remote:
+        write_atomic(self.path, "".join(lines))
+    self.lines = len(lines)
     if self.remote:
-      self._buf = io.StringIO()
-      if self.path.exists():
-        self._buf.write(self.path.read_text(encoding="utf-8"))
-      self._dirty = False
+      self._buf = io.StringIO("".join(lines))
+      self._buf.seek(0, io.SEEK_END)
+      self._dirty = self.lines != len(old.splitlines())
     else:
       self.path.parent.mkdir(parents=True, exist_ok=True)
       self._f = open(self.path, "a", encoding="utf-8")

@@ -118,7 +118,13 @@ class SFTStage:
 
   def iterator(self, train_data):
     n = self._num_rows(len(train_data))
-    b = self.config.sft.batch_size
+    b, c = self.config.sft.batch_size, self.config.sft
+    if n < 1:
+      raise ValueError(
+          f"SFT has no demonstration rows: {len(train_data)} train rows, "
+          f"sft.num_demonstrations={c.num_demonstrations}, and the last sft.num_validation="
+          f"{c.num_validation} held out for early stopping. Fix: lower sft.num_validation (or "
+          "set sft.stop_at_accuracy=0), or give more train rows")
     return data_lib.make_prompt_iterator(n, batch_size=b, seed=self.config.seed + 1,
                                          rows=multihost.process_rows(self.mesh, b))
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax import checkpoint as ckpt_lib
 from grpo_jax import data as data_lib
 from grpo_jax import evaluate as eval_lib
 from grpo_jax import metrics as metrics_lib
@@ -45,7 +46,18 @@ from grpo_jax.rl import step as step_lib
 
 
 def run(config, workdir: str) -> dict:
-  """Trains per `config`, writing everything under `workdir`; returns the summary dict."""
+  """Trains per `config`, writing everything under `workdir`; returns the summary dict.
+
+  A checkpoint whose arrays fail to restore is moved aside (session.py) and the run starts
+  over from the previous one."""
+  while True:
+    try:
+      return _run(config, workdir)
+    except ckpt_lib.DamagedCheckpoint as e:
+      logging.warning("%s; resuming from the checkpoint before it", e)
+
+
+def _run(config, workdir: str) -> dict:
   mesh = build.make_mesh(config)
   with session_lib.open_session(config, workdir, mesh) as session:
     # ------------------------------------------------------------------------------ setup
@@ -68,6 +80,7 @@ def run(config, workdir: str) -> dict:
     reward_fn = session.closing(rewards_lib.build_reward_computer(
         r.functions, r.weights, custom_file=r.custom_file, custom_weight=r.custom_weight,
         on_error=r.on_error, num_workers=r.num_workers, timeout_sec=r.timeout_sec))
+    reward_fn.check(train_data.rows[0])  # a broken plug-in fails now, not after SFT
     fns = step_lib.build(config, policy, mesh)
 
     # --------------------------------------------------------- SFT warm start (sft.py)
@@ -174,6 +187,7 @@ def run(config, workdir: str) -> dict:
         meta["history"].append({"step": step, "eval": evaluator(
             state["params"], ckpt_base + step, jax.random.fold_in(rng, step - 1))})
       if step % config.save_interval_steps == 0 or step == config.num_steps:
+        log.flush()  # the checkpoint records how many metric rows precede it
         session.save(ckpt_base + step, saved_state(), train_iter)
       if session.stop_requested(budget_spent=budget_spent):
         log.flush()

@@ -191,12 +191,12 @@ def test_bad_mesh_gives_one_line(mesh, devices, processes, words):
 
 def test_batch_checks_count_the_dcn_factor():
   config = _config(dcn_data=2)
-  config.batch_size, config.num_generations = 2, 4  # 8 sequences over a data axis of 16
+  config.batch_size, config.num_generations = 8, 4  # 8 prompts over a data axis of 16
   errors = _errors(config, devices=16)
-  assert errors == ["batch_size=2: batch_size * num_generations = 8 sequences do not divide over "
-                    "the data-parallel mesh size data * fsdp (data includes mesh.dcn_data=2) = 16."
-                    " Fix: use a batch_size that makes it a multiple of 16."]
-  config.batch_size, config.micro_batch_size = 4, 8
+  assert errors == ["batch_size=8: the prompts of a step do not divide over the data-parallel "
+                    "mesh size data * fsdp (data includes mesh.dcn_data=2) = 16. Fix: use a "
+                    "multiple of 16."]
+  config.batch_size, config.micro_batch_size = 16, 8
   assert any(e.startswith("micro_batch_size=8: not divisible by the data-parallel mesh size 16")
              for e in _errors(config, devices=16))
 

@@ -259,6 +259,7 @@ def _nan_rewards_on(steps, monkeypatch):
         out.total = np.full_like(out.total, np.nan)
       return out
 
+    score.check = computer.check
     return score
 
   monkeypatch.setattr(train.rewards_lib, "build_reward_computer", build)

@@ -22,11 +22,13 @@ def _read_records(path: str):
   if not paths.exists(path):
     raise FileNotFoundError(f"data file {path!r} does not exist")
   if path.endswith(".json"):
-    with paths.path(path).open("r") as f:
-      try:
-        data = json.load(f)
-      except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    try:
+      data = json.loads(paths.read_bytes(path).decode("utf-8"))
+    except UnicodeDecodeError as e:
+      raise DataError(f"{path}: not UTF-8 (byte offset {e.start}). Fix: re-encode the file as "
+                      "UTF-8") from None
+    except json.JSONDecodeError as e:
+      raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
     if not isinstance(data, list):
       raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
     for i, rec in enumerate(data):
@@ -34,8 +36,13 @@ def _read_records(path: str):
         raise DataError(f"{path}: item {i}: expected an object, got {type(rec).__name__}")
       yield f"item {i}", rec
     return
-  with paths.path(path).open("r") as f:
-    for lineno, line in enumerate(f, 1):
+  with paths.path(path).open("rb") as f:
+    for lineno, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column "
+                        f"{e.start + 1}). Fix: re-encode the file as UTF-8") from None
       if not line.strip():
         continue
       try:

@@ -171,7 +171,11 @@ def _bpe_from_files(vocab: str, merges: str):
 def _read_json(path) -> dict:
   if not paths.exists(path):
     return {}
-  return json.loads(paths.read_text(path))
+  try:
+    return json.loads(paths.read_text(path))
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path}: not valid JSON ({e}). Fix: repair or delete the file (it is "
+                     "optional)") from None
 
 
 def _token_str(tok) -> str | None:

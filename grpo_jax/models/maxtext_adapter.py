@@ -336,9 +336,17 @@ def load_maxtext_checkpoint(path: str, parts: MaxTextParts) -> nnx.State:
     raise FileNotFoundError(f"model.maxtext_checkpoint={path}: no such directory (expected "
                             "MaxText's <run>/checkpoints/<step>/items)")
   ckptr = ocp.PyTreeCheckpointer()
-  meta = ckptr.metadata(path)
+  why = ""
+  try:
+    meta = ckptr.metadata(path)
+  except (FileNotFoundError, ValueError) as e:
+    meta, why = None, f" ({' '.join(str(e).split())[:200]})"
   tree = meta.item_metadata if hasattr(meta, "item_metadata") else meta
   tree = getattr(tree, "tree", tree)
+  if tree is None:
+    raise FileNotFoundError(
+        f"model.maxtext_checkpoint={path}: no Orbax checkpoint there{why}. Fix: point at "
+        "MaxText's <run>/checkpoints/<step>/items (or the <step> folder above it)")
   try:
     stored = tree["params"]["params"]
   except (KeyError, TypeError) as e:

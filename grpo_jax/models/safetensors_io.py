@@ -34,6 +34,11 @@ class SafetensorsFile:
       if len(raw) != 8:
         raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header)")
       (n,) = struct.unpack("<Q", raw)
+      size = f.seek(0, 2)
+      if n > size - 8:
+        raise ValueError(f"{path}: not a safetensors file (its header length {n} exceeds the "
+                         f"file's {size} bytes). Fix: point at .safetensors weights")
+      f.seek(8)
       try:
         header = json.loads(f.read(n))
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -41,6 +46,11 @@ class SafetensorsFile:
     self.metadata = header.pop("__metadata__", {})
     self.header = header
     self._data_start = 8 + n
+    for name, info in header.items():
+      if 8 + n + info["data_offsets"][1] > size:
+        raise ValueError(f"{path}: tensor {name} ends at byte {8 + n + info['data_offsets'][1]}"
+                         f" but the file has {size} bytes (truncated?). Fix: download or "
+                         "export the checkpoint again")
     self._mm = None
 
   def keys(self):

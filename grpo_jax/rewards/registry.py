@@ -6,6 +6,7 @@ with `@register("name")`; the config validator lists `names()` in its messages.
 """
 from typing import Callable
 
+from grpo_jax.rewards import code as code_lib
 from grpo_jax.rewards import gsm8k
 from grpo_jax.rewards import rouge as rouge_lib
 from grpo_jax.rewards import scoring
@@ -37,6 +38,7 @@ for _fn in (gsm8k.match_format_exactly, gsm8k.match_format_approximately, gsm8k.
             gsm8k.check_numbers, gsm8k.answer_match, gsm8k.answer_format, think.correctness_reward,
             think.digit_reward, think.hard_format_reward, think.mark_reward, rouge_lib.rouge):
   register(_fn.__name__)(_fn)
+register("code_tests")(code_lib.code_tests)  # sandboxed execution of the row's tests (code.py)
 
 
 @register("verl_default")

@@ -9,6 +9,8 @@
   classification, label           : 1.0 when the predicted label (the <answer> tag, else the
                                     whole completion) equals the ground-truth label, normalized
   summarization, xsum, cnn_dm     : ROUGE-L F1 of the completion vs the reference summary
+  code, code_generation           : fraction of the test statements (ground_truth, or
+                                    extra_info["tests"]) the program passes, sandboxed (code.py)
 A user file defining the same function (verl's interface) plugs in with
 `--config.reward.custom_file=path.py` (see `load_custom_file`).
 """
@@ -17,6 +19,7 @@ import re
 import string
 
 from grpo_jax import paths
+from grpo_jax.rewards import code as code_lib
 from grpo_jax.rewards import parsing
 from grpo_jax.rewards import rouge
 
@@ -68,6 +71,8 @@ _HANDLERS = [
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth,
                           extra_info=None) -> float:
+  if (data_source or "").lower() in code_lib.DATA_SOURCES:  # tests may be in extra_info
+    return code_lib.compute_score(data_source, solution_str, ground_truth, extra_info)
   del extra_info
   ds = (data_source or "").lower()
   for names, fn in _HANDLERS:

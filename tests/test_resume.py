@@ -1,0 +1,131 @@
+"""Nothing lost: a damaged latest checkpoint falls back to the previous one (and the run still
+ends bit-identical to an uninterrupted one), a workdir written with other settings is refused
+in one line, metrics.jsonl holds every step once after a resume, and errors after start-up end
+in one line with the traceback in WORKDIR/error.log."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from grpo_jax import train
+from tests.test_train import checkpoint_state
+from tests.test_train import flat
+from tests.test_train import read_metrics
+from tests.test_train import ROOT
+from tests.test_train import tiny_config
+
+
+def _damage(ckpt, how):
+  state = os.path.join(ckpt, "state")
+  data_files = sorted((os.path.join(r, f) for r, _, fs in os.walk(state) for f in fs
+                       if os.sep + "d" + os.sep in os.path.join(r, f)),
+                      key=os.path.getsize)
+  if how == "empty _METADATA":
+    open(os.path.join(state, "_METADATA"), "w").close()
+  elif how == "deleted array file":
+    os.remove(data_files[-1])
+  elif how == "truncated array file":
+    with open(data_files[-1], "r+b") as f:
+      f.truncate(os.path.getsize(data_files[-1]) // 2)
+  elif how == "missing item":
+    import shutil
+    shutil.rmtree(os.path.join(ckpt, "data"))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("straight"))
+  train.run(tiny_config(num_steps=6, save_interval_steps=2), workdir)
+  return workdir
+
+
+@pytest.mark.parametrize("how", [
+    "empty _METADATA", "truncated array file",  # seen before restoring / when restoring
+    pytest.param("deleted array file", marks=pytest.mark.slow),
+    pytest.param("missing item", marks=pytest.mark.slow)])
+def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, straight, how):
+  workdir = str(tmp_path / "run")
+  config = tiny_config(num_steps=6, save_interval_steps=2, max_steps_per_run=4)
+  with pytest.raises(SystemExit):
+    train.run(config, workdir)  # checkpoints 2 and 4, then a stop
+  _damage(os.path.join(workdir, "checkpoints", "4"), how)
+  summary = train.run(config, workdir)  # resumes from 2, redoes 3..6
+  assert summary["final_step"] == 6
+  assert os.path.isdir(os.path.join(workdir, "checkpoints_damaged", "4"))
+  steps = [r["step"] for r in read_metrics(workdir) if "loss/policy_loss" in r]
+  assert steps == [1, 2, 3, 4, 5, 6]  # each step once: rows after checkpoint 2 were dropped
+  _, a = checkpoint_state(straight, 6)
+  _, b = checkpoint_state(workdir, 6)
+  fa, fb = flat(a["train"]), flat(b["train"])
+  for k in fa:
+    np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
+
+
+def test_no_intact_checkpoint_is_one_clear_line(tmp_path):
+  workdir = str(tmp_path / "run")
+  config = tiny_config(num_steps=4, save_interval_steps=2, max_steps_per_run=2)
+  with pytest.raises(SystemExit):
+    train.run(config, workdir)
+  _damage(os.path.join(workdir, "checkpoints", "2"), "empty _METADATA")
+  with pytest.raises(ValueError, match=r"no intact checkpoint is left under .*checkpoints \(2: "
+                     r".*_METADATA is empty\)\. Fix: a new --workdir"):
+    train.run(config, workdir)
+
+
+def test_resuming_with_other_settings_names_the_fields(tmp_path):
+  workdir = str(tmp_path / "run")
+  with pytest.raises(SystemExit):
+    train.run(tiny_config(num_steps=4, max_steps_per_run=2), workdir)
+  with pytest.raises(ValueError) as e:
+    train.run(tiny_config(num_steps=4, **{"model.hidden_size": 64, "seed": 3}), workdir)
+  msg = str(e.value)
+  assert "model.hidden_size: 128 -> 64" in msg and "seed: 0 -> 3" in msg
+  assert "Fix: use a new --workdir (these fields fix the checkpoint's shapes)" in msg
+  with pytest.raises(ValueError, match=r"allow_changes=seed"):
+    train.run(tiny_config(num_steps=4, seed=3), workdir)
+  # Safe-to-change fields need nothing; the others can be allowed explicitly.
+  summary = train.run(tiny_config(num_steps=4, seed=3, **{
+      "checkpoint.allow_changes": "seed", "optimizer.learning_rate": 1e-3}), workdir)
+  assert summary["final_step"] == 4
+  assert json.load(open(os.path.join(workdir, "config.json")))["seed"] == 3
+
+
+def test_errors_after_start_up_are_one_line_with_the_traceback_in_the_workdir(tmp_path):
+  data = tmp_path / "train.jsonl"
+  data.write_bytes(b'{"question": "1+1?", "answer": "#### 2"}\n{"question": "caf\xe9"}\n')
+  workdir = tmp_path / "run"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, "-m", "grpo_jax.main", "--config=configs/tiny.py",
+                      f"--workdir={workdir}", "--config.data.train_source=gsm8k",
+                      f"--config.data.train_path={data}"], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"error: {data}:2: not UTF-8"), r.stderr[-2000:]
+  assert f"traceback: {workdir}/error.log" in last
+  assert "Traceback" not in r.stderr
+  log = (workdir / "error.log").read_text()
+  assert log.startswith("Traceback") and "not UTF-8" in log
+
+
+def test_print_config_prints_and_exits(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "grpo_jax.main", "--config=configs/tiny.py",
+                      "--config.beta=0.25", "--print_config", f"--workdir={tmp_path}/w"],
+                     cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode == 0 and "beta: 0.25" in r.stdout
+  assert not os.path.exists(tmp_path / "w")
+
+
+def test_mistyped_override_is_named_even_after_good_ones():
+  r = subprocess.run([sys.executable, "-m", "grpo_jax.main", "--config=configs/tiny.py",
+                      "--config.beta=0.1", "--config.loss.clip_epz=0.3"], cwd=ROOT,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 2
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: --config.loss.clip_epz: no such config field"), last
+  assert "--print_config" in last
