@@ -17,14 +17,17 @@ One completion = one fresh process tree, started and torn down by the scoring pr
   scorer --(new session, env {HOME,TMPDIR}=workdir, cwd workdir)--> launcher L: this file run as
       `python -I -S -B -X utf8 code.py --launch`; it sets up namespaces, forks C, kills C at the
       wall-clock deadline. L's own stdout (which C closes first thing) reports to the scorer.
-  L --fork--> C: PID 1 of a new PID namespace when available; mounts a fresh /proc, drops
-      privileges, sets rlimits, installs the audit hook, then runs program and tests. Results go
-      to a pipe as lines tagged with a random nonce that C reads from a pipe the program never
-      sees; lines without it are ignored.
+  L --fork--> C: PID 1 of a new PID namespace when available, in its own process group; mounts
+      a fresh /proc, drops privileges, sets rlimits, installs the audit hook, then runs program
+      and tests. Results go to a pipe as lines tagged with a random nonce that C reads from a
+      pipe the program never sees; lines without it are ignored.
 
-The scorer waits at most timeout_sec + a grace of a few seconds, then SIGKILLs L's process group
-(and, without a PID namespace, every process left in L's session); C has PR_SET_PDEATHSIG =
-SIGKILL, so it and (as PID 1) its whole namespace die with L. The private workdir is removed.
+L SIGKILLs C's process group when C is done or at the deadline (with a PID namespace, C's death
+ends everything in it). The scorer waits at most timeout_sec + a few seconds of grace, then
+SIGKILLs L's process group and every process left in L's session (L is reaped only afterwards,
+so neither id can have been reused); C has PR_SET_PDEATHSIG = SIGKILL, so it (and its namespace)
+also dies with L. The workdir is removed. A SIGALRM the caller arms around score() (the reward
+computer's in-process timeout) ends the run early, after this clean-up.
 
 Guards, and who enforces them ("OS" = the kernel, whatever the program does; "audit" = a
 sys.addaudithook hook in C, always installed, which raises PermissionError):
@@ -41,31 +44,40 @@ sys.addaudithook hook in C, always installed, which raises PermissionError):
             one it counts all processes of that user, and it never applies to real root (which
             is why root drops to uid/gid 65534 before running anything). With a PID namespace
             every process the program makes dies with C.
-  parent    OS with a PID namespace: C is PID 1 and sees no process outside (getppid() == 0).
-            Always: the program's parent is the disposable launcher, never the scorer, which
-            runs in another session. audit: os.kill/killpg of anything but itself.
+  parent    OS with a PID namespace: C is PID 1 and sees no process outside (getppid() == 0;
+            kill(0, ...) reaches only its own process group, whose PID 1 ignores it). Always:
+            the program's parent is the disposable launcher, never the scorer, which runs in
+            another session; as root the program's uid (65534) may not signal either. audit:
+            os.kill of anything but itself, os.killpg.
   network   OS with a network namespace (only a down loopback: even 127.0.0.1 is unreachable).
             audit: every socket.* event (socket creation, connect, bind, getaddrinfo, ...).
   files     OS with a mount namespace: every mount is re-mounted read-only (bind remounts, per
             mount, private propagation so nothing reaches the host) except the workdir, which
             is bind-mounted read-write, and /proc, which C replaces with a fresh procfs of its
             PID namespace. OS as root: the program runs as uid 65534, so it can only write where
-            "other" may (e.g. /tmp without a mount namespace). Otherwise writes outside the
+            "other" may (e.g. /tmp without a mount namespace); directories closed to others that
+            hold the standard library (a Python under /root) are covered by a tmpfs with the
+            library bound back, which hides the rest of them. Otherwise writes outside the
             workdir are only guarded by the OS user's permissions. audit: opening for writing,
             mkdir/remove/rename/link/symlink/chmod/chown/utime/truncate/xattrs outside the
-            workdir, any dir_fd-relative or relative os.open for writing, reading /proc; and
-            os.mkfifo/os.mknod (which raise no audit event) are replaced by stubs.
+            workdir, dir_fd-relative calls, os.open with a relative path (its dir_fd is not
+            reported), opening anything under /proc; and os.mkfifo/os.mknod (which raise no
+            audit event) are replaced by stubs. Reading other files is not restricted beyond
+            the OS user's permissions (and, as root, the tmpfs cover above).
   secrets   The program's environment is {HOME, TMPDIR} = its workdir (plus the LC_CTYPE that
             Python's own locale coercion adds). The scorer's environment
             is out of reach: other /proc entries are hidden by the PID namespace's /proc, owned
             by another uid when root dropped privileges, and /proc reads are audit-blocked.
-  result    C reads the nonce, then runs the program with all its own helpers bound to locals
-            (exec, compile, os.write, the exception classes). audit: frame and object
-            introspection (sys._getframe, tracebacks' tb_frame, gi_/cr_/ag_frame, settrace,
-            setprofile, gc.get_objects/referrers/referents, setting __code__), ctypes and
-            /proc/self/mem. This makes forging a pass hard, not impossible (e.g. a signal
-            handler receives the current frame) -- and a test like `assert f(x) == y` is passed
-            by an f that returns an object whose __eq__ is always True. Tests decide what counts.
+  result    Only lines tagged with the nonce count, so printing or writing "test 0 pass" (even
+            to the result fd) does nothing. C compiles program and tests first, then runs them
+            with its helpers bound to locals (exec, os.write, the exception classes), so
+            patching builtins or modules cannot fake a pass. audit: gc.get_objects/referrers/
+            referents, sys.settrace/setprofile/_current_frames, setting __code__, ctypes and
+            /proc/self/mem. The nonce still sits in the runner's frame, and sys._getframe cannot
+            be blocked (enum, namedtuple and dataclasses call it), so a program that walks
+            frames on purpose can forge results: the tag stops accidents and naive hacks, not a
+            determined adversary. Likewise `assert f(x) == y` is passed by an f that returns an
+            object whose __eq__ is always True: the tests decide what counts.
 
 Audit hooks are a best-effort layer: they see only what CPython reports, and code that reaches
 raw syscalls (ctypes, which the hook blocks, or a C extension) bypasses them. The OS layers
@@ -80,7 +92,9 @@ available, falling back step by step (and saying so in the run's `mode`) if a st
   neither:   no namespaces (e.g. a container whose seccomp policy forbids unshare, or Ubuntu's
              AppArmor restriction of unprivileged user namespaces): rlimits + uid drop (root
              only) + audit hook. Then writes outside the workdir, network, and signals to
-             same-user processes are guarded only by the audit hook and the OS user.
+             same-user processes are guarded only by the audit hook and the OS user. As root
+             with a standard library closed to others and no mount namespace, uid 65534 can
+             import only the modules in _PRELOAD (imported before the drop).
 
 Registered as the reward `code_tests` (rows: tests in `ground_truth`, a list of statements or a
 JSON string of one, else `extra_info["tests"]`; a plain non-JSON string is one test), and routed
@@ -262,9 +276,14 @@ def sandbox_info() -> dict:
   """Which OS guards work here: probed once per process by running a trivial sandbox."""
   global _INFO
   if _INFO is None:
-    res = run_sandboxed("x = 1", ["assert x == 1"], timeout_sec=10.0, namespaces=True)
-    if res.setup_error or res.score != 1.0:
-      raise RuntimeError(f"code reward: the sandbox does not work here: {res!r} {res.mode}")
+    probe = ("import fractions\nx = 1", ["assert x == 1"])
+    res = run_sandboxed(*probe, timeout_sec=10.0, namespaces=True)
+    if res.setup_error or res.score != 1.0:  # something in the namespace set-up went wrong
+      first = f"{res!r} {res.mode}"
+      res = run_sandboxed(*probe, timeout_sec=10.0, namespaces=False)
+      if res.setup_error or res.score != 1.0:
+        raise RuntimeError(f"code reward: the sandbox does not work here: {first}; without "
+                           f"namespaces: {res!r} {res.mode}")
     _INFO = dict(res.mode)
     if not _INFO.get("pidns") or not _INFO.get("netns"):
       import logging
@@ -286,6 +305,7 @@ def run_sandboxed(program: str, tests, *, timeout_sec: float = DEFAULT_TIMEOUT_S
   import shutil
   import subprocess
   import tempfile
+  import threading
 
   tests = [str(t) for t in tests]
   timeout_sec = float(timeout_sec)
@@ -293,12 +313,22 @@ def run_sandboxed(program: str, tests, *, timeout_sec: float = DEFAULT_TIMEOUT_S
     namespaces = bool(sandbox_info().get("netns"))
   res = SandboxResult(total=len(tests))
   root = os.geteuid() == 0
-  workdir = res.workdir = os.path.realpath(tempfile.mkdtemp(prefix="grpo_code_"))
   nonce = secrets.token_hex(16)
   fds = []
-  proc = None
+  proc = workdir = None
   start = time.monotonic()
+  # A caller's timer (the reward computer's SIGALRM; Python runs handlers in the main thread
+  # only) must not raise inside set-up, wait or clean-up (a launcher started but not recorded,
+  # or a clean-up cut short, would leak): for the whole run its handler is swapped for one that
+  # only records. A recorded alarm ends the wait early; after the clean-up the caller's handler
+  # is put back and the signal raised again. (Blocking the signal is not enough: a handler that
+  # CPython has already marked due runs at the next bytecode boundary anyway.)
+  main = threading.current_thread() is threading.main_thread()
+  due = []
+  record = lambda signum, frame: due.append(signum)  # noqa: E731
+  caller = signal.signal(signal.SIGALRM, record) if main else None  # may raise: nothing yet
   try:
+    workdir = res.workdir = os.path.realpath(tempfile.mkdtemp(prefix="grpo_code_"))
     if root:
       os.chown(workdir, NOBODY, NOBODY)
     nonce_r, nonce_w = os.pipe()
@@ -329,8 +359,8 @@ def run_sandboxed(program: str, tests, *, timeout_sec: float = DEFAULT_TIMEOUT_S
       proc.stdin.close()
     except OSError:
       pass  # L died at start: reported below
-    report = _read_report(proc, result_r, start + timeout_sec + GRACE_SEC)
-    _finish(proc, start + timeout_sec + GRACE_SEC, res)
+    report = _read_report(proc, result_r, start + timeout_sec + GRACE_SEC, due)
+    _finish(proc, start + timeout_sec + GRACE_SEC, res, due)
   finally:
     for fd in fds:
       try:
@@ -340,19 +370,28 @@ def run_sandboxed(program: str, tests, *, timeout_sec: float = DEFAULT_TIMEOUT_S
     if proc is not None and proc.returncode is None:
       _kill_group(proc)
       proc.wait()
-    shutil.rmtree(workdir, ignore_errors=True)
+    if workdir:
+      shutil.rmtree(workdir, ignore_errors=True)
+    if main:
+      signal.signal(signal.SIGALRM, caller)
+      if due:
+        signal.raise_signal(signal.SIGALRM)  # the caller's handler (or default action) now
+  if due:
+    raise RuntimeError("code reward: interrupted by SIGALRM")  # the caller's handler returned
   res.elapsed = time.monotonic() - start
   _parse(res, report, nonce, len(tests))
   return res
 
 
-def _read_report(proc, fd, deadline) -> bytes:
+def _read_report(proc, fd, deadline, due) -> bytes:
   """Everything C writes to the result pipe, until EOF (all writers gone), the launcher's exit
-  with the pipe drained, or the deadline."""
+  with the pipe drained, the deadline, or a caller's alarm (`due`)."""
   import select
+  poller = select.poll()  # not select(): a trainer's fds may be numbered past FD_SETSIZE
+  poller.register(fd, select.POLLIN)
   buf = bytearray()
   exited_at = None
-  while True:
+  while not due:
     now = time.monotonic()
     if now >= deadline:
       break
@@ -360,8 +399,7 @@ def _read_report(proc, fd, deadline) -> bytes:
       exited_at = now
     if exited_at is not None and now - exited_at > 0.2:
       break  # L is gone and nothing more came: a straggler may hold the pipe open
-    ready, _, _ = select.select([fd], [], [], min(0.05, deadline - now))
-    if ready:
+    if poller.poll(int(min(0.05, deadline - now) * 1000) + 1):
       chunk = os.read(fd, 65536)
       if not chunk:
         break
@@ -386,14 +424,14 @@ def _kill_group(proc):
     pass
 
 
-def _finish(proc, deadline, res) -> bytes:
-  """Waits for L until the deadline, kills what is left of its group (and, without a PID
-  namespace, its session), reaps L, and returns L's stdout."""
-  while not _exited(proc.pid) and time.monotonic() < deadline:
+def _finish(proc, deadline, res, due) -> bytes:
+  """Waits for L until the deadline (or a caller's alarm), kills what is left of its group and
+  session, reaps L, and returns L's stdout."""
+  while not due and not _exited(proc.pid) and time.monotonic() < deadline:
     time.sleep(0.01)
-  if not _exited(proc.pid):
+  if not due and not _exited(proc.pid):
     res.timed_out = True
-  _kill_group(proc)  # L, and anything of C's that is still in the group (L is not reaped yet)
+  _kill_group(proc)  # L, if still there (not reaped yet: its pid cannot have been reused)
   while not _exited(proc.pid):
     time.sleep(0.005)
   out = b""
@@ -408,16 +446,17 @@ def _finish(proc, deadline, res) -> bytes:
   except OSError:  # BlockingIOError: nothing more now
     pass
   _parse_launcher(res, out)
-  if not res.mode.get("pidns"):
-    _kill_session(proc.pid)
+  # Always: C (in its own group, same session) may have lost L before it set PR_SET_PDEATHSIG;
+  # killing C (PID 1 of its namespace) ends the namespace too.
+  _kill_session(proc.pid)
   proc.stdout.close()
   proc.wait()
   return out
 
 
 def _kill_session(sid):
-  """SIGKILLs every process whose session id is `sid` (a sandbox without a PID namespace whose
-  children left the process group). With a PID namespace there are none."""
+  """SIGKILLs every process whose session id is `sid` but `sid` itself (C and, without a PID
+  namespace, whatever the program started and did not move to a session of its own)."""
   try:
     entries = os.listdir("/proc")
   except OSError:
@@ -487,6 +526,7 @@ def _out(kind, payload):
 
 
 def _launcher_main():
+  signal.pthread_sigmask(signal.SIG_SETMASK, set())  # the scorer's mask is inherited: clear it
   cfg = json.loads(sys.stdin.buffer.read())
   devnull = os.open("/dev/null", os.O_RDWR)
   os.dup2(devnull, 0)
@@ -501,6 +541,10 @@ def _launcher_main():
         _child_main(cfg, mode)
       finally:
         os._exit(70)
+    try:
+      os.setpgid(pid, pid)  # also done in C: whichever runs first
+    except OSError:
+      pass
     _out("setup", {"started": True})
     os.close(cfg["result_fd"])
     os.close(cfg["nonce_fd"])
@@ -512,29 +556,32 @@ def _launcher_main():
 
 
 def _wait_child(pid, deadline) -> bool:
-  """Waits for C; SIGKILLs it (with a PID namespace: everything in it) at the deadline."""
+  """Waits for C until the deadline, then SIGKILLs its process group -- before reaping C, so
+  the group id cannot have been reused. With a PID namespace C's death ends everything in it."""
   import select
   try:
     pidfd = os.pidfd_open(pid)
   except (AttributeError, OSError):
     pidfd = None
-  while True:
-    done, _ = os.waitpid(pid, os.WNOHANG)
-    if done:
-      return False
+  timed_out = False
+  while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
     left = deadline - time.monotonic()
     if left <= 0:
+      timed_out = True
       break
     if pidfd is not None:
-      select.select([pidfd], [], [], left)
+      poller = select.poll()
+      poller.register(pidfd, select.POLLIN)
+      poller.poll(int(left * 1000) + 1)
     else:
       time.sleep(min(left, 0.01))
-  try:
-    os.kill(pid, signal.SIGKILL)
-  except ProcessLookupError:
-    pass
+  for kill, target in ((os.killpg, pid), (os.kill, pid)):
+    try:
+      kill(target, signal.SIGKILL)
+    except OSError:
+      pass
   os.waitpid(pid, 0)
-  return True
+  return timed_out
 
 
 _LIBC = []
@@ -682,7 +729,9 @@ def _readonly_except(workdir, notes, expose) -> bool:
 
 def _child_main(cfg, mode):
   """In C (PID 1 of the new PID namespace when there is one): isolate, then run."""
-  # Close L's stdout (the scorer reads it until EOF) and everything else first.
+  # Its own process group (same session): kill(0, ...) cannot reach L, and L can end the whole
+  # group. Then close L's stdout (the scorer reads it until EOF) and everything else.
+  os.setpgid(0, 0)
   devnull = os.open("/dev/null", os.O_RDWR)
   for fd in (0, 1, 2):
     os.dup2(devnull, fd)
@@ -931,14 +980,14 @@ def _install_audit_hook(workdir):
       path = as_path(path)
       if path is None:
         return
+      if mode is None and not path.startswith("/"):  # os.open: its dir_fd is not reported
+        raise deny("sandbox: os.open needs an absolute path")
       real = realpath(path)
       if real == "/proc" or real.startswith("/proc/"):
         raise deny(f"sandbox: opening {path} is not allowed")
       writes = (flags & write_flags) if _isinstance(flags, _int) else (
           mode is not None and any(ch in _str(mode) for ch in "wax+"))
       if writes and path != "/dev/null":
-        if mode is None and not path.startswith("/"):
-          raise deny("sandbox: os.open for writing needs an absolute path")
         if not (real == root or real.startswith(root + "/")):
           raise deny(f"sandbox: writing {path} is not allowed (only under {root})")
     elif event in path_events:
