@@ -23,9 +23,6 @@ from grpo_jax.models import safetensors_io
 from grpo_jax.models.config import PRESETS
 from grpo_jax.models.transformer import Transformer
 from grpo_jax.rewards import computer
-from tests.conftest import SHARED_DATA
-
-TOKENIZER = os.path.join(SHARED_DATA, "qwen_tokenizer")
 
 
 def _config(**fields):
@@ -68,15 +65,18 @@ def _prompts(lines, name="rows.jsonl"):
   return run
 
 
+# A minimal byte-level BPE folder (the real Qwen2 files are in ../shared/data, not in CI's clone).
+MINI_TOKENIZER = {"vocab.json": json.dumps({"h": 0, "i": 1, "hi": 2, "<|endoftext|>": 3}),
+                  "merges.txt": "#version: 0.2\nh i\n",
+                  "tokenizer_config.json": json.dumps({"eos_token": "<|endoftext|>"})}
+
+
 def _tokenizer(files):
   def run(tmp):
     d = os.path.join(tmp, "tok")
     os.makedirs(d)
     for name, src in files.items():
-      if src is None:
-        shutil.copy(os.path.join(TOKENIZER, name), d)
-      else:
-        _write(d, name, src)
+      _write(d, name, MINI_TOKENIZER[name] if src is None else src)
     tokenizers.build_tokenizer("hf", d)
   return run
 

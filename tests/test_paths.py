@@ -14,7 +14,7 @@ from grpo_jax.data import datasets
 from grpo_jax.data import tokenizers
 from grpo_jax.models import safetensors_io
 from grpo_jax.rewards import scoring
-from tests.conftest import SHARED_DATA
+from tests.test_bad_inputs import MINI_TOKENIZER
 
 
 @pytest.fixture(params=["local", "gs"])
@@ -62,12 +62,10 @@ def test_data_tokenizer_and_reward_file_from_any_path(root):
   rows = [{"question": "1+1?", "answer": "#### 2"}]
   paths.write_atomic(f"{root}/d/train.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
   assert [r for _, r in datasets._read_records(f"{root}/d/train.jsonl")] == rows
-  src = os.path.join(SHARED_DATA, "qwen_tokenizer")
-  for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "added_tokens.json"):
-    with open(os.path.join(src, name), "rb") as fh:
-      paths.write_atomic(f"{root}/tok/{name}", fh.read())
+  for name, text in MINI_TOKENIZER.items():
+    paths.write_atomic(f"{root}/tok/{name}", text)
   tok = tokenizers.build_tokenizer("hf", f"{root}/tok")
-  assert tok.decode(tok.encode("Hello world")) == "Hello world" and tok.eos_id is not None
+  assert tok.encode("hi") == [2] and tok.decode([2, 0]) == "hih" and tok.eos_id == 3
   paths.write_atomic(f"{root}/r/my_reward.py",
                      "def compute_score(data_source, solution_str, ground_truth, "
                      "extra_info=None):\n  return float(solution_str == ground_truth)\n")
