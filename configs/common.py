@@ -78,6 +78,9 @@ def base() -> ml_collections.ConfigDict:
   c.data.eval_path = ""
   c.data.template = "chatml"  # chatml | plain
   c.data.system_prompt = "reasoning"  # reasoning | think | none
+  # Train prompts longer than max_prompt_length: "truncate" (keep their end, counted and logged)
+  # or "drop" them from the train split (counted and logged; eval prompts are always kept).
+  c.data.overlong_prompts = "truncate"
   c.data.arithmetic = ml_collections.ConfigDict()  # The synthetic task (data_source arithmetic).
   c.data.arithmetic.digits = 2
   c.data.arithmetic.num_ops = 1
@@ -94,6 +97,17 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.vllm = ml_collections.ConfigDict()
   c.rollout.vllm.gpu_memory_utilization = 0.5
   c.rollout.vllm.kv_cache_space_gib = 1  # vLLM's CPU backend only (VLLM_CPU_KVCACHE_SPACE).
+  # After every weight sync, compare the log-probs of a fixed probe sequence computed by the
+  # trainer and by vLLM; a max |difference| above sync_tolerance stops the run (the engine
+  # would sample from stale or mis-loaded weights). sync_tolerance 0 = by model.dtype: 1e-3 for
+  # float32, 5e-2 for bfloat16/float16 (rollout/vllm_engine.py AUTO_SYNC_TOLERANCE).
+  c.rollout.vllm.verify_sync = True
+  c.rollout.vllm.sync_tolerance = 0.0
+  c.rollout.vllm.sync_timeout_sec = 600.0  # A weight sync (+ check) longer stops the run; 0 = none.
+  # Stop when the sampler/trainer log-prob gap (rollout/logprob_abs_diff_mean, logged when the
+  # sampler is another program than the trainer, e.g. vLLM) exceeds this on 3 log intervals in
+  # a row (a warning each time); 0 = off.
+  c.rollout.max_logprob_gap = 0.0
 
   c.loss = ml_collections.ConfigDict()
   c.loss.estimator = "grpo"  # grpo | dr_grpo | rloo

@@ -15,6 +15,7 @@ fails to read) is never resumed from: `problem(directory, step)` finds what can 
 reading arrays, a failed restore raises `DamagedCheckpoint`, and `move_aside` puts the step
 under WORKDIR/checkpoints_damaged/ so the previous checkpoint becomes the latest.
 """
+import contextlib
 import json
 import os
 
@@ -119,7 +120,8 @@ class Checkpointer:
         state=ocp.args.StandardSave(state),
         data=grain.checkpoint.CheckpointSave(data_iterator),
         meta=ocp.args.JsonSave(meta))
-    return self._manager.save(step, args=args, force=force)
+    with self._write_errors(step):
+      return self._manager.save(step, args=args, force=force)
 
   def restore(self, step: int, abstract_state, data_iterator):
     """Restores into `abstract_state`'s shapes/shardings and sets the iterator's position.
@@ -150,11 +152,26 @@ class Checkpointer:
     return next(iter(restored.values()))["params"]
 
   def wait(self):
-    self._manager.wait_until_finished()
+    with self._write_errors(None):
+      self._manager.wait_until_finished()
 
   def close(self):
-    self._manager.wait_until_finished()
-    self._manager.close()
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
+
+  @contextlib.contextmanager
+  def _write_errors(self, step):
+    """An (async) write that failed, as one line with the fix; earlier checkpoints stay."""
+    try:
+      yield
+    except Exception as e:
+      msg = " ".join(str(e).split())[:400]
+      raise OSError(f"writing a checkpoint under {self.directory} failed"
+                    f"{'' if step is None else f' (at step {step})'}: {msg}. Fix: free space "
+                    "or fix write access there (complete earlier checkpoints are kept; the "
+                    "same command resumes from the newest)") from e
 
 
 def abstract_like(tree):

@@ -13,6 +13,7 @@ import jax
 from grpo_jax import paths
 from grpo_jax import sharding
 from grpo_jax.data import arithmetic
+from grpo_jax.data import pipeline
 from grpo_jax.data import sources
 from grpo_jax.data import templates
 from grpo_jax.data import tokenizers
@@ -175,6 +176,12 @@ def _check_rollout(c: _Checker, cfg):
             "use e.g. 0.9 (greedy evaluation has its own generation config)")
   c.require(r.top_k >= 0, "rollout.top_k", "must be >= 0", "0 disables top-k")
   c.require(0 < r.top_p <= 1, "rollout.top_p", "must lie in (0, 1]", "1.0 disables top-p")
+  c.require(r.max_logprob_gap >= 0, "rollout.max_logprob_gap", "must be >= 0",
+            "0 disables the stop; e.g. 0.05")
+  c.require(r.vllm.sync_tolerance >= 0, "rollout.vllm.sync_tolerance", "must be >= 0",
+            "0 = by model.dtype (1e-3 float32, 5e-2 bfloat16)")
+  c.require(r.vllm.sync_timeout_sec >= 0, "rollout.vllm.sync_timeout_sec", "must be >= 0",
+            "0 = no limit; e.g. 600")
   known = rollout_types.GENERATION_CONFIGS
   for name in cfg.eval.generation_configs:
     if name not in known:
@@ -195,6 +202,7 @@ def _check_data_and_rewards(c: _Checker, cfg):
       c.fail(f"data.{split}_path", f"data.{split}_source={d[f'{split}_source']!r} reads a file",
              f"set --config.data.{split}_path=/path/to/file.jsonl")
   c.one_of("data.template", templates.TEMPLATES, "prompt template")
+  c.one_of("data.overlong_prompts", pipeline.OVERLONG_PROMPTS, "overlong-prompt policy")
   c.one_of("data.system_prompt", templates.SYSTEM_PROMPTS, "system prompt")
   c.one_of("data.arithmetic.demonstration", arithmetic.DEMONSTRATION_STYLES,
            "demonstration style")

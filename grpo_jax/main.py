@@ -148,7 +148,19 @@ def main(argv):
     where = _write_traceback(workdir)
     print(f"error: {_one_line(e)} (traceback: {where}; --verbose prints it here)",
           file=sys.stderr)
+    _quiet_shutdown(where)
     sys.exit(1)
+
+
+def _quiet_shutdown(log_path: str):
+  """Library threads (Orbax, asyncio) may still print while the interpreter exits after an
+  error; that goes to the error log (local) or nowhere, so the console keeps its one line."""
+  sys.stderr.flush()
+  try:
+    target = open(log_path, "a") if os.path.exists(log_path) else open(os.devnull, "w")
+    os.dup2(target.fileno(), 2)
+  except OSError:
+    pass
 
 
 def _one_line(e: BaseException, limit: int = 600) -> str:

@@ -66,14 +66,25 @@ class StepLog:
     host    values of this process (timings), logged as they are
     device  jax scalars (replicated): rollout_stats and the update's metrics, which carry
             `skipped` and `nonfinite_streak` for the stop check
+
+  max_logprob_gap > 0: each flush whose steps' mean rollout/logprob_abs_diff_mean (the
+  sampler/trainer gap, logged when the sampler is another program) exceeds it logs a warning;
+  `gap_patience` such flushes in a row raise RuntimeError (the sampler has drifted from the
+  trained weights, so the run would optimize off-policy data).
   """
 
+  GAP_KEY = "rollout/logprob_abs_diff_mean"  # what max_logprob_gap bounds
+
   def __init__(self, writer: "MetricWriter", progress: "Progress", *, num_rows: int,
-               max_consecutive_nonfinite: int):
+               max_consecutive_nonfinite: int, max_logprob_gap: float = 0.0,
+               gap_patience: int = 3):
     self.writer = writer
     self.progress = progress
     self.num_rows = num_rows
     self.max_nonfinite = max_consecutive_nonfinite
+    self.max_logprob_gap = float(max_logprob_gap)
+    self.gap_patience = max(1, int(gap_patience))
+    self.gap_streak = 0  # consecutive flushes over max_logprob_gap
     self._pending = []
 
   def add(self, step: int, *, means: dict, totals: dict, host: dict, device: dict):
@@ -91,6 +102,7 @@ class StepLog:
     memory = device_memory_gib()
     pending, self._pending = self._pending, []
     scalars = {}
+    gaps = []
     for (step, means, _, host, _), dev, row in zip(pending, device, sums):
       scalars = {k: v / self.num_rows if k in means else v for k, v in zip(keys, row)}
       scalars.update(host)
@@ -101,6 +113,8 @@ class StepLog:
       for k, v in dev.items():
         scalars[_UPDATE_NAMES.get(k, k if "/" in k else f"loss/{k}")] = float(v)
       scalars.update(memory)
+      if self.GAP_KEY in scalars:
+        gaps.append(scalars[self.GAP_KEY])
       self.writer.write_scalars(step, scalars)
       if scalars.get("loss/skipped_updates"):
         logging.warning("step %d: non-finite loss or gradients; update skipped (%d in a row)",
@@ -114,7 +128,29 @@ class StepLog:
             "max_consecutive_nonfinite to keep going.")
     self.writer.flush()
     self.progress.log(pending[-1][0], scalars, _PROGRESS_KEYS)
+    if self.max_logprob_gap > 0 and gaps:
+      self._check_gap(pending[0][0], pending[-1][0], float(np.mean(gaps)))
     return scalars
+
+  def _check_gap(self, first: int, last: int, gap: float):
+    """The sampler/trainer log-prob gap stop (class docstring)."""
+    if not (gap > self.max_logprob_gap or math.isnan(gap)):
+      self.gap_streak = 0
+      return
+    self.gap_streak += 1
+    steps = f"step {last}" if first == last else f"steps {first}-{last}"
+    fixes = ("check the weight sync (rollout.vllm.verify_sync, perf/weight_sync_sec), the "
+             "engine's dtype vs model.dtype, and correct what remains with truncated importance "
+             "sampling (loss.tis_cap, e.g. 2.0)")
+    if self.gap_streak >= self.gap_patience:
+      raise RuntimeError(
+          f"sampler/trainer log-prob gap {self.GAP_KEY}={gap:.4g} > rollout.max_logprob_gap="
+          f"{self.max_logprob_gap:g} on {self.gap_streak} log intervals in a row (last at "
+          f"{steps}); stopping: the rollouts no longer come from the weights being trained. "
+          f"Fix: {fixes}; or raise rollout.max_logprob_gap (0 = off).")
+    logging.warning("%s: sampler/trainer log-prob gap %s=%.4g > rollout.max_logprob_gap=%g "
+                    "(%d/%d in a row before the run stops). Fix: %s.", steps, self.GAP_KEY, gap,
+                    self.max_logprob_gap, self.gap_streak, self.gap_patience, fixes)
 
 
 class MetricWriter:

@@ -100,7 +100,8 @@ def _run(config, workdir: str) -> dict:
                                                       config.profile.num_steps))
     log = metrics_lib.StepLog(session.writer, metrics_lib.Progress(
         config.num_steps, meta["grpo_step"], "grpo"), num_rows=config.batch_size * G,
-        max_consecutive_nonfinite=config.max_consecutive_nonfinite)
+        max_consecutive_nonfinite=config.max_consecutive_nonfinite,
+        max_logprob_gap=config.rollout.max_logprob_gap)
     stats_fn = jax.jit(functools.partial(metrics_lib.rollout_stats, group_size=G),
                        out_shardings=sharding.replicated(mesh))
     train_gen = rollout_lib.GenerationConfig(config.rollout.temperature, config.rollout.top_k,
@@ -221,8 +222,17 @@ def _prompt_data(config, tokenizer):
     eval_rows = eval_rows[:config.eval.num_examples]
   kw = dict(template=config.data.template, max_prompt_length=config.max_prompt_length,
             system_prompt=data_lib.system_prompt(config.data.system_prompt))
-  return data_lib.PromptData(train_rows, tokenizer, **kw), data_lib.PromptData(eval_rows,
-                                                                               tokenizer, **kw)
+  train_data = data_lib.PromptData(train_rows, tokenizer, **kw)
+  if config.data.overlong_prompts == "drop" and train_data.num_truncated:
+    keep = np.flatnonzero(~train_data.truncated)
+    if not len(keep):
+      raise ValueError(f"every train prompt is longer than max_prompt_length="
+                       f"{config.max_prompt_length} tokens. Fix: raise max_prompt_length, or "
+                       "set data.overlong_prompts=truncate")
+    logging.warning("data.overlong_prompts=drop: %d of %d train prompts dropped",
+                    train_data.num_truncated, len(train_data))
+    train_data = train_data.select(keep)
+  return train_data, data_lib.PromptData(eval_rows, tokenizer, **kw)
 
 
 def _decoder(tokenizer):

@@ -190,6 +190,9 @@ CASES = [
      r"rows.jsonl:1: field 'prompt' should be a string, got int"),
     (".json not a list", _prompts('{"prompt": "p"}', name="rows.json"),
      r"rows.json: expected a JSON list of objects, got dict"),
+    ("overlong-prompt policy typo", _validation(**{"data.overlong_prompts": "skip"}),
+     r"data.overlong_prompts='skip': unknown overlong-prompt policy. Fix: use one of truncate, "
+     r"drop"),
     ("empty prompt", lambda tmp: pipeline.PromptData(
         [{"prompt": ""}], tokenizers.build_tokenizer("char"), template="plain",
         system_prompt="", max_prompt_length=8),

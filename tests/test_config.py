@@ -147,6 +147,7 @@ def test_bad_value_on_command_line_stops_before_training(tmp_path):
 def _owner_names():
   """(config field, the names its owner module defines): what the validator must accept."""
   from grpo_jax.data import arithmetic
+  from grpo_jax.data import pipeline
   from grpo_jax.data import sources
   from grpo_jax.data import templates
   from grpo_jax.data import tokenizers
@@ -170,6 +171,7 @@ def _owner_names():
       ("data.eval_source", sources.SOURCES),
       ("data.template", templates.TEMPLATES),
       ("data.system_prompt", templates.SYSTEM_PROMPTS),
+      ("data.overlong_prompts", pipeline.OVERLONG_PROMPTS),
       ("data.arithmetic.demonstration", arithmetic.DEMONSTRATION_STYLES),
       ("tokenizer.kind", tokenizers.KINDS),
       ("reward.on_error", computer.ON_ERROR),

@@ -280,3 +280,15 @@ def test_sources_are_the_readers_plus_arithmetic():
   assert set(data.SOURCES) == set(datasets.READERS) | {"arithmetic"}
   with pytest.raises(ValueError, match="unknown data source 'csv'.*arithmetic"):
     data.load_rows(_data_config(train_source="csv"))
+
+
+def test_overlong_train_prompts_are_truncated_or_dropped_per_config():
+  from grpo_jax import train
+  from tests.test_train import tiny_config
+  tok = data.build_tokenizer("char")
+  kept, _ = train._prompt_data(tiny_config(max_prompt_length=5), tok)
+  dropped, _ = train._prompt_data(tiny_config(max_prompt_length=5, **{
+      "data.overlong_prompts": "drop"}), tok)
+  assert kept.num_truncated > 0 and len(kept) == 64  # "12+34=" is 6 characters
+  assert len(dropped) == len(kept) - kept.num_truncated and dropped.num_truncated == 0
+  assert all(len(tok.encode(t)) <= 5 for t in dropped.texts)

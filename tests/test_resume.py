@@ -129,3 +129,116 @@ def test_mistyped_override_is_named_even_after_good_ones():
   last = r.stderr.strip().splitlines()[-1]
   assert last.startswith("error: --config.loss.clip_epz: no such config field"), last
   assert "--print_config" in last
+
+
+# ------------------------------------------------------------------ kill -9 at any moment
+
+_KILL_ARGS = ["--config=configs/tiny.py", "--config.sft_steps=8", "--config.sft.stop_at_accuracy=0",
+              "--config.num_steps=6", "--config.batch_size=8", "--config.num_generations=4",
+              "--config.data.arithmetic.num_train=128", "--config.eval.num_examples=16",
+              "--config.eval.batch_size=16", "--config.save_interval_steps=2",
+              "--config.checkpoint.max_to_keep=10"]
+
+
+def _start(workdir):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.Popen([sys.executable, "-m", "grpo_jax.main", f"--workdir={workdir}",
+                           *_KILL_ARGS], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def _kill_when(proc, predicate, timeout=300):
+  """SIGKILL `proc` as soon as `predicate()` holds; -> whether it was killed (not finished)."""
+  import signal
+  import time
+  deadline = time.time() + timeout
+  while proc.poll() is None and time.time() < deadline:
+    if predicate():
+      proc.send_signal(signal.SIGKILL)
+      proc.wait()
+      return True
+    time.sleep(0.005)
+  proc.wait()
+  return False
+
+
+def _finish(workdir):
+  proc = _start(workdir)
+  _, err = proc.communicate(timeout=600)
+  assert proc.returncode == 0, err[-3000:]
+
+
+def _final_train_state(workdir):
+  _, state = checkpoint_state(workdir)
+  return flat(state["train"])
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("straight_kill")
+  _finish(workdir)
+  return workdir
+
+
+def _orbax_tmp(workdir):
+  d = os.path.join(workdir, "checkpoints")
+  return os.path.isdir(d) and any("tmp" in name for name in os.listdir(d))
+
+
+def _compare(a, b):
+  fa, fb = _final_train_state(a), _final_train_state(b)
+  assert fa.keys() == fb.keys()
+  for k in fa:
+    np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
+  steps = [r["step"] for r in read_metrics(b) if "loss/policy_loss" in r]
+  assert steps == list(range(1, 7))
+
+
+def test_kill_during_a_checkpoint_write_resumes_bit_identical(tmp_path, straight_run):
+  """SIGKILL while Orbax is writing a checkpoint (its temporary folder exists): the same
+  command resumes from the last complete checkpoint and ends bit-identical."""
+  workdir = tmp_path / "run"
+  killed = _kill_when(_start(workdir), lambda: _orbax_tmp(workdir))
+  assert killed, "the run ended before a checkpoint write was seen"
+  _finish(workdir)
+  _compare(straight_run, workdir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [3.0, 6.0, 9.0, 12.0, 15.0, 18.0, 21.0, 24.0])
+def test_kill_at_a_moment_resumes_bit_identical(tmp_path, straight_run, delay):
+  """The sweep: SIGKILL after `delay` seconds (mid-start-up, mid-SFT, mid-rollout, mid-update,
+  mid-write), twice when the run allows, then finish: always bit-identical."""
+  import time
+  workdir = tmp_path / "run"
+  for _ in range(2):
+    t0 = time.time()
+    _kill_when(_start(workdir), lambda t0=t0: time.time() - t0 > delay)
+  _finish(workdir)
+  _compare(straight_run, workdir)
+
+
+def test_a_failing_checkpoint_write_is_one_line_and_leaves_no_partial_checkpoint(tmp_path):
+  """A full disk, simulated with a file-size limit (writes past 64 KiB fail with EFBIG): the
+  run stops with one line, no incomplete checkpoint counts as the latest, and the same
+  command on a healthy disk resumes from the last complete one."""
+  import resource
+  import signal
+
+  def small_disk():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failing write, not a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+  workdir = tmp_path / "run"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, "-m", "grpo_jax.main", f"--workdir={workdir}",
+                      *_KILL_ARGS, "--config.compilation_cache_dir="], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=600, preexec_fn=small_disk)
+  assert r.returncode != 0
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: ") and "traceback:" in last, r.stderr[-3000:]
+  from grpo_jax import checkpoint
+  steps = checkpoint.steps_in(workdir / "checkpoints")
+  assert all(checkpoint.problem(workdir / "checkpoints", s) is None for s in steps)
+  _finish(workdir)
+  assert json.loads((workdir / "summary.json").read_text())["final_step"] == 6

