@@ -99,8 +99,9 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.vllm.kv_cache_space_gib = 1  # vLLM's CPU backend only (VLLM_CPU_KVCACHE_SPACE).
   # After every weight sync, compare the log-probs of a fixed probe sequence computed by the
   # trainer and by vLLM; a max |difference| above sync_tolerance stops the run (the engine
-  # would sample from stale or mis-loaded weights). sync_tolerance 0 = by model.dtype: 1e-3 for
-  # float32, 5e-2 for bfloat16/float16 (rollout/vllm_engine.py AUTO_SYNC_TOLERANCE).
+  # would sample from stale or mis-loaded weights). sync_tolerance 0 = auto: 1e-3 for float32;
+  # for bfloat16/float16, 3x the difference measured at start-up, within [5e-2, 1] (16-bit
+  # numerics differ that much with correct weights; rollout/vllm_engine.py AUTO_SYNC_TOLERANCE).
   c.rollout.vllm.verify_sync = True
   c.rollout.vllm.sync_tolerance = 0.0
   c.rollout.vllm.sync_timeout_sec = 600.0  # A weight sync (+ check) longer stops the run; 0 = none.

@@ -179,7 +179,7 @@ def _check_rollout(c: _Checker, cfg):
   c.require(r.max_logprob_gap >= 0, "rollout.max_logprob_gap", "must be >= 0",
             "0 disables the stop; e.g. 0.05")
   c.require(r.vllm.sync_tolerance >= 0, "rollout.vllm.sync_tolerance", "must be >= 0",
-            "0 = by model.dtype (1e-3 float32, 5e-2 bfloat16)")
+            "0 = automatic by model.dtype (1e-3 for float32)")
   c.require(r.vllm.sync_timeout_sec >= 0, "rollout.vllm.sync_timeout_sec", "must be >= 0",
             "0 = no limit; e.g. 600")
   known = rollout_types.GENERATION_CONFIGS

@@ -105,6 +105,12 @@ def test_defaults_and_helpers():
   assert vllm_engine.resolve_sync_tolerance(0.0, "float32") == 1e-3
   assert vllm_engine.resolve_sync_tolerance(0.0, "bfloat16") == 5e-2
   assert vllm_engine.resolve_sync_tolerance(0.2, "float32") == 0.2
+  # 16-bit: 3x the start-up difference, within [5e-2, 1]; float32 ignores it; a setting wins.
+  assert vllm_engine.resolve_sync_tolerance(0.0, "bfloat16", 0.2) == pytest.approx(0.6)
+  assert vllm_engine.resolve_sync_tolerance(0.0, "float16", 1e-3) == 5e-2
+  assert vllm_engine.resolve_sync_tolerance(0.0, "bfloat16", 5.0) == 1.0
+  assert vllm_engine.resolve_sync_tolerance(0.0, "float32", 0.2) == 1e-3
+  assert vllm_engine.resolve_sync_tolerance(0.3, "bfloat16", 0.2) == 0.3
   probe = vllm_engine.make_probe(16, 32, avoid=(0, 1, 2), seed=1)
   assert probe.shape == (32,) and probe.min() >= 3 and probe.max() < 16
   np.testing.assert_array_equal(probe, vllm_engine.make_probe(16, 32, avoid=(0, 1, 2), seed=1))

@@ -138,6 +138,7 @@ def test_a_sync_that_misses_a_tensor_stops_with_one_line(setup, monkeypatch):
   engine = setup["engine"]
   engine.sync_weights(setup["state"])
   assert engine.last_probe_diff <= 1e-4
+  assert engine.calibrate(setup["state"]) <= 1e-4 and engine.sync_tolerance == 1e-3  # float32
   other = _perturbed(setup["state"])
   dropped = "model.layers.1.self_attn.q_proj.weight"
   full = engine._named_tensors

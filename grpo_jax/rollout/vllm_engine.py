@@ -18,9 +18,10 @@
   through the trainer's own forward (jitted once) and from vLLM's `prompt_logprobs` (a prefill
   of the probe; prompt log-probs skip vLLM's sampling processors, so they are the raw
   log-softmax whatever `logprobs_mode`). max |difference| over the probe above `sync_tolerance`
-  (0 = by dtype, `AUTO_SYNC_TOLERANCE`) stops the run with a one-line RuntimeError instead of
-  sampling from other weights than the trainer's. `stats()`: rollout/weight_sync_probe_diff and
-  perf/weight_sync_check_sec.
+  stops the run with a one-line RuntimeError instead of sampling from other weights than the
+  trainer's. sync_tolerance 0 = auto: 1e-3 in float32; in 16-bit compute, 3x the difference
+  measured at start-up (`calibrate`, on the weights vLLM loaded itself) within [5e-2, 1] (see
+  AUTO_SYNC_TOLERANCE). `stats()`: rollout/weight_sync_probe_diff, perf/weight_sync_check_sec.
 - Sync timeout (`sync_timeout_sec`, 0 = none): the sync (and its check) runs in a worker thread
   joined with the timeout; past it, a one-line RuntimeError stops the run. The thread cannot be
   killed, so the engine refuses any further use (its weights are in an unknown state).
