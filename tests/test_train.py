@@ -158,13 +158,15 @@ def test_stop_on_a_save_step_exits_0_and_resumes(tmp_path):
 
 
 def test_sigterm_saves_a_restorable_checkpoint_and_exits_0(tmp_path):
+  """Every step is a save step here, so the SIGTERM stop lands on a step the interval save has
+  just written (issue 16's crash): written once, exit 0."""
   workdir = tmp_path / "run"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.Popen(
       [sys.executable, "-m", "grpo_jax.main", "--config=configs/tiny.py", f"--workdir={workdir}",
        "--config.sft_steps=0", "--config.num_steps=100000", "--config.batch_size=8",
        "--config.num_generations=4", "--config.data.arithmetic.num_test=16",
-       "--config.log_interval_steps=1"],
+       "--config.log_interval_steps=1", "--config.save_interval_steps=1"],
       cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 240
   for line in proc.stderr:  # wait until GRPO steps are running
