@@ -77,7 +77,10 @@ class StepLog:
 
   def __init__(self, writer: "MetricWriter", progress: "Progress", *, num_rows: int,
                max_consecutive_nonfinite: int, max_logprob_gap: float = 0.0,
-               gap_patience: int = 3):
+               gap_patience: int = 3, step_offset: int = 0):
+    """`step_offset`: TensorBoard puts GRPO step s at s + step_offset (the checkpoint's global
+    step, after the SFT steps); metrics.jsonl keeps the GRPO step."""
+    self.step_offset = step_offset
     self.writer = writer
     self.progress = progress
     self.num_rows = num_rows
@@ -115,7 +118,7 @@ class StepLog:
       scalars.update(memory)
       if self.GAP_KEY in scalars:
         gaps.append(scalars[self.GAP_KEY])
-      self.writer.write_scalars(step, scalars)
+      self.writer.write_scalars(step, scalars, global_step=step + self.step_offset)
       if scalars.get("loss/skipped_updates"):
         logging.warning("step %d: non-finite loss or gradients; update skipped (%d in a row)",
                         step, streak)
@@ -156,9 +159,11 @@ class StepLog:
 class MetricWriter:
   """Scalars to WORKDIR (TensorBoard events) from process 0; a no-op elsewhere."""
 
-  def __init__(self, logdir: str, *, enabled: bool | None = None, keep_rows: int | None = None):
-    """`keep_rows`: keep only the first rows of an existing metrics.jsonl (a resumed run drops
-    what was logged after its checkpoint, which it logs again)."""
+  def __init__(self, logdir: str, *, enabled: bool | None = None, keep_rows: int | None = None,
+               purge_step: int | None = None):
+    """`keep_rows`: keep only the first rows of an existing metrics.jsonl, and `purge_step`:
+    TensorBoard hides the earlier event files' points from this (global) step on. A resumed run
+    drops what was logged after its checkpoint, which it logs again: no step appears twice."""
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self._writer = None
     self._jsonl = None
@@ -167,18 +172,20 @@ class MetricWriter:
       from tensorboardX import SummaryWriter
       paths.register_tensorboard_schemes()
       logdir = os.fspath(paths.path(logdir))
-      self._writer = SummaryWriter(logdir=logdir, flush_secs=30)
+      self._writer = SummaryWriter(logdir=logdir, flush_secs=30, purge_step=purge_step)
       self._jsonl = paths.AppendLog(paths.path(logdir) / "metrics.jsonl", keep_lines=keep_rows)
       self.rows = self._jsonl.lines
 
-  def write_scalars(self, step: int, scalars: dict):
+  def write_scalars(self, step: int, scalars: dict, *, global_step: int | None = None):
+    """metrics.jsonl row at `step`; TensorBoard points at `global_step` (default `step`)."""
     if not self._writer:
       return
+    tb_step = step if global_step is None else global_step
     row = {"step": int(step)}
     for name, value in scalars.items():
       value = float(value)
       if math.isfinite(value):
-        self._writer.add_scalar(name, value, global_step=step)
+        self._writer.add_scalar(name, value, global_step=tb_step)
       row[name] = value if math.isfinite(value) else str(value)
     self._jsonl.write(json.dumps(row) + "\n")
     self.rows += 1

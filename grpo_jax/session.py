@@ -86,8 +86,10 @@ class Session:
       paths.write_atomic(paths.path(workdir) / "config.json", config.to_json_best_effort(
           indent=2, sort_keys=True))
     # Rows logged after the checkpoint we resume from are dropped: they are logged again.
+    resuming = resume_step is not None
     self.writer = self.closing(metrics_lib.MetricWriter(
-        workdir, keep_rows=self.meta.get("metrics_rows") if resume_step is not None else None))
+        workdir, keep_rows=self.meta.get("metrics_rows") if resuming else None,
+        purge_step=resume_step + 1 if resuming else None))
     self.preempt = Preemption()
     stack.callback(self.preempt.restore)
     # Replicated over the mesh: every process holds it, steps fold it in without moving it.

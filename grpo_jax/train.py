@@ -101,7 +101,7 @@ def _run(config, workdir: str) -> dict:
     log = metrics_lib.StepLog(session.writer, metrics_lib.Progress(
         config.num_steps, meta["grpo_step"], "grpo"), num_rows=config.batch_size * G,
         max_consecutive_nonfinite=config.max_consecutive_nonfinite,
-        max_logprob_gap=config.rollout.max_logprob_gap)
+        max_logprob_gap=config.rollout.max_logprob_gap, step_offset=config.sft_steps)
     stats_fn = jax.jit(functools.partial(metrics_lib.rollout_stats, group_size=G),
                        out_shardings=sharding.replicated(mesh))
     train_gen = rollout_lib.GenerationConfig(config.rollout.temperature, config.rollout.top_k,

@@ -242,3 +242,42 @@ def test_a_failing_checkpoint_write_is_one_line_and_leaves_no_partial_checkpoint
   assert all(checkpoint.problem(workdir / "checkpoints", s) is None for s in steps)
   _finish(workdir)
   assert json.loads((workdir / "summary.json").read_text())["final_step"] == 6
+
+
+def _tb_events(workdir):
+  """(file, [(step, kind, tag)]) for each TensorBoard event file, oldest first; kind is
+  "scalar" or "purge" (a SessionLog START, after which TensorBoard drops later points)."""
+  import struct
+  from tensorboardX.proto import event_pb2
+  out = []
+  for name in sorted(f for f in os.listdir(workdir) if f.startswith("events.out.tfevents")):
+    data, pos, events = open(os.path.join(workdir, name), "rb").read(), 0, []
+    while pos < len(data):
+      (n,) = struct.unpack("<Q", data[pos:pos + 8])
+      e = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+      pos += 12 + n + 4
+      if e.HasField("session_log") and e.session_log.status == e.session_log.START:
+        events.append((e.step, "purge", ""))
+      for v in e.summary.value:
+        events.append((e.step, "scalar", v.tag))
+    out.append((name, events))
+  return out
+
+
+def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
+  """The resumed run's event file starts with a purge at the checkpoint's step + 1, so
+  TensorBoard hides what the crashed run logged past its checkpoint; GRPO points sit at the
+  global (checkpoint) step."""
+  workdir = str(tmp_path / "run")
+  config = tiny_config(num_steps=4, sft_steps=0, save_interval_steps=2, max_steps_per_run=3)
+  with pytest.raises(SystemExit):
+    train.run(config, workdir)  # checkpoints 2 and 3 (the stop)
+  import shutil
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "3"))  # as if killed after step 3's log
+  train.run(tiny_config(num_steps=4, sft_steps=0, save_interval_steps=2), workdir)
+  (_, first), (_, second) = _tb_events(workdir)
+  assert [s for s, kind, _ in second if kind == "purge"] == [3]
+  assert {s for s, kind, tag in first if tag == "loss/policy_loss"} == {1, 2, 3}
+  assert {s for s, kind, tag in second if tag == "loss/policy_loss"} == {3, 4}
+  steps = [r["step"] for r in read_metrics(workdir) if "loss/policy_loss" in r]
+  assert steps == [1, 2, 3, 4]

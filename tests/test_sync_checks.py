@@ -18,7 +18,7 @@ class _Writer:
   def __init__(self):
     self.rows = []
 
-  def write_scalars(self, step, scalars):
+  def write_scalars(self, step, scalars, global_step=None):
     self.rows.append((step, dict(scalars)))
 
   def flush(self):
