@@ -10,6 +10,7 @@
 # LOCAL_DEVICES=k fakes k CPU devices per process (CPU testing of a multi-host mesh).
 # --dry_run right after PROCESS_ID prints the command (shell-quoted) instead of running it.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/_quote.sh"  # q: shell-quoting
 COORD="${1:?usage: launch/multihost.sh HOST:PORT NUM_PROCESSES PROCESS_ID [--dry_run] -- ARGS}"
 NPROC="${2:?num processes}"; PID="${3:?process id}"; shift 3
 DRY=0
@@ -25,15 +26,6 @@ cd "$REPO"
 CMD=("$PY" -m grpo_jax.main --coordinator_address="$COORD" --num_processes="$NPROC"
      --process_id="$PID" "$@")
 if [ "$DRY" = 1 ]; then
-  q() {  # shell-quotes each argument (plain words stay bare), joined by spaces
-    local out="" s
-    for s in "$@"; do
-      if [[ $s =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+="$s "
-      elif [[ $s == *$'\n'* ]]; then out+="$(printf '%q' "$s") "
-      else out+="'${s//\'/\'\\\'\'}' "; fi
-    done
-    printf '%s' "${out% }"
-  }
   ENV=()
   if [ -n "${LOCAL_DEVICES:-}" ]; then ENV=("JAX_PLATFORMS=cpu" "XLA_FLAGS=$(q "$XLA_FLAGS")"); fi
   echo "cd $(q "$REPO")"

@@ -32,15 +32,7 @@ set -euo pipefail
 usage="usage: launch/tpu_pod.sh TPU_NAME ZONE [PROJECT] [--dry_run] [--run_name NAME] [--python PY] -- ARGS"
 die() { echo "launch/tpu_pod.sh: $*" >&2; exit 2; }
 
-q() {  # shell-quotes each argument (plain words stay bare), joined by spaces
-  local out="" s
-  for s in "$@"; do
-    if [[ $s =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+="$s "
-    elif [[ $s == *$'\n'* ]]; then out+="$(printf '%q' "$s") "
-    else out+="'${s//\'/\'\\\'\'}' "; fi
-  done
-  printf '%s' "${out% }"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/_quote.sh"  # q: shell-quoting
 
 POS=(); DRY=0; RUN_NAME=""; REMOTE_PY=python3.12
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do

@@ -29,15 +29,7 @@ set -euo pipefail
 usage="usage: launch/xpk.sh --cluster C --tpu-type T [--num-slices N] [--project P] [--zone Z] [--docker-image IMG | --base-docker-image IMG] [--workload NAME] [--dry_run] [xpk flags] -- ARGS"
 die() { echo "launch/xpk.sh: $*" >&2; exit 2; }
 
-q() {  # shell-quotes each argument (plain words stay bare), joined by spaces
-  local out="" s
-  for s in "$@"; do
-    if [[ $s =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+="$s "
-    elif [[ $s == *$'\n'* ]]; then out+="$(printf '%q' "$s") "
-    else out+="'${s//\'/\'\\\'\'}' "; fi
-  done
-  printf '%s' "${out% }"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/_quote.sh"  # q: shell-quoting
 
 CLUSTER=""; TPU_TYPE=""; SLICES=1; WORKLOAD=""; IMAGE=""; BASE_IMAGE=""; DRY=0
 OPT=(); EXTRA=()

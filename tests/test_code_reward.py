@@ -89,7 +89,7 @@ def _launchers():
   for pid in os.listdir("/proc"):
     try:
       with open(f"/proc/{pid}/cmdline", "rb") as f:
-        if pid.isdigit() and f.read().endswith(b"rewards/code.py\x00--launch\x00"):
+        if pid.isdigit() and f.read().endswith(b"rewards/sandbox.py\x00--launch\x00"):
           out.append(int(pid))
     except OSError:
       pass

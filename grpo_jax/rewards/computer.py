@@ -49,12 +49,8 @@ import concurrent.futures
 from concurrent.futures import process as futures_process
 import dataclasses
 import math
-import multiprocessing
 import numbers
-import os
 import signal
-import struct
-import threading
 import time
 
 from absl import logging
@@ -62,6 +58,7 @@ import numpy as np
 
 from grpo_jax.rewards import registry
 from grpo_jax.rewards import scoring
+from grpo_jax.rewards import workers
 
 CUSTOM = "custom"
 # What a failing reward call does: stop the run, or score the row 0 and count it.
@@ -73,8 +70,6 @@ _MAX_FRUITLESS_RESTARTS = 5
 _POLL_SEC = 0.5
 # Calls in flight per worker: enough to keep workers busy between round trips.
 _QUEUE_DEPTH = 4
-# After the first SIGALRM, re-fire this often in case the function swallowed the exception.
-_ALARM_REPEAT_SEC = 0.1
 _FIX = ("Fix the function, or set --config.reward.on_error=zero to score such rows 0 (counted "
         "in reward/errors)")
 
@@ -99,157 +94,8 @@ def _one_line(text: str) -> str:
   return " ".join(str(text).split())
 
 
-def _resolve(spec):
-  """A reward function from ("builtin", name) or ("custom", path): picklable across processes."""
-  kind, arg = spec
-  if kind == "builtin":
-    return registry.get(arg)
-  return scoring.as_reward_fn(_custom_cache(arg))
-
-
-_CUSTOM_FNS: dict = {}
-
-
-def _custom_cache(path):
-  if path not in _CUSTOM_FNS:
-    _CUSTOM_FNS[path] = scoring.load_custom_file(path)
-  return _CUSTOM_FNS[path]
-
-
 def _row_fields(fields, i):
   return {k: [f[i]] for k, f in fields.items()}
-
-
-# ------------------------------------------------------------------------ worker processes
-
-_START_MSG = struct.Struct("<qq")  # (call token, worker pid)
-_started_pipe = None  # in a worker: where it says "I started call <token>"
-
-
-def _worker_init(specs, started_pipe):
-  global _started_pipe
-  _started_pipe = started_pipe
-  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes the pool
-  for spec in specs:  # load plug-ins before the first timed call
-    _resolve(spec)
-
-
-def _call_row(spec, token, prompt, completion, fields):
-  """Worker entry: one row through one function."""
-  if _started_pipe is not None:  # one write < PIPE_BUF: atomic, no lock a dead worker could hold
-    _started_pipe.send_bytes(_START_MSG.pack(token, os.getpid()))
-  out = _resolve(spec)([prompt], [completion], **{k: [v] for k, v in fields.items()})
-  return list(out)
-
-
-def _lost(future) -> bool:
-  """A call that never came back: its pool broke under it, or it was cancelled at a kill."""
-  if not future.done() or future.cancelled():
-    return True
-  return isinstance(future.exception(), futures_process.BrokenProcessPool)
-
-
-def _describe_exit(code) -> str:
-  if code is None:
-    return "exit status unknown"
-  if code < 0:
-    try:
-      return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-      return f"killed by signal {-code}"
-  return f"exited with code {code}"
-
-
-class _WorkerPool:
-  """A spawn ProcessPoolExecutor that knows when (and in which process) each call started."""
-
-  def __init__(self, size: int, specs):
-    ctx = multiprocessing.get_context("spawn")
-    self.size = size
-    self._reader, self._writer = ctx.Pipe(duplex=False)
-    self.executor = concurrent.futures.ProcessPoolExecutor(
-        size, mp_context=ctx, initializer=_worker_init, initargs=(tuple(specs), self._writer))
-    self.started: dict[int, tuple[float, int]] = {}  # running: token -> (monotonic time, pid)
-    self.ever_started = False  # has any worker got as far as starting a call?
-    self._procs: dict = {}  # pid -> multiprocessing.Process, every worker this pool had
-    self._next_token = 0
-
-  def submit(self, spec, prompt, completion, fields):
-    """-> (future, token). Raises BrokenProcessPool/RuntimeError on a pool that cannot take it."""
-    token = self._next_token
-    self._next_token += 1
-    future = self.executor.submit(_call_row, spec, token, prompt, completion, fields)
-    self._procs.update(getattr(self.executor, "_processes", None) or {})
-    return future, token
-
-  def drain(self):
-    try:
-      while self._reader.poll():
-        token, pid = _START_MSG.unpack(self._reader.recv_bytes())
-        self.started[token] = (time.monotonic(), pid)
-        self.ever_started = True
-    except (EOFError, OSError):
-      pass
-
-  def exitcode_of(self, token):
-    """The exit code of the worker that started call `token` (None: unknown)."""
-    proc = self._procs.get(self.started.get(token, (None, None))[1])
-    if proc is None:
-      return None
-    proc.join(timeout=5)
-    return proc.exitcode
-
-  def kill(self):
-    """SIGKILL every worker (a hung call never returns), then reap them and the executor."""
-    self._procs.update(getattr(self.executor, "_processes", None) or {})
-    for proc in self._procs.values():
-      try:
-        if proc.is_alive():
-          proc.kill()
-      except (OSError, ValueError, AssertionError):
-        pass
-    self.executor.shutdown(wait=True, cancel_futures=True)
-    for proc in self._procs.values():
-      try:
-        proc.join(timeout=5)
-      except (OSError, ValueError, AssertionError):
-        pass
-    self.drain()
-    for conn in (self._reader, self._writer):
-      try:
-        conn.close()
-      except OSError:
-        pass
-
-
-# ---------------------------------------------------------------- in-process timeout (SIGALRM)
-
-
-class _CallTimeout(BaseException):
-  """Raised inside a reward call by SIGALRM. BaseException, so `except Exception` in the reward
-  function does not swallow it."""
-
-
-def _alarm_call(seconds, fn, *args, **kwargs):
-  signal.setitimer(signal.ITIMER_REAL, seconds, _ALARM_REPEAT_SEC)
-  try:
-    return list(fn(*args, **kwargs))
-  finally:
-    signal.setitimer(signal.ITIMER_REAL, 0)
-
-
-def _on_alarm(signum, frame):
-  del signum
-  # Only inside the reward function: not in _alarm_call itself (before the call starts or after
-  # it returned, while the timer is being cleared); the repeat fires again inside the call.
-  if frame is not None and frame.f_code is _alarm_call.__code__:
-    return
-  raise _CallTimeout()
-
-
-def _alarm_usable() -> bool:
-  return (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-          and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
 
 
 class RewardComputer:
@@ -260,7 +106,7 @@ class RewardComputer:
       raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
     self.specs = specs
     self.weights = weights
-    self.fns = {name: _resolve(spec) for name, spec in specs.items()}
+    self.fns = {name: workers.resolve(spec) for name, spec in specs.items()}
     self.on_error = on_error
     self.num_workers = num_workers
     self.timeout = timeout_sec if timeout_sec > 0 else None
@@ -321,7 +167,7 @@ class RewardComputer:
       return self._score_pool(name, prompts, completions, fields, stop)
     if self.timeout is None:
       return self._score_inline(name, prompts, completions, fields, stop)
-    if _alarm_usable():
+    if workers.alarm_usable():
       return self._score_inline_timed(name, prompts, completions, fields, stop)
     if not self._told_fallback:
       self._told_fallback = True
@@ -404,15 +250,15 @@ class RewardComputer:
     n = len(completions)
     out = np.zeros(n, np.float32)
     failures = []
-    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    previous = signal.signal(signal.SIGALRM, workers.on_alarm)
     try:
       for i in range(n):
         try:
-          values = _alarm_call(self.timeout, fn, [prompts[i]], [completions[i]],
+          values = workers.alarm_call(self.timeout, fn, [prompts[i]], [completions[i]],
                                **_row_fields(fields, i))
           out[i] = self._row_value(name, values, i, completions[i])
           continue
-        except _CallTimeout:
+        except workers.CallTimeout:
           failures.append(self._timed_out(name, i, completions[i], "in-process"))
         except RewardError as e:
           failures.append(str(e))
@@ -427,9 +273,9 @@ class RewardComputer:
 
   # ------------------------------------------------------------------------- process pool
 
-  def _pool_handle(self) -> _WorkerPool:
+  def _pool_handle(self) -> workers.WorkerPool:
     if self._pool is None:
-      self._pool = _WorkerPool(max(1, self.num_workers), self.specs.values())
+      self._pool = workers.WorkerPool(max(1, self.num_workers), self.specs.values())
     return self._pool
 
   def _restart_pool(self):
@@ -498,7 +344,7 @@ class RewardComputer:
                                           return_when=concurrent.futures.FIRST_COMPLETED)
         pool.drain()
         for f in done:
-          if _lost(f):
+          if workers.lost(f):
             broken = "dead"
             continue
           progress = True
@@ -530,7 +376,7 @@ class RewardComputer:
       pool.kill()
       started_lost = []
       for f, (i, token, _, was_suspect) in inflight.items():
-        if not _lost(f):
+        if not workers.lost(f):
           progress = True
           if take(f, i):
             return out, failures
@@ -549,7 +395,7 @@ class RewardComputer:
       elif broken == "dead" and len(started_lost) == 1:
         i, token, _ = started_lost[0]
         progress = True
-        how = _describe_exit(code)
+        how = workers.describe_exit(code)
         logging.warning("reward function '%s': the worker process scoring row %d died (%s); "
                         "restarting the reward worker pool", name, i, how)
         if failed(f"reward function '{name}' killed the worker process scoring row {i} "
