@@ -167,7 +167,7 @@ class Checkpointer:
     try:
       yield
     except Exception as e:
-      msg = " ".join(str(e).split())[:400]
+      msg = " ".join(str(e).split())[:240]
       raise OSError(f"writing a checkpoint under {self.directory} failed"
                     f"{'' if step is None else f' (at step {step})'}: {msg}. Fix: free space "
                     "or fix write access there (complete earlier checkpoints are kept; the "

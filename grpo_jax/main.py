@@ -146,21 +146,24 @@ def main(argv):
     if _VERBOSE.value:
       raise
     where = _write_traceback(workdir)
-    print(f"error: {_one_line(e)} (traceback: {where}; --verbose prints it here)",
-          file=sys.stderr)
-    _quiet_shutdown(where)
+    console = _quiet_shutdown(where)  # library threads may still print: not to the console
+    os.write(console, f"error: {_one_line(e)} (traceback: {where}; --verbose prints it "
+             "here)\n".encode())
     sys.exit(1)
 
 
-def _quiet_shutdown(log_path: str):
+def _quiet_shutdown(log_path: str) -> int:
   """Library threads (Orbax, asyncio) may still print while the interpreter exits after an
-  error; that goes to the error log (local) or nowhere, so the console keeps its one line."""
+  error; from here on that goes to the error log (local) or nowhere, so the console's last line
+  is the error. -> a descriptor of the console's stderr."""
   sys.stderr.flush()
+  console = os.dup(2)
   try:
     target = open(log_path, "a") if os.path.exists(log_path) else open(os.devnull, "w")
     os.dup2(target.fileno(), 2)
   except OSError:
     pass
+  return console
 
 
 def _one_line(e: BaseException, limit: int = 600) -> str:
