@@ -188,6 +188,8 @@ def base() -> ml_collections.ConfigDict:
   c.profile = ml_collections.ConfigDict()
   c.profile.start_step = -1  # -1: no trace. Traces go to WORKDIR/profile (Perfetto).
   c.profile.num_steps = 2
+  # Save WORKDIR/memory_profile.pprof (live device buffers, pprof format) at the peak step.
+  c.profile.memory_profile = False
 
   c.debug = ml_collections.ConfigDict()
   # jax.transfer_guard level for every GRPO step after the first (steady state): "disallow"

@@ -11,7 +11,7 @@ from configs import common
 def get_config():
   c = qwen3_8b.get_config()
   c.model = common.model("qwen3-0.6b")
-  c.model.param_dtype = "bfloat16"
+  c.model.param_dtype = "float32"  # f32 master weights + AdamW moments; bf16 compute
   c.model.dtype = "bfloat16"
   c.model.remat_policy = "save_dots"
   c.model.scan_layers = True

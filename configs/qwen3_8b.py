@@ -1,4 +1,4 @@
-r"""GRPO on GSM8K with Qwen3-8B (bf16), the recipe's reference values.
+r"""GRPO on GSM8K with Qwen3-8B, the recipe's reference values; f32 master weights, bf16 compute.
 
     python -m grpo_jax.main --config=configs/qwen3_8b.py --workdir=/tmp/qwen3_8b \
         --config.model.hf_path=/path/to/Qwen3-8B --config.data.train_path=/path/gsm8k/train.jsonl \
@@ -8,6 +8,8 @@ Values from the Qwen3/Gemma GSM8K GRPO recipe: G=2, beta=0.08, eps=0.2, one iter
 lr 3e-6 (10% warmup, cosine), grad-norm clip 0.1, temperature 0.9, top-k 50, 1024 generated
 tokens, 200 steps, checkpoints every 500 steps keeping 4. Same file with the MaxText layers:
 --config.model.impl=maxtext. Runs on a TPU v5p-8 / 8xH100 host (FSDP over all devices).
+Weights and AdamW moments are f32 (a bf16 weight cannot absorb an lr-3e-6 step: configuration
+.warnings says so), the layers compute in bf16, the frozen reference is stored in bf16.
 """
 from configs import common
 
@@ -15,7 +17,7 @@ from configs import common
 def get_config():
   c = common.base()
   c.model = common.model("qwen3-8b")
-  c.model.param_dtype = "bfloat16"
+  c.model.param_dtype = "float32"  # f32 master weights + AdamW moments; bf16 compute
   c.model.dtype = "bfloat16"
   c.model.remat_policy = "full"
   c.model.scan_layers = True

@@ -125,6 +125,8 @@ def main(argv):
     for line in errors:
       print(f"  {line}", file=sys.stderr)
     sys.exit(2)
+  for line in configuration.warnings(config):
+    logging.warning("config: %s", line)
 
   workdir = _WORKDIR.value or _default_workdir(flags.FLAGS["config"].config_filename)
   from grpo_jax import paths

@@ -1,5 +1,11 @@
 """A `jax.profiler.trace` window over chosen steps, written to WORKDIR/profile (Perfetto).
 
+The loop names its phases in the trace: each GRPO step is a `StepTraceAnnotation`
+"grpo_step" (with `step_num`), and inside it `phase(name)` spans, PHASES in order.
+benchmarks/trace_analysis.py reads them back. Spans are host time: a phase that only
+dispatches device work ends before that work does; the wait is in the phase that blocks
+("update" blocks on the new state, "rollout" on the completions it copies to the host).
+
 With a cloud workdir (gs://) the trace is written to a local temporary folder and copied to
 WORKDIR/profile when the window closes.
 """
@@ -11,6 +17,64 @@ from absl import logging
 import jax
 
 from grpo_jax import paths
+
+
+# The named spans of one GRPO step, in loop order (train.py). "log" is the step's bookkeeping.
+PHASES = ("prompts", "rollout", "rewards", "advantages", "old_logprobs", "ref_logprobs",
+          "update", "log")
+STEP_SPAN = "grpo_step"
+
+
+def device_memory() -> dict | None:
+  """{in_use, peak, limit} bytes, the largest over this process's devices; None where the
+  backend keeps no statistics (XLA:CPU)."""
+  stats = [d.memory_stats() for d in jax.local_devices()]
+  if not all(stats):
+    return None
+  return {k: max(s.get(key, 0) for s in stats)
+          for k, key in (("in_use", "bytes_in_use"), ("peak", "peak_bytes_in_use"),
+                         ("limit", "bytes_limit"))}
+
+
+def log_memory(stage: str):
+  """One line with the device memory after a load stage (policy, optimizer, reference, the
+  first step with its sampler cache), where the backend reports memory."""
+  m = device_memory()
+  if m is not None:
+    gib = 1 << 30
+    logging.info("memory after %s: %.2f GiB in use, peak %.2f GiB, of %.2f GiB per device",
+                 stage, m["in_use"] / gib, m["peak"] / gib, m["limit"] / gib)
+
+
+class MemoryProfile:
+  """`config.profile.memory_profile`: WORKDIR/memory_profile.pprof (live device buffers, `pprof
+  -http` or `go tool pprof` reads it) saved after the step at which the device's peak memory
+  last grew, i.e. the peak step; without memory statistics (CPU), after the first step."""
+
+  def __init__(self, workdir: str, enabled: bool):
+    self.path = paths.path(workdir) / "memory_profile.pprof"
+    self.enabled = enabled and jax.process_index() == 0
+    self._peak = -1
+
+  def step_end(self, step: int):
+    if not self.enabled:
+      return
+    m = device_memory()
+    peak = m["peak"] if m is not None else 0
+    if peak > self._peak:
+      self._peak = peak
+      paths.write_atomic(self.path, jax.profiler.device_memory_profile())
+      logging.info("memory profile of step %d (peak %.2f GiB) in %s", step, peak / (1 << 30),
+                   self.path)
+
+
+def phase(name: str):
+  """A named span in the trace (nearly free when no trace is being written)."""
+  return jax.profiler.TraceAnnotation(f"phase/{name}")
+
+
+def step_span(step: int):
+  return jax.profiler.StepTraceAnnotation(STEP_SPAN, step_num=step)
 
 
 class StepProfiler:

@@ -24,7 +24,6 @@ import time
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import checkpoint as ckpt_lib
@@ -40,7 +39,7 @@ from grpo_jax import sft as sft_lib
 from grpo_jax import sharding
 from grpo_jax.metrics import NonFiniteError  # noqa: F401  (raised by StepLog.flush)
 from grpo_jax.models import build
-from grpo_jax.models import policy as policy_lib  # noqa: F401  (tests patch its builders)
+from grpo_jax.models import policy as policy_lib
 from grpo_jax.rl import advantages as adv_lib
 from grpo_jax.rl import step as step_lib
 
@@ -70,6 +69,7 @@ def _run(config, workdir: str) -> dict:
     policy = build.make_policy(config, mesh, abstract=session.resume_step is not None)
     logging.info("policy: %s (%s), %.2fM parameters", config.model.impl, config.model.preset,
                  sum(x.size for x in jax.tree.leaves(policy.params)) / 1e6)
+    profiling.log_memory("loading the policy")
     engine = session.closing(rollout_lib.make_engine(config, policy, tokenizer, mesh))
     eval_engine = session.closing(rollout_lib.make_engine(
         config, policy, tokenizer, mesh, kind="native", num_generations=1,
@@ -98,6 +98,7 @@ def _run(config, workdir: str) -> dict:
       eval_lib.log_results("before GRPO", meta["eval_before"])
     profiler = session.closing(profiling.StepProfiler(workdir, config.profile.start_step,
                                                       config.profile.num_steps))
+    memory_profile = profiling.MemoryProfile(workdir, config.profile.memory_profile)
     log = metrics_lib.StepLog(session.writer, metrics_lib.Progress(
         config.num_steps, meta["grpo_step"], "grpo"), num_rows=config.batch_size * G,
         max_consecutive_nonfinite=config.max_consecutive_nonfinite,
@@ -120,63 +121,78 @@ def _run(config, workdir: str) -> dict:
       step = meta["grpo_step"]
       profiler.step_begin(step)
       t_step = time.time()
-      with jax.transfer_guard(config.debug.transfer_guard if step > first_step else "allow"):
+      phase = profiling.phase
+      with jax.transfer_guard(config.debug.transfer_guard if step > first_step else "allow"), \
+          profiling.step_span(step):
         # 1. Prompts: this process's rows of the batch.
-        batch = train_data.batch(next(train_iter))
-        prompt_ids_bp = multihost.to_global(batch["prompt_ids"], mesh)
-        prompt_mask_bp = multihost.to_global(batch["prompt_mask"], mesh)
+        with phase("prompts"):
+          batch = train_data.batch(next(train_iter))
+          prompt_ids_bp = multihost.to_global(batch["prompt_ids"], mesh)
+          prompt_mask_bp = multihost.to_global(batch["prompt_mask"], mesh)
 
         # 2. Rollout: G completions per prompt from the current policy.
         t0 = time.time()
-        rollout = engine.generate(state["params"], batch, _step_key(rng, step, mesh), train_gen)
-        # This process's rows, on the host (one transfer).
-        tokens_nc, mask_nc, truncated_n = multihost.local_rows(
-            (rollout.tokens, rollout.mask, rollout.truncated))
+        with phase("rollout"):
+          rollout = engine.generate(state["params"], batch, _step_key(rng, step, mesh),
+                                    train_gen)
+          # This process's rows, on the host (one transfer).
+          tokens_nc, mask_nc, truncated_n = multihost.local_rows(
+              (rollout.tokens, rollout.mask, rollout.truncated))
         rollout_sec = time.time() - t0
 
         # 3. Rewards on the host, for this process's rows (+ DAPO's overlong penalty).
         t0 = time.time()
-        scored = reward_fn([p for p in batch["prompts"] for _ in range(G)],
-                           [decode(t, m) for t, m in zip(tokens_nc, mask_nc)],
-                           [row for row in batch["rows"] for _ in range(G)])
-        lengths_n = mask_nc.sum(-1)
-        host_rewards_n = scored.total + adv_lib.overlong_penalty(
-            lengths_n, config.max_completion_length, config.loss.overlong_buffer,
-            config.loss.overlong_factor)
-        rewards_n = multihost.to_global(host_rewards_n.astype(np.float32), mesh)
+        with phase("rewards"):
+          scored = reward_fn([p for p in batch["prompts"] for _ in range(G)],
+                             [decode(t, m) for t, m in zip(tokens_nc, mask_nc)],
+                             [row for row in batch["rows"] for _ in range(G)])
+          lengths_n = mask_nc.sum(-1)
+          host_rewards_n = scored.total + adv_lib.overlong_penalty(
+              lengths_n, config.max_completion_length, config.loss.overlong_buffer,
+              config.loss.overlong_factor)
+          rewards_n = multihost.to_global(host_rewards_n.astype(np.float32), mesh)
         reward_sec = time.time() - t0
 
         # 4. Advantages per group, and the [prompt; completion] rows to train on.
         t0 = time.time()
-        upd = fns.assemble(prompt_ids_bp, prompt_mask_bp, rollout, rewards_n)
+        with phase("advantages"):
+          upd = fns.assemble(prompt_ids_bp, prompt_mask_bp, rollout, rewards_n)
 
         # 5. Log-probs: old policy (when needed) and frozen reference (beta > 0).
         if needs_old_logp:
-          upd["old_logp"] = fns.logprobs(state["params"], upd["input_ids"], upd["attention_mask"])
+          with phase("old_logprobs"):
+            upd["old_logp"] = fns.logprobs(state["params"], upd["input_ids"],
+                                           upd["attention_mask"])
         if ref_params is not None:
-          upd["ref_logp"] = fns.logprobs(_on_device(config, ref_params), upd["input_ids"],
-                                         upd["attention_mask"])
+          with phase("ref_logprobs"):
+            upd["ref_logp"] = fns.logprobs(_on_device(config, ref_params), upd["input_ids"],
+                                           upd["attention_mask"])
 
         # 6. num_iterations optimizer updates over the whole rollout batch.
-        for _ in range(config.num_iterations):
-          state, upd_metrics = fns.update(state, upd)
-        jax.block_until_ready(state)  # a wait, not a read: timing only
+        with phase("update"):
+          for _ in range(config.num_iterations):
+            state, upd_metrics = fns.update(state, upd)
+          jax.block_until_ready(state)  # a wait, not a read: timing only
         meta["grpo_step"] = step = step + 1
 
         # 7a. This step's figures stay where they are until the log interval (metrics.py).
-        mismatch = {} if engine.matches_trainer else dict(
-            sampler_logp_nc=rollout.logprobs, trainer_logp_nc=upd["old_logp"])
-        log.add(step, means={"reward/total": host_rewards_n.sum(),
-                             **{f"reward/{k}": v.sum() for k, v in scored.per_function.items()},
-                             "completions/mean_length": lengths_n.sum(),
-                             "completions/truncated_fraction": truncated_n.sum()},
-                totals={"reward/errors": scored.errors, "completions/tokens": lengths_n.sum()},
-                host={"perf/rollout_sec": rollout_sec, "perf/reward_sec": reward_sec,
-                      "perf/update_sec": time.time() - t0,
-                      "perf/step_time_sec": time.time() - t_step, **engine.stats()},
-                device={**stats_fn(rewards_n, upd["advantages"], rollout.mask, **mismatch),
-                        **upd_metrics})
+        with phase("log"):
+          mismatch = {} if engine.matches_trainer else dict(
+              sampler_logp_nc=rollout.logprobs, trainer_logp_nc=upd["old_logp"])
+          log.add(step, means={"reward/total": host_rewards_n.sum(),
+                               **{f"reward/{k}": v.sum() for k, v in scored.per_function.items()},
+                               "completions/mean_length": lengths_n.sum(),
+                               "completions/truncated_fraction": truncated_n.sum()},
+                  totals={"reward/errors": scored.errors, "completions/tokens": lengths_n.sum()},
+                  host={"perf/rollout_sec": rollout_sec, "perf/reward_sec": reward_sec,
+                        "perf/update_sec": time.time() - t0,
+                        "perf/step_time_sec": time.time() - t_step, **engine.stats()},
+                  device={**stats_fn(rewards_n, upd["advantages"], rollout.mask, **mismatch),
+                          **upd_metrics})
       profiler.step_end(step - 1, block_on=state["params"])
+      memory_profile.step_end(step)
+      if step == first_step + 1:
+        profiling.log_memory("the first step (sampler cache, update)")
 
       # 7b. Every N steps: log, evaluate, checkpoint; stop on SIGTERM or the step budget.
       budget_spent = bool(config.max_steps_per_run) and step < config.num_steps and (
@@ -243,19 +259,26 @@ def _decoder(tokenizer):
 
 def _start_grpo(config, session, fns, policy, mesh, params, train_iter):
   """(update state, reference params or None): restored when GRPO was interrupted, else
-  fresh from `params` (the reference is the policy GRPO starts from; beta = 0: none)."""
+  fresh from `params` (the reference is the policy GRPO starts from, stored in the compute
+  dtype: policy.as_reference; beta = 0: none)."""
   use_ref = config.beta > 0
   if session.resume_phase == "grpo":
     target = {"train": fns.abstract_state}
     if use_ref:
-      target["ref"] = sharding.abstract_with(policy.params, policy.param_shardings(mesh))
+      target["ref"] = policy_lib.as_reference(
+          sharding.abstract_with(policy.params, policy.param_shardings(mesh)), config.model.dtype)
     restored = session.restore(target, train_iter)
     state, ref_params = restored["train"], restored.get("ref")
+    profiling.log_memory("restoring the optimizer state")
   else:
     state = fns.init(params)
-    ref_params = jax.tree.map(jnp.copy, state["params"]) if use_ref else None
+    profiling.log_memory("the optimizer state")
+    ref_params = (policy_lib.as_reference(state["params"], config.model.dtype) if use_ref
+                  else None)
   if ref_params is not None and config.reference.offload_to_host:
     ref_params = _to_memory_kind(ref_params, "pinned_host")
+  if ref_params is not None:
+    profiling.log_memory("the reference")
   return state, ref_params
 
 

@@ -416,3 +416,34 @@ def test_error_path_tears_everything_down(tmp_path, monkeypatch):
   assert signal.getsignal(signal.SIGTERM) is before
   assert sorted(set(closed)) == ["Checkpointer", "MetricWriter", "RewardComputer"]
   assert live and live[0]._pool is None  # the spawned worker pool is gone
+
+
+def test_memory_lines_and_profile_at_the_peak_step(tmp_path, monkeypatch):
+  from grpo_jax import profiling
+  import types
+  # Reads: 3 load stages, step 1 (+ the first-step line), step 2, step 3.
+  peaks = iter([g << 30 for g in (1, 1, 1, 2, 2, 3, 3)])
+  lines, saved = [], []
+
+  def fake_memory():  # an accelerator's statistics: the peak grows at the second step
+    return {"in_use": 1 << 30, "peak": next(peaks), "limit": 16 << 30}
+
+  monkeypatch.setattr(profiling, "device_memory", fake_memory)
+  monkeypatch.setattr(profiling, "logging", types.SimpleNamespace(
+      info=lambda msg, *a: lines.append(msg % a)))
+  real_write = profiling.paths.write_atomic
+  monkeypatch.setattr(profiling.paths, "write_atomic",
+                      lambda p, data: (saved.append(data) if str(p).endswith(".pprof") else None,
+                                       real_write(p, data)))
+  workdir = tmp_path / "mem"
+  train.run(tiny_config(num_steps=3, beta=0.05, **{"profile.memory_profile": True}),
+            str(workdir))
+  stages = [l.split(":")[0] for l in lines if l.startswith("memory after")]
+  assert stages == ["memory after loading the policy", "memory after the optimizer state",
+                    "memory after the reference",
+                    "memory after the first step (sampler cache, update)"]
+  profiled = [l for l in lines if l.startswith("memory profile of step")]
+  # Steps 1..3 see peaks 2, 3, 3 GiB: saved at 1 and 2 only.
+  assert [l.split()[4] for l in profiled] == ["1", "2"], profiled
+  data = (workdir / "memory_profile.pprof").read_bytes()
+  assert len(saved) == 2 and data == saved[-1] and data[:2] == b"\x1f\x8b"  # gzipped pprof

@@ -44,6 +44,22 @@ class Policy:
     return sharding.state_shardings(self.params, mesh)
 
 
+def as_reference(params, compute_dtype):
+  """The frozen reference copy of `params`, stored in the compute dtype where that is narrower.
+
+  The layers cast every weight to the activation dtype before use, so a bf16 copy of f32
+  master weights gives the very same bf16 forward pass at half the memory. Works on arrays
+  (a copy) and on abstract values (jax.ShapeDtypeStruct, e.g. restore targets)."""
+  dt = jnp.dtype(compute_dtype)
+
+  def one(x):
+    narrower = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > dt.itemsize
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, dt if narrower else x.dtype, sharding=x.sharding)
+    return x.astype(dt) if narrower else jnp.copy(x)
+  return jax.tree.map(one, params)
+
+
 def model_config_from(config) -> ModelConfig:
   """ModelConfig from the config.model block (shape fields; hf_path handled by the caller)."""
   m = config.model
