@@ -65,7 +65,7 @@ def test_qwen3_8b_has_the_recipe_values():
       3e-6, 0.1, 0.1)
   assert (c.rollout.temperature, c.rollout.top_k, c.max_completion_length) == (0.9, 50, 1024)
   assert (c.num_steps, c.save_interval_steps, c.checkpoint.max_to_keep) == (200, 500, 4)
-  assert c.model.param_dtype == c.model.dtype == "bfloat16"
+  assert (c.model.param_dtype, c.model.dtype) == ("float32", "bfloat16")  # f32 master weights
   assert (c.model.num_layers, c.model.hidden_size, c.model.vocab_size) == (36, 4096, 151936)
 
 
