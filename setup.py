@@ -24,6 +24,7 @@ CORE = [
     "safetensors",
     "tokenizers",
     "rouge-score",
+    "matplotlib",  # grpo_jax.report (headless plots)
     "numpy",
 ]
 # MaxText declares no dependencies of its own; these are what its model code imports
