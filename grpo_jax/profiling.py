@@ -23,6 +23,7 @@ from grpo_jax import paths
 PHASES = ("prompts", "rollout", "rewards", "advantages", "old_logprobs", "ref_logprobs",
           "update", "log")
 STEP_SPAN = "grpo_step"
+PHASE_PREFIX = "phase/"
 
 
 def device_memory() -> dict | None:
@@ -70,7 +71,7 @@ class MemoryProfile:
 
 def phase(name: str):
   """A named span in the trace (nearly free when no trace is being written)."""
-  return jax.profiler.TraceAnnotation(f"phase/{name}")
+  return jax.profiler.TraceAnnotation(PHASE_PREFIX + name)
 
 
 def step_span(step: int):
@@ -106,8 +107,9 @@ class StepProfiler:
       if block_on is not None:
         jax.block_until_ready(block_on)
       self._finish()
-      logging.info("profiler: trace written to %s (open the .perfetto-trace in ui.perfetto.dev)",
-                   self.logdir)
+      logging.info("profiler: trace written to %s (open perfetto_trace.json.gz in "
+                   "ui.perfetto.dev; a summary: python benchmarks/trace_analysis.py %s)",
+                   self.logdir, self.logdir)
 
   def _finish(self):
     jax.profiler.stop_trace()
