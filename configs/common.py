@@ -76,6 +76,9 @@ def base() -> ml_collections.ConfigDict:
   c.data.train_path = ""
   c.data.eval_source = "gsm8k"
   c.data.eval_path = ""
+  # > 0: the eval split is the last N rows of the train file (eval_source/eval_path unused) and
+  # training keeps the rest: for datasets that come as one file (e.g. 1000 XSum rows).
+  c.data.heldout_rows = 0
   c.data.template = "chatml"  # chatml | plain
   c.data.system_prompt = "reasoning"  # reasoning | think | none
   # Train prompts longer than max_prompt_length: "truncate" (keep their end, counted and logged)
@@ -149,6 +152,9 @@ def base() -> ml_collections.ConfigDict:
   c.eval.generation_configs = ("greedy", "standard", "liberal")
   c.eval.num_examples = 0  # 0: the whole eval split.
   c.eval.batch_size = 64  # Prompts per eval batch, over all hosts.
+  # Samples per prompt under the sampling configs (greedy: always 1); > 1 adds pass@k.
+  c.eval.num_samples = 1
+  c.eval.pass_k = ()  # k values for pass@k (each <= num_samples); (): 1, 2, 4, ..., num_samples.
   c.eval.max_new_tokens = 0  # 0: max_completion_length.
 
   c.sft = ml_collections.ConfigDict()
@@ -184,6 +190,9 @@ def base() -> ml_collections.ConfigDict:
   # dcn_data * data entries, slice 0 first (the DCN factor is the outermost part of `data`), so
   # only the data-parallel gradient all-reduce crosses DCN. 1 = a single slice.
   c.mesh.dcn_data = 1
+
+  # Write WORKDIR/report/ (plots + report.md, grpo_jax.report) when training ends.
+  c.report_at_end = False
 
   c.profile = ml_collections.ConfigDict()
   c.profile.start_step = -1  # -1: no trace. Traces go to WORKDIR/profile (Perfetto).

@@ -73,4 +73,5 @@ def get_config():
   c.log_interval_steps = 50
   c.save_interval_steps = 200
   c.checkpoint.max_to_keep = 2
+  c.report_at_end = True  # WORKDIR/report/report.md with plots
   return c

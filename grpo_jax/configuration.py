@@ -189,13 +189,21 @@ def _check_rollout(c: _Checker, cfg):
              f"use names from {', '.join(known)}")
   c.require(cfg.eval.num_examples >= 0, "eval.num_examples", "must be >= 0", "0 = all")
   c.require(cfg.eval.batch_size >= 1, "eval.batch_size", "must be >= 1", "e.g. 64")
+  c.require(cfg.eval.num_samples >= 1, "eval.num_samples", "must be >= 1",
+            "1 = one completion per prompt; n > 1 adds pass@k for the sampling configs")
+  bad_k = [k for k in cfg.eval.pass_k if not 1 <= k <= max(cfg.eval.num_samples, 1)]
+  c.require(not bad_k, "eval.pass_k", f"pass@k needs 1 <= k <= eval.num_samples="
+            f"{cfg.eval.num_samples} (got {bad_k})",
+            "raise eval.num_samples or drop those k; () picks 1, 2, 4, ... num_samples")
   c.require(cfg.eval.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0",
             "0 = max_completion_length")
 
 
 def _check_data_and_rewards(c: _Checker, cfg):
   d = cfg.data
-  for split in ("train", "eval"):
+  c.require(d.heldout_rows >= 0, "data.heldout_rows", "must be >= 0",
+            "0 = the eval split comes from data.eval_source")
+  for split in ("train", "eval") if not d.heldout_rows else ("train",):
     c.one_of(f"data.{split}_source", sources.SOURCES, "data source")
     c.path_exists(f"data.{split}_path", "the data file")
     if d[f"{split}_source"] in sources.FILE_SOURCES and not d[f"{split}_path"]:

@@ -1,13 +1,17 @@
 r"""Sample from a trained policy: the latest checkpoint in a workdir, or model.hf_path.
 
     python -m grpo_jax.infer --config=configs/tiny.py --workdir=/tmp/run1 "12+30="
+    python -m grpo_jax.infer --config=configs/tiny.py --workdir=/tmp/run1   # held-out rows
     python -m grpo_jax.infer --config=configs/qwen3_8b.py --config.model.hf_path=/ckpt/Qwen3-8B \
         --generation=standard --num_samples=4 "What is 12 + 30?"
     python -m grpo_jax.infer --config=configs/tiny.py --workdir=/tmp/run1 --export_hf=/tmp/hf
 
 Prompts are rendered with the config's template and system prompt, exactly as in training.
-Pass prompts as arguments, or `-` to read one prompt per line from stdin. `--export_hf` writes
-the policy as a Hugging Face folder (config.json + model.safetensors) instead of sampling.
+Pass prompts as arguments, or `-` to read one prompt per line from stdin. With no prompts, a
+few held-out rows of the config's eval split (`--num_examples`) are sampled and shown with
+their ground truth, the config's reward (per function) and the eval task's verdict (e.g.
+correct / ROUGE). `--export_hf` writes the policy as a Hugging Face folder (config.json +
+model.safetensors) instead of sampling.
 """
 import sys
 
@@ -25,6 +29,8 @@ _GENERATION = flags.DEFINE_string("generation", "greedy", "greedy | standard | l
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Completions per prompt.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 0, "0: config.max_completion_length.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_NUM_EXAMPLES = flags.DEFINE_integer("num_examples", 4, "Held-out rows to show when no prompts "
+                                     "are given.")
 _EXPORT_HF = flags.DEFINE_string("export_hf", None, "Write the policy as an HF folder and exit.")
 
 
@@ -55,6 +61,14 @@ def load_params(config, workdir, step, mesh):
 def generate(config, policy, prompts, mesh, *, generation="greedy", num_samples=1,
              max_new_tokens=0, seed=0) -> list[list[str]]:
   """For each prompt, `num_samples` completions (decoded text)."""
+  rows = [dict(prompt=p, ground_truth="") for p in prompts]
+  return generate_rows(config, policy, rows, mesh, generation=generation,
+                       num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed)
+
+
+def generate_rows(config, policy, rows, mesh, *, generation="greedy", num_samples=1,
+                  max_new_tokens=0, seed=0) -> list[list[str]]:
+  """Like `generate` for data rows (dicts with "prompt"), rendered as in training."""
   import jax
   import numpy as np
 
@@ -65,20 +79,62 @@ def generate(config, policy, prompts, mesh, *, generation="greedy", num_samples=
 
   tok = data_lib.build_tokenizer(config.tokenizer.kind,
                                  config.tokenizer.path or config.model.hf_path)
-  rows = [dict(prompt=p, ground_truth="") for p in prompts]
   pd = data_lib.PromptData(rows, tok, template=config.data.template,
                            system_prompt=data_lib.system_prompt(config.data.system_prompt),
                            max_prompt_length=config.max_prompt_length)
   dp = sharding.data_parallel_size(mesh)
-  b = -(-len(prompts) // dp) * dp  # pad the batch to fill the data-parallel devices
+  b = -(-len(rows) // dp) * dp  # pad the batch to fill the data-parallel devices
   engine = rollout.make_engine(config, policy, tok, mesh, kind="native",
                                num_generations=num_samples,
                                max_new_tokens=max_new_tokens or config.max_completion_length)
-  out = engine.generate(policy.params, pd.batch(np.resize(np.arange(len(prompts)), b)),
+  out = engine.generate(policy.params, pd.batch(np.resize(np.arange(len(rows)), b)),
                         jax.random.key(seed), generation)
   tokens, mask = multihost.local_rows((out.tokens, out.mask))
   texts = [tok.decode([int(t) for t, m in zip(tr, mr) if m]) for tr, mr in zip(tokens, mask)]
-  return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
+  return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(rows))]
+
+
+def show_heldout(config, policy, mesh, *, num_examples=4, generation="greedy", num_samples=1,
+                 max_new_tokens=0, seed=0) -> list[dict]:
+  """Samples `num_examples` rows of the eval split and prints prompt, completion, ground
+  truth, reward and the task's verdict side by side; returns them as dicts."""
+  from grpo_jax import data as data_lib
+  from grpo_jax import eval_tasks
+  from grpo_jax import rewards as rewards_lib
+
+  _, eval_rows = data_lib.load_rows(config)
+  rows = eval_rows[:max(num_examples, 1)]
+  completions = generate_rows(config, policy, rows, mesh, generation=generation,
+                              num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed)
+  r = config.reward
+  reward_fn = rewards_lib.build_reward_computer(
+      r.functions, r.weights, custom_file=r.custom_file, custom_weight=r.custom_weight,
+      on_error="zero", timeout_sec=r.timeout_sec)
+  shown = []
+  try:
+    for i, (row, texts) in enumerate(zip(rows, completions)):
+      scored = reward_fn([row["prompt"]] * len(texts), texts, [row] * len(texts))
+      task = eval_tasks.task_of(row.get("data_source"))
+      verdicts = task.score(texts, [row] * len(texts))
+      print(f"[{i + 1}/{len(rows)}] prompt: {_short(row['prompt'])}")
+      print(f"      ground truth: {_short(row['ground_truth'])}")
+      for j, text in enumerate(texts):
+        parts = " ".join(f"{k}={v[j]:.2f}" for k, v in scored.per_function.items())
+        verdict = (("correct" if verdicts[task.correct][j] else "wrong") if task.correct else
+                   " ".join(f"{m}={verdicts[m][j]:.3f}" for m in task.metrics))
+        print(f"      completion: {_short(text)}")
+        print(f"      reward {scored.total[j]:.2f} ({parts})  {task.name}: {verdict}")
+        shown.append(dict(prompt=row["prompt"], completion=text,
+                          reward=float(scored.total[j]),
+                          **{m: float(verdicts[m][j]) for m in verdicts}))
+  finally:
+    reward_fn.close()
+  return shown
+
+
+def _short(text, limit=300) -> str:
+  text = str(text).replace("\n", "\\n")
+  return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
 def main(argv):
@@ -90,8 +146,6 @@ def main(argv):
     prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
   if _CONFIG.value is None:
     raise app.UsageError("--config is required (the config the run was trained with)")
-  if not prompts and not _EXPORT_HF.value:
-    raise app.UsageError("give one or more prompts (or `-` for stdin), or --export_hf=DIR")
   config = _CONFIG.value
   mesh = build.make_mesh(config)
   policy, step = load_params(config, _WORKDIR.value, _STEP.value, mesh)
@@ -100,6 +154,11 @@ def main(argv):
     hf.save_hf(nnx.merge(policy.sampler_graphdef, policy.rollout_params(policy.params)),
                _EXPORT_HF.value)
     print(f"wrote {_EXPORT_HF.value} (step {step})")
+    return
+  if not prompts:
+    show_heldout(config, policy, mesh, num_examples=_NUM_EXAMPLES.value,
+                 generation=_GENERATION.value, num_samples=_NUM_SAMPLES.value,
+                 max_new_tokens=_MAX_NEW_TOKENS.value, seed=_SEED.value)
     return
   results = generate(config, policy, prompts, mesh, generation=_GENERATION.value,
                      num_samples=_NUM_SAMPLES.value, max_new_tokens=_MAX_NEW_TOKENS.value,

@@ -28,10 +28,12 @@ import numpy as np
 
 from grpo_jax import checkpoint as ckpt_lib
 from grpo_jax import data as data_lib
+from grpo_jax import eval_tasks
 from grpo_jax import evaluate as eval_lib
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import multihost
 from grpo_jax import profiling
+from grpo_jax import report as report_lib
 from grpo_jax import rewards as rewards_lib
 from grpo_jax import rollout as rollout_lib
 from grpo_jax import session as session_lib
@@ -71,11 +73,12 @@ def _run(config, workdir: str) -> dict:
                  sum(x.size for x in jax.tree.leaves(policy.params)) / 1e6)
     profiling.log_memory("loading the policy")
     engine = session.closing(rollout_lib.make_engine(config, policy, tokenizer, mesh))
-    eval_engine = session.closing(rollout_lib.make_engine(
-        config, policy, tokenizer, mesh, kind="native", num_generations=1,
-        max_new_tokens=config.eval.max_new_tokens or config.max_completion_length))
+    eval_engine = session.closing(_eval_engine(config, policy, tokenizer, mesh, 1))
+    sample_engine = (session.closing(_eval_engine(config, policy, tokenizer, mesh,
+                                                  config.eval.num_samples))
+                     if config.eval.num_samples > 1 else None)
     evaluator = eval_lib.Evaluator(config, eval_engine, eval_data, mesh, decode=decode,
-                                   writer=session.writer)
+                                   writer=session.writer, sample_engine=sample_engine)
     r = config.reward
     reward_fn = session.closing(rewards_lib.build_reward_computer(
         r.functions, r.weights, custom_file=r.custom_file, custom_weight=r.custom_weight,
@@ -221,6 +224,8 @@ def _run(config, workdir: str) -> dict:
                "eval_history": meta["history"]}
     session.write_summary(summary)
     _log_summary(summary, workdir)
+    if config.report_at_end and session.is_main:
+      _write_report(session, workdir)
     return summary
 
 
@@ -249,6 +254,12 @@ def _prompt_data(config, tokenizer):
                     train_data.num_truncated, len(train_data))
     train_data = train_data.select(keep)
   return train_data, data_lib.PromptData(eval_rows, tokenizer, **kw)
+
+
+def _eval_engine(config, policy, tokenizer, mesh, samples_per_prompt: int):
+  return rollout_lib.make_engine(
+      config, policy, tokenizer, mesh, kind="native", num_generations=samples_per_prompt,
+      max_new_tokens=config.eval.max_new_tokens or config.max_completion_length)
 
 
 def _decoder(tokenizer):
@@ -300,11 +311,19 @@ def _to_memory_kind(tree, kind):
     return tree
 
 
+def _write_report(session, workdir):
+  session.writer.flush()  # the report reads metrics.jsonl, the last eval row included
+  try:
+    logging.info("report: %s", report_lib.write_report(workdir))
+  except Exception as e:  # noqa: BLE001  a finished run must not fail over its report
+    logging.warning("report not written: %s: %s", type(e).__name__, e)
+
+
 def _log_summary(summary, workdir):
-  if jax.process_index() != 0:
-    return
   before, after = summary["eval_before"], summary["eval_after"]
+  if jax.process_index() != 0 or not after:  # eval.generation_configs=(): nothing to compare
+    return
   name = "greedy" if "greedy" in after else next(iter(after))
-  logging.info("summary: accuracy %.3f -> %.3f (%s) in %.1fs; %s/summary.json",
-               before[name]["accuracy"], after[name]["accuracy"], name,
-               summary["wall_time_sec"], workdir)
+  metric, value = eval_tasks.primary_metric(after[name])
+  logging.info("summary: %s %.3f -> %.3f (%s) in %.1fs; %s/summary.json", metric,
+               before[name][metric], value, name, summary["wall_time_sec"], workdir)

@@ -40,6 +40,7 @@ def tiny_config(**overrides):
   # A random-init model scores 0 on the exact-answer reward (zero advantages, zero gradients);
   # this plug-in reward varies within every group, so each step has a real update.
   c.reward.custom_file = os.path.join(ROOT, "tests", "data", "digit_count_reward.py")
+  c.report_at_end = False  # test_report.py covers it
   for key, value in overrides.items():
     node = c
     *parents, leaf = key.split(".")
@@ -293,7 +294,7 @@ def test_consecutive_nonfinite_updates_stop_with_a_clear_error(tmp_path, monkeyp
 # -------------------------------------------------------------------------------- infer
 
 
-def test_infer_samples_and_exports_the_trained_policy(tmp_path):
+def test_infer_samples_and_exports_the_trained_policy(tmp_path, capsys):
   from grpo_jax import infer
   from grpo_jax.models import hf
   workdir = str(tmp_path / "run")
@@ -318,6 +319,15 @@ def test_infer_samples_and_exports_the_trained_policy(tmp_path):
   g1 = infer.generate(config, policy, ["12+30="], mesh)
   g2 = infer.generate(config, policy, ["12+30=", "3+4="], mesh)
   assert g1[0] == g2[0]
+  # No prompts: held-out rows side by side with ground truth, reward and verdict.
+  from grpo_jax.rewards import eval_flags
+  capsys.readouterr()
+  shown = infer.show_heldout(config, policy, mesh, num_examples=3)
+  printed = capsys.readouterr().out
+  assert len(shown) == 3 and printed.count("ground truth:") == 3 and "[3/3] prompt:" in printed
+  for s in shown:
+    assert s["accuracy"] == eval_flags(s["completion"], _truth_of(config, s["prompt"]))[0]
+    assert ("correct" if s["accuracy"] else "wrong") in printed and "reward" in printed
 
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   hf_dir = tmp_path / "hf"
@@ -330,6 +340,11 @@ def test_infer_samples_and_exports_the_trained_policy(tmp_path):
   from flax import nnx
   mine = nnx.merge(policy.graphdef, policy.params)
   np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(mine(ids)), atol=1e-6)
+
+
+def _truth_of(config, prompt):
+  from grpo_jax import data as data_lib
+  return next(r["ground_truth"] for r in data_lib.load_rows(config)[1] if r["prompt"] == prompt)
 
 
 # ------------------------------------------------------------- host traffic and teardown

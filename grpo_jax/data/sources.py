@@ -26,5 +26,11 @@ def _read(config, source: str, path: str, split: str) -> list[dict]:
 def load_rows(config) -> tuple[list[dict], list[dict]]:
   """Train and eval rows from config.data (every reader gives the same row shape)."""
   d = config.data
-  return (_read(config, d.train_source, d.train_path, "train"),
-          _read(config, d.eval_source, d.eval_path, "test"))
+  train = _read(config, d.train_source, d.train_path, "train")
+  if d.heldout_rows:  # the eval split is the train file's tail
+    if d.heldout_rows >= len(train):
+      raise ValueError(f"data.heldout_rows={d.heldout_rows} leaves no train rows: "
+                       f"{d.train_path or d.train_source} has {len(train)}. Fix: use fewer "
+                       "held-out rows")
+    return train[:-d.heldout_rows], train[-d.heldout_rows:]
+  return train, _read(config, d.eval_source, d.eval_path, "test")

@@ -90,7 +90,8 @@ def eval_flags(completion: str, ground_truth) -> tuple[bool, bool, bool]:
 
   correct: the <answer> holds the ground-truth number (answer_match == 1).
   partial: the answer is within 10% of the ground truth (correct answers included).
-  formatted: the completion has the full structured format (match_format_exactly > 0), or,
+  formatted: the completion has the full structured format (match_format_exactly > 0) or its
+  <think>...</think><answer>...</answer> counterpart, or,
   for completions that use only an answer tag, exactly one well-formed <answer>...</answer>
   and nothing but whitespace outside it.
   """
@@ -105,5 +106,6 @@ def eval_flags(completion: str, ground_truth) -> tuple[bool, bool, bool]:
                  stripped.count(parsing.ANSWER_START) == 1 and
                  stripped.count(parsing.ANSWER_END) == 1 and parsing.REASONING_START not in
                  stripped)
-  formatted = parsing.answer_in_format(completion) is not None or answer_only
+  formatted = (parsing.answer_in_format(completion) is not None or answer_only or
+               parsing.answer_in_think_format(completion) is not None)
   return correct, partial, formatted

@@ -9,6 +9,7 @@ THINK_START, THINK_END = "<think>", "</think>"
 # The full structured format: <reasoning>...</reasoning> ... <answer>X</answer>, nothing else
 # around it but whitespace (checked with fullmatch, so text before or after fails).
 FORMAT_RE = re.compile(r"\s*<reasoning>.+?</reasoning>.*?<answer>(.+?)</answer>\s*", re.DOTALL)
+THINK_FORMAT_RE = re.compile(r"\s*<think>.+?</think>.*?<answer>(.+?)</answer>\s*", re.DOTALL)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # A number: optional sign, digits with optional thousands commas, optional decimals.
 NUMBER_RE = re.compile(r"[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+−]?\.\d+")
@@ -17,6 +18,12 @@ NUMBER_RE = re.compile(r"[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+−]?\.
 def answer_in_format(completion: str) -> str | None:
   """The text inside <answer> when the whole completion has the structured format, else None."""
   m = FORMAT_RE.fullmatch(completion)
+  return m.group(1) if m else None
+
+
+def answer_in_think_format(completion: str) -> str | None:
+  """Like `answer_in_format` for the <think>...</think> ... <answer>...</answer> family."""
+  m = THINK_FORMAT_RE.fullmatch(completion)
   return m.group(1) if m else None
 
 

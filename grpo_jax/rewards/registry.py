@@ -36,7 +36,8 @@ def names() -> tuple[str, ...]:
 
 for _fn in (gsm8k.match_format_exactly, gsm8k.match_format_approximately, gsm8k.check_answer,
             gsm8k.check_numbers, gsm8k.answer_match, gsm8k.answer_format, think.correctness_reward,
-            think.digit_reward, think.hard_format_reward, think.mark_reward, rouge_lib.rouge):
+            think.digit_reward, think.hard_format_reward, think.mark_reward, rouge_lib.rouge,
+            rouge_lib.length_similarity):
   register(_fn.__name__)(_fn)
 register("code_tests")(code_lib.code_tests)  # sandboxed execution of the row's tests (code.py)
 

@@ -1,4 +1,4 @@
-"""ROUGE-1/2/L F1 (Lin 2004) via Google's `rouge-score` package, and the summarization reward."""
+"""ROUGE-1/2/L F1 (Lin 2004) via Google's `rouge-score` package, and the summarization rewards."""
 import functools
 
 
@@ -21,4 +21,15 @@ def rouge(prompts, completions, ground_truth, **_) -> list[float]:
   for c, ref in zip(completions, ground_truth):
     s = rouge_scores(c, str(ref))
     out.append((s["rouge1"] + s["rouge2"] + s["rougeL"]) / 3.0)
+  return out
+
+
+def length_similarity(prompts, completions, ground_truth, **_) -> list[float]:
+  """min / max of the completion's and the reference's word counts, in [0, 1] (1: same
+  length): keeps a ROUGE-rewarded policy from padding or truncating its summaries."""
+  del prompts
+  out = []
+  for c, ref in zip(completions, ground_truth):
+    a, b = len(c.split()), len(str(ref).split())
+    out.append(min(a, b) / max(a, b) if max(a, b) else 1.0)
   return out
