@@ -25,6 +25,7 @@ CORE = [
     "tokenizers",
     "rouge-score",
     "matplotlib",  # grpo_jax.report (headless plots)
+    "jinja2",  # chat templates from tokenizer folders (data.template=tokenizer)
     "numpy",
 ]
 # MaxText declares no dependencies of its own; these are what its model code imports

@@ -79,7 +79,9 @@ def base() -> ml_collections.ConfigDict:
   # > 0: the eval split is the last N rows of the train file (eval_source/eval_path unused) and
   # training keeps the rest: for datasets that come as one file (e.g. 1000 XSum rows).
   c.data.heldout_rows = 0
-  c.data.template = "chatml"  # chatml | plain
+  # chatml | plain | tokenizer (the tokenizer folder's chat_template, rendered like
+  # transformers' apply_chat_template)
+  c.data.template = "chatml"
   c.data.system_prompt = "reasoning"  # reasoning | think | none
   # Train prompts longer than max_prompt_length: "truncate" (keep their end, counted and logged)
   # or "drop" them from the train split (counted and logged; eval prompts are always kept).

@@ -219,6 +219,12 @@ def _check_data_and_rewards(c: _Checker, cfg):
     c.fail("tokenizer.path", "the hf tokenizer needs a folder (tokenizer.json or vocab.json + "
            "merges.txt)", "set --config.tokenizer.path or --config.model.hf_path")
   c.path_exists("tokenizer.path", "the tokenizer folder")
+  if d.template == "tokenizer":  # the folder's chat template must exist (checked up front)
+    folder = cfg.tokenizer.path or cfg.model.hf_path
+    if cfg.tokenizer.kind != "hf":
+      c.fail("data.template", *templates.missing_template(""))
+    elif folder and paths.exists(folder) and tokenizers.folder_chat_template(folder) is None:
+      c.fail("data.template", *templates.missing_template(folder))
 
   rw = cfg.reward
   known = reward_registry.names()

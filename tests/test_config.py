@@ -37,7 +37,7 @@ def test_shipped_configs_are_valid(name):
     # Real-data configs need user paths; point them at anything that exists.
     with config.unlocked():
       config.data.train_path = config.data.eval_path = __file__
-      config.tokenizer.path = ROOT
+      config.tokenizer.path = CHAT_TOKENIZER
   assert errors_of(config) == []
 
 
@@ -185,6 +185,21 @@ def _owner_names():
   ]
 
 
+# A tokenizer folder with nothing but a chat template (data.template=tokenizer validates).
+CHAT_TOKENIZER = os.path.join(ROOT, "tests", "data", "chat_tokenizer")
+
+
+def test_template_tokenizer_needs_a_folder_with_a_chat_template():
+  config = _tiny_with_paths()
+  _set(config, "data.template", "tokenizer")
+  (line,) = errors_of(config)
+  assert line.startswith("data.template='tokenizer': the char tokenizer has no chat template")
+  _set(config, "tokenizer.kind", "hf")
+  _set(config, "tokenizer.path", ROOT)
+  (line,) = errors_of(config)
+  assert f"the tokenizer folder {ROOT} has no chat template" in line and "Fix:" in line
+
+
 def _set(config, field, value):
   node = config
   parts = field.split(".")
@@ -199,7 +214,7 @@ def _tiny_with_paths():
   config = load("tiny")
   with config.unlocked():
     config.data.train_path = config.data.eval_path = __file__
-    config.tokenizer.path = ROOT
+    config.tokenizer.path = CHAT_TOKENIZER
   return config
 
 
@@ -209,6 +224,8 @@ def test_validator_accepts_exactly_the_owners_names(field, names):
   for name in names:
     config = _tiny_with_paths()
     _set(config, field, name)
+    if (field, name) == ("data.template", "tokenizer"):
+      _set(config, "tokenizer.kind", "hf")  # the char tokenizer has no chat template
     assert errors_of(config) == [], (field, name)
   config = _tiny_with_paths()
   bad = ("not-a-name",) if field == "eval.generation_configs" else "not-a-name"

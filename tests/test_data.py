@@ -252,7 +252,7 @@ def _data_config(**data_fields):
   import ml_collections
   arith = dict(digits=2, num_ops=1, ops="+", num_train=50, num_test=20, demonstration="reasoning")
   d = dict(train_source="arithmetic", train_path="", eval_source="arithmetic", eval_path="",
-           arithmetic=arith)
+           arithmetic=arith, heldout_rows=0)
   return ml_collections.ConfigDict(dict(seed=3, data={**d, **data_fields}))
 
 
@@ -272,6 +272,14 @@ def test_load_rows_reads_a_jsonl_file_for_one_split(tmp_path):
   assert len(train) == 50 and train[0]["data_source"] == "arithmetic"
   assert test == data.read_prompt_file(str(f)) and [r["prompt"] for r in test] == [
       "0+0?", "1+1?", "2+2?"]
+
+
+def test_heldout_rows_split_the_train_file():
+  train, test = data.load_rows(_data_config(heldout_rows=8))
+  every = data.arithmetic_rows(50, split="train", seed=3, style="reasoning")
+  assert train == every[:42] and test == every[42:]
+  with pytest.raises(ValueError, match="heldout_rows=50 leaves no train rows"):
+    data.load_rows(_data_config(heldout_rows=50))
 
 
 def test_sources_are_the_readers_plus_arithmetic():

@@ -1,6 +1,7 @@
 """From rows to batches: pre-tokenized prompts, a checkpointable grain iterator, eval and SFT batches.
 
     data = PromptData(rows, tokenizer, template="chatml", system_prompt="...", max_prompt_length=256)
+    # template="tokenizer": the tokenizer folder's chat template (data/templates.py)
     it = make_prompt_iterator(len(data), batch_size=8, seed=0)   # grain; yields row indices
     batch = data.batch(next(it))     # prompt_ids/prompt_mask int32 [b, P] left-padded + rows
 
@@ -44,7 +45,7 @@ class PromptData:
       raise ValueError("no rows to build prompts from")
     self.rows = rows
     self.tokenizer = tokenizer
-    self.texts = [render_prompt(r["prompt"], template, system_prompt) for r in rows]
+    self.texts = [render_prompt(r["prompt"], template, system_prompt, tokenizer) for r in rows]
     encoded = [tokenizer.encode(t) for t in self.texts]
     empty = [i for i, e in enumerate(encoded) if not e]
     if empty:

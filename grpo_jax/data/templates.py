@@ -1,4 +1,15 @@
-"""Prompt templates (Qwen ChatML, plain) and the system prompts that ask for a format."""
+"""Prompt templates (Qwen ChatML, plain, the tokenizer's own) and the system prompts that ask
+for a format.
+
+`data.template` picks one, explicitly: there is no "auto". The default stays chatml (what the
+Qwen recipes were tuned with); "tokenizer" uses the chat template the tokenizer folder ships
+(chat_template.jinja or tokenizer_config.json's), rendered as transformers' apply_chat_template
+with add_generation_prompt=True (data/chat_template.py), so prompts match the model card's
+format token for token, including the defaults a template adds (Qwen2.5's default system
+message, Llama 3.1's knowledge-date header). Switching on what a folder happens to contain would
+change the prompts of existing configs silently.
+"""
+from grpo_jax.data import chat_template
 
 REASONING_SYSTEM_PROMPT = (
     "You are given a problem. Think about the problem and provide your working out. Place it "
@@ -10,22 +21,52 @@ THINK_SYSTEM_PROMPT = (
     "provides the user with the answer. The reasoning process and answer are enclosed within "
     "<think>\n...\n</think>\n<answer>\n...\n</answer>\n tags.")
 SYSTEM_PROMPTS = {"reasoning": REASONING_SYSTEM_PROMPT, "think": THINK_SYSTEM_PROMPT, "none": ""}
-TEMPLATES = ("chatml", "plain")
+TEMPLATES = ("chatml", "plain", "tokenizer")
 
 
-def render_prompt(user: str, template: str = "chatml", system_prompt: str = "") -> str:
+def render_prompt(user: str, template: str = "chatml", system_prompt: str = "",
+                  tokenizer=None) -> str:
   """The text the model continues from.
 
   chatml: <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{user}<|im_end|>\\n
           <|im_start|>assistant\\n   (the system turn only when a system prompt is given)
   plain:  {system}\\n\\n{user}\\n  (or just {user} without a system prompt)
+  tokenizer: `tokenizer.chat_template` over [system (when given), user] messages plus the
+          generation prompt; the text may start with bos (the template decides), so encode it
+          without adding special tokens (as every Tokenizer here does).
   """
+  if template == "tokenizer":
+    return _render_with_tokenizer(user, system_prompt, tokenizer)
   if template == "chatml":
     text = f"<|im_start|>system\n{system_prompt}<|im_end|>\n" if system_prompt else ""
     return text + f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
   if template == "plain":
     return f"{system_prompt}\n\n{user}\n" if system_prompt else user
   raise ValueError(f"unknown template {template!r}; known: {', '.join(TEMPLATES)}")
+
+
+def _render_with_tokenizer(user: str, system_prompt: str, tokenizer) -> str:
+  if tokenizer is None or tokenizer.chat_template is None:
+    why, fix = missing_template(tokenizer.path if tokenizer else "")
+    raise ValueError(f"data.template='tokenizer': {why}. Fix: {fix}")
+  import jinja2
+  messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+  messages.append({"role": "user", "content": user})
+  try:
+    return chat_template.render(tokenizer.chat_template, messages, tokenizer.special_tokens)
+  except jinja2.TemplateError as e:
+    raise ValueError(f"the chat template of {tokenizer.path} raised {type(e).__name__}: {e}. "
+                     "Fix: a template that refuses a system turn needs data.system_prompt=none; "
+                     "else use data.template=chatml or plain") from None
+
+
+def missing_template(folder: str) -> tuple[str, str]:
+  """(why, fix) when data.template=tokenizer meets a tokenizer without a chat template."""
+  if not folder:
+    return "the char tokenizer has no chat template", "use data.template=plain or chatml"
+  return (f"the tokenizer folder {folder} has no chat template (no chat_template.jinja, no "
+          "chat_template in tokenizer_config.json)", "copy the model's chat_template.jinja into "
+          "it, or use data.template=chatml or plain")
 
 
 def system_prompt(name: str) -> str:

@@ -1,4 +1,5 @@
-"""Tokenizers behind one small protocol: encode, decode, vocab_size, pad_id, eos_id, stop_ids.
+"""Tokenizers behind one small protocol: encode, decode, vocab_size, pad_id, eos_id, stop_ids,
+and the chat template a folder ships (`chat_template`, `special_tokens`; data/chat_template.py).
 
 - CharTokenizer: one id per character for the tiny CPU task, plus atomic special tokens
   (`<answer>` is ONE id), so a completion like `<answer>42</answer>` is 4 tokens.
@@ -10,6 +11,7 @@ import json
 from typing import Protocol, Sequence
 
 from grpo_jax import paths
+from grpo_jax.data import chat_template as chat_template_lib
 
 
 class Tokenizer(Protocol):
@@ -17,6 +19,9 @@ class Tokenizer(Protocol):
   pad_id: int
   eos_id: int
   stop_ids: tuple[int, ...]
+  path: str  # the folder it was read from ("" when built in)
+  chat_template: str | None  # jinja source, None when the tokenizer has none
+  special_tokens: dict[str, str]  # bos_token, eos_token, ... as the template sees them
 
   def encode(self, text: str) -> list[int]: ...
 
@@ -41,6 +46,9 @@ class CharTokenizer:
     self.pad_id = self.stoi["<pad>"]
     self.eos_id = self.stoi["<eos>"]
     self.stop_ids = (self.eos_id,)
+    self.path = ""
+    self.chat_template = None
+    self.special_tokens = {"pad_token": "<pad>", "eos_token": "<eos>"}
 
   def encode(self, text: str) -> list[int]:
     ids, i = [], 0
@@ -85,13 +93,19 @@ QWEN3_EXTRA_TOKENS = {
 }
 
 
+# Ends of a turn or a document (Qwen; Llama 3: <|eom_id|> ends a tool-call turn), besides eos.
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+
+
 class HFTokenizer:
   """A Hugging Face tokenizer folder: tokenizer.json, or vocab.json + merges.txt (Qwen BPE).
 
   Special tokens come from tokenizer_config.json's added_tokens_decoder / added_tokens.json;
   `add_qwen3_tokens=True` also adds Qwen3's <think>, </think>, tool tokens (151646-151668)
   when the folder only defines Qwen2's. eos = tokenizer_config's eos_token; stop ids = eos
-  plus <|endoftext|> and <|im_end|> where present. pad = pad_token or <|endoftext|>.
+  plus the STOP_TOKENS present. pad = pad_token, else <|endoftext|>, else eos (Llama 3 ships no
+  pad token; the masks, not the pad id, mark padding).
+  The chat template: chat_template.jinja, else tokenizer_config.json's chat_template.
   """
 
   def __init__(self, path: str, *, add_qwen3_tokens: bool = True):
@@ -116,12 +130,16 @@ class HFTokenizer:
     self.special_ids = {self._tok.token_to_id(t) for t in added}
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     eos = _token_str(config.get("eos_token")) or "<|endoftext|>"
-    pad = _token_str(config.get("pad_token")) or "<|endoftext|>"
+    pad = (_token_str(config.get("pad_token")) or
+           ("<|endoftext|>" if self._tok.token_to_id("<|endoftext|>") is not None else eos))
     self.eos_id = self._id(eos)
     self.pad_id = self._id(pad)
-    stops = [self.eos_id] + [self._tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>",
-                                                                  "<|eot_id|>")]
+    stops = [self.eos_id] + [self._tok.token_to_id(t) for t in STOP_TOKENS]
     self.stop_ids = tuple(dict.fromkeys(i for i in stops if i is not None))
+    self.path = path
+    self.chat_template = chat_template_lib.read(path, config)
+    self.special_tokens = chat_template_lib.special_tokens(
+        config, _read_json(folder / "special_tokens_map.json"))
 
   def _add_specials(self, added: dict[str, int]):
     import tokenizers
@@ -182,6 +200,11 @@ def _token_str(tok) -> str | None:
   if isinstance(tok, dict):
     return tok.get("content")
   return tok
+
+
+def folder_chat_template(path: str) -> str | None:
+  """The chat template of a tokenizer folder without building the tokenizer (validation)."""
+  return chat_template_lib.read(path, _read_json(paths.path(path) / "tokenizer_config.json"))
 
 
 # tokenizer.kind -> constructor from a folder path (the char tokenizer needs none).
