@@ -1,0 +1,173 @@
+r"""Tunix's side of benchmarks/grpo_step.py: Tunix's own GRPOLearner, one step per command.
+
+Runs in an environment with `google-tunix==0.1.7` (it pins transformers, tokenizers,
+safetensors and huggingface_hub below this repo's versions, so it lives in its own venv):
+
+    python3.12 -m venv /work/tunixvenv
+    /work/tunixvenv/bin/pip install jax==0.12.0.1 flax==0.12.12 optax==0.2.8 google-tunix==0.1.7
+
+grpo_step.py starts it as a subprocess and speaks a line protocol, so the two sides can take
+turns step by step in one run (fair under a noisy machine):
+
+  stdin, line 1   the workload as JSON (model shape, prompt batches, answers, the vocabulary,
+                  G, lengths, beta, epsilon, learning rate, clip)
+  stdout          {"ready": ..., "setup_sec": ...} once built, then one {"step": i, "sec": s}
+                  per "step" line read; "stop" ends the run.
+
+The driver is ours; everything it times is Tunix's: `RLCluster` (vanilla rollout on the
+actor's own weights, a full reference copy), `GRPOLearner.train` over an iterator that hands
+out one batch per "step" command. A step is timed from the moment the learner takes its batch
+to the moment it asks for the next one, after waiting for the actor's new weights, so it
+covers everything Tunix does per step (rollout, rewards, reference log-probs, the update,
+its metrics bookkeeping) and none of the wait for our command.
+"""
+import json
+import os
+import sys
+import time
+
+# The protocol owns the real stdout; anything the libraries print goes to stderr.
+_PROTO = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from tunix.models.qwen3 import model as qwen3  # noqa: E402
+from tunix.rl import rl_cluster as rl_cluster_lib  # noqa: E402
+from tunix.rl.grpo import grpo_learner  # noqa: E402
+from tunix.rl.rollout import base_rollout  # noqa: E402
+
+
+def say(**kw):
+  _PROTO.write(json.dumps(kw) + "\n")
+
+
+class CharTokenizer:
+  """The vocabulary grpo_step.py sends (its char tokenizer's), with Tunix's tokenizer methods."""
+
+  def __init__(self, itos, pad_id, eos_id):
+    self.itos, self._pad, self._eos = list(itos), pad_id, eos_id
+    self.stoi = {s: i for i, s in enumerate(self.itos)}
+
+  def encode(self, text, **_):
+    return [self.stoi[ch] for ch in text]
+
+  def decode(self, ids, **_):
+    return "".join(self.itos[i] for i in map(int, ids)
+                   if i not in (self._pad, self._eos) and 0 <= i < len(self.itos))
+
+  def bos_id(self):
+    return 0  # falsy: Tunix's sampler then prepends no BOS, as grpo_jax's char prompts have none
+
+  def eos_id(self):
+    return self._eos
+
+  def pad_id(self):
+    return self._pad
+
+
+class PhaseTimes:
+  """Wall time of Tunix's own phase functions, each waited out (outputs blocked on), per step."""
+
+  def __init__(self):
+    self.current = {}
+
+  def wrap(self, obj, attr, name, block=None):
+    fn = getattr(obj, attr)
+
+    def timed(*args, **kwargs):
+      t0 = time.perf_counter()
+      out = fn(*args, **kwargs)
+      jax.block_until_ready(out if block is None else block())
+      self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - t0
+      return out
+    setattr(obj, attr, timed)
+
+  def take(self):
+    out, self.current = self.current, {}
+    return out
+
+
+class Commands:
+  """The learner's train_ds: one batch per "step" line on stdin; times the previous step."""
+
+  def __init__(self, batches, answers, cluster, phases):
+    self.batches, self.answers, self.cluster, self.phases = batches, answers, cluster, phases
+    self.i, self.t0 = 0, None
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self.t0 is not None:
+      jax.block_until_ready(nnx.state(self.cluster.actor_trainer.model))
+      say(step=self.i - 1, sec=time.perf_counter() - self.t0, phases=self.phases.take())
+    line = sys.stdin.readline().strip()
+    if line != "step":
+      raise StopIteration
+    k = self.i % len(self.batches)
+    self.i += 1
+    self.phases.take()
+    self.t0 = time.perf_counter()
+    return {"prompts": np.array(self.batches[k]), "answer": np.array(self.answers[k])}
+
+
+def starts_with_sum(prompts, completions, answer, **_):
+  return [1.0 if c.startswith(str(a)) else 0.0 for c, a in zip(completions, answer)]
+
+
+def main():
+  spec = json.loads(sys.stdin.readline())
+  t_setup = time.perf_counter()
+  m = spec["model"]
+  cfg = qwen3.ModelConfig(
+      num_layers=m["num_layers"], vocab_size=m["vocab_size"], embed_dim=m["hidden_size"],
+      hidden_dim=m["intermediate_size"], num_heads=m["num_heads"], head_dim=m["head_dim"],
+      num_kv_heads=m["num_kv_heads"], rope_theta=int(m["rope_theta"]), norm_eps=1e-6,
+      use_tied_embedding=m["tie_embeddings"])
+  # Auto axes (jax.make_mesh's default is Explicit, which Tunix's layers do not expect).
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+  actor = qwen3.Qwen3(cfg, rngs=nnx.Rngs(spec["seed"]))
+  reference = qwen3.Qwen3(cfg, rngs=nnx.Rngs(spec["seed"]))  # a full copy, same weights
+  p, c = spec["max_prompt_length"], spec["max_completion_length"]
+  optimizer = optax.chain(optax.clip_by_global_norm(spec["max_grad_norm"]),
+                          optax.adamw(spec["learning_rate"]))
+  cluster_config = rl_cluster_lib.ClusterConfig(
+      role_to_mesh={rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.REFERENCE: mesh,
+                    rl_cluster_lib.Role.ROLLOUT: mesh},
+      rollout_engine="vanilla", offload_to_cpu=False,
+      training_config=rl_cluster_lib.RLTrainingConfig(
+          actor_optimizer=optimizer, eval_every_n_steps=10**9, max_steps=10**9,
+          pbar_description=None),
+      rollout_config=base_rollout.RolloutConfig(
+          max_tokens_to_generate=c, max_prompt_length=p, kv_cache_size=p + c,
+          temperature=spec["temperature"], top_p=1.0, top_k=None))
+  tokenizer = CharTokenizer(spec["itos"], spec["pad_id"], spec["eos_id"])
+  cluster = rl_cluster_lib.RLCluster(actor=actor, reference=reference, tokenizer=tokenizer,
+                                     cluster_config=cluster_config)
+  learner = grpo_learner.GRPOLearner(
+      rl_cluster=cluster, reward_fns=[starts_with_sum],
+      algo_config=grpo_learner.GRPOConfig(num_generations=spec["num_generations"],
+                                          num_iterations=1, beta=spec["beta"],
+                                          epsilon=spec["clip_eps"]))
+  # Phase times: the rollout's two jitted programs (Tunix compiles prefill and decode apart),
+  # the learner's reward call, the reference log-probs and the actor update.
+  phases = PhaseTimes()
+  sampler = cluster.rollout._sampler  # pylint: disable=protected-access
+  phases.wrap(sampler, "_compiled_prefill_fn", "prefill")
+  phases.wrap(sampler, "_compiled_decode_fn", "decode")
+  phases.wrap(cluster, "generate", "rollout")
+  phases.wrap(learner, "_compute_rewards", "rewards")
+  phases.wrap(cluster, "get_ref_per_token_logps", "ref_logprobs")
+  phases.wrap(cluster, "update_actor", "update",
+              block=lambda: nnx.state(cluster.actor_trainer.model))
+  say(ready=True, setup_sec=time.perf_counter() - t_setup, device=jax.devices()[0].device_kind,
+      tunix_params=sum(x.size for x in jax.tree.leaves(nnx.state(actor, nnx.Param))))
+  learner.train(Commands(spec["batches"], spec["answers"], cluster, phases))
+  say(done=True)
+
+
+if __name__ == "__main__":
+  main()
