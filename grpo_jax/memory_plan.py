@@ -1,0 +1,594 @@
+r"""HBM plan: the per-device memory of one GRPO step, from the compiler, without allocating.
+
+    python -m grpo_jax.memory_plan --config=configs/qwen3_8b.py --topology=v5p-8 \
+        --remat=none,full,save_dots,offload_dots --micro_batch=8,16 --json=/tmp/plan.json
+    python -m grpo_jax.memory_plan --config=configs/tiny.py          # this machine's devices
+
+The loop's own jitted functions (rl/step.py's `update` and `logprobs`, rollout/sampler.py's
+generate) are lowered on abstract inputs (jax.ShapeDtypeStruct with the run's shardings) and
+compiled ahead of time; `compiled.memory_analysis()` gives the temporaries. Nothing is
+allocated, so an 8B plan runs on a CPU-only machine (about 2 minutes per compile on 2 cores).
+
+--topology=v5p-8 (also v4-8, v5e-16, v6e-8, ..., or a raw name such as v5p:2x2x1) compiles for
+that TPU slice with the TPU compiler itself when libtpu is importable (`pip install jax[tpu]`,
+best in a separate venv; compile-only devices from jax.experimental.topologies, no TPU needed);
+without libtpu the same program is compiled for as many fake CPU devices, and the plan says so.
+No --topology: this machine's devices. The mesh is the config's (`mesh.*`, -1 filled) over the
+target's devices, and the config is validated against that device count first. The HBM
+capacity is the one the TPU compiler checks programs against (read from its own out-of-memory
+message); a program it refuses as too large still gets a row, from the bytes that message gives.
+
+Per device, for each compiled function (update per remat policy and micro-batch size; the
+forward-only log-prob pass and sampler once: no backward pass, so remat does not change them):
+
+  params       trained parameters (their shards)          resident through the whole step
+  optimizer    AdamW moments (+ counters)                  resident
+  reference    the frozen reference copy (beta > 0)        resident unless reference.offload_to_host
+  rollout_w    the sampler's weights when they are a mapped copy (impl=maxtext)
+  temp         compiled temporaries: activations, gradients, logits (the sampler's minus its cache)
+  kv_cache     the sampler's [L, B*G, Hkv, P+C, K] cache (its shape and sharding)
+  io           the function's other inputs and outputs (batch, log-probs, rollout)
+  host_offload bytes in pinned host memory (offloaded activations, an offloaded reference)
+  total        everything above but host_offload, against the chip's HBM
+
+The step fits when, for its remat policy and micro-batch size, the update and both forward rows
+fit (the last lines of the printout). --json writes the rows, bytes per device.
+"""
+import dataclasses
+import functools
+import glob
+import json
+import math
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax import configuration
+from grpo_jax import sharding
+from grpo_jax.models import build
+from grpo_jax.rl import step as step_lib
+from grpo_jax.rollout import sampler as sampler_lib
+from grpo_jax.rollout.types import GenerationConfig
+
+GIB = 1024 ** 3
+FUNCTIONS = ("logprobs", "sampler", "update")
+
+# generation -> (topology-name prefix, TensorCores per chip (the "-N" of v5p-8 counts cores),
+# topology dimensions, chip config, HBM GiB per chip, jax device_kind)
+GENERATIONS = {
+    "v4": ("v4", 2, 3, "megacore", 32, "TPU v4"),
+    "v5p": ("v5", 2, 3, "megacore", 95, "TPU v5"),
+    "v5e": ("v5e", 1, 2, "default", 16, "TPU v5 lite"),
+    "v5litepod": ("v5e", 1, 2, "default", 16, "TPU v5 lite"),
+    "v6e": ("v6e", 1, 2, "default", 32, "TPU v6 lite"),
+}
+HBM_BY_KIND = {kind: gib * GIB for _, _, _, _, gib, kind in GENERATIONS.values()}
+
+# Config problems that concern the data and tokenizer files, not memory: ignored here.
+_NOT_MEMORY_FIELDS = ("data.", "tokenizer.", "reward.custom_file", "model.maxtext_checkpoint")
+
+
+# ================================================================================= targets
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """What to compile for: devices, their kind and HBM, and how the figures were made."""
+  name: str
+  devices: tuple
+  device_kind: str
+  hbm_bytes: int | None
+  compiler: str  # e.g. "TPU compiler (libtpu 0.0.50.1)"; "XLA:CPU on fake devices" ...
+  num_processes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+  """A TPU slice by name: what get_topology_desc needs, and the chip's kind and HBM."""
+  topology_name: str  # e.g. "v5:2x2x1"
+  chips: int
+  chip_config_name: str
+  device_kind: str
+  hbm_bytes: int
+
+
+def parse_topology(name: str) -> Slice:
+  """'v5p-8' -> Slice('v5:2x2x1', 4 chips, ...); 'v6e-8' -> Slice('v6e:2x4', 8 chips, ...).
+
+  The "-N" suffix counts TensorCores as Cloud TPU names slices: v4/v5p chips have two (v5p-8 is
+  4 chips), v5e/v6e one (v6e-8 is 8 chips). A raw 'v5p:2x2x1' / 'v6e:2x4' is taken as is."""
+  raw = re.fullmatch(r"(v\d+[a-z]*):(\d+(?:x\d+)+)", name)
+  named = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", name)
+  gen = (raw or named).group(1) if (raw or named) else None
+  gen = {"v5": "v5p"}.get(gen, gen)
+  if gen not in GENERATIONS:
+    raise ValueError(f"--topology={name}: use a slice name like v5p-8, v6e-8, v5e-16, v4-8 "
+                     f"(generations {', '.join(GENERATIONS)}) or a raw one like v5p:2x2x1")
+  prefix, cores, ndim, chip_config, gib, kind = GENERATIONS[gen]
+  if raw:
+    dims = [int(d) for d in raw.group(2).split("x")]
+  else:
+    chips, rem = divmod(int(named.group(2)), cores)
+    if rem or chips < 1 or chips & (chips - 1) or (ndim == 3 and chips < 4):
+      raise ValueError(f"--topology={name}: {gen} slices have a power-of-two chip count"
+                       f"{' >= 4' if ndim == 3 else ''}, {cores} core(s) per chip")
+    dims = [2, 2, 1] if ndim == 3 else [1, 1]
+    while math.prod(dims) < chips:  # double the smallest dimension, the last one on ties
+      i = max(range(ndim), key=lambda j: (-dims[j], j))
+      dims[i] *= 2
+  return Slice(f"{prefix}:{'x'.join(map(str, dims))}", math.prod(dims), chip_config, kind,
+               gib * GIB)
+
+
+def libtpu_version() -> str | None:
+  """The installed libtpu's version, or None when it cannot be imported."""
+  import importlib.metadata
+  import importlib.util
+  if importlib.util.find_spec("libtpu") is None:
+    return None
+  try:
+    return importlib.metadata.version("libtpu")
+  except importlib.metadata.PackageNotFoundError:
+    return "unknown version"
+
+
+def libtpu_compile_only_env(topology: str):
+  """libtpu as a compiler only, on a machine without TPUs: no TPU VM metadata look-up (and its
+  page of warnings), and no lock file, so several plans (or a plan and the tests) can run at
+  once. Only variables the user has not set, and never on a TPU VM."""
+  if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+    return
+  for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                     ("TPU_ACCELERATOR_TYPE", topology), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+    os.environ.setdefault(key, value)
+
+
+def make_target(topology: str | None = None) -> Target:
+  """The devices to compile for: TPU compile-only devices for `topology` (libtpu), else as
+  many of this process's CPU devices (the fallback), else (no topology) all local devices."""
+  if not topology:
+    devices = tuple(jax.devices())
+    return Target("local", devices, devices[0].device_kind, _device_hbm(devices[0]),
+                  f"{jax.default_backend()} compiler on this machine's devices",
+                  jax.process_count())
+  spec = parse_topology(topology)
+  version = libtpu_version()
+  if version is not None:
+    from jax.experimental import topologies
+    devices = tuple(topologies.get_topology_desc(
+        spec.topology_name, platform="tpu", chip_config_name=spec.chip_config_name).devices)
+    return Target(topology, devices, devices[0].device_kind,
+                  compiler_hbm(devices[0]) or spec.hbm_bytes,
+                  f"TPU compiler (libtpu {version}), topology {spec.topology_name}",
+                  len({d.process_index for d in devices}))
+  cpus, chips = jax.devices("cpu"), spec.chips
+  if len(cpus) < chips:
+    raise ValueError(f"--topology={topology} needs {chips} fake CPU devices without libtpu and "
+                     f"this process has {len(cpus)}: start it with "
+                     f"XLA_FLAGS=--xla_force_host_platform_device_count={chips}, or install "
+                     "jax[tpu]")
+  return Target(topology, tuple(cpus[:chips]), spec.device_kind, spec.hbm_bytes,
+                f"XLA:CPU on {chips} fake devices (libtpu not importable: install jax[tpu] "
+                "for the TPU compiler's figures)", 1)
+
+
+def _device_hbm(device) -> int | None:
+  """The device's own memory limit when it reports one (real accelerators), else by kind."""
+  try:
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+  except Exception:  # compile-only and CPU devices report nothing
+    limit = None
+  return int(limit) if limit else HBM_BY_KIND.get(device.device_kind)
+
+
+# ================================================================================= the plan
+
+
+@dataclasses.dataclass
+class Row:
+  """Bytes per device of one compiled function (see the module docstring for each field)."""
+  function: str
+  remat: str | None
+  micro_batch: int | None
+  params: int
+  optimizer: int
+  reference: int
+  rollout_weights: int
+  temp: int
+  kv_cache: int
+  io: int
+  host_offload: int
+  hbm_capacity: int | None
+  compiled: dict  # the raw memory_analysis() figures
+
+  @property
+  def total(self) -> int:
+    return (self.params + self.optimizer + self.reference + self.rollout_weights + self.temp +
+            self.kv_cache + self.io)
+
+  def to_json(self, target: Target, mesh_shape: dict) -> dict:
+    out = dataclasses.asdict(self)
+    out.update(total=self.total, device_kind=target.device_kind,
+               num_devices=len(target.devices), mesh=mesh_shape, compiler=target.compiler)
+    return out
+
+
+def shard_bytes(tree) -> int:
+  """Bytes one device holds of a pytree of ShapeDtypeStructs carrying shardings (the largest
+  shard when they differ; replicated leaves count whole)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    total += math.prod(shape) * x.dtype.itemsize  # (key dtypes have an itemsize too)
+  return total
+
+
+def _abstract(shape, dtype, sharding_):
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_)
+
+
+def _rows_abstract(tree, mesh):
+  """`tree`'s shapes with rows (dim 0) over (data, fsdp), as the loop's batches are."""
+  return jax.tree.map(lambda x: _abstract(x.shape, x.dtype,
+                                          sharding.batch_sharding(mesh, len(x.shape))), tree)
+
+
+def _stats(compiled) -> dict:
+  m = compiled.memory_analysis()
+  names = ("argument", "output", "alias", "temp", "generated_code", "host_argument",
+           "host_output", "host_alias", "host_temp")
+  stats = {n: int(getattr(m, f"{n}_size_in_bytes", 0) or 0) for n in names}
+  stats["peak"] = int(getattr(m, "peak_memory_in_bytes", 0) or 0)  # args + temp, as XLA counts
+  return stats
+
+
+def _host(stats: dict) -> int:
+  if "host_temp" not in stats:  # the compiler refused the program: no figures
+    return 0
+  return stats["host_temp"] + stats["host_argument"] + stats["host_output"] - stats["host_alias"]
+
+
+def kv_cache_bytes(model_cfg, rows: int, length: int, mesh) -> int:
+  """Per-device bytes of the sampler's decode cache (Transformer.init_cache's arrays under the
+  sampler's sharding constraints: rows over (data, fsdp), kv heads over tensor)."""
+  shape = (rows, model_cfg.num_kv_heads, length, model_cfg.head_dim)
+  spec = sharding.logical_to_spec(("batch", "kv_heads", "length", "head_dim"), shape, mesh)
+  per_layer = math.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(shape))
+  kv = 2 * model_cfg.num_layers * per_layer * jnp.dtype(model_cfg.dtype).itemsize
+  valid = _abstract((rows, length), jnp.int32, sharding.batch_sharding(mesh, 2))
+  return kv + shard_bytes(valid)
+
+
+def with_overrides(config, **fields):
+  """A copy of the (locked) config with dotted fields set: with_overrides(c, **{"a.b": 1})."""
+  config = config.copy_and_resolve_references()
+  for path, value in fields.items():
+    *parents, leaf = path.split(".")
+    node = config
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def check_config(config, target: Target) -> list[str]:
+  """configuration.validate against the target's device count, less the file checks."""
+  errors = configuration.validate(config, num_devices=len(target.devices),
+                                  num_processes=target.num_processes)
+  return [e for e in errors if not e.startswith(_NOT_MEMORY_FIELDS)]
+
+
+def remat_field(config) -> str:
+  """The field --remat sets: MaxText has its own policy names (full, minimal, ...)."""
+  return "model.maxtext.remat_policy" if config.model.impl == "maxtext" else "model.remat_policy"
+
+
+def plan(config, target: Target, *, remat_policies=None, micro_batches=None,
+         functions=FUNCTIONS, log=print):
+  """-> (rows, mesh shape): the step's compiled `functions` on `target`, the update per remat
+  policy and micro-batch size (defaults: the config's own)."""
+  default_remat = (config.model.maxtext.remat_policy if config.model.impl == "maxtext" else
+                   config.model.remat_policy)
+  remat_policies = list(remat_policies or [default_remat])
+  micro_batches = list(micro_batches or [config.micro_batch_size])
+  for mb in micro_batches:
+    errors = check_config(with_overrides(config, micro_batch_size=mb), target)
+    if errors:
+      raise ValueError(f"the config does not fit {target.name} ({len(target.devices)} devices):"
+                       f" {' | '.join(errors)}")
+  rows = []
+  for i, remat in enumerate(remat_policies):
+    cfg = with_overrides(config, **{remat_field(config): remat})
+    mesh = build.make_mesh(cfg, devices=target.devices)
+    policy = build.make_policy(cfg, mesh, abstract=True)
+    fns = step_lib.build(cfg, policy, mesh)
+    resident = _resident(cfg, fns)
+    row = functools.partial(Row, **resident, hbm_capacity=target.hbm_bytes)
+    if i == 0:  # shapes, and the forward-only programs, do not depend on the remat policy
+      inputs = _step_inputs(cfg, policy, fns, mesh)
+      rows += _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log)
+    for mb in micro_batches if "update" in functions else ():
+      fns_mb = step_lib.build(with_overrides(cfg, micro_batch_size=mb), policy, mesh)
+      log(f"compiling update (remat={remat}, micro_batch={mb or 'all'}) ...")
+      io = shard_bytes(inputs["batch"])
+      temp, stats = measure(fns_mb.update.lower(fns_mb.abstract_state, inputs["batch"]),
+                            resident["params"] + resident["optimizer"] + io)
+      rows.append(row(function="update", remat=remat, micro_batch=mb or inputs["num_rows"],
+                      rollout_weights=0, temp=temp, kv_cache=0, io=io,
+                      host_offload=resident_host(cfg, fns) + _host(stats), compiled=stats))
+  return rows, {k: int(v) for k, v in mesh.shape.items() if v > 1 or k in sharding.MESH_AXES}
+
+
+_OOM = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGTP]?)\) exceeds available HBM "
+                  r"\(([\d.]+)([KMGTP]?)\)")
+
+
+def _oom_figures(message: str) -> tuple[int, int] | None:
+  """(bytes required, bytes available) from the TPU compiler's out-of-HBM error, else None.
+  Its figures count the program's arguments and outputs too, in 1024-based units."""
+  m = _OOM.search(message)
+  if not m:
+    return None
+  to_bytes = lambda num, unit: int(float(num) * 1024 ** "_KMGTP".index(unit or "_"))
+  return to_bytes(*m.group(1, 2)), to_bytes(*m.group(3, 4))
+
+
+def measure(lowered, outside_temp: int) -> tuple[int, dict]:
+  """(temp bytes, figures) of a lowered function: memory_analysis() when it compiles. The TPU
+  compiler refuses a program that does not fit in HBM, and its error gives the bytes required;
+  the temporaries are then those less `outside_temp` (the arguments and outputs counted in
+  the other columns), and the figures hold {"oom_required", "oom_available"}."""
+  try:
+    stats = _stats(lowered.compile())
+    return stats["temp"], stats
+  except jax.errors.JaxRuntimeError as e:
+    figures = _oom_figures(str(e))
+    if figures is None:
+      raise
+    return max(figures[0] - outside_temp, 0), dict(oom_required=figures[0],
+                                                   oom_available=figures[1])
+
+
+def compiler_hbm(device) -> int | None:
+  """The HBM the TPU compiler lets a program use on `device`, read from its error for a
+  program that cannot fit (a 1 TiB argument): exactly what it checks plans against."""
+  mesh = jax.sharding.Mesh(np.asarray([device]), ("x",))
+  huge = _abstract((2 ** 40,), jnp.uint8, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec()))
+  try:
+    jax.jit(lambda x: x + 1).lower(huge).compile()
+  except jax.errors.JaxRuntimeError as e:
+    figures = _oom_figures(str(e))
+    return figures[1] if figures else None
+  return None
+
+
+def _resident(cfg, fns) -> dict:
+  """Params, optimizer state and the device-resident reference, per device: alive all step."""
+  state = fns.abstract_state
+  params = shard_bytes(state["params"])
+  optimizer = shard_bytes({k: v for k, v in state.items() if k != "params"})
+  on_device = cfg.beta > 0 and not cfg.reference.offload_to_host
+  return dict(params=params, optimizer=optimizer, reference=params if on_device else 0)
+
+
+def resident_host(cfg, fns) -> int:
+  if cfg.beta > 0 and cfg.reference.offload_to_host:
+    return shard_bytes(fns.abstract_state["params"])
+  return 0
+
+
+def _sampler_weights(policy, params):
+  """The sampler's weights: the params themselves (native), or the mapped copy the engine
+  makes with jax.jit(policy.rollout_params) (MaxText), with the shardings that jit gives it."""
+  if policy.sampler_is_trainer:
+    return params
+  mapped = jax.jit(policy.rollout_params).lower(params).compile()
+  return jax.tree.map(lambda x, s: _abstract(x.shape, x.dtype, s),
+                      jax.eval_shape(policy.rollout_params, params), mapped.output_shardings)
+
+
+def _step_inputs(cfg, policy, fns, mesh) -> dict:
+  """Abstract inputs and outputs of each function, shaped by the loop's own functions."""
+  b, g = cfg.batch_size, cfg.num_generations
+  p, c = cfg.max_prompt_length, cfg.max_completion_length
+  prompt = _abstract((b, p), jnp.int32, sharding.batch_sharding(mesh, 2))
+  replicated = sharding.replicated(mesh)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  scalar = _abstract((), jnp.float32, replicated)
+  sampler = sampler_lib.Sampler(policy.sampler_graphdef, max_prompt_length=p,
+                                max_new_tokens=c, num_generations=g, eos_ids=(0,), mesh=mesh)
+  gen = GenerationConfig(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+  generate = sampler._fn(0 if gen.is_greedy else int(gen.top_k), gen.top_p < 1.0, gen.is_greedy)
+  sampler_args = (_sampler_weights(policy, fns.abstract_state["params"]), prompt, prompt,
+                  _abstract(key.shape, key.dtype, replicated), scalar, scalar)
+  with jax.set_mesh(mesh):
+    rollout = _rows_abstract(jax.eval_shape(generate, *sampler_args), mesh)
+  rewards = _abstract((b * g,), jnp.float32, sharding.batch_sharding(mesh, 1))
+  batch = jax.eval_shape(fns.assemble, prompt, prompt, rollout, rewards)
+  logp = jax.eval_shape(fns.logprobs, fns.abstract_state["params"], batch["input_ids"],
+                        batch["attention_mask"])
+  needs_old = (cfg.num_iterations > 1 or cfg.loss.tis_cap > 0 or not policy.sampler_is_trainer
+               or cfg.rollout.engine != "native")
+  batch = dict(batch, **({"old_logp": logp} if needs_old else {}),
+               **({"ref_logp": logp} if cfg.beta > 0 else {}))
+  return dict(generate=generate, sampler_args=sampler_args, rollout=rollout, num_rows=b * g,
+              batch=_rows_abstract(batch, mesh), logp=_rows_abstract(logp, mesh),
+              prompt_len=p, completion_len=c)
+
+
+def _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log) -> list[Row]:
+  """The log-prob pass (old/reference) and the sampler: no backward pass, remat-independent.
+  `row`: Row with the resident figures filled in."""
+  rows, host_ref = [], resident_host(cfg, fns)
+  params = fns.abstract_state["params"]
+  params_b = shard_bytes(params)
+  if "logprobs" in functions:
+    log("compiling logprobs ...")
+    batch = inputs["batch"]
+    io = shard_bytes((batch["input_ids"], batch["attention_mask"], inputs["logp"]))
+    temp, stats = measure(fns.logprobs.lower(params, batch["input_ids"],
+                                             batch["attention_mask"]), params_b + io)
+    # The reference pass runs on a device copy of an offloaded reference: count it here.
+    extra = dict(reference=params_b) if host_ref else {}
+    rows.append(row(function="logprobs", remat=None, micro_batch=None, rollout_weights=0,
+                    temp=temp, kv_cache=0, io=io, host_offload=host_ref + _host(stats),
+                    compiled=stats, **extra))
+  if "sampler" not in functions:
+    return rows
+  if cfg.rollout.engine != "native":
+    log(f"rollout.engine={cfg.rollout.engine}: its memory is its own; no sampler row")
+    return rows
+  weights, *other_args = inputs["sampler_args"]
+  rollout_w = 0 if policy.sampler_is_trainer else shard_bytes(weights)
+  kv = kv_cache_bytes(policy.model_config, inputs["num_rows"],
+                      inputs["prompt_len"] + inputs["completion_len"], mesh)
+  io = shard_bytes((other_args, inputs["rollout"]))
+  log("compiling sampler ...")
+  with jax.set_mesh(mesh):
+    temp, stats = measure(inputs["generate"].lower(weights, *other_args),
+                          shard_bytes(weights) + io)
+  rows.append(row(function="sampler", remat=None, micro_batch=None, rollout_weights=rollout_w,
+                  temp=max(temp - kv, 0), kv_cache=kv, io=io,
+                  host_offload=host_ref + _host(stats), compiled=stats))
+  return rows
+
+
+# ================================================================================ printout
+
+
+def unit_of(rows: list[Row]) -> tuple[str, int]:
+  """GiB, or MiB when every total is under 1 GiB (tiny configs)."""
+  return ("GiB", GIB) if max(r.total for r in rows) >= GIB else ("MiB", 1024 ** 2)
+
+
+def fit_text(row: Row, unit=("GiB", GIB)) -> str:
+  if not row.hbm_capacity:
+    return "n/a (HBM unknown)"
+  margin = (row.hbm_capacity - row.total) / unit[1]
+  refused = "*" if "oom_required" in row.compiled else ""  # the TPU compiler itself said so
+  return f"FITS (+{margin:.2f})" if margin >= 0 else f"DOES NOT FIT ({margin:.2f}){refused}"
+
+
+def table(rows: list[Row]) -> str:
+  """Rows as a fixed-width table, per device (unit_of's unit)."""
+  unit = unit_of(rows)
+  cols = ["function", "remat", "micro", "params", "optim", "ref", "rollout_w", "temp", "kv",
+          "io", "host", "total", "HBM", f"fits (margin {unit[0]})"]
+  if not any(r.rollout_weights for r in rows):
+    cols.remove("rollout_w")
+  gib = lambda b: f"{b / unit[1]:.2f}"
+  cells = {"function": lambda r: r.function, "remat": lambda r: r.remat or "-",
+           "micro": lambda r: str(r.micro_batch or "-"), "params": lambda r: gib(r.params),
+           "optim": lambda r: gib(r.optimizer), "ref": lambda r: gib(r.reference),
+           "rollout_w": lambda r: gib(r.rollout_weights), "temp": lambda r: gib(r.temp),
+           "kv": lambda r: gib(r.kv_cache), "io": lambda r: gib(r.io),
+           "host": lambda r: gib(r.host_offload), "total": lambda r: gib(r.total),
+           "HBM": lambda r: gib(r.hbm_capacity) if r.hbm_capacity else "?",
+           cols[-1]: lambda r: fit_text(r, unit)}
+  body = [[cells[c](r) for c in cols] for r in rows]
+  widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
+  fmt = lambda vals: "  ".join(v.ljust(w) if i < 2 else v.rjust(w)
+                               for i, (v, w) in enumerate(zip(vals, widths))).rstrip()
+  return "\n".join([fmt(cols), fmt(["-" * w for w in widths]), *map(fmt, body)])
+
+
+def step_summary(rows: list[Row], unit=("GiB", GIB)) -> list[str]:
+  """One line per update setting: the step's peak, the largest of that update and the
+  forward-only rows (the sampler and log-prob passes run with the same state resident)."""
+  forward = [r for r in rows if r.function != "update"]
+  settings = [r for r in rows if r.function == "update"] or [None]
+  lines = []
+  for u in settings:
+    peak = max([r for r in (u, *forward) if r is not None], key=lambda r: r.total)
+    what = f"remat {u.remat}, micro-batch {u.micro_batch}" if u else "forward passes"
+    lines.append(f"step with {what}: peak {peak.total / unit[1]:.2f} {unit[0]} "
+                 f"({peak.function}): {fit_text(peak, unit)}")
+  return lines
+
+
+def header(config, target: Target, mesh_shape: dict, unit: str = "GiB") -> str:
+  m = config.model
+  return (f"HBM plan: model {m.preset} ({m.impl}, params {m.param_dtype}, compute {m.dtype}), "
+          f"B={config.batch_size} G={config.num_generations} P={config.max_prompt_length} "
+          f"C={config.max_completion_length} beta={config.beta}\n"
+          f"target: {target.name}, {len(target.devices)} x {target.device_kind}, mesh "
+          f"{mesh_shape}; {target.compiler}\n"
+          f"{unit} per device. total = params + optim + ref + temp + kv + io (host: pinned host "
+          "memory, not in total); a step fits when its update row and the forward rows fit.")
+
+
+# ================================================================================== main
+
+
+def _csv(text: str | None, cast=str) -> list | None:
+  return [cast(v) for v in text.split(",") if v.strip()] if text else None
+
+
+def main(argv):
+  import logging as std_logging
+
+  from absl import flags
+  from absl import logging
+  del argv
+  f = flags.FLAGS
+  if f["verbosity"].using_default_value:  # optax's schedule notes, MaxText's config dump
+    logging.set_verbosity(logging.WARNING)
+    std_logging.getLogger().setLevel(std_logging.WARNING)
+  config = _CONFIG.value
+  try:
+    if _TOPOLOGY.value:
+      # Compile-only targets need no accelerator here; keep jax off any local TPU runtime.
+      jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
+      if libtpu_version() is None:
+        jax.config.update("jax_num_cpu_devices", parse_topology(_TOPOLOGY.value).chips)
+      else:
+        libtpu_compile_only_env(_TOPOLOGY.value)
+    target = make_target(_TOPOLOGY.value)
+    if _TOPOLOGY.value and target.devices[0].platform == "cpu":  # the no-libtpu fallback
+      print(f"note: {target.compiler}", file=sys.stderr)
+    rows, mesh_shape = plan(config, target, remat_policies=_csv(_REMAT.value),
+                            micro_batches=_csv(_MICRO.value, int),
+                            functions=_csv(_FUNCTIONS.value) or FUNCTIONS,
+                            log=lambda s: print(s, file=sys.stderr, flush=True))
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  unit = unit_of(rows)
+  print(header(config, target, mesh_shape, unit[0]))
+  print(table(rows))
+  if any("oom_required" in r.compiled for r in rows):
+    print("* the TPU compiler refused the program (out of HBM); its temp is the bytes the "
+          "compiler asked for less the other columns")
+  print("\n".join(step_summary(rows, unit)))
+  if _JSON.value:
+    with open(_JSON.value, "w") as fh:
+      json.dump([r.to_json(target, mesh_shape) for r in rows], fh, indent=1)
+    print(f"wrote {_JSON.value} ({f['config'].config_filename})")
+
+
+if __name__ == "__main__":
+  from absl import app
+  from absl import flags
+  from ml_collections import config_flags
+
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", None, "Experiment config file (configs/*.py).", lock_config=True)
+  _TOPOLOGY = flags.DEFINE_string(
+      "topology", None, "TPU slice to plan for: v5p-8, v6e-8, v5e-16, v4-8, ... (or v5p:2x2x1). "
+      "Default: this machine's devices.")
+  _REMAT = flags.DEFINE_string(
+      "remat", None, "Comma-separated remat policies (models/remat.py POLICIES; MaxText's "
+      "names with impl=maxtext). Default: the config's.")
+  _MICRO = flags.DEFINE_string(
+      "micro_batch", None, "Comma-separated micro_batch_size values (0 = all rows at once). "
+      "Default: the config's.")
+  _FUNCTIONS = flags.DEFINE_string(
+      "functions", None, f"Comma-separated subset of {','.join(FUNCTIONS)}. Default: all.")
+  _JSON = flags.DEFINE_string("json", None, "Write the rows (bytes per device) to this file.")
+  flags.mark_flag_as_required("config")
+  app.run(main)
