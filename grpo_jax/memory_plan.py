@@ -50,6 +50,7 @@ import numpy as np
 from grpo_jax import configuration
 from grpo_jax import sharding
 from grpo_jax.models import build
+from grpo_jax.models import policy as policy_lib
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rollout import sampler as sampler_lib
 from grpo_jax.rollout.types import GenerationConfig
@@ -373,12 +374,18 @@ def _resident(cfg, fns) -> dict:
   params = shard_bytes(state["params"])
   optimizer = shard_bytes({k: v for k, v in state.items() if k != "params"})
   on_device = cfg.beta > 0 and not cfg.reference.offload_to_host
-  return dict(params=params, optimizer=optimizer, reference=params if on_device else 0)
+  return dict(params=params, optimizer=optimizer,
+              reference=reference_bytes(cfg, fns) if on_device else 0)
+
+
+def reference_bytes(cfg, fns) -> int:
+  """The frozen reference as the loop stores it: in the compute dtype (policy.as_reference)."""
+  return shard_bytes(policy_lib.as_reference(fns.abstract_state["params"], cfg.model.dtype))
 
 
 def resident_host(cfg, fns) -> int:
   if cfg.beta > 0 and cfg.reference.offload_to_host:
-    return shard_bytes(fns.abstract_state["params"])
+    return reference_bytes(cfg, fns)
   return 0
 
 
@@ -434,7 +441,7 @@ def _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log) -> list[R
     temp, stats = measure(fns.logprobs.lower(params, batch["input_ids"],
                                              batch["attention_mask"]), params_b + io)
     # The reference pass runs on a device copy of an offloaded reference: count it here.
-    extra = dict(reference=params_b) if host_ref else {}
+    extra = dict(reference=host_ref) if host_ref else {}
     rows.append(row(function="logprobs", remat=None, micro_batch=None, rollout_weights=0,
                     temp=temp, kv_cache=0, io=io, host_offload=host_ref + _host(stats),
                     compiled=stats, **extra))

@@ -11,6 +11,8 @@ import pytest
 
 from configs import tiny
 from grpo_jax import memory_plan as mp
+from grpo_jax.models import build
+from grpo_jax.rl import step as step_lib
 from tests.conftest import ROOT
 
 JSON_KEYS = {"params", "optimizer", "reference", "temp", "kv_cache", "host_offload", "total",
@@ -158,3 +160,16 @@ def test_a_plan_the_tpu_compiler_refuses_does_not_fit(v6e_8):
   assert row.total >= row.compiled["oom_required"] > v6e_8.hbm_bytes
   assert row.params > 24 * mp.GIB
   assert mp.fit_text(row).startswith("DOES NOT FIT")
+
+
+def test_reference_is_planned_in_the_compute_dtype():
+  """The loop stores the frozen reference in model.dtype (policy.as_reference): with f32
+  master weights and bf16 compute the reference is half the params' bytes."""
+  c = _deep_config(beta=0.04)
+  c.model.param_dtype, c.model.dtype = "float32", "bfloat16"
+  mesh = build.make_mesh(c)
+  policy = build.make_policy(c, mesh, abstract=True)
+  fns = step_lib.build(c, policy, mesh)
+  params = mp.shard_bytes(fns.abstract_state["params"])
+  assert mp.reference_bytes(c, fns) == params // 2
+  assert mp._resident(c, fns)["reference"] == params // 2
