@@ -10,6 +10,9 @@ tokens, 200 steps, checkpoints every 500 steps keeping 4. Same file with the Max
 --config.model.impl=maxtext. Runs on a TPU v5p-8 / 8xH100 host (FSDP over all devices).
 Weights and AdamW moments are f32 (a bf16 weight cannot absorb an lr-3e-6 step: configuration
 .warnings says so), the layers compute in bf16, the frozen reference is stored in bf16.
+HBM (python -m grpo_jax.memory_plan --config=configs/qwen3_8b.py --topology=v5p-8|v6e-8):
+fits a v5p-8 with remat full at micro-batch 8; on a v6e-8 use --config.micro_batch_size=16
+(+6.4 GiB per chip; figures in benchmarks/README.md).
 """
 from configs import common
 
