@@ -251,7 +251,7 @@ def test_qwen3_8b_builds_abstractly_with_the_published_shapes():
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(pol.params))
   assert n == pol.model_config.num_params == 8_190_735_360
   q = pol.params["decoder"]["layers"]["self_attention"]["query"]["kernel"]
-  assert q.shape == (4096, 36, 32, 128) and q.dtype == jnp.bfloat16
+  assert q.shape == (4096, 36, 32, 128) and q.dtype == jnp.float32  # f32 master weights
   assert q.sharding.spec[0] is not None  # the embed axis is sharded (FSDP)
   native = jax.eval_shape(pol.rollout_params, pol.params)
   assert native["layers"]["attn"]["q"].shape == (36, 4096, 32, 128)

@@ -73,29 +73,34 @@ class Hparams:
 
 
 _H = Hparams()
-_DATA_DIR = flags.DEFINE_string("data_dir", None, "Folder with the MNIST idx files (see above).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Writes summary.json here (local or gs://).")
-_SEED = flags.DEFINE_integer("seed", 0, "Initialisation, shuffling, shifts and sampling.")
-_EPOCHS = flags.DEFINE_integer("epochs", _H.epochs, "Passes over the training images.",
-                               lower_bound=1)
-_BATCH = flags.DEFINE_integer("batch_size", _H.batch_size, "Images per update (B).",
-                              lower_bound=1)
-_GROUP = flags.DEFINE_integer("group_size", _H.group_size,
-                              "Labels sampled per image (G); a group of one has advantage 0.",
-                              lower_bound=2)
-_LR = flags.DEFINE_float("lr", _H.lr, "AdamW learning rate at the start; it decays to 0 "
-                        "along a cosine over the run.", lower_bound=0)
-_WD = flags.DEFINE_float("weight_decay", _H.weight_decay, "AdamW weight decay.", lower_bound=0)
-_CLIP = flags.DEFINE_float("clip_eps", _H.clip_eps,
-                           "PPO-clip range: ratios outside [1-eps, 1+eps] stop pulling; binds "
-                           "from the second update on a batch.", lower_bound=0)
-_UPDATES = flags.DEFINE_integer("updates_per_batch", _H.updates_per_batch,
-                                "Updates on each sampled batch (GRPO's mu).", lower_bound=1)
-_SHIFT = flags.DEFINE_integer("shift", _H.shift,
-                              "Training images move by up to +-shift pixels in x and y (0: "
-                              "not at all).", lower_bound=0, upper_bound=IMAGE_SIZE - 1)
-_ESTIMATOR = flags.DEFINE_enum("estimator", _H.estimator, list(rl.ADVANTAGE_ESTIMATORS.names()),
-                               "Advantage estimator (rl.ADVANTAGE_ESTIMATORS).")
+def _define_flags():
+  """Flags exist only when this file runs as the program (importing it, e.g. in the test
+  process beside grpo_jax.infer, must not define a second --workdir)."""
+  global _DATA_DIR, _WORKDIR, _SEED, _EPOCHS, _BATCH, _GROUP, _LR, _WD, _CLIP, _UPDATES, _SHIFT
+  global _ESTIMATOR
+  _DATA_DIR = flags.DEFINE_string("data_dir", None, "Folder with the MNIST idx files (see above).")
+  _WORKDIR = flags.DEFINE_string("workdir", None, "Writes summary.json here (local or gs://).")
+  _SEED = flags.DEFINE_integer("seed", 0, "Initialisation, shuffling, shifts and sampling.")
+  _EPOCHS = flags.DEFINE_integer("epochs", _H.epochs, "Passes over the training images.",
+                                 lower_bound=1)
+  _BATCH = flags.DEFINE_integer("batch_size", _H.batch_size, "Images per update (B).",
+                                lower_bound=1)
+  _GROUP = flags.DEFINE_integer("group_size", _H.group_size,
+                                "Labels sampled per image (G); a group of one has advantage 0.",
+                                lower_bound=2)
+  _LR = flags.DEFINE_float("lr", _H.lr, "AdamW learning rate at the start; it decays to 0 "
+                          "along a cosine over the run.", lower_bound=0)
+  _WD = flags.DEFINE_float("weight_decay", _H.weight_decay, "AdamW weight decay.", lower_bound=0)
+  _CLIP = flags.DEFINE_float("clip_eps", _H.clip_eps,
+                             "PPO-clip range: ratios outside [1-eps, 1+eps] stop pulling; binds "
+                             "from the second update on a batch.", lower_bound=0)
+  _UPDATES = flags.DEFINE_integer("updates_per_batch", _H.updates_per_batch,
+                                  "Updates on each sampled batch (GRPO's mu).", lower_bound=1)
+  _SHIFT = flags.DEFINE_integer("shift", _H.shift,
+                                "Training images move by up to +-shift pixels in x and y (0: "
+                                "not at all).", lower_bound=0, upper_bound=IMAGE_SIZE - 1)
+  _ESTIMATOR = flags.DEFINE_enum("estimator", _H.estimator, list(rl.ADVANTAGE_ESTIMATORS.names()),
+                                 "Advantage estimator (rl.ADVANTAGE_ESTIMATORS).")
 
 
 # ------------------------------------------------------------------------------------ data
@@ -380,5 +385,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   flags.mark_flag_as_required("data_dir")
   app.run(main)
