@@ -149,7 +149,8 @@ def main(argv):
       raise
     where = _write_traceback(workdir)
     console = _quiet_shutdown(where)  # library threads may still print: not to the console
-    os.write(console, f"error: {_one_line(e)} (traceback: {where}; --verbose prints it "
+    # A library thread may have been cut off mid-line by the redirect: start on a fresh line.
+    os.write(console, f"\nerror: {_one_line(e)} (traceback: {where}; --verbose prints it "
              "here)\n".encode())
     sys.exit(1)
 
