@@ -11,6 +11,7 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 from grpo_jax.models import config as model_config
+from grpo_jax.rewards import judge
 
 
 def model(preset: str) -> ml_collections.ConfigDict:
@@ -49,9 +50,16 @@ def base() -> ml_collections.ConfigDict:
   # or gs://...; "" turns it off.
   c.compilation_cache_dir = "~/.cache/grpo_jax/jax_cache"
   c.num_steps = 200  # GRPO steps; each takes `batch_size` prompts.
+  # Or passes over the train prompts (set num_steps=0): num_steps becomes
+  # num_epochs * (train prompts // batch_size), each epoch a fresh permutation.
+  c.num_epochs = 0
   c.sft_steps = 0  # Optional supervised warm start on demonstrations before GRPO.
   c.num_generations = 2  # G: completions sampled per prompt.
   c.beta = 0.08  # KL(policy || reference) weight; 0 builds no reference model at all.
+  # True: the KL goes into the reward instead of the loss (verl's use_kl_in_reward): each
+  # completion's reward becomes reward - beta * sum_t KL_t (loss.kl_kind, against the
+  # reference, under the policy that sampled it) before group advantages; the loss has no KL.
+  c.kl_in_reward = False
   c.num_iterations = 1  # Optimization passes over each rollout batch (mu in the GRPO paper).
   c.batch_size = 8  # Prompts per GRPO step, over all hosts; the step trains on batch_size * G.
   c.micro_batch_size = 0  # Sequences per gradient-accumulation micro-batch; 0 = B * G at once.
@@ -127,7 +135,15 @@ def base() -> ml_collections.ConfigDict:
   c.loss.kl_clamp = placeholder(float)  # verl clamps k3 to [-10, 10].
   c.loss.loss_agg_mode = "seq-mean-token-mean"
   c.loss.tis_cap = 0.0  # > 0: truncated importance sampling weights min(p_train/p_sample, cap).
-  c.loss.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal.
+  # DAPO dynamic sampling: groups whose G rewards are all equal carry no signal. True: sample
+  # more prompts (up to max_resample_rounds extra rollout rounds per step) until the batch holds
+  # batch_size groups with reward variance; groups still missing then stay in the batch, masked
+  # out of the loss.
+  c.loss.dynamic_sampling = False
+  c.loss.max_resample_rounds = 4
+  # > 0: advantages are clipped to [-advantage_clip, advantage_clip] (advantages/clip_fraction
+  # logs how often it binds); 0 = off.
+  c.loss.advantage_clip = 0.0
   c.loss.overlong_buffer = 0  # DAPO soft overlong penalty; 0 disables it.
   c.loss.overlong_factor = 1.0
 
@@ -149,6 +165,11 @@ def base() -> ml_collections.ConfigDict:
   c.reward.on_error = "raise"  # raise | zero (score 0 and count it in reward/errors).
   c.reward.num_workers = 0  # > 0: score in a process pool.
   c.reward.timeout_sec = 0.0  # Per-call timeout in the pool; 0 = none.
+  # A learned judge (a frozen HF checkpoint on the same mesh) scoring every completion in
+  # [0, 1], added to the total with reward.judge.weight; path "" = off. Fields: see
+  # grpo_jax/rewards/judge.py (default_config).
+  c.reward.judge = judge.default_config()
+
 
   c.eval = ml_collections.ConfigDict()
   c.eval.generation_configs = ("greedy", "standard", "liberal")
@@ -171,6 +192,12 @@ def base() -> ml_collections.ConfigDict:
 
   c.reference = ml_collections.ConfigDict()
   c.reference.offload_to_host = False  # Keep the frozen reference in host memory between uses.
+  # > 0: every N GRPO steps the reference becomes refresh_mix * policy + (1 - refresh_mix) *
+  # reference (1.0: a copy of the policy; < 1: an EMA, kept in param_dtype so small mixes are
+  # not rounded away). 0 = frozen.
+  c.reference.refresh_every_steps = 0
+  c.reference.refresh_mix = 1.0
+
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.max_to_keep = 4

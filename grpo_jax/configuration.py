@@ -21,6 +21,7 @@ from grpo_jax.models import build as model_build
 from grpo_jax.models import config as model_config
 from grpo_jax.models import remat
 from grpo_jax.rewards import computer as reward_computer
+from grpo_jax.rewards import judge
 from grpo_jax.rewards import registry as reward_registry
 from grpo_jax.rl import advantages
 from grpo_jax.rl import registry as rl_registry
@@ -71,6 +72,10 @@ class _Checker:
 
 def _check_training(c: _Checker, cfg):
   c.require(cfg.num_steps >= 0, "num_steps", "must be >= 0", "set a step count")
+  c.require(cfg.num_epochs >= 0, "num_epochs", "must be >= 0", "0 uses num_steps")
+  if cfg.num_epochs > 0 and cfg.num_steps > 0:
+    c.fail("num_epochs", f"both num_epochs and num_steps={cfg.num_steps} are set; the run "
+           "length is one or the other", "add --config.num_steps=0 (or set num_epochs=0)")
   c.require(cfg.sft_steps >= 0, "sft_steps", "must be >= 0", "0 disables the warm start")
   c.require(cfg.num_generations >= 1, "num_generations", "must be >= 1", "use G >= 2")
   if cfg.loss.estimator in ("grpo", "dr_grpo", "rloo") and cfg.num_generations < 2:
@@ -154,6 +159,22 @@ def _check_loss(c: _Checker, cfg):
   c.require(l.tis_cap >= 0, "loss.tis_cap", "must be >= 0", "0 disables TIS; e.g. 2.0")
   c.require(0 <= l.overlong_buffer < cfg.max_completion_length, "loss.overlong_buffer",
             "must lie in [0, max_completion_length)", "0 disables the overlong penalty")
+  c.require(l.advantage_clip >= 0, "loss.advantage_clip", "must be >= 0",
+            "0 disables it; e.g. 3.0")
+  c.require(l.max_resample_rounds >= 0, "loss.max_resample_rounds", "must be >= 0",
+            "0 only masks zero-variance groups; e.g. 4")
+  if cfg.kl_in_reward:
+    c.require(cfg.beta > 0, "kl_in_reward", "the KL-in-reward coefficient is beta, which is 0",
+              "set beta > 0 (e.g. --config.beta=0.001) or kl_in_reward=False")
+  r = cfg.reference
+  c.require(r.refresh_every_steps >= 0, "reference.refresh_every_steps", "must be >= 0",
+            "0 keeps the reference frozen")
+  c.require(0 < r.refresh_mix <= 1, "reference.refresh_mix", "must lie in (0, 1]",
+            "1.0 copies the policy; e.g. 0.05 for an EMA")
+  if r.refresh_every_steps and cfg.beta == 0:
+    c.fail("reference.refresh_every_steps", "beta=0 builds no reference to refresh",
+           "set beta > 0 or refresh_every_steps=0")
+
 
 
 def _check_optimizer(c: _Checker, cfg):
@@ -321,7 +342,7 @@ def validate(config, *, num_devices: int | None = None,
   _check_debug(c, config)
   _check_mesh(c, config, num_devices or jax.device_count(),
               num_processes or jax.process_count())
-  return c.errors
+  return c.errors + judge.validate(config, num_processes=num_processes or jax.process_count())
 
 
 # bf16 keeps 8 significant bits: a weight w moves only when its update exceeds half an ulp,

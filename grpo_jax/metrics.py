@@ -42,13 +42,22 @@ _PROGRESS_KEYS = ("reward/total", "loss/kl_divergence", "loss/policy_loss",
 
 
 def rollout_stats(rewards_n, advantages_n, mask_nc, *, group_size: int, sampler_logp_nc=None,
-                  trainer_logp_nc=None) -> dict:
+                  trainer_logp_nc=None, advantage_clip: float = 0.0,
+                  kl_rewards_n=None) -> dict:
   """Scalars over the global rollout batch, computed where the arrays live (jit this with
-  replicated outputs). With both log-prob arrays: the sampler/trainer gap on sampled tokens."""
+  replicated outputs). With both log-prob arrays: the sampler/trainer gap on sampled tokens.
+  advantage_clip > 0: how often the clip binds (advantages sitting at +-clip). kl_rewards_n
+  (kl_in_reward): the rewards after the KL penalty."""
   std_b = rewards_n.reshape(-1, group_size).std(-1)
   out = {"reward/std_within_group": std_b.mean(),
          "reward/zero_std_group_fraction": (std_b == 0).astype(jnp.float32).mean(),
          "advantages/mean": advantages_n.mean(), "advantages/std": advantages_n.std()}
+  if advantage_clip > 0:
+    out["advantages/clip_fraction"] = (jnp.abs(advantages_n) >= advantage_clip).astype(
+        jnp.float32).mean()
+  if kl_rewards_n is not None:
+    out["reward/kl_penalty"] = (rewards_n - kl_rewards_n).mean()
+    out["reward/total_with_kl"] = kl_rewards_n.mean()
   if trainer_logp_nc is not None:
     m = mask_nc.astype(jnp.float32)
     gap_nc = jnp.abs(sampler_logp_nc - trainer_logp_nc) * m

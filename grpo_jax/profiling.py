@@ -21,7 +21,9 @@ from grpo_jax import paths
 
 # The named spans of one GRPO step, in loop order (train.py). "log" is the step's bookkeeping.
 PHASES = ("prompts", "rollout", "rewards", "advantages", "old_logprobs", "ref_logprobs",
-          "update", "log")
+          "kl_in_reward", "update", "ref_refresh", "log")
+# Phases only some configs have (kl_in_reward, reference.refresh_every_steps).
+OPTIONAL_PHASES = ("kl_in_reward", "ref_refresh")
 STEP_SPAN = "grpo_step"
 PHASE_PREFIX = "phase/"
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from grpo_jax import checkpoint as ckpt_lib
 from grpo_jax import data as data_lib
+from grpo_jax import dynamic_sampling as dyn_lib
 from grpo_jax import eval_tasks
 from grpo_jax import evaluate as eval_lib
 from grpo_jax import metrics as metrics_lib
@@ -42,6 +43,7 @@ from grpo_jax import sharding
 from grpo_jax.metrics import NonFiniteError  # noqa: F401  (raised by StepLog.flush)
 from grpo_jax.models import build
 from grpo_jax.models import policy as policy_lib
+from grpo_jax.rewards import judge as judge_lib
 from grpo_jax.rl import advantages as adv_lib
 from grpo_jax.rl import step as step_lib
 
@@ -67,6 +69,7 @@ def _run(config, workdir: str) -> dict:
     tokenizer = data_lib.build_tokenizer(config.tokenizer.kind,
                                          config.tokenizer.path or config.model.hf_path)
     train_data, eval_data = _prompt_data(config, tokenizer)
+    config = _run_length(config, len(train_data))
     decode = _decoder(tokenizer)
     policy = build.make_policy(config, mesh, abstract=session.resume_step is not None)
     logging.info("policy: %s (%s), %.2fM parameters", config.model.impl, config.model.preset,
@@ -84,6 +87,7 @@ def _run(config, workdir: str) -> dict:
         r.functions, r.weights, custom_file=r.custom_file, custom_weight=r.custom_weight,
         on_error=r.on_error, num_workers=r.num_workers, timeout_sec=r.timeout_sec))
     reward_fn.check(train_data.rows[0])  # a broken plug-in fails now, not after SFT
+    judge = session.closing(judge_lib.build_judge(config, mesh))  # None: reward.judge.path ""
     fns = step_lib.build(config, policy, mesh)
 
     # --------------------------------------------------------- SFT warm start (sft.py)
@@ -95,6 +99,7 @@ def _run(config, workdir: str) -> dict:
         rows=multihost.process_rows(mesh, config.batch_size))
     state, ref_params = _start_grpo(config, session, fns, policy, mesh, params, train_iter)
     meta, rng, G = session.meta, session.rng, config.num_generations
+    steps_per_epoch = data_lib.batches_per_epoch(len(train_data), config.batch_size)
     if meta["eval_before"] is None:
       meta["eval_before"] = evaluator(state["params"], config.sft_steps,
                                       jax.random.fold_in(rng, 2 << 20))
@@ -106,14 +111,22 @@ def _run(config, workdir: str) -> dict:
         config.num_steps, meta["grpo_step"], "grpo"), num_rows=config.batch_size * G,
         max_consecutive_nonfinite=config.max_consecutive_nonfinite,
         max_logprob_gap=config.rollout.max_logprob_gap, step_offset=config.sft_steps)
-    stats_fn = jax.jit(functools.partial(metrics_lib.rollout_stats, group_size=G),
+    stats_fn = jax.jit(functools.partial(metrics_lib.rollout_stats, group_size=G,
+                                         advantage_clip=config.loss.advantage_clip),
                        out_shardings=sharding.replicated(mesh))
     train_gen = rollout_lib.GenerationConfig(config.rollout.temperature, config.rollout.top_k,
                                              config.rollout.top_p)
     # Old-policy log-probs: for the PPO ratio over several passes, for TIS, and whenever the
     # sampler is another program than the trainer (its log-probs are then only close).
     needs_old_logp = (config.num_iterations > 1 or config.loss.tis_cap > 0 or
-                      not engine.matches_trainer)
+                      config.kl_in_reward or not engine.matches_trainer)
+    dynamic = config.loss.dynamic_sampling and config.loss.max_resample_rounds > 0
+
+    def draw(key):  # steps 1-3 on a fresh batch of prompts
+      return _rollout_round(config, engine, train_data, train_iter, state["params"], key,
+                            train_gen, reward_fn, judge, decode, mesh, timing)
+    take_groups = jax.jit(functools.partial(dyn_lib.take, group_size=G),
+                          out_shardings=sharding.batch_sharding(mesh, 1))
     first_step, ckpt_base = meta["grpo_step"], config.sft_steps
 
     def saved_state():
@@ -127,34 +140,20 @@ def _run(config, workdir: str) -> dict:
       phase = profiling.phase
       with jax.transfer_guard(config.debug.transfer_guard if step > first_step else "allow"), \
           profiling.step_span(step):
-        # 1. Prompts: this process's rows of the batch.
-        with phase("prompts"):
-          batch = train_data.batch(next(train_iter))
-          prompt_ids_bp = multihost.to_global(batch["prompt_ids"], mesh)
-          prompt_mask_bp = multihost.to_global(batch["prompt_mask"], mesh)
-
-        # 2. Rollout: G completions per prompt from the current policy.
-        t0 = time.time()
-        with phase("rollout"):
-          rollout = engine.generate(state["params"], batch, _step_key(rng, step, mesh),
-                                    train_gen)
-          # This process's rows, on the host (one transfer).
-          tokens_nc, mask_nc, truncated_n = multihost.local_rows(
-              (rollout.tokens, rollout.mask, rollout.truncated))
-        rollout_sec = time.time() - t0
-
-        # 3. Rewards on the host, for this process's rows (+ DAPO's overlong penalty).
-        t0 = time.time()
-        with phase("rewards"):
-          scored = reward_fn([p for p in batch["prompts"] for _ in range(G)],
-                             [decode(t, m) for t, m in zip(tokens_nc, mask_nc)],
-                             [row for row in batch["rows"] for _ in range(G)])
-          lengths_n = mask_nc.sum(-1)
-          host_rewards_n = scored.total + adv_lib.overlong_penalty(
-              lengths_n, config.max_completion_length, config.loss.overlong_buffer,
-              config.loss.overlong_factor)
-          rewards_n = multihost.to_global(host_rewards_n.astype(np.float32), mesh)
-        reward_sec = time.time() - t0
+        # 1-3. Prompts (this process's rows of the batch), rollout (G completions per prompt
+        # from the current policy), rewards on the host (+ DAPO's overlong penalty); with DAPO
+        # dynamic sampling, more rounds on fresh prompts until the groups carry signal.
+        timing = {"rollout": 0.0, "rewards": 0.0}
+        key = _step_key(rng, step, mesh)
+        prompt, rollout, host = draw(key)
+        dyn_stats = {}
+        if dynamic:
+          prompt, rollout, host, dyn_stats = _dynamic_sampling(
+              config, (prompt, rollout, host), draw, key, mesh, take_groups)
+        prompt_ids_bp, prompt_mask_bp = prompt["ids"], prompt["mask"]
+        host_rewards_n, lengths_n = host["rewards"], host["mask"].sum(-1)
+        rewards_n = multihost.to_global(host_rewards_n, mesh)
+        rollout_sec, reward_sec = timing["rollout"], timing["rewards"]
 
         # 4. Advantages per group, and the [prompt; completion] rows to train on.
         t0 = time.time()
@@ -170,6 +169,10 @@ def _run(config, workdir: str) -> dict:
           with phase("ref_logprobs"):
             upd["ref_logp"] = fns.logprobs(_on_device(config, ref_params), upd["input_ids"],
                                            upd["attention_mask"])
+        kl_rewards_n = None
+        if config.kl_in_reward:  # rewards - beta * sum_t KL_t, then the advantages again
+          with phase("kl_in_reward"):
+            upd, kl_rewards_n = fns.fold_kl(upd, rewards_n)
 
         # 6. num_iterations optimizer updates over the whole rollout batch.
         with phase("update"):
@@ -178,18 +181,30 @@ def _run(config, workdir: str) -> dict:
           jax.block_until_ready(state)  # a wait, not a read: timing only
         meta["grpo_step"] = step = step + 1
 
+        # 6b. Reference refresh (reference.refresh_every_steps): a copy or an EMA of the policy.
+        if ref_params is not None and config.reference.refresh_every_steps and (
+            step % config.reference.refresh_every_steps == 0):
+          with phase("ref_refresh"):
+            ref_params = fns.refresh(_on_device(config, ref_params), state["params"])
+            if config.reference.offload_to_host:
+              ref_params = _to_memory_kind(ref_params, "pinned_host")
+
         # 7a. This step's figures stay where they are until the log interval (metrics.py).
         with phase("log"):
           mismatch = {} if engine.matches_trainer else dict(
               sampler_logp_nc=rollout.logprobs, trainer_logp_nc=upd["old_logp"])
+          if kl_rewards_n is not None:
+            mismatch["kl_rewards_n"] = kl_rewards_n
           log.add(step, means={"reward/total": host_rewards_n.sum(),
-                               **{f"reward/{k}": v.sum() for k, v in scored.per_function.items()},
+                               **{f"reward/{k}": v.sum() for k, v in host["per_function"].items()},
                                "completions/mean_length": lengths_n.sum(),
-                               "completions/truncated_fraction": truncated_n.sum()},
-                  totals={"reward/errors": scored.errors, "completions/tokens": lengths_n.sum()},
+                               "completions/truncated_fraction": host["truncated"].sum()},
+                  totals={"reward/errors": host["errors"], "completions/tokens": lengths_n.sum()},
                   host={"perf/rollout_sec": rollout_sec, "perf/reward_sec": reward_sec,
                         "perf/update_sec": time.time() - t0,
-                        "perf/step_time_sec": time.time() - t_step, **engine.stats()},
+                        "perf/step_time_sec": time.time() - t_step,
+                        "data/epoch": _epoch(train_iter, steps_per_epoch), **dyn_stats,
+                        **engine.stats()},
                   device={**stats_fn(rewards_n, upd["advantages"], rollout.mask, **mismatch),
                           **upd_metrics})
       profiler.step_end(step - 1, block_on=state["params"])
@@ -256,6 +271,97 @@ def _prompt_data(config, tokenizer):
   return train_data, data_lib.PromptData(eval_rows, tokenizer, **kw)
 
 
+def _run_length(config, num_train_prompts: int):
+  """num_epochs > 0: a copy of `config` with num_steps = epochs x batches per epoch."""
+  if not config.num_epochs:
+    return config
+  per_epoch = data_lib.batches_per_epoch(num_train_prompts, config.batch_size)
+  if per_epoch == 0:
+    raise ValueError(f"num_epochs={config.num_epochs}: {num_train_prompts} train prompts cannot "
+                     f"fill one batch of batch_size={config.batch_size}. Fix: lower batch_size")
+  config = config.copy_and_resolve_references()
+  config.num_steps = config.num_epochs * per_epoch
+  logging.info("num_epochs=%d: %d train prompts // batch_size %d = %d steps per epoch -> "
+               "num_steps=%d", config.num_epochs, num_train_prompts, config.batch_size,
+               per_epoch, config.num_steps)
+  return config
+
+
+def _epoch(train_iter, steps_per_epoch: int) -> float:
+  """Epochs of prompts drawn so far (data/epoch), from the iterator's position."""
+  return train_iter.get_state()["next_index"] / max(steps_per_epoch, 1)
+
+
+def _rollout_round(config, engine, train_data, train_iter, params, key, generation, reward_fn,
+                   judge, decode, mesh, timing: dict):
+  """GRPO steps 1-3 on the next batch of prompts. -> (prompt, rollout, host): the global
+  prompt arrays {"ids", "mask"} [B, P], the global Rollout, and this process's host rows:
+  tokens, mask, truncated, rewards (f32, + DAPO's overlong penalty), per_function, errors."""
+  G, phase = config.num_generations, profiling.phase
+  with phase("prompts"):
+    batch = train_data.batch(next(train_iter))
+    prompt = {"ids": multihost.to_global(batch["prompt_ids"], mesh),
+              "mask": multihost.to_global(batch["prompt_mask"], mesh)}
+  t0 = time.time()
+  with phase("rollout"):
+    rollout = engine.generate(params, batch, key, generation)
+    # This process's rows, on the host (one transfer).
+    tokens_nc, mask_nc, truncated_n = multihost.local_rows(
+        (rollout.tokens, rollout.mask, rollout.truncated))
+  timing["rollout"] += time.time() - t0
+  t0 = time.time()
+  with phase("rewards"):
+    prompts_n = [p for p in batch["prompts"] for _ in range(G)]
+    completions_n = [decode(t, m) for t, m in zip(tokens_nc, mask_nc)]
+    scored = reward_fn(prompts_n, completions_n, [row for row in batch["rows"] for _ in range(G)])
+    per_function = dict(scored.per_function)
+    total = scored.total
+    if judge is not None:  # collective: every process, its own rows
+      per_function["judge"] = judge(prompts_n, completions_n)
+      total = total + config.reward.judge.weight * per_function["judge"]
+    rewards_n = total + adv_lib.overlong_penalty(
+        mask_nc.sum(-1), config.max_completion_length, config.loss.overlong_buffer,
+        config.loss.overlong_factor)
+  timing["rewards"] += time.time() - t0
+  return prompt, rollout, dict(tokens=tokens_nc, mask=mask_nc, truncated=truncated_n,
+                               rewards=rewards_n.astype(np.float32),
+                               per_function=per_function, errors=scored.errors)
+
+
+def _dynamic_sampling(config, first, draw, key, mesh, take_groups):
+  """DAPO dynamic sampling (dynamic_sampling.py): rounds of `draw(key)` until they hold
+  batch_size groups with signal (at most loss.max_resample_rounds more), the same choice on
+  every process. -> (prompt, rollout, host) of the chosen groups, and the figures to log."""
+  G, B = config.num_generations, config.batch_size
+  rounds = [first]
+  flags = [dyn_lib.global_flags(first[2]["rewards"], G, mesh, B)]
+  while len(rounds) <= config.loss.max_resample_rounds and sum(map(np.sum, flags)) < B:
+    rounds.append(draw(jax.random.fold_in(key, multihost.replicated(
+        np.uint32(len(rounds)), mesh))))
+    flags.append(dyn_lib.global_flags(rounds[-1][2]["rewards"], G, mesh, B))
+  stats = {"dynamic_sampling/rounds": len(rounds),
+           "dynamic_sampling/groups_sampled": B * len(rounds),
+           "dynamic_sampling/signal_groups_sampled": int(sum(map(np.sum, flags)))}
+  chosen = dyn_lib.picks(flags, B)
+  if len(rounds) == 1 and np.array_equal(chosen, np.arange(B)):
+    return (*first, stats)
+  put = functools.partial(multihost.to_global, mesh=mesh)
+  names = list(first[2]["per_function"])
+  out = take_groups(
+      [{"prompt": prompt, "rows": {"rollout": rollout, "rewards": put(host["rewards"]),
+                                   **{k: put(np.asarray(host["per_function"][k], np.float32))
+                                      for k in names}}}
+       for prompt, rollout, host in rounds],
+      multihost.replicated(chosen.astype(np.int32), mesh))
+  rollout, rows = out["rows"]["rollout"], out["rows"]
+  tokens, mask, truncated, rewards, per_function = multihost.local_rows(
+      (rollout.tokens, rollout.mask, rollout.truncated, rows["rewards"],
+       {k: rows[k] for k in names}))
+  host = dict(tokens=tokens, mask=mask, truncated=truncated, rewards=rewards,
+              per_function=per_function, errors=sum(h["errors"] for _, _, h in rounds))
+  return out["prompt"], rollout, host, stats
+
+
 def _eval_engine(config, policy, tokenizer, mesh, samples_per_prompt: int):
   return rollout_lib.make_engine(
       config, policy, tokenizer, mesh, kind="native", num_generations=samples_per_prompt,
@@ -277,20 +383,28 @@ def _start_grpo(config, session, fns, policy, mesh, params, train_iter):
     target = {"train": fns.abstract_state}
     if use_ref:
       target["ref"] = policy_lib.as_reference(
-          sharding.abstract_with(policy.params, policy.param_shardings(mesh)), config.model.dtype)
+          sharding.abstract_with(policy.params, policy.param_shardings(mesh)), _ref_dtype(config))
     restored = session.restore(target, train_iter)
     state, ref_params = restored["train"], restored.get("ref")
     profiling.log_memory("restoring the optimizer state")
   else:
     state = fns.init(params)
     profiling.log_memory("the optimizer state")
-    ref_params = (policy_lib.as_reference(state["params"], config.model.dtype) if use_ref
+    ref_params = (policy_lib.as_reference(state["params"], _ref_dtype(config)) if use_ref
                   else None)
   if ref_params is not None and config.reference.offload_to_host:
     ref_params = _to_memory_kind(ref_params, "pinned_host")
   if ref_params is not None:
     profiling.log_memory("the reference")
   return state, ref_params
+
+
+def _ref_dtype(config):
+  """The reference's storage dtype: the compute dtype (policy.as_reference), except for an EMA
+  refresh (refresh_mix < 1), whose small mixes a 16-bit copy would round away."""
+  r = config.reference
+  return (config.model.param_dtype if r.refresh_every_steps and r.refresh_mix < 1 else
+          config.model.dtype)
 
 
 def _step_key(rng, step: int, mesh):

@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # suite time; benchmarks/grpo_step.py --quick below runs the same sampler
 def test_rollout_benchmark_quick(tmp_path):
   out = tmp_path / "bench.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")

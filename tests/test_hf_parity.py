@@ -160,6 +160,15 @@ def test_unsupported_architecture(tmp_path):
     load_hf(str(tmp_path))
 
 
+def test_logit_softcapping_is_refused_not_ignored():
+  """No supported family soft-caps logits; a config that asks for it is refused by name."""
+  from grpo_jax.models.config import ModelConfig
+  cfg = hf_model("qwen3", QWEN3[0]).config.to_dict()
+  cfg["final_logit_softcapping"] = 30.0
+  with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+    ModelConfig.from_hf_config(cfg)
+
+
 def test_shape_mismatch_names_tensor_and_shapes(tmp_path):
   model = hf_model("qwen3", QWEN3[0])
   model.save_pretrained(tmp_path, safe_serialization=True)

@@ -27,7 +27,18 @@ ARGS = ["--config=configs/tiny.py", f"--config.sft_steps={SFT_STEPS}",
         "--config.batch_size=8", "--config.num_generations=4",
         "--config.data.arithmetic.num_train=128", "--config.eval.num_examples=32",
         "--config.eval.batch_size=16", "--config.log_interval_steps=1",
-        "--config.save_interval_steps=2"]
+        "--config.save_interval_steps=2",
+        # Issue 18's knobs that touch the data and the reference ride along: DAPO dynamic
+        # sampling (its choice of groups over extra rounds must not depend on the process
+        # count), advantage clipping, a KL term against a reference refreshed every 3 steps.
+        "--config.loss.advantage_clip=2.0", "--config.loss.dynamic_sampling=True",
+        "--config.loss.max_resample_rounds=2", "--config.beta=0.02",
+        "--config.reference.refresh_every_steps=3"]
+# Final params of the two jobs agree to this. Measured: 1.9e-5 with the knobs above (< 1e-5
+# without): the meshes' last-bit gradient differences grow through AdamW's normalized steps
+# where gradients are tiny; a real divergence (a skipped or repeated step, other data) moves
+# params by ~lr = 5e-4 per step.
+PARAM_TOL = 5e-5
 # Figures that measure time or memory, not the arithmetic.
 _UNTIMED = ("perf/", "time", "_sec", "memory", "eta", "throughput", "tokens_per_sec")
 
@@ -141,11 +152,12 @@ def test_two_processes_equal_one_through_stop_kill_and_resume(tmp_path, gcs):
   for k in ("reward/total", "loss/policy_loss", "loss/grad_norm", "sft/loss",
             "eval/accuracy/greedy"):
     assert k in worst
+  assert max(ref[k].get("dynamic_sampling/rounds", 0) for k in ref) > 1  # resampling ran
 
   (s1, p1), (s2, p2) = _final_params(single), _final_params(pair)
   assert s1 == s2 == SFT_STEPS + NUM_STEPS
   diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), p1, p2)
-  assert max(jax.tree.leaves(diffs)) <= 1e-5, diffs
+  assert max(jax.tree.leaves(diffs)) <= PARAM_TOL, diffs
   print(f"1x8 {single_sec:.1f}s; 2x4 stop+kill+resume {pair_sec:.1f}s (kill rcs "
         f"{[rc for rc, _ in killed]}); "
         f"max metric diff {max(worst.values()):.2e}; max param diff "

@@ -183,7 +183,8 @@ def test_a_sync_past_its_timeout_stops_the_run(setup, monkeypatch):
   assert engine.last_probe_diff <= 1e-4
 
 
-@pytest.mark.parametrize("config", ["tiny", "tiny_maxtext"])
+@pytest.mark.parametrize("config", [
+    "tiny", pytest.param("tiny_maxtext", marks=pytest.mark.slow)])  # suite time: -m slow
 def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config):
   """Native policy, and a MaxText policy whose weights reach vLLM through the native layout."""
   if config == "tiny_maxtext":

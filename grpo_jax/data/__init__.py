@@ -8,6 +8,7 @@ from grpo_jax.data.datasets import read_prompt_file
 from grpo_jax.data.datasets import read_xsum
 from grpo_jax.data.pipeline import PromptData
 from grpo_jax.data.pipeline import eval_batches
+from grpo_jax.data.pipeline import batches_per_epoch
 from grpo_jax.data.pipeline import make_prompt_iterator
 from grpo_jax.data.pipeline import sft_batch
 from grpo_jax.data.sources import SOURCES

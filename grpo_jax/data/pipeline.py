@@ -85,23 +85,39 @@ def make_prompt_iterator(num_rows: int, *, batch_size: int, seed: int, shuffle: 
                          num_epochs: int | None = None, rows=None):
   """A grain iterator of row-index batches: this process's part of each GLOBAL batch.
 
-  Every process walks the same stream of global batches of `batch_size` row indices (shuffled
-  with `seed`, a new permutation each epoch, repeated `num_epochs` times (None: forever), the
-  last partial batch of the stream dropped) and keeps the positions `rows` of each (from
-  `multihost.process_rows`: the rows of the global batch its devices hold; None: all). So the
-  global batch is the same for any number of processes, and the iterator state (a few
-  integers) is the same on every process.
+  Every process walks the same stream of global batches of `batch_size` row indices and keeps
+  the positions `rows` of each (from `multihost.process_rows`: the rows of the global batch its
+  devices hold; None: all). So the global batch is the same for any number of processes, and
+  the iterator state (a few integers) is the same on every process.
+
+  Epochs are exact: epoch e is `num_rows // batch_size` batches cut from its own permutation of
+  the rows (shuffled with `seed`, a new permutation each epoch; the rows left over by the last
+  partial batch sit out that epoch only), repeated `num_epochs` times (None: forever). Batch j
+  belongs to epoch j // batches_per_epoch, whatever the iterator was restored from. Fewer rows
+  than one batch (num_epochs=None only): batches run on across the epochs' permutations.
   """
-  if num_epochs is not None and num_rows < batch_size:
+  per_epoch = num_rows // batch_size
+  if per_epoch == 0 and num_epochs is not None:
     raise ValueError(f"{num_rows} rows cannot fill one batch of {batch_size}")
-  ds = grain.MapDataset.source(np.arange(num_rows, dtype=np.int64))
+  order = grain.MapDataset.source(np.arange(num_rows, dtype=np.int64))
   if shuffle:
-    ds = ds.shuffle(seed=seed)
-  ds = ds.repeat(num_epochs).batch(batch_size, drop_remainder=True)
-  if rows is not None:
-    rows = np.asarray(rows, np.int64)
-    ds = ds.map(lambda b: b[rows])
+    order = order.shuffle(seed=seed)  # epoch-aware: index e * num_rows + i is epoch e's i-th
+  order = order.repeat()
+  take = None if rows is None else np.asarray(rows, np.int64)
+
+  def batch(j, _):
+    start = ((j // per_epoch) * num_rows + (j % per_epoch) * batch_size if per_epoch else
+             j * batch_size)
+    out = np.fromiter((order[start + r] for r in range(batch_size)), np.int64, batch_size)
+    return out if take is None else out[take]
+
+  ds = grain.MapDataset.range(max(per_epoch, 1)).repeat(num_epochs).map_with_index(batch)
   return iter(ds.to_iter_dataset())
+
+
+def batches_per_epoch(num_rows: int, batch_size: int) -> int:
+  """Global batches in one epoch of make_prompt_iterator."""
+  return num_rows // batch_size
 
 
 def eval_batches(num_rows: int, batch_size: int, *, rows=None):

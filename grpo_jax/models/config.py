@@ -112,6 +112,10 @@ class ModelConfig:
     theta = hf.get("rope_theta", scaling.get("rope_theta", 10000.0))
     if rope_type not in ("default", "llama3"):
       raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3)")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+      if hf.get(key):  # Gemma-2 style; no Qwen3 / Llama checkpoint sets them
+        raise ValueError(f"unsupported: {key}={hf[key]} (logit soft-capping; the native "
+                         "Qwen3 / Llama decoder has none, so it would silently differ)")
     if arch == "qwen3" and hf.get("use_sliding_window"):
       raise ValueError("unsupported: Qwen3 sliding-window attention (use_sliding_window=true)")
     kw = dict(

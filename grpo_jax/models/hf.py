@@ -134,18 +134,21 @@ def read_hf_config(path: str) -> dict:
 
 
 def load_hf(path: str, dtype=jnp.float32, *, mesh=None, param_dtype=None, remat_policy="none",
-            scan_layers=False) -> Transformer:
+            scan_layers=False, **overrides) -> Transformer:
   """Loads a Qwen3 / Llama Hugging Face checkpoint folder into a native Transformer.
 
   `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype.
   With `mesh`, parameters land directly in their shardings (one tensor or shard in host
-  memory at a time). Errors name the file, tensor and shapes at fault.
+  memory at a time). Errors name the file, tensor and shapes at fault. `overrides` replace
+  ModelConfig fields read from config.json (e.g. tie_embeddings=True to load the decoder of a
+  *ForSequenceClassification folder, which has no LM head).
   """
   hf_cfg = read_hf_config(path)
   dt = jnp.dtype(dtype).name
   cfg = ModelConfig.from_hf_config(hf_cfg, dtype=dt, param_dtype=jnp.dtype(param_dtype or
                                                                             dtype).name,
-                                   remat_policy=remat_policy, scan_layers=scan_layers)
+                                   remat_policy=remat_policy, scan_layers=scan_layers,
+                                   **overrides)
   ckpt = _Checkpoint(path)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)

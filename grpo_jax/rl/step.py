@@ -40,7 +40,8 @@ class LossSettings:
   @classmethod
   def from_config(cls, config) -> "LossSettings":
     l = config.loss
-    return cls(beta=float(config.beta), clip_eps=l.clip_eps, clip_eps_high=l.clip_eps_high,
+    # kl_in_reward: the KL is folded into the rewards (TrainFunctions.fold_kl), not the loss.
+    return cls(beta=0.0 if config.get("kl_in_reward") else float(config.beta), clip_eps=l.clip_eps, clip_eps_high=l.clip_eps_high,
                clip_ratio_c=l.clip_ratio_c, kl_kind=l.kl_kind, kl_clamp=l.kl_clamp,
                loss_agg_mode=l.loss_agg_mode, policy_loss=l.policy_loss,
                max_completion_length=config.max_completion_length, tis_cap=l.tis_cap)
@@ -186,12 +187,17 @@ class TrainFunctions:
   logprobs(params, input_ids, attention_mask) -> [N, C]   completion log-probs, rows sharded
   assemble(prompt_ids, prompt_mask, rollout, rewards) -> batch   advantages and the
                                         [prompt; completion] rows the update trains on
+  fold_kl(batch, rewards) -> (batch, rewards)   kl_in_reward: rewards - beta * sum_t KL_t
+                                        (batch's old_logp vs ref_logp), advantages again
+  refresh(ref, params) -> ref           reference refresh: mix * params + (1 - mix) * ref
   abstract_state                        `init`'s output as a restore target
   """
   init: Callable
   update: Callable
   logprobs: Callable
   assemble: Callable
+  fold_kl: Callable
+  refresh: Callable
   abstract_state: dict
 
 
@@ -210,9 +216,15 @@ def build(config, policy, mesh) -> TrainFunctions:
   def logprobs(params, input_ids, attention_mask):
     return policy.logprobs(params, input_ids, attention_mask, completion_len, temperature)
 
-  def assemble(prompt_ids_bp, prompt_mask_bp, rollout, rewards_n):
+  def advantages(rewards_n):
     adv_n = adv_lib.group_advantages(rewards_n, group, estimator=config.loss.estimator,
                                      eps=config.loss.adv_eps, std_kind=config.loss.std_kind)
+    if config.loss.advantage_clip > 0:
+      adv_n = jnp.clip(adv_n, -config.loss.advantage_clip, config.loss.advantage_clip)
+    return adv_n
+
+  def assemble(prompt_ids_bp, prompt_mask_bp, rollout, rewards_n):
+    adv_n = advantages(rewards_n)
     completion_mask_nc = rollout.mask
     if config.loss.dynamic_sampling:  # DAPO: groups with equal rewards leave the loss
       keep_n = adv_lib.dynamic_sampling_mask(rewards_n, group)
@@ -224,6 +236,20 @@ def build(config, policy, mesh) -> TrainFunctions:
     if config.loss.tis_cap > 0:
       batch["sampler_logp"] = rollout.logprobs
     return batch
+
+  def fold_kl(batch, rewards_n):
+    mask_nc = batch["attention_mask"][:, -completion_len:]
+    kl_nc = losses.token_kl(batch["old_logp"], batch["ref_logp"], config.loss.kl_kind,
+                            config.loss.kl_clamp)
+    rewards_n = rewards_n - config.beta * jnp.where(mask_nc > 0, kl_nc, 0.0).sum(-1)
+    return dict(batch, advantages=advantages(rewards_n)), rewards_n
+
+  mix = float(config.reference.refresh_mix)
+
+  def refresh(ref, params):
+    return jax.tree.map(
+        lambda r, p: (mix * p.astype(jnp.float32) + (1 - mix) * r.astype(jnp.float32)
+                      ).astype(r.dtype) if mix < 1 else p.astype(r.dtype), ref, params)
 
   def init(params):
     return init_state(params, optimizer)
@@ -244,4 +270,6 @@ def build(config, policy, mesh) -> TrainFunctions:
                      out_shardings=(shardings, sharding.replicated(mesh))),
       logprobs=jax.jit(logprobs, out_shardings=rows2),
       assemble=jax.jit(assemble, out_shardings=sharding.batch_sharding(mesh, 1)),
+      fold_kl=jax.jit(fold_kl, out_shardings=sharding.batch_sharding(mesh, 1)),
+      refresh=jax.jit(refresh, donate_argnums=0, out_shardings=param_shardings),
       abstract_state=sharding.abstract_with(abstract, shardings))
