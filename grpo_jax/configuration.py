@@ -20,6 +20,7 @@ from grpo_jax.data import tokenizers
 from grpo_jax.models import build as model_build
 from grpo_jax.models import config as model_config
 from grpo_jax.models import remat
+from grpo_jax.models import t5_config
 from grpo_jax.rewards import computer as reward_computer
 from grpo_jax.rewards import judge
 from grpo_jax.rewards import registry as reward_registry
@@ -106,6 +107,7 @@ def _check_training(c: _Checker, cfg):
 def _check_model(c: _Checker, cfg):
   m = cfg.model
   c.one_of("model.impl", model_build.IMPLS, "model implementation")
+  c.one_of("model.family", model_build.FAMILIES, "model family")
   c.path_exists("model.hf_path", "the Hugging Face checkpoint folder")
   c.path_exists("model.maxtext_checkpoint", "the MaxText checkpoint")
   c.one_of("model.param_dtype", model_config.DTYPES, "dtype")
@@ -125,9 +127,18 @@ def _check_model(c: _Checker, cfg):
     except ImportError:
       c.fail("model.impl", "maxtext is not installed", "pip install -e '.[maxtext]' (Python "
              ">= 3.12), or use --config.model.impl=native")
+  if m.family == "t5":
+    c.require(m.impl == "native", "model.impl", "model.family='t5' runs on the native T5 "
+              "(models/t5.py) only", "use --config.model.impl=native")
+    c.require(cfg.rollout.engine == "native", "rollout.engine", "model.family='t5': the vLLM "
+              "engine serves decoder-only policies", "use --config.rollout.engine=native")
+    if not m.hf_path:
+      for field, why, fix in t5_config.T5Config.from_model_block(m).problems():
+        c.fail(t5_config.config_field(field), why, fix)
+    return  # relative positions: no context limit to check
   if not m.hf_path:
-    fields = {k: v for k, v in m.items()
-              if k not in ("preset", "impl", "hf_path", "maxtext_checkpoint", "maxtext")}
+    fields = {k: v for k, v in m.items() if k not in (
+        "preset", "impl", "hf_path", "maxtext_checkpoint", "maxtext", "family", "t5")}
     for field, why, fix in model_config.ModelConfig(**fields).problems():
       c.fail(f"model.{field}", why, fix)
   total = cfg.max_prompt_length + cfg.max_completion_length
@@ -176,7 +187,6 @@ def _check_loss(c: _Checker, cfg):
            "set beta > 0 or refresh_every_steps=0")
 
 
-
 def _check_optimizer(c: _Checker, cfg):
   o = cfg.optimizer
   c.require(o.learning_rate > 0, "optimizer.learning_rate", "must be > 0", "use e.g. 3e-6")
@@ -203,6 +213,8 @@ def _check_rollout(c: _Checker, cfg):
             "0 = automatic by model.dtype (1e-3 for float32)")
   c.require(r.vllm.sync_timeout_sec >= 0, "rollout.vllm.sync_timeout_sec", "must be >= 0",
             "0 = no limit; e.g. 600")
+  c.require(r.vllm.num_devices >= 0, "rollout.vllm.num_devices", "must be >= 0",
+            "0 = vLLM shares the trainer's chips; N = vLLM's own chips on each host")
   known = rollout_types.GENERATION_CONFIGS
   for name in cfg.eval.generation_configs:
     if name not in known:
@@ -340,8 +352,15 @@ def validate(config, *, num_devices: int | None = None,
   _check_rollout(c, config)
   _check_data_and_rewards(c, config)
   _check_debug(c, config)
-  _check_mesh(c, config, num_devices or jax.device_count(),
-              num_processes or jax.process_count())
+  num_devices = num_devices or jax.device_count()
+  vllm_own = config.rollout.vllm.num_devices if config.rollout.engine == "vllm" else 0
+  if vllm_own > 0:  # the trainer's mesh leaves each host's last N chips to vLLM
+    num_devices -= vllm_own * (num_processes or jax.process_count())
+    c.require(num_devices >= 1, "rollout.vllm.num_devices",
+              f"leaves the trainer no device of {num_devices + vllm_own} per host",
+              "use fewer chips for vLLM, or 0 to share them")
+  if num_devices >= 1:
+    _check_mesh(c, config, num_devices, num_processes or jax.process_count())
   return c.errors + judge.validate(config, num_processes=num_processes or jax.process_count())
 
 

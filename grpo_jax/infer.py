@@ -11,7 +11,8 @@ Pass prompts as arguments, or `-` to read one prompt per line from stdin. With n
 few held-out rows of the config's eval split (`--num_examples`) are sampled and shown with
 their ground truth, the config's reward (per function) and the eval task's verdict (e.g.
 correct / ROUGE). `--export_hf` writes the policy as a Hugging Face folder (config.json +
-model.safetensors) instead of sampling.
+model.safetensors; `policy.save_hf`: a T5ForConditionalGeneration folder for model.family=t5)
+instead of sampling.
 """
 import sys
 
@@ -139,7 +140,6 @@ def _short(text, limit=300) -> str:
 
 def main(argv):
   from grpo_jax.models import build
-  from grpo_jax.models import hf
 
   prompts = argv[1:]
   if prompts == ["-"]:
@@ -149,10 +149,8 @@ def main(argv):
   config = _CONFIG.value
   mesh = build.make_mesh(config)
   policy, step = load_params(config, _WORKDIR.value, _STEP.value, mesh)
-  if _EXPORT_HF.value:
-    import flax.nnx as nnx
-    hf.save_hf(nnx.merge(policy.sampler_graphdef, policy.rollout_params(policy.params)),
-               _EXPORT_HF.value)
+  if _EXPORT_HF.value:  # the policy's own format: Qwen3/Llama, or T5ForConditionalGeneration
+    policy.save_hf(policy.params, _EXPORT_HF.value)
     print(f"wrote {_EXPORT_HF.value} (step {step})")
     return
   if not prompts:

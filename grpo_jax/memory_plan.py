@@ -171,6 +171,10 @@ def plan(config, target: Target, *, remat_policies=None, micro_batches=None,
          functions=FUNCTIONS, log=print):
   """-> (rows, mesh shape): the step's compiled `functions` on `target`, the update per remat
   policy and micro-batch size (defaults: the config's own)."""
+  if config.model.family != "decoder":
+    raise ValueError(f"model.family={config.model.family!r}: the memory planner models "
+                     "decoder-only policies (its KV cache and sampler). Fix: plan a decoder "
+                     "config (--config.model.family=decoder)")
   default_remat = (config.model.maxtext.remat_policy if config.model.impl == "maxtext" else
                    config.model.remat_policy)
   remat_policies = list(remat_policies or [default_remat])

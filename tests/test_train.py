@@ -215,7 +215,10 @@ def test_beta_zero_builds_no_reference(tmp_path, monkeypatch):
   # beta > 0 traces one more forward (the reference log-probs) than beta = 0.
   assert len(calls) == traced_b0 + 1
   kl = [r["loss/kl_divergence"] for r in grpo_rows(str(tmp_path / "b1"))]
-  assert kl == [0.0]  # the reference equals the policy before the first update
+  # The reference equals the policy before the first update, so the KL is zero up to rounding:
+  # the update's forward (inside value_and_grad) and the reference pass are two compiled
+  # programs whose log-probs may differ in the last bit (jax 0.11.2 on CPU: ~1e-13 of k3).
+  assert len(kl) == 1 and 0.0 <= kl[0] < 1e-9
 
 
 # ------------------------------------------------------------------------ mesh equivalence

@@ -1,9 +1,11 @@
-"""The run's mesh and policy from config: the one place that knows `config.model.impl`.
+"""The run's mesh and policy from config: the one place that knows `config.model.impl` and
+`config.model.family`.
 
     mesh = build.make_mesh(config)               # every stage and engine uses this mesh
     policy = build.make_policy(config, mesh)     # models.policy.Policy, whatever the impl
 
-`IMPLS` names the implementations (the config validator lists them). The MaxText policy needs
+`IMPLS` names the implementations and `FAMILIES` the architectures (the config validator lists
+them): "decoder" (decoder-only, either impl) or "t5" (encoder-decoder, native only). The MaxText policy needs
 MaxText's many-axis mesh (our data/fsdp/tensor axes plus its own, of size 1, over the same
 devices in the same order), so `make_mesh` builds that mesh up front for impl=maxtext: the
 loop, the sampler and the policy then share one mesh object and PartitionSpecs over
@@ -13,6 +15,7 @@ from grpo_jax import sharding
 from grpo_jax.models import policy as policy_lib
 
 IMPLS = ("native", "maxtext")
+FAMILIES = ("decoder", "t5")
 
 
 def make_mesh(config, devices=None):
@@ -20,6 +23,9 @@ def make_mesh(config, devices=None):
 
   config.mesh.dcn_data > 1 makes it multi-slice: the sizes are per slice and the data axis is
   dcn_data times longer, one block per slice (sharding.make_mesh)."""
+  if devices is None and config.rollout.engine == "vllm":
+    # rollout.vllm.num_devices > 0: vLLM-TPU's own chips (each host's last N) stay off the mesh.
+    devices, _ = sharding.split_off_local(config.rollout.vllm.get("num_devices", 0))
   base = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
                             devices=devices, dcn_data=config.mesh.get("dcn_data", 1))
   if config.model.impl == "maxtext":
@@ -31,6 +37,13 @@ def make_mesh(config, devices=None):
 def make_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy:
   """The trained policy on `mesh` (from make_mesh). `abstract=True`: shapes and shardings only,
   a target to restore a checkpoint into."""
+  if config.model.family not in FAMILIES:
+    raise ValueError(f"model.family={config.model.family!r}: use one of {', '.join(FAMILIES)}")
+  if config.model.family == "t5":
+    if config.model.impl != "native":
+      raise ValueError(f"model.family='t5' runs on the native T5 only (model.impl="
+                       f"{config.model.impl!r}). Fix: --config.model.impl=native")
+    return policy_lib.t5_policy(config, mesh, abstract=abstract)
   if config.model.impl == "maxtext":
     from grpo_jax.models import maxtext_adapter  # optional dependency
     return maxtext_adapter.maxtext_policy(config, mesh, abstract=abstract)

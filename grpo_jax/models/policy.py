@@ -6,6 +6,11 @@ attention_mask, completion_len)`, and the rollout engine turns them into the nat
 weights with `policy.rollout_params(params)` for the jitted sampler (`policy.sampler_graphdef`).
 The native policy samples from the trained arrays themselves (`sampler_is_trainer`); the
 MaxText policy (models/maxtext_adapter.py) maps MaxText weights onto the native layout.
+
+`t5_policy` (model.family="t5") is an encoder-decoder behind the same interface: each
+[left-padded prompt; completion] row is split at S - C into the encoder's input and the
+decoder's targets, and `decoder_start_id` tells the rollout engine to sample with the seq2seq
+sampler (rollout/seq2seq_sampler.py), so the loop, SFT and evaluation run unchanged.
 """
 import dataclasses
 from typing import Callable
@@ -17,7 +22,12 @@ import jax.numpy as jnp
 from grpo_jax import sharding
 from grpo_jax.models import hf
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.models import t5_hf
 from grpo_jax.models.logprobs import completion_logprobs
+from grpo_jax.models.t5 import T5
+from grpo_jax.models.t5 import build_t5
+from grpo_jax.models.t5 import t5_logprobs
+from grpo_jax.models.t5_config import T5Config
 from grpo_jax.models.transformer import Transformer
 from grpo_jax.models.transformer import build_model
 
@@ -29,14 +39,17 @@ class Policy:
   logprobs: Callable  # (params, input_ids [B,S], attention_mask [B,S], C, temperature) -> [B, C]
   rollout_params: Callable  # params -> native decoder state for the sampler
   sampler_graphdef: nnx.GraphDef
-  model_config: ModelConfig
-  save_hf: Callable  # (params, path) -> None
+  model_config: ModelConfig | T5Config
+  save_hf: Callable  # (params, path) -> None: an HF folder transformers loads
   # True when the native sampler runs the very program the trainer differentiates (same
   # weights, same layers): its log-probs are the trainer's. False for the MaxText policy (the
   # sampler runs the native decoder on mapped weights), so the loop measures the mismatch.
   sampler_is_trainer: bool = True
   # The MaxText policy brings its own parameter shardings; None: from logical-axis metadata.
   shardings: Callable | None = None  # mesh -> State of NamedShardings
+  # Encoder-decoder policies: the decoder's start token, and the native engine samples with
+  # the seq2seq sampler (prompt -> encoder, completion <- decoder). None: a decoder-only policy.
+  decoder_start_id: int | None = None
 
   def param_shardings(self, mesh):
     if self.shardings is not None:
@@ -89,9 +102,7 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
       model = build_model(cfg, seed=config.seed, mesh=mesh)
   graphdef, params = nnx.split(model)
   if abstract:
-    shardings = sharding.state_shardings(params, mesh)
-    params = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-                          params, shardings)  # same structure: Variables holding leaves
+    params = _abstract_params(params, mesh)
 
   def logprobs(params, input_ids, attention_mask, completion_len, temperature=1.0):
     return completion_logprobs(nnx.merge(graphdef, params), input_ids, attention_mask,
@@ -103,3 +114,47 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
   return Policy(params=params, graphdef=graphdef, logprobs=logprobs,
                 rollout_params=lambda p: p, sampler_graphdef=graphdef, model_config=cfg,
                 save_hf=save)
+
+
+def _abstract_params(params, mesh):
+  """Shapes and shardings only (restore targets): same structure, Variables holding leaves."""
+  shardings = sharding.state_shardings(params, mesh)
+  return jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                      params, shardings)
+
+
+def t5_policy(config, mesh, *, abstract: bool = False) -> Policy:
+  """A T5 encoder-decoder (model.family="t5"): from model.hf_path (a T5ForConditionalGeneration
+  folder) when set, else random init from config.model (T5Config.from_model_block).
+
+  logprobs(params, input_ids [N, S], attention_mask [N, S], C) splits every row at S - C:
+  the left-padded prompt [N, P] is the encoder's input, the completion [N, C] (its mask: the
+  last C mask columns) the decoder's targets after the start token; -> [N, C], 0 where masked.
+  """
+  m = config.model
+  dtypes = dict(param_dtype=jnp.dtype(m.param_dtype), remat_policy=m.remat_policy)
+  if m.hf_path and not abstract:
+    model = t5_hf.load_t5_hf(m.hf_path, jnp.dtype(m.dtype), mesh=mesh, **dtypes)
+    cfg = model.cfg
+  else:
+    cfg = (t5_hf.read_t5_config(m.hf_path, jnp.dtype(m.dtype), **dtypes) if m.hf_path else
+           T5Config.from_model_block(m).validate())
+    if abstract:
+      model = nnx.eval_shape(lambda: T5(cfg, rngs=nnx.Rngs(params=config.seed)))
+    else:
+      model = build_t5(cfg, seed=config.seed, mesh=mesh)
+  graphdef, params = nnx.split(model)
+  if abstract:
+    params = _abstract_params(params, mesh)
+
+  def logprobs(params, input_ids, attention_mask, completion_len, temperature=1.0):
+    p = input_ids.shape[1] - completion_len
+    return t5_logprobs(nnx.merge(graphdef, params), input_ids[:, :p], attention_mask[:, :p],
+                       input_ids[:, p:], attention_mask[:, p:], temperature)
+
+  def save(params, path):
+    t5_hf.save_t5_hf(nnx.merge(graphdef, params), None, path)
+
+  return Policy(params=params, graphdef=graphdef, logprobs=logprobs,
+                rollout_params=lambda p: p, sampler_graphdef=graphdef, model_config=cfg,
+                save_hf=save, decoder_start_id=cfg.decoder_start_token_id)

