@@ -18,12 +18,14 @@ overlaps a little host work with device work that this waits out. Workloads:
   tiny   configs/tiny.py as it is: 0.4M-parameter Qwen3-style model, vocab 96, 32 prompts x
          G=8, prompt 6 + completion 7 tokens, beta 0, answer_match + answer_format rewards
   small  rollout.py's "small" model (8 layers, d512, 8/4 heads of 64, MLP 1536, vocab 32000,
-         tied): 8 prompts x G=4, prompt 16 + completion 64 tokens, beta 0.04
+         tied): 8 prompts x G=4, prompt 16 + completion 64 tokens, beta 0.04, micro-batches
+         of 8 rows
   tunix  Tunix's workload: random-init Qwen3 (vocab 128, d256, 2 layers, 8 q / 4 kv heads of
          32, MLP 768, tied, rope_theta 1e6), 8 prompts "a+b=" x G=4, prompt 16 (left-padded)
          + 32 new tokens, temperature 1, beta 0.04 (full reference copy), epsilon 0.2, one
          update per step, AdamW lr 1e-5 with global-norm clip 1.0, reward 1 when the
-         completion starts with the sum; one CPU device
+         completion starts with the sum; one CPU device. Ours accumulates the one update
+         over micro-batches of 8 rows (same gradients; cache-sized on CPU)
 
 The first step (compilation included) is reported apart from the steady state (the median
 of the --repeats steps after it). "compile" is what JAX itself reports for the first step
@@ -99,7 +101,7 @@ WORKLOADS = {  # dotted overrides of configs/tiny.py
               "model.intermediate_size": 1536, "model.num_heads": 8, "model.num_kv_heads": 4,
               "model.head_dim": 64, "model.rope_theta": 1e6, "model.max_position_embeddings": 128,
               "batch_size": 8, "num_generations": 4, "max_prompt_length": 16,
-              "max_completion_length": 64, "beta": 0.04, **_SUM_REWARD},
+              "max_completion_length": 64, "beta": 0.04, "micro_batch_size": 8, **_SUM_REWARD},
     "tunix": {"model.vocab_size": 128, "model.hidden_size": 256, "model.num_layers": 2,
               "model.intermediate_size": 768, "model.num_heads": 8, "model.num_kv_heads": 4,
               "model.head_dim": 32, "model.rope_theta": 1e6, "model.max_position_embeddings": 64,
@@ -107,7 +109,8 @@ WORKLOADS = {  # dotted overrides of configs/tiny.py
               "max_completion_length": 32, "rollout.temperature": 1.0, "beta": 0.04,
               "loss.clip_eps": 0.2, "num_iterations": 1, "optimizer.learning_rate": 1e-5,
               "optimizer.max_grad_norm": 1.0, "optimizer.warmup_ratio": 0.0,
-              "optimizer.weight_decay": 1e-4, "optimizer.b2": 0.999, **_SUM_REWARD},
+              "optimizer.weight_decay": 1e-4, "optimizer.b2": 0.999, "micro_batch_size": 8,
+              **_SUM_REWARD},
 }
 PHASES = profiling.PHASES
 
@@ -175,9 +178,8 @@ class LoopStep:
     self.fns = step_lib.build(c, self.policy, self.mesh)
     self.state = self.fns.init(self.policy.params)
     self.ref_params = jax.tree.map(jnp.copy, self.state["params"]) if c.beta > 0 else None
-    self.iter = data_lib.make_prompt_iterator(
-        len(self.data), batch_size=c.batch_size, seed=c.seed,
-        rows=multihost.process_rows(self.mesh, c.batch_size))
+    self.iter = data_lib.make_prompt_iterator(len(self.data), batch_size=c.batch_size,
+                                              seed=c.seed)
     self.rng = jax.random.wrap_key_data(multihost.replicated(
         jax.random.key_data(jax.random.key(c.seed)), self.mesh))
     self.gen = rollout_lib.GenerationConfig(c.rollout.temperature, c.rollout.top_k,
@@ -187,7 +189,7 @@ class LoopStep:
                             out_shardings=sharding.replicated(self.mesh))
     self.needs_old_logp = (c.num_iterations > 1 or c.loss.tis_cap > 0 or
                            not self.engine.matches_trainer)
-    self.generated, self.compile = 0, {}
+    self.generated, self.compile, self.widths = 0, {}, []
 
   def __call__(self, step: int) -> dict:
     """Runs one step; -> {phase: seconds} (+ "step"), and self.compile {phase: seconds spent
@@ -205,8 +207,9 @@ class LoopStep:
     t_step = time.perf_counter()
     with profiling.step_span(step):
       with timed("prompts"):
-        batch = self.data.batch(next(self.iter))
+        batch = train._prompt_batch(c, self.data, next(self.iter), self.mesh)
         prompt_ids = multihost.to_global(batch["prompt_ids"], self.mesh)
+        self.widths.append(prompt_ids.shape[1])  # data.prompt_width: P of this step
         prompt_mask = multihost.to_global(batch["prompt_mask"], self.mesh)
       with timed("rollout"):
         rollout = self.engine.generate(self.state["params"], batch,
@@ -250,7 +253,7 @@ class LoopStep:
     sampler = rollout_lib.Sampler(self.policy.sampler_graphdef,
                                   max_prompt_length=c.max_prompt_length, max_new_tokens=1,
                                   num_generations=c.num_generations, mesh=self.mesh)
-    batch = self.data.batch(next(self.iter))
+    batch = train._prompt_batch(c, self.data, next(self.iter), self.mesh)
     ids = multihost.to_global(batch["prompt_ids"], self.mesh)
     mask = multihost.to_global(batch["prompt_mask"], self.mesh)
     run = lambda: jax.block_until_ready(sampler(self.state["params"], ids, mask, self.rng,
@@ -388,11 +391,13 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
     tunix.close()
   results = []
   for k, (c, loop) in enumerate(zip(configs, loops)):
-    rows, s = c.batch_size * c.num_generations, c.max_prompt_length + c.max_completion_length
+    # P: the prompt columns the steady steps ran with (data.prompt_width trims all-padding
+    # columns), so FLOPs count the work done, not max_prompt_length.
+    p_len = float(np.mean(loop.widths[1:] or loop.widths))
+    rows, s = c.batch_size * c.num_generations, round(p_len) + c.max_completion_length
     phases = {name: _median([t[name] for t in steady[k]]) for name in steady[k][0]}
     prefill = loop.prefill_seconds(args.repeats)
-    flops = update_flops(loop.policy.model_config, rows, c.max_prompt_length,
-                         c.max_completion_length)
+    flops = update_flops(loop.policy.model_config, rows, p_len, c.max_completion_length)
     r = dict(workload=workload, remat=c.model.remat_policy,
              micro_batch=c.micro_batch_size or rows, generations=c.num_generations,
              batch=c.batch_size, rows=rows, seq=s,

@@ -116,6 +116,10 @@ def base() -> ml_collections.ConfigDict:
   # Train prompts longer than max_prompt_length: "truncate" (keep their end, counted and logged)
   # or "drop" them from the train split (counted and logged; eval prompts are always kept).
   c.data.overlong_prompts = "truncate"
+  # Prompt columns per GRPO step: "bucket" = the batch's longest prompt rounded up to a power of
+  # two (8 .. max_prompt_length; all-padding columns dropped, results unchanged, one compile of
+  # sampler and update per bucket) or "max" = always max_prompt_length (one shape, one compile).
+  c.data.prompt_width = "bucket"
   c.data.arithmetic = ml_collections.ConfigDict()  # The synthetic task (data_source arithmetic).
   c.data.arithmetic.digits = 2
   c.data.arithmetic.num_ops = 1

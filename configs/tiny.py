@@ -56,6 +56,9 @@ def get_config():
   c.batch_size = 32
   c.num_generations = 8
   c.beta = 0.0
+  # The update accumulates over micro-batches of 32 rows (~400 tokens): exactly the same
+  # gradients, ~10% faster on CPU than all 256 rows at once (benchmarks/grpo_step.py).
+  c.micro_batch_size = 32
   c.rollout.temperature = 1.0
   c.rollout.top_k = 0
   c.rollout.top_p = 1.0

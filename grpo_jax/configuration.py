@@ -244,6 +244,7 @@ def _check_data_and_rewards(c: _Checker, cfg):
              f"set --config.data.{split}_path=/path/to/file.jsonl")
   c.one_of("data.template", templates.TEMPLATES, "prompt template")
   c.one_of("data.overlong_prompts", pipeline.OVERLONG_PROMPTS, "overlong-prompt policy")
+  c.one_of("data.prompt_width", pipeline.PROMPT_WIDTHS, "prompt width")
   c.one_of("data.system_prompt", templates.SYSTEM_PROMPTS, "system prompt")
   c.one_of("data.arithmetic.demonstration", arithmetic.DEMONSTRATION_STYLES,
            "demonstration style")

@@ -46,8 +46,18 @@ def picks(flags: list[np.ndarray], quota: int) -> np.ndarray:
 def take(rounds: list, groups: jax.Array, group_size: int):
   """The chosen groups of the rounds' global arrays. `rounds`: one pytree per round whose
   leaves are [B, ...] (per prompt: key "prompt") or [B*G, ...] (per completion: key "rows");
-  `groups` [quota] from `picks`. Jit it with row-sharded outputs."""
+  `groups` [quota] from `picks`. Rounds whose prompts are narrower (data.prompt_width) are
+  left-padded with masked columns to the widest. Jit it with row-sharded outputs."""
   rows = (groups[:, None] * group_size + jnp.arange(group_size)[None]).reshape(-1)
-  cat = jax.tree.map(lambda *xs: jnp.concatenate(xs, 0), *rounds)
+  cat = jax.tree.map(lambda *xs: jnp.concatenate(_left_pad_to_widest(xs), 0), *rounds)
   return {"prompt": jax.tree.map(lambda x: x[groups], cat["prompt"]),
           "rows": jax.tree.map(lambda x: x[rows], cat["rows"])}
+
+
+def _left_pad_to_widest(xs):
+  """One leaf of every round; [B, P_r] prompt columns left-padded with zeros (masked) to the
+  widest P_r."""
+  if xs[0].ndim < 2:
+    return xs
+  width = max(x.shape[1] for x in xs)
+  return [jnp.pad(x, [(0, 0), (width - x.shape[1], 0)] + [(0, 0)] * (x.ndim - 2)) for x in xs]

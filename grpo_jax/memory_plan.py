@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from grpo_jax import configuration
 from grpo_jax import sharding
 from grpo_jax.models import build
+from grpo_jax.models import layers
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rollout import sampler as sampler_lib
@@ -184,6 +185,11 @@ def plan(config, target: Target, *, remat_policies=None, micro_batches=None,
     if errors:
       raise ValueError(f"the config does not fit {target.name} ({len(target.devices)} devices):"
                        f" {' | '.join(errors)}")
+  with layers.gate_up_fused_for(target.devices[0].platform):
+    return _plan(config, target, remat_policies, micro_batches, functions, log)
+
+
+def _plan(config, target, remat_policies, micro_batches, functions, log):
   rows = []
   for i, remat in enumerate(remat_policies):
     cfg = with_overrides(config, **{remat_field(config): remat})

@@ -94,9 +94,9 @@ def _run(config, workdir: str) -> dict:
     params = sft_lib.run(config, session, policy, mesh, train_data, evaluator)
 
     # ---------------------------------------------------------- GRPO: start or resume
-    train_iter = data_lib.make_prompt_iterator(
-        len(train_data), batch_size=config.batch_size, seed=config.seed,
-        rows=multihost.process_rows(mesh, config.batch_size))
+    # Global batches of row indices (each process takes its rows in _rollout_round).
+    train_iter = data_lib.make_prompt_iterator(len(train_data), batch_size=config.batch_size,
+                                               seed=config.seed)
     state, ref_params = _start_grpo(config, session, fns, policy, mesh, params, train_iter)
     meta, rng, G = session.meta, session.rng, config.num_generations
     steps_per_epoch = data_lib.batches_per_epoch(len(train_data), config.batch_size)
@@ -295,11 +295,11 @@ def _epoch(train_iter, steps_per_epoch: int) -> float:
 def _rollout_round(config, engine, train_data, train_iter, params, key, generation, reward_fn,
                    judge, decode, mesh, timing: dict):
   """GRPO steps 1-3 on the next batch of prompts. -> (prompt, rollout, host): the global
-  prompt arrays {"ids", "mask"} [B, P], the global Rollout, and this process's host rows:
+  prompt arrays {"ids", "mask"} [B, P] (P: data.prompt_width), the global Rollout, and this process's host rows:
   tokens, mask, truncated, rewards (f32, + DAPO's overlong penalty), per_function, errors."""
   G, phase = config.num_generations, profiling.phase
   with phase("prompts"):
-    batch = train_data.batch(next(train_iter))
+    batch = _prompt_batch(config, train_data, next(train_iter), mesh)
     prompt = {"ids": multihost.to_global(batch["prompt_ids"], mesh),
               "mask": multihost.to_global(batch["prompt_mask"], mesh)}
   t0 = time.time()
@@ -326,6 +326,14 @@ def _rollout_round(config, engine, train_data, train_iter, params, key, generati
   return prompt, rollout, dict(tokens=tokens_nc, mask=mask_nc, truncated=truncated_n,
                                rewards=rewards_n.astype(np.float32),
                                per_function=per_function, errors=scored.errors)
+
+
+def _prompt_batch(config, train_data, indices_b, mesh) -> dict:
+  """This process's rows of the global batch `indices_b` [B], as PromptData.batch gives them,
+  at the width data.prompt_width picks from the whole global batch (the same on every
+  process)."""
+  return train_data.batch(indices_b[multihost.process_rows(mesh, config.batch_size)],
+                          train_data.width(indices_b, config.data.prompt_width))
 
 
 def _dynamic_sampling(config, first, draw, key, mesh, take_groups):

@@ -211,6 +211,27 @@ def test_long_prompts_are_left_truncated_and_counted():
   assert tok.decode(b["prompt_ids"][0][2:]) == "1+2="
 
 
+def test_bucket_width_is_the_next_power_of_two_within_bounds():
+  assert [data.pipeline.bucket_width(n, 100) for n in (1, 8, 9, 16, 17, 64, 65, 100)] == [
+      8, 8, 16, 16, 32, 64, 100, 100]
+  assert data.pipeline.bucket_width(5, 6) == 6  # never wider than max_prompt_length
+
+
+def test_prompt_batches_drop_only_all_padding_columns():
+  tok = data.CharTokenizer()
+  rows = [dict(prompt=p, ground_truth="") for p in ("1+2=", "1234567890+1=", "5+5=")]
+  pd = data.PromptData(rows, tok, template="plain", system_prompt="", max_prompt_length=40)
+  assert pd.lengths.tolist() == [4, 13, 4]
+  assert pd.width([0, 2]) == 8 and pd.width([0, 1]) == 16 and pd.width([0], "max") == 40
+  full, cut = pd.batch([0, 2]), pd.batch([0, 2], pd.width([0, 2]))
+  assert cut["prompt_ids"].shape == (2, 8)
+  np.testing.assert_array_equal(cut["prompt_ids"], full["prompt_ids"][:, -8:])
+  np.testing.assert_array_equal(cut["prompt_mask"], full["prompt_mask"][:, -8:])
+  assert full["prompt_mask"][:, :-8].sum() == 0  # what was cut held no token
+  with pytest.raises(ValueError, match="prompt width mode 'pow3'"):
+    pd.width([0], "pow3")
+
+
 # ---------------------------------------------------------------------- arithmetic task
 
 

@@ -191,6 +191,16 @@ def test_dynamic_sampling_keeps_signal_groups_first_then_fills():
   np.testing.assert_array_equal(out["rows"], [102, 103, 200, 201, 204, 205])
 
 
+def test_dynamic_sampling_left_pads_narrower_rounds():
+  """Rounds trimmed to different prompt widths (data.prompt_width=bucket) meet at the widest,
+  the extra columns masked on the left."""
+  ids = [np.array([[7, 8], [9, 9]]), np.array([[1, 2, 3], [4, 5, 6]])]
+  rounds = [{"prompt": {"ids": i, "mask": np.ones_like(i)}, "rows": np.arange(4)} for i in ids]
+  out = dyn.take(rounds, jnp.asarray([0, 3]), 2)
+  np.testing.assert_array_equal(out["prompt"]["ids"], [[0, 7, 8], [4, 5, 6]])
+  np.testing.assert_array_equal(out["prompt"]["mask"], [[0, 1, 1], [1, 1, 1]])
+
+
 def test_dynamic_sampling_in_the_loop_fills_the_batch_with_signal(tmp_path):
   """Half the prompts (even answers) give every completion reward 0, so a batch of 8 prompts
   holds zero-variance groups; extra rounds run until none is left in any batch (the counts of

@@ -246,6 +246,33 @@ def test_sharded_mesh_matches_single_device(tmp_path, monkeypatch):
       assert abs(ra[k] - rb[k]) <= 1e-5, (ra["step"], k, ra[k], rb[k])
 
 
+def test_trimmed_prompt_columns_train_like_full_width(tmp_path, monkeypatch):
+  """data.prompt_width=bucket drops all-padding prompt columns (arithmetic prompts are <= 6
+  tokens, so 24 -> 8 columns): the sampler and the update see 8 columns and the run matches
+  one at the full width."""
+  widths = []
+  real_batch = train.data_lib.PromptData.batch
+
+  def spy(self, indices, width=None):
+    out = real_batch(self, indices, width)
+    widths.append(out["prompt_ids"].shape[1])
+    return out
+  monkeypatch.setattr(train.data_lib.PromptData, "batch", spy)
+  runs = {}
+  for mode in ("bucket", "max"):
+    widths.clear()
+    train.run(tiny_config(**{"max_prompt_length": 24, "data.prompt_width": mode,
+                             "eval.generation_configs": ()}), str(tmp_path / mode))
+    runs[mode] = (grpo_rows(str(tmp_path / mode)), set(widths))
+  assert runs["bucket"][1] == {8} and runs["max"][1] == {24}
+  a, b = runs["bucket"][0], runs["max"][0]
+  assert len(a) == len(b) == 3 and all(r["loss/grad_norm"] > 0 for r in a)
+  for ra, rb in zip(a, b):
+    assert ra["reward/total"] == rb["reward/total"]
+    for k in ("loss/total", "loss/policy_loss", "loss/grad_norm"):
+      assert abs(ra[k] - rb[k]) <= 1e-5, (ra["step"], k, ra[k], rb[k])
+
+
 # ------------------------------------------------------------------- non-finite updates
 
 

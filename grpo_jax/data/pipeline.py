@@ -22,6 +22,16 @@ from grpo_jax.data.templates import render_prompt
 
 # What happens to train prompts longer than max_prompt_length (config data.overlong_prompts).
 OVERLONG_PROMPTS = ("truncate", "drop")
+# How wide a train step's prompt columns are (config data.prompt_width): "bucket" = the global
+# batch's longest prompt rounded up to a power of two (>= MIN_BUCKET, <= max_prompt_length);
+# "max" = always max_prompt_length.
+PROMPT_WIDTHS = ("bucket", "max")
+MIN_BUCKET = 8
+
+
+def bucket_width(longest: int, max_prompt_length: int) -> int:
+  """The power of two >= `longest` (at least MIN_BUCKET), capped at max_prompt_length."""
+  return min(max_prompt_length, max(MIN_BUCKET, 1 << max(int(longest) - 1, 0).bit_length()))
 
 
 def left_pad(seqs: list[list[int]], length: int, pad_id: int):
@@ -57,6 +67,7 @@ class PromptData:
                       "left-truncated (longest: %d tokens)", self.num_truncated, len(rows),
                       max_prompt_length, max(map(len, encoded)))
     self.ids, self.mask = left_pad(encoded, max_prompt_length, tokenizer.pad_id)
+    self.lengths = self.mask.sum(1)
 
   def __len__(self):
     return len(self.rows)
@@ -69,14 +80,29 @@ class PromptData:
     out.tokenizer = self.tokenizer
     out.texts = [self.texts[i] for i in indices]
     out.ids, out.mask = self.ids[indices], self.mask[indices]
+    out.lengths = self.lengths[indices]
     out.truncated = self.truncated[indices]
     out.num_truncated = int(out.truncated.sum())
     return out
 
-  def batch(self, indices) -> dict:
-    """prompt_ids, prompt_mask [b, P] int32; rows and prompt texts (lists of length b)."""
+  def width(self, indices, mode: str = "bucket") -> int:
+    """Prompt columns for a batch of `indices` (pass the GLOBAL batch, so every process picks
+    the same width): `mode` as in PROMPT_WIDTHS. Left padding only, so trimming drops columns
+    that no row of the batch uses: positions come from the mask, and results are unchanged.
+    Each width compiles the sampler and the update once; powers of two bound that count."""
+    full = self.ids.shape[1]
+    if mode == "max":
+      return full
+    if mode != "bucket":
+      raise ValueError(f"prompt width mode {mode!r}: expected one of {PROMPT_WIDTHS}")
+    return bucket_width(self.lengths[np.asarray(indices, np.int64)].max(), full)
+
+  def batch(self, indices, width: int | None = None) -> dict:
+    """prompt_ids, prompt_mask int32 [b, P] (P = `width` last columns, default all); rows and
+    prompt texts (lists of length b)."""
     indices = np.asarray(indices, np.int64)
-    return dict(prompt_ids=self.ids[indices], prompt_mask=self.mask[indices],
+    cols = slice(self.ids.shape[1] - (width or self.ids.shape[1]), None)
+    return dict(prompt_ids=self.ids[indices, cols], prompt_mask=self.mask[indices, cols],
                 rows=[self.rows[i] for i in indices], prompts=[self.texts[i] for i in indices],
                 indices=indices)
 

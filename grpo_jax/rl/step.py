@@ -126,18 +126,16 @@ def accumulate_gradients(loss_fn: Callable, params, batch: dict, num_micro: int,
   return loss, grads, metrics
 
 
-def _all_finite(tree) -> jax.Array:
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-  return jnp.stack(leaves).all() if leaves else jnp.array(True)
-
-
 def apply_update(optimizer: optax.GradientTransformation, state: dict, loss, grads,
                  metrics: dict):
   """One optimizer update, skipped (params and moments unchanged) when loss/grads are not finite.
 
   state: {"params", "opt_state", "nonfinite_streak" (int32), "nonfinite_total" (int32)}.
   """
-  finite = jnp.isfinite(loss) & _all_finite(grads)
+  # One reduction serves the check and the metric: a NaN or inf anywhere makes the sum of
+  # squares non-finite (and so does a gradient past ~1e19 in f32: diverged anyway).
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0), grads)
   updates, new_opt = optimizer.update(safe_grads, state["opt_state"], state["params"])
   new_params = optax.apply_updates(state["params"], updates)
@@ -148,7 +146,7 @@ def apply_update(optimizer: optax.GradientTransformation, state: dict, loss, gra
       opt_state=keep(new_opt, state["opt_state"]),
       nonfinite_streak=jnp.where(finite, 0, state["nonfinite_streak"] + 1),
       nonfinite_total=state["nonfinite_total"] + (~finite).astype(jnp.int32))
-  metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(safe_grads),
+  metrics = dict(metrics, loss=loss, grad_norm=jnp.where(finite, grad_norm, 0.0),
                  skipped=(~finite).astype(jnp.float32),
                  nonfinite_streak=new_state["nonfinite_streak"])  # its own buffer: not donated
   return new_state, metrics

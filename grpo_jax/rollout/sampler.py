@@ -63,9 +63,9 @@ class Sampler:
   def __call__(self, state, prompt_ids, prompt_mask, rng, generation="greedy") -> Rollout:
     gen: GenerationConfig = generation_config(generation)
     b, p = prompt_ids.shape
-    if p != self.max_prompt_length:
-      raise ValueError(f"prompt_ids has {p} columns; this sampler was built for "
-                       f"max_prompt_length={self.max_prompt_length} (left-pad prompts to it)")
+    if p > self.max_prompt_length:  # narrower batches (data.prompt_width) compile once each
+      raise ValueError(f"prompt_ids has {p} columns; this sampler was built for at most "
+                       f"max_prompt_length={self.max_prompt_length} (left-truncate prompts)")
     if self.mesh is not None:
       dp = sharding.data_parallel_size(self.mesh)
       if b % dp:
