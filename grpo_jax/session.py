@@ -168,7 +168,8 @@ class Session:
 _SHAPE_FIELDS = ("model.impl", "model.vocab_size", "model.hidden_size",
                  "model.intermediate_size", "model.num_layers", "model.num_heads",
                  "model.num_kv_heads", "model.head_dim", "model.tie_embeddings",
-                 "model.param_dtype", "model.scan_layers", "reference_model", "sft_steps")
+                 "model.param_dtype", "model.scan_layers", "reference_model", "sft_steps",
+                 "lora.rank", "lora.target_modules", "lora.quantize_base")
 _ORDER_FIELDS = ("seed", "batch_size", "num_generations", "sft.batch_size", "tokenizer.kind",
                  "tokenizer.path", "data.train_source", "data.train_path", "data.template",
                  "max_prompt_length")

@@ -42,6 +42,7 @@ from grpo_jax import sft as sft_lib
 from grpo_jax import sharding
 from grpo_jax.metrics import NonFiniteError  # noqa: F401  (raised by StepLog.flush)
 from grpo_jax.models import build
+from grpo_jax.models import lora as lora_lib
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.rewards import judge as judge_lib
 from grpo_jax.rl import advantages as adv_lib
@@ -92,6 +93,8 @@ def _run(config, workdir: str) -> dict:
 
     # --------------------------------------------------------- SFT warm start (sft.py)
     params = sft_lib.run(config, session, policy, mesh, train_data, evaluator)
+    if config.lora.rank and session.resume_phase != "grpo":  # the base GRPO's adapters go on
+      params = lora_lib.after_sft(config, session, policy, params, mesh, workdir)
 
     # ---------------------------------------------------------- GRPO: start or resume
     # Global batches of row indices (each process takes its rows in _rollout_round).
@@ -129,8 +132,9 @@ def _run(config, workdir: str) -> dict:
                           out_shardings=sharding.batch_sharding(mesh, 1))
     first_step, ckpt_base = meta["grpo_step"], config.sft_steps
 
-    def saved_state():
-      return {"train": state, **({"ref": ref_params} if ref_params is not None else {})}
+    def saved_state():  # LoRA: the adapters and their moments; the base is named in meta
+      train = dict(state, params=policy.split(state["params"])[0]) if policy.split else state
+      return {"train": train, **({"ref": ref_params} if ref_params is not None else {})}
 
     # ------------------------------------------------------------------ GRPO: steps
     while meta["grpo_step"] < config.num_steps:
@@ -165,10 +169,11 @@ def _run(config, workdir: str) -> dict:
           with phase("old_logprobs"):
             upd["old_logp"] = fns.logprobs(state["params"], upd["input_ids"],
                                            upd["attention_mask"])
-        if ref_params is not None:
+        if config.beta > 0:  # LoRA: the base of this very state, run without the adapters
           with phase("ref_logprobs"):
-            upd["ref_logp"] = fns.logprobs(_on_device(config, ref_params), upd["input_ids"],
-                                           upd["attention_mask"])
+            ref = (policy.reference(state["params"]) if policy.reference else
+                   _on_device(config, ref_params))
+            upd["ref_logp"] = fns.logprobs(ref, upd["input_ids"], upd["attention_mask"])
         kl_rewards_n = None
         if config.kl_in_reward:  # rewards - beta * sum_t KL_t, then the advantages again
           with phase("kl_in_reward"):
@@ -385,15 +390,22 @@ def _decoder(tokenizer):
 def _start_grpo(config, session, fns, policy, mesh, params, train_iter):
   """(update state, reference params or None): restored when GRPO was interrupted, else
   fresh from `params` (the reference is the policy GRPO starts from, stored in the compute
-  dtype: policy.as_reference; beta = 0: none)."""
-  use_ref = config.beta > 0
+  dtype: policy.as_reference; beta = 0 or LoRA, whose reference is the policy's own base: none).
+  LoRA checkpoints hold the adapters; the base is loaded from where meta["lora_base"] says."""
+  use_ref = config.beta > 0 and policy.reference is None
   if session.resume_phase == "grpo":
-    target = {"train": fns.abstract_state}
+    abstract = fns.abstract_state
+    if policy.split:
+      abstract = dict(abstract, params=policy.split(abstract["params"])[0])
+    target = {"train": abstract}
     if use_ref:
       target["ref"] = policy_lib.as_reference(
           sharding.abstract_with(policy.params, policy.param_shardings(mesh)), _ref_dtype(config))
     restored = session.restore(target, train_iter)
     state, ref_params = restored["train"], restored.get("ref")
+    if policy.split:
+      base = lora_lib.load_base(config, policy, mesh, session.meta.get("lora_base", ""))
+      state = dict(state, params=policy.combine(state["params"], base))
     profiling.log_memory("restoring the optimizer state")
   else:
     state = fns.init(params)

@@ -52,7 +52,9 @@ def mesh_1():
   return sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("scan,tied", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("scan,tied", [  # suite time: -m slow runs the unscanned/untied ones
+    pytest.param(False, False, marks=pytest.mark.slow),
+    pytest.param(True, False, marks=pytest.mark.slow), (True, True)])
 def test_same_weights_same_logits_as_native(scan, tied):
   config = tiny_qwen3(**{"model.scan_layers": scan, "model.tie_embeddings": tied})
   mesh = sharding.make_mesh(-1, 1, 1)
@@ -183,6 +185,7 @@ def _init_loss(config, mesh):
   return -float(jnp.mean(pol.logprobs(pol.params, ids, mask, 19)))
 
 
+@pytest.mark.slow  # suite time (-m slow runs it)
 def test_maxtext_init_loss_is_explained_and_the_adapter_init_is_sane():
   """MaxText's own init (embedding N(0,1), tied unnormalized logits) gives a loss ~0.7 * D; the
   adapter's default (native fan-in init) gives ~log V."""
@@ -226,6 +229,7 @@ def test_maxtext_checkpoint_loads_scanned_into_unscanned(tmp_path):
     mta.maxtext_policy(bad, mesh)
 
 
+@pytest.mark.slow  # suite time (-m slow runs it)
 def test_loop_runs_with_tiny_maxtext_config(tmp_path):
   """configs/tiny_maxtext.py: the GRPO loop, checkpoint and resume with a MaxText policy."""
   from configs import tiny_maxtext

@@ -53,8 +53,9 @@ def decode_logprobs(model, prompt, pmask, comp, repeat=1):
   return jnp.stack(out, 1)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama3"])
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("arch,scan", [  # suite time: -m slow runs the other two
+    ("qwen3", True), ("llama3", False), pytest.param("qwen3", False, marks=pytest.mark.slow),
+    pytest.param("llama3", True, marks=pytest.mark.slow)])
 def test_prefill_decode_equals_training_forward(arch, scan):
   model = build_model(CFGS[arch].replace(scan_layers=scan), seed=1)
   prompt, pmask, comp, cmask = prompts_and_completions(model.cfg.vocab_size)

@@ -19,6 +19,7 @@ import jax
 from etils import epath
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT_STEPS, NUM_STEPS = 10, 6
@@ -49,7 +50,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch_pair(workdir, *args, kill_when=None):
+def _launch_pair(workdir, *args, kill_when=None, base=ARGS):
   """Both processes of a 2-process job -> [(returncode, stderr)] by process id. `kill_when`:
   a predicate polled while they run; when it turns true both get SIGKILL (a hard crash)."""
   port = _free_port()
@@ -58,7 +59,7 @@ def _launch_pair(workdir, *args, kill_when=None):
   logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
   procs = [subprocess.Popen(
       ["bash", "launch/multihost.sh", f"127.0.0.1:{port}", "2", str(pid), "--",
-       f"--workdir={workdir}", *ARGS, *args], cwd=ROOT, env=env, stderr=logs[pid],
+       f"--workdir={workdir}", *base, *args], cwd=ROOT, env=env, stderr=logs[pid],
       stdout=subprocess.DEVNULL, text=True) for pid in range(2)]
   if kill_when is not None:
     deadline = time.time() + 600
@@ -76,10 +77,10 @@ def _launch_pair(workdir, *args, kill_when=None):
   return out
 
 
-def _launch_single(workdir, *args):
+def _launch_single(workdir, *args, base=ARGS):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  p = subprocess.run([sys.executable, "-m", "grpo_jax.main", f"--workdir={workdir}", *ARGS,
+  p = subprocess.run([sys.executable, "-m", "grpo_jax.main", f"--workdir={workdir}", *base,
                       *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert p.returncode == 0, p.stderr[-3000:]
 
@@ -162,3 +163,35 @@ def test_two_processes_equal_one_through_stop_kill_and_resume(tmp_path, gcs):
         f"{[rc for rc, _ in killed]}); "
         f"max metric diff {max(worst.values()):.2e}; max param diff "
         f"{max(jax.tree.leaves(diffs)):.2e}")
+
+
+LORA_ARGS = ["--config=configs/tiny_lora.py", "--config.sft_steps=4", "--config.sft.stop_at_accuracy=0",
+             "--config.num_steps=3", "--config.batch_size=8", "--config.num_generations=4",
+             "--config.data.arithmetic.num_train=64", "--config.eval.num_examples=16",
+             "--config.eval.batch_size=16", "--config.log_interval_steps=1",
+             "--config.save_interval_steps=1", "--config.beta=0.05"]
+
+
+@pytest.mark.slow  # ~2 min: LoRA over 2 processes (the default suite runs the full-model pair)
+def test_lora_two_processes_equal_one_through_a_resume(tmp_path, gcs):
+  """LoRA after a full SFT warm start on 2 processes x 4 devices, stopped after one GRPO step
+  and resumed (the folded base reloaded from the gs:// workdir's lora_base) == 1 x 8 straight."""
+  single, pair = epath.Path(tmp_path / "single"), epath.Path(gcs) / "pair"
+  _launch_single(single, base=LORA_ARGS)
+  for rc, err in _launch_pair(pair, "--config.max_steps_per_run=1", base=LORA_ARGS):
+    assert rc == 0, err[-3000:]
+  for rc, err in _launch_pair(pair, base=LORA_ARGS):
+    assert rc == 0, err[-3000:]
+    assert "resuming from" in err
+  ref, got = _logged(single), _logged(pair)
+  assert sorted(ref) == sorted(got)
+  assert sorted(s for what, s in ref if what == "grpo") == [1, 2, 3]
+  for step in ref:
+    for k, v in ref[step].items():
+      assert abs(v - got[step][k]) <= 1e-5 * max(1.0, abs(v)), (step, k, v, got[step][k])
+  assert any(ref[k].get("loss/kl_divergence", 0) > 0 for k in ref)
+  (s1, p1), (s2, p2) = _final_params(single), _final_params(pair)
+  leaves = jax.tree_util.tree_leaves_with_path(p2)
+  assert s1 == s2 and leaves and all("_lora_" in jax.tree_util.keystr(k) for k, _ in leaves)
+  diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), p1, p2)
+  assert max(jax.tree.leaves(diffs)) <= PARAM_TOL, diffs

@@ -53,6 +53,7 @@ def test_epochs_are_exact_permutations_and_resume_at_the_boundary():
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # suite time (-m slow runs it)
 def test_num_epochs_sets_the_run_length_and_a_resume_at_the_epoch_boundary_trains_on(tmp_path):
   """24 train prompts / batch 8 = 3 steps per epoch; num_epochs=2 -> 6 steps. A run stopped
   exactly at the epoch boundary (step 3) and resumed trains steps 4-6 and ends bit-identical to

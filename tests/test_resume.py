@@ -195,6 +195,7 @@ def _compare(a, b):
   assert steps == list(range(1, 7))
 
 
+@pytest.mark.slow  # suite time (-m slow runs it)
 def test_kill_during_a_checkpoint_write_resumes_bit_identical(tmp_path, straight_run):
   """SIGKILL while Orbax is writing a checkpoint (its temporary folder exists): the same
   command resumes from the last complete checkpoint and ends bit-identical."""
@@ -219,6 +220,7 @@ def test_kill_at_a_moment_resumes_bit_identical(tmp_path, straight_run, delay):
   _compare(straight_run, workdir)
 
 
+@pytest.mark.slow  # suite time (-m slow runs it)
 def test_a_failing_checkpoint_write_is_one_line_and_leaves_no_partial_checkpoint(tmp_path):
   """A full disk, simulated with a file-size limit (writes past 64 KiB fail with EFBIG): the
   run stops with one line, no incomplete checkpoint counts as the latest, and the same

@@ -50,6 +50,13 @@ class Policy:
   # Encoder-decoder policies: the decoder's start token, and the native engine samples with
   # the seq2seq sampler (prompt -> encoder, completion <- decoder). None: a decoder-only policy.
   decoder_start_id: int | None = None
+  # LoRA (models/lora.py): params -> (trained, frozen) and back; the optimizer sees only the
+  # trained part. None: every parameter is trained.
+  split: Callable | None = None
+  combine: Callable | None = None
+  # params -> the frozen reference made of the same arrays (LoRA: the base, run without the
+  # adapters). None: the reference is a copy (as_reference).
+  reference: Callable | None = None
 
   def param_shardings(self, mesh):
     if self.shardings is not None:

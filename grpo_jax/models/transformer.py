@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax import sharding
+from grpo_jax.models import lora
 from grpo_jax.models import remat as remat_lib
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.layers import Block
@@ -82,7 +83,10 @@ class Transformer(nnx.Module):
 
     def make_layer(graphdef):
       def layer(block_state, x, cache_kv):
-        return nnx.merge(graphdef, block_state)(x, positions, q_slot, kv_valid, cache_kv)
+        # lora.adapt: LoRA adapters / a quantized base become this layer's effective weights
+        # here, one layer at a time (a no-op on a plain layer).
+        block = lora.adapt(nnx.merge(graphdef, block_state))
+        return block(x, positions, q_slot, kv_valid, cache_kv)
       if policy is None:
         return layer
       return jax.checkpoint(layer, policy=policy, prevent_cse=not self.cfg.scan_layers)

@@ -153,22 +153,32 @@ def apply_update(optimizer: optax.GradientTransformation, state: dict, loss, gra
 
 
 def make_grpo_update(logprob_fn: Callable, optimizer: optax.GradientTransformation,
-                     settings: LossSettings, num_micro: int):
-  """(state, batch) -> (state, metrics): one optimizer update on a whole rollout batch."""
+                     settings: LossSettings, num_micro: int, split: Callable | None = None,
+                     combine: Callable | None = None):
+  """(state, batch) -> (state, metrics): one optimizer update on a whole rollout batch.
 
-  def loss_fn(params, mb):
-    return grpo_micro_loss(params, mb, logprob_fn=logprob_fn, settings=settings)
+  `split(params) -> (trained, frozen)` and `combine` (LoRA: adapters vs the base): gradients,
+  optimizer moments and the update cover only the trained part; the frozen part passes through."""
+  split = split or (lambda p: (p, None))
+  combine = combine or (lambda trained, frozen: trained)
 
   def update(state, batch):
+    trained, frozen = split(state["params"])
+
+    def loss_fn(params, mb):
+      return grpo_micro_loss(combine(params, frozen), mb, logprob_fn=logprob_fn,
+                             settings=settings)
     loss, grads, metrics = accumulate_gradients(
-        loss_fn, state["params"], batch, num_micro, settings.loss_agg_mode)
-    return apply_update(optimizer, state, loss, grads, metrics)
+        loss_fn, trained, batch, num_micro, settings.loss_agg_mode)
+    new, metrics = apply_update(optimizer, dict(state, params=trained), loss, grads, metrics)
+    return dict(new, params=combine(new["params"], frozen)), metrics
 
   return update
 
 
-def init_state(params, optimizer: optax.GradientTransformation) -> dict:
-  return dict(params=params, opt_state=optimizer.init(params),
+def init_state(params, optimizer: optax.GradientTransformation, split=None) -> dict:
+  trained = params if split is None else split(params)[0]
+  return dict(params=params, opt_state=optimizer.init(trained),
               nonfinite_streak=jnp.zeros((), jnp.int32),
               nonfinite_total=jnp.zeros((), jnp.int32))
 
@@ -197,6 +207,16 @@ class TrainFunctions:
   fold_kl: Callable
   refresh: Callable
   abstract_state: dict
+
+
+def num_micro_batches(micro_batch_size: int, rows: int) -> int:
+  """Gradient-accumulation passes over a step's rows: 0 or a size >= rows is one pass."""
+  if micro_batch_size <= 0 or micro_batch_size >= rows:
+    return 1
+  if rows % micro_batch_size:
+    raise ValueError(f"micro_batch_size={micro_batch_size} does not divide the step's {rows} "
+                     "rows")
+  return rows // micro_batch_size
 
 
 def build(config, policy, mesh) -> TrainFunctions:
@@ -250,17 +270,19 @@ def build(config, policy, mesh) -> TrainFunctions:
                       ).astype(r.dtype) if mix < 1 else p.astype(r.dtype), ref, params)
 
   def init(params):
-    return init_state(params, optimizer)
+    return init_state(params, optimizer, policy.split)
 
   param_shardings = policy.param_shardings(mesh)
+  trained_shardings = policy.split(param_shardings)[0] if policy.split else param_shardings
   abstract = jax.eval_shape(init, policy.params)
   shardings = dict(
       params=param_shardings,
-      opt_state=sharding.opt_state_shardings(optimizer, abstract["opt_state"], param_shardings,
-                                             mesh),
+      opt_state=sharding.opt_state_shardings(optimizer, abstract["opt_state"],
+                                             trained_shardings, mesh),
       nonfinite_streak=sharding.replicated(mesh), nonfinite_total=sharding.replicated(mesh))
   update = make_grpo_update(logprobs, optimizer, LossSettings.from_config(config),
-                            rows // (config.micro_batch_size or rows))
+                            num_micro_batches(config.micro_batch_size, rows), policy.split,
+                            policy.combine)
   rows2 = sharding.batch_sharding(mesh, 2)
   return TrainFunctions(
       init=jax.jit(init, out_shardings=shardings),

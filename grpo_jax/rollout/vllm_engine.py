@@ -176,7 +176,14 @@ class VLLMEngine:
                        "32 (32, 64, 80, 96, 112, 128, ...); use rollout.engine=native")
     model_dir = tempfile.mkdtemp(prefix="grpo_vllm_")
     to_rollout = jax.jit(policy.rollout_params)
-    hf.save_hf(nnx.merge(policy.sampler_graphdef, to_rollout(policy.params)), model_dir)
+    params = policy.params
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+      # A resumed run's policy holds shapes only until its checkpoint is restored: vLLM boots
+      # as on a fresh start, on the policy's initial weights (the same chip memory at start-up
+      # and the same calibrated tolerance); the first generate syncs the restored weights.
+      from grpo_jax.models import build
+      params = build.make_policy(config, mesh).params
+    hf.save_hf(nnx.merge(policy.sampler_graphdef, to_rollout(params)), model_dir)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.rollout.vllm.kv_cache_space_gib))
     engine = cls(
         model_dir, graphdef=policy.sampler_graphdef,
@@ -191,7 +198,7 @@ class VLLMEngine:
         **cls.extra_init_kwargs(config, policy, mesh))
     engine._to_rollout = to_rollout
     if engine.verify_sync:
-      engine.calibrate(to_rollout(policy.params))
+      engine.calibrate(to_rollout(params))
     return engine
 
   @classmethod

@@ -1,0 +1,398 @@
+"""LoRA adapters on the native decoder, optionally over a quantized frozen base (QLoRA-style).
+
+    policy = lora.lora_policy(config, mesh)     # models.build.make_policy does this when
+                                                # config.lora.rank > 0
+
+What is stored. Each targeted projection weight W of a layer (`config.lora.target_modules`, a
+regex over the paths `candidate_paths` lists: layers/<i>/attn/{q,k,v,o}, layers/<i>/mlp/{gate,up,
+down}) gets two `nnx.LoRAParam`s beside it on the same module, named as qwix names them:
+  W_lora_a [in..., r]     W's input (contracted) dims, then the rank     (init: he-uniform, qwix's)
+  W_lora_b [r, out...]    the rank, then W's output dims                  (init: zeros)
+(with model.scan_layers the layer axis leads both). Their logical axes are W's with None for the
+rank, so on any mesh an adapter is sharded like the rows/columns of the weight it adapts and the
+rank axis is replicated. With `quantize_base` (int8 / int4, weight-only, through qwix's QArray),
+every projection weight of the base holds the integer values and a `QuantScale` beside it
+(`W_qscale`, per output channel).
+
+How it runs. `adapt(block)` (called by the decoder for every layer, models/transformer.py) turns
+each weight into the one the layer should use, W_eff = dequantize(W) + (alpha / r) * A @ B, inside
+the layer (under scan and remat): one layer's effective weights exist at a time, never a float
+copy of the whole model. Modules without adapters or scales are left alone, so the reference is
+the same program on the same base arrays with the adapters left out of the state (`base_of`): no
+second copy of the weights. The optimizer sees only the LoRAParams (`split`).
+
+Why not qwix's LoRA provider (qwix.LoraProvider / apply_lora_to_model): it intercepts
+dot_general/einsum inside ONE method of an NNX model and creates the adapters on an eager first
+call; our decoder scans over layers (params cannot be created inside lax.scan), runs training,
+prefill and decode through three methods, concatenates gate/up into one GEMM and runs SwiGLU as a
+custom VJP (qwix's `find_param` cannot trace those weights back to their Param and silently skips
+them), and reshapes q/k/v [D, H, K] -> [D, H*K] (qwix's PTQ `WithAux.reshape` refuses that).
+qwix supplies the quantization (`qarray.quantize` / `qwix.dequantize`, in qwix 0.1.2 and 0.1.8)
+and the parameter naming and types follow its provider.
+"""
+import dataclasses
+import json
+import math
+import re
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from grpo_jax import sharding
+
+# Projection weights that can carry adapters, with how many leading dims are W's input dims.
+PROJECTIONS = {("attn", "q"): 1, ("attn", "k"): 1, ("attn", "v"): 1, ("attn", "o"): 2,
+               ("mlp", "gate"): 1, ("mlp", "up"): 1, ("mlp", "down"): 1}
+DEFAULT_TARGETS = r"layers/\d+/(attn/(q|k|v|o)|mlp/(gate|up|down))"
+QUANTIZE_BASE = ("none", "int8", "int4")
+B_INITS = ("zeros", "normal")
+# PEFT / transformers module names of the projections (model.layers.<i>.<name>).
+HF_MODULES = {("attn", "q"): "self_attn.q_proj", ("attn", "k"): "self_attn.k_proj",
+              ("attn", "v"): "self_attn.v_proj", ("attn", "o"): "self_attn.o_proj",
+              ("mlp", "gate"): "mlp.gate_proj", ("mlp", "up"): "mlp.up_proj",
+              ("mlp", "down"): "mlp.down_proj"}
+
+
+class QuantScale(nnx.Variable):
+  """The per-output-channel scales of a quantized base weight (frozen, not a Param)."""
+
+
+# ------------------------------------------------------------------------------- targets
+
+
+def candidate_paths(num_layers: int) -> list[str]:
+  """Every weight path target_modules can match, e.g. "layers/0/attn/q"."""
+  return [f"layers/{i}/{m}/{w}" for i in range(num_layers) for m, w in PROJECTIONS]
+
+
+def targets(num_layers: int, regex: str) -> list[tuple[int, str, str]]:
+  """(layer, module, weight) of every projection whose path `regex` fully matches."""
+  pat = re.compile(regex)
+  return [(i, m, w) for i in range(num_layers) for m, w in PROJECTIONS
+          if pat.fullmatch(f"layers/{i}/{m}/{w}")]
+
+
+def problems(config) -> list[str]:
+  """One line per bad config.lora field (value, why, fix); [] when LoRA is off or valid."""
+  lc, m = config.lora, config.model
+  if lc.rank == 0:
+    return []
+  out = []
+  if lc.rank < 0:
+    out.append(f"lora.rank={lc.rank}: must be >= 0 (0 = LoRA off)")
+  if m.impl != "native" or m.family != "decoder":
+    out.append(f"lora.rank={lc.rank} with model.impl={m.impl!r}, model.family={m.family!r}: "
+               "adapters are built for the native decoder only (MaxText's layers and T5 have no "
+               "hook). Fix: --config.model.impl=native, or --config.lora.rank=0")
+  if lc.alpha <= 0:
+    out.append(f"lora.alpha={lc.alpha}: must be > 0 (the update is scaled by alpha / rank)")
+  if lc.dropout != 0:
+    out.append(f"lora.dropout={lc.dropout}: not supported (adapters are merged into each layer's "
+               "weights inside the forward, where there is no per-token input to drop). Fix: 0")
+  if lc.init not in B_INITS:
+    out.append(f"lora.init={lc.init!r}: the B matrix's init is one of {', '.join(B_INITS)}")
+  if lc.quantize_base not in QUANTIZE_BASE:
+    out.append(f"lora.quantize_base={lc.quantize_base!r}: use one of {', '.join(QUANTIZE_BASE)}")
+  elif lc.quantize_base != "none" and config.sft_steps > 0:
+    out.append(f"lora.quantize_base={lc.quantize_base!r} with sft_steps={config.sft_steps}: SFT "
+               "trains the full model and a quantized base cannot be trained. Fix: "
+               "--config.sft_steps=0 (start from an SFT'd model.hf_path)")
+  try:
+    found = targets(m.num_layers, lc.target_modules)
+  except re.error as e:
+    return out + [f"lora.target_modules={lc.target_modules!r} is not a regex: {e}"]
+  if not found:
+    some = candidate_paths(m.num_layers)
+    out.append(f"lora.target_modules={lc.target_modules!r} matches no weight. It is matched in "
+               f"full against paths like {', '.join(some[:7])} (layers 0..{m.num_layers - 1})")
+  if m.scan_layers:
+    for mw in PROJECTIONS:
+      layers = [i for i, *t in found if tuple(t) == mw]
+      if layers and len(layers) != m.num_layers:
+        out.append(f"lora.target_modules={lc.target_modules!r} matches {'/'.join(mw)} in "
+                   f"{len(layers)} of {m.num_layers} layers: with model.scan_layers the adapters "
+                   "are stacked over layers. Fix: target every layer, or scan_layers=False")
+  dims = _dims(m)
+  for mw in {tuple(t) for _, *t in found}:
+    d_in, d_out = dims[mw]
+    if lc.rank > min(d_in, d_out):
+      out.append(f"lora.rank={lc.rank} > min(d_in, d_out) = min({d_in}, {d_out}) of "
+                 f"{'/'.join(mw)}: a rank past the smaller side adds no capacity. Fix: "
+                 f"lora.rank <= {min(d_in, d_out)}")
+  if config.reference.refresh_every_steps:
+    out.append("lora with reference.refresh_every_steps > 0: the reference is the frozen base "
+               "itself. Fix: --config.reference.refresh_every_steps=0")
+  if config.reference.offload_to_host:
+    out.append("lora with reference.offload_to_host: the reference is the base the policy "
+               "runs on, there is no copy to offload. Fix: reference.offload_to_host=False")
+  return out
+
+
+def _dims(m) -> dict:
+  h, g, k, d, f = m.num_heads, m.num_kv_heads, m.head_dim, m.hidden_size, m.intermediate_size
+  return {("attn", "q"): (d, h * k), ("attn", "k"): (d, g * k), ("attn", "v"): (d, g * k),
+          ("attn", "o"): (h * k, d), ("mlp", "gate"): (d, f), ("mlp", "up"): (d, f),
+          ("mlp", "down"): (f, d)}
+
+
+# --------------------------------------------------------------------------- the forward
+
+
+def effective_weight(module, name: str, stacked: bool = False):
+  """The weight `name` of `module` as its layer should use it: dequantized, adapters added.
+  None when it has neither (the stored weight is used as is). `stacked`: the module holds
+  every layer (scan_layers, outside the scan) on a leading axis."""
+  scale = getattr(module, f"{name}_qscale", None)
+  a = getattr(module, f"{name}_lora_a", None)
+  if scale is None and a is None:
+    return None
+  w = getattr(module, name)[...]
+  if scale is not None:
+    w = _dequantize(w, scale[...])
+  if a is not None:
+    b = getattr(module, f"{name}_lora_b")[...]
+    ab = lambda a, b: jnp.tensordot(a, b, axes=1)  # [in..., r] . [r, out...] -> W's shape
+    delta = (jax.vmap(ab) if stacked else ab)(a[...], b)
+    w = w + (module.lora_scale * delta).astype(w.dtype)
+  return w
+
+
+def adapt(block):
+  """Replaces every adapted or quantized weight of one decoder layer (a module merged inside the
+  layer function) by its effective value; a no-op on a plain layer. Returns `block`."""
+  for _, module in nnx.iter_modules(block):
+    for (_, name) in PROJECTIONS:
+      if hasattr(module, name):
+        w = effective_weight(module, name)
+        if w is not None:  # a new Variable: the merged one may belong to an outer trace
+          setattr(module, name, getattr(module, name).replace(w))
+  return block
+
+
+def _dequantize(qvalue, scale):
+  from qwix._src.core import qarray  # present in qwix 0.1.2 and 0.1.8
+  return qarray.dequantize(qarray.QArray(qvalue, scale, None, _qtype(qvalue.dtype)))
+
+
+def _qtype(dtype) -> str:
+  return {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.int4): "int4"}[jnp.dtype(dtype)]
+
+
+def _quantize(w, qtype: str, channel_axes):
+  from qwix._src.core import qarray
+  q = qarray.quantize(w, qarray.HowToQuantize(qtype=qtype, channelwise_axes=channel_axes))
+  return q.qvalue, q.scale
+
+
+# ------------------------------------------------------------------------ building a model
+
+
+def attach(model, lc, *, seed: int, mesh=None, abstract: bool = False):
+  """Quantizes the base (lc.quantize_base) and adds the adapters, in place. -> (base graphdef,
+  graphdef): the model without and with adapters (the reference and the policy)."""
+  cfg = model.cfg
+  lead = 1 if cfg.scan_layers else 0
+  weights = {}  # (layer or None, module, name) -> (module object, Param)
+  blocks = [(None, model.layers)] if cfg.scan_layers else list(enumerate(model.layers))
+  for i, blk in blocks:
+    for m, w in PROJECTIONS:
+      mod = getattr(blk, m)
+      weights[(i, m, w)] = (mod, getattr(mod, w))
+  if lc.quantize_base != "none":
+    for (i, m, w), (mod, var) in weights.items():
+      n_in = PROJECTIONS[(m, w)]
+      channel_axes = tuple(range(lead)) + tuple(range(lead + n_in, var.get_value().ndim))
+      axes = var.get_metadata()["logical_axes"]
+      q, s = _values(lambda x, ca=channel_axes: _quantize(x, lc.quantize_base, ca),
+                     var.get_value(),
+                     mesh, abstract, ((axes, tuple(None if d in range(lead, lead + n_in) else a
+                                                   for d, a in enumerate(axes)))))
+      var.set_value(q)
+      setattr(mod, f"{w}_qscale", QuantScale(s, logical_axes=tuple(
+          None if d in range(lead, lead + n_in) else a for d, a in enumerate(axes))))
+  base_graphdef, _ = nnx.split(model)
+  key = jax.random.key(seed)
+  found = targets(cfg.num_layers, lc.target_modules)
+  chosen = {(None if lead else i, m, w) for i, m, w in found}
+  for n, ((i, m, w), (mod, var)) in enumerate(weights.items()):
+    if (i, m, w) not in chosen:
+      continue
+    n_in = PROJECTIONS[(m, w)]
+    shape, axes = var.get_value().shape, var.get_metadata()["logical_axes"]
+    a_shape = shape[:lead + n_in] + (lc.rank,)
+    b_shape = shape[:lead] + (lc.rank,) + shape[lead + n_in:]
+    a_axes, b_axes = axes[:lead + n_in] + (None,), axes[:lead] + (None,) + axes[lead + n_in:]
+    ka, kb = jax.random.split(jax.random.fold_in(key, n))
+    dtype = jnp.dtype(cfg.param_dtype)
+    a, b = _values(lambda ka=ka, kb=kb: _init_ab(ka, kb, a_shape, b_shape, lead, n_in, lc.init,
+                                                 dtype), None, mesh, abstract, (a_axes, b_axes))
+    setattr(mod, f"{w}_lora_a", nnx.LoRAParam(a, logical_axes=a_axes))
+    setattr(mod, f"{w}_lora_b", nnx.LoRAParam(b, logical_axes=b_axes))
+    mod.lora_scale = lc.alpha / lc.rank
+  graphdef, _ = nnx.split(model)
+  return base_graphdef, graphdef
+
+
+def _init_ab(ka, kb, a_shape, b_shape, lead, n_in, init, dtype):
+  """A: he-uniform over W's input dims (qwix's default, fan_in = their product); B: zeros
+  (the adapted model starts as the base) or N(0, 0.02^2) (tests of a non-trivial adapter)."""
+  fan_in = math.prod(a_shape[lead:lead + n_in])
+  lim = math.sqrt(6.0 / fan_in)
+  a = jax.random.uniform(ka, a_shape, jnp.float32, -lim, lim).astype(dtype)
+  b = (jnp.zeros(b_shape, dtype) if init == "zeros" else
+       (0.02 * jax.random.normal(kb, b_shape, jnp.float32)).astype(dtype))
+  return a, b
+
+
+def _values(fn, x, mesh, abstract, axes):
+  """fn(x) (or fn()), jitted straight into the shardings its logical `axes` give on `mesh` (each
+  device makes only its shards; the same on every process); abstract: shapes only."""
+  args = () if x is None else (x,)
+  if abstract:
+    out = jax.eval_shape(fn, *args)
+    if mesh is None:
+      return out
+    return tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=jax.sharding.NamedSharding(
+        mesh, sharding.logical_to_spec(ax, o.shape, mesh))) for o, ax in zip(out, axes))
+  if mesh is None:
+    return jax.jit(fn)(*args)
+  shapes = jax.eval_shape(fn, *args)
+  outs = tuple(jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(ax, s.shape, mesh))
+               for s, ax in zip(shapes, axes))
+  return jax.jit(fn, out_shardings=outs)(*args)
+
+
+# ------------------------------------------------------------------- params: split, merge
+
+
+def split(params):
+  """(adapters, base): the LoRAParams (trained) and everything else (frozen)."""
+  return nnx.split_state(params, nnx.LoRAParam, ...)
+
+
+def combine(adapters, base):
+  return nnx.merge_state(base, adapters)
+
+
+def base_of(params):
+  """The frozen base of `params`: the very same arrays (the reference; no copy)."""
+  return split(params)[1]
+
+
+def has_adapters(params) -> bool:
+  return any(isinstance(v, nnx.LoRAParam)
+             for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def merged(params, graphdef):
+  """The plain decoder's state (no adapters, not quantized): W + (alpha / r) A @ B, dequantized,
+  with the structure of the model before `attach` (merge it with that graphdef). For export,
+  vLLM and the merged-weights sampler (jit it: one pass over the weights)."""
+  model = nnx.merge(graphdef, params)
+  blocks = ([((), model.layers)] if model.cfg.scan_layers else
+            [((i,), blk) for i, blk in enumerate(model.layers)])
+  eff = {}
+  for idx, blk in blocks:
+    for m, w in PROJECTIONS:
+      e = effective_weight(getattr(blk, m), w, stacked=model.cfg.scan_layers)
+      if e is not None:
+        eff[("layers", *idx, m, w)] = e
+  flat = [(path, var.replace(eff[path]) if path in eff else var)
+          for path, var in nnx.to_flat_state(split(params)[1])
+          if not isinstance(var, QuantScale)]
+  return nnx.State.from_flat_path(flat)
+
+
+def fold(params, graphdef):
+  """After a full-parameter SFT warm start: the adapters' delta folded into the base (which is
+  then the reference GRPO starts from) and B back to zeros, so the policy is unchanged."""
+  adapters, _ = split(params)
+  flat = [(path, var.replace(jnp.zeros_like(var.get_value()))
+           if str(path[-1]).endswith("_lora_b") else var)
+          for path, var in nnx.to_flat_state(adapters)]
+  return combine(nnx.State.from_flat_path(flat), merged(params, graphdef))
+
+
+# ------------------------------------------------------------------------------ the policy
+
+
+def lora_policy(config, mesh, *, abstract: bool = False):
+  """The native policy with adapters (models.policy.Policy): params = base + adapters, the
+  optimizer trains `split(params)[0]`, the reference is `base_of(params)` run without adapters."""
+  from grpo_jax.models import hf
+  from grpo_jax.models import policy as policy_lib
+  from grpo_jax.models.logprobs import completion_logprobs
+  lc = config.lora
+  plain = policy_lib.native_policy(config, mesh, abstract=abstract)
+  model = nnx.merge(plain.graphdef, plain.params)
+  base_graphdef, graphdef = attach(model, lc, seed=config.seed, mesh=mesh, abstract=abstract)
+  params = nnx.state(model)
+
+  def logprobs(params, input_ids, attention_mask, completion_len, temperature=1.0):
+    gd = graphdef if has_adapters(params) else base_graphdef  # no adapters: the reference
+    return completion_logprobs(nnx.merge(gd, params), input_ids, attention_mask,
+                               completion_len, temperature)
+
+  merge_fn = jax.jit(lambda p: merged(p, graphdef))
+
+  def save(params, path):
+    hf.save_hf(nnx.merge(plain.graphdef, merge_fn(params)), path)
+
+  # vLLM (any engine but the native one) serves the plain decoder, so it gets merged weights:
+  # the full model crosses at each sync (vLLM's own LoRA loading is not wired up).
+  if lc.merge_for_rollout or config.rollout.engine != "native":
+    # the sampler runs the plain decoder on merged weights
+    rollout = dict(rollout_params=lambda p: merged(p, graphdef), sampler_graphdef=plain.graphdef,
+                   sampler_is_trainer=False)
+  else:  # the sampler runs the trainer's own program (adapters applied per layer)
+    rollout = dict(rollout_params=lambda p: p, sampler_graphdef=graphdef,
+                   sampler_is_trainer=True)
+  return policy_lib.Policy(params=params, graphdef=graphdef, logprobs=logprobs,
+                           model_config=plain.model_config, save_hf=save, split=split,
+                           combine=combine, reference=base_of, **rollout)
+
+
+# ------------------------------------------------------------- the base across checkpoints
+# GRPO checkpoints hold the adapters and their optimizer state, and the meta item names where
+# the base comes from (meta["lora_base"]): model.hf_path, the seed's init, or WORKDIR/lora_base
+# (the SFT'd base, written once when SFT hands over to GRPO).
+
+BASE_DIR = "lora_base"
+
+
+def after_sft(config, session, policy, params, mesh, workdir):
+  """The params GRPO starts from: after an SFT warm start, the adapters folded into the base,
+  which is then written to WORKDIR/lora_base (all processes; Orbax). Records meta["lora_base"]."""
+  import orbax.checkpoint as ocp
+  from grpo_jax import paths
+  if not session.meta.get("sft_step"):
+    session.meta["lora_base"] = config.model.hf_path or f"init:seed={config.seed}"
+    return params
+  params = jax.jit(lambda p: fold(p, policy.graphdef),
+                   out_shardings=policy.param_shardings(mesh))(params)
+  where = paths.path(workdir) / BASE_DIR
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(where, split(params)[1], force=True)
+  session.meta["lora_base"] = str(where)
+  return params
+
+
+def load_base(config, policy, mesh, where: str):
+  """The frozen base a checkpoint's adapters go with (`where`: its meta["lora_base"])."""
+  if where and not where.startswith("init:") and where != config.model.hf_path:
+    import orbax.checkpoint as ocp
+    target = sharding.abstract_with(split(policy.params)[1],
+                                    split(policy.param_shardings(mesh))[1])
+    with ocp.StandardCheckpointer() as ckpt:
+      return ckpt.restore(where, target)
+  return split(lora_policy(config, mesh).params)[1]  # model.hf_path or the seed's init again
+
+
+def restore_params(config, ckpt, step: int, policy, mesh):
+  """The full params (base + adapters) of checkpoint `step` (infer, export)."""
+  meta = ckpt.restore_meta(step)
+  if meta["phase"] == "sft":
+    return ckpt.restore_params(step, policy.params)
+  adapters = ckpt.restore_params(step, split(policy.params)[0])
+  return combine(adapters, load_base(config, policy, mesh, meta.get("lora_base", "")))

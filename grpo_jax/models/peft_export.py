@@ -1,0 +1,70 @@
+"""LoRA adapters out in PEFT's format: `adapter_model.safetensors` + `adapter_config.json`.
+
+    peft_export.save_peft(policy, params, config, "/tmp/adapter")
+    # then, with the base exported by --export_hf (or the model.hf_path it started from):
+    #   PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "/tmp/adapter")
+
+Layouts. PEFT's LoRA on an HF Linear (weight [out, in]) adds (lora_alpha / r) * B @ A with
+lora_A.weight [r, in] and lora_B.weight [out, r]. Ours (models/lora.py) adds (alpha / r) *
+A . B to the native weight with A [in..., r] and B [r, out...]; the native <-> HF weight
+mapping (models/hf.py) flattens q/k/v's (heads, head_dim) and o's input (heads, head_dim) in
+row-major order, so lora_A = A.reshape(in, r).T and lora_B = B.reshape(r, out).T.
+"""
+import json
+
+import jax
+import numpy as np
+from flax import nnx
+
+from grpo_jax import paths
+from grpo_jax.models import hf
+from grpo_jax.models import lora
+
+
+def peft_tensors(params, config) -> dict:
+  """{PEFT tensor name: host array} for every adapter in `params` (multi-host: collective)."""
+  cfg, lc = config.model, config.lora
+  flat = dict(nnx.to_flat_state(params))
+  out = {}
+  for i, m, w in lora.targets(cfg.num_layers, lc.target_modules):
+    prefix = ("layers",) if cfg.scan_layers else ("layers", i)
+    a = hf._to_host(flat[(*prefix, m, f"{w}_lora_a")].get_value())
+    b = hf._to_host(flat[(*prefix, m, f"{w}_lora_b")].get_value())
+    if cfg.scan_layers:
+      a, b = a[i], b[i]
+    r = a.shape[-1]
+    name = f"base_model.model.model.layers.{i}.{lora.HF_MODULES[(m, w)]}"
+    out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)
+    out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T)
+  return out
+
+
+def adapter_config(config, base_model_name_or_path: str = "") -> dict:
+  """PEFT's LoraConfig as JSON: the exact module names that carry adapters."""
+  cfg, lc = config.model, config.lora
+  modules = sorted({f"model.layers.{i}.{lora.HF_MODULES[(m, w)]}"
+                    for i, m, w in lora.targets(cfg.num_layers, lc.target_modules)})
+  return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lc.rank),
+          "lora_alpha": float(lc.alpha), "lora_dropout": float(lc.dropout),
+          "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
+          "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+          "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path,
+          "inference_mode": True}
+
+
+def save_peft(params, config, path: str, *, base_model_name_or_path: str = ""):
+  """Writes the adapters of `params` (base + adapters, or adapters only) to `path`. Every
+  process calls it (the gathers are collective); process 0 writes. With a quantized base the
+  adapters were trained against the dequantized weights: pair them with that base."""
+  from safetensors.numpy import save
+  tensors = peft_tensors(params, config)
+  if jax.process_index() != 0:
+    return
+  folder = paths.path(path)
+  folder.mkdir(parents=True, exist_ok=True)
+  dtype = np.dtype(config.model.param_dtype) if config.model.param_dtype != "bfloat16" else None
+  if dtype is not None:
+    tensors = {k: v.astype(dtype) for k, v in tensors.items()}
+  (folder / "adapter_model.safetensors").write_bytes(save(tensors, metadata={"format": "pt"}))
+  paths.write_atomic(folder / "adapter_config.json",
+                     json.dumps(adapter_config(config, base_model_name_or_path), indent=2))
