@@ -9,7 +9,7 @@ import pytest
 from grpo_jax import configuration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ("tiny", "tiny_maxtext", "qwen3_0p6b", "qwen3_8b", "llama3_8b")
+CONFIGS = ("tiny", "tiny_maxtext", "tiny_lora", "qwen3_0p6b", "qwen3_8b", "llama3_8b")
 
 
 def load(name):
@@ -257,3 +257,23 @@ def test_bad_mesh_gives_one_mesh_line_with_the_fix(data, fsdp, tensor):
   assert len(errors) == 1, errors
   assert errors[0].startswith("mesh."), errors[0]
   assert "Fix: make data * fsdp * tensor equal the 8 available devices" in errors[0]
+
+
+def test_micro_batch_at_least_the_step_rows_means_all_rows_at_once():
+  """configs/tiny.py's micro-batch of 32 rows: a smaller batch needs no second flag; below the
+  step's rows the size must divide them, in whole data-parallel shares."""
+  from grpo_jax.rl import step as step_lib
+  config = load("tiny")
+  with config.unlocked():
+    config.batch_size, config.num_generations = 2, 8  # 16 rows < micro_batch_size 32
+  assert errors_of(config, num_devices=1) == []
+  assert step_lib.num_micro_batches(32, 16) == 1 and step_lib.num_micro_batches(0, 16) == 1
+  assert step_lib.num_micro_batches(8, 16) == 2
+  with config.unlocked():
+    config.batch_size, config.micro_batch_size = 8, 24  # 64 rows
+  assert errors_of(config, num_devices=1) == [
+      "micro_batch_size=24: must divide batch_size * num_generations = 64. Fix: use a divisor "
+      "of 64 (or 0 for all rows at once)."]
+  with config.unlocked():
+    config.micro_batch_size = 4
+  assert errors_of(config)[0].startswith("micro_batch_size=4: not divisible by the data-parallel")

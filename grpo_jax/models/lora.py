@@ -17,7 +17,12 @@ every projection weight of the base holds the integer values and a `QuantScale` 
 How it runs. `adapt(block)` (called by the decoder for every layer, models/transformer.py) turns
 each weight into the one the layer should use, W_eff = dequantize(W) + (alpha / r) * A @ B, inside
 the layer (under scan and remat): one layer's effective weights exist at a time, never a float
-copy of the whole model. Modules without adapters or scales are left alone, so the reference is
+copy of the whole model. Costs of this merged form: the backward forms the full-size gradient of
+W_eff before reducing it to A and B (about one more GEMM per adapted weight), and with bf16
+compute W_eff is rounded to bf16 like any weight, so the forward sees the adapters' delta
+dithered by W's rounding (A and B themselves stay f32 and accumulate exactly; per element a
+delta below half of W's bf16 ulp is invisible, over many elements the mean effect is kept).
+Modules without adapters or scales are left alone, so the reference is
 the same program on the same base arrays with the adapters left out of the state (`base_of`): no
 second copy of the weights. The optimizer sees only the LoRAParams (`split`).
 

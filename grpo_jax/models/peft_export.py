@@ -1,6 +1,6 @@
 """LoRA adapters out in PEFT's format: `adapter_model.safetensors` + `adapter_config.json`.
 
-    peft_export.save_peft(policy, params, config, "/tmp/adapter")
+    peft_export.save_peft(params, config, "/tmp/adapter")   # or: infer --export_peft=DIR
     # then, with the base exported by --export_hf (or the model.hf_path it started from):
     #   PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "/tmp/adapter")
 
