@@ -2,36 +2,44 @@
 # The core tests on vLLM-TPU's pins: a Python 3.12 virtualenv (./.venv-tpupins unless VENV is set)
 # with the exact versions tpu-inference 0.32.0 pins (requirements/tpu-pins.txt: jax/jaxlib 0.11.2,
 # libtpu 0.0.48, flax 0.12.10, qwix 0.1.2), everything else at the tested versions of
-# requirements/constraints.txt, then test_rl_*, test_model, test_sampler, test_step, test_train
-# and test_tpu_inference on CPU (8 fake devices, as the main suite).
-#   scripts/test_tpu_pins.sh           the pins + grpo_jax[test]
+# requirements/constraints.txt, on CPU (8 fake devices, as the main suite).
+#   scripts/test_tpu_pins.sh           the pins + grpo_jax[test]; test_rl_*, test_model,
+#                                      test_sampler, test_step, test_train, test_tpu_inference
+#   scripts/test_tpu_pins.sh --ci      the pins + grpo_jax[test-core] (pytest only: no torch,
+#                                      maxtext or vllm; ~1 min); test_rl_*, test_model,
+#                                      test_sampler, test_step, test_tpu_inference and three
+#                                      loop tests of test_train (~4 min on 2 cores); .ci/run
+#                                      calls it after the main suite
 #   scripts/test_tpu_pins.sh --full    + vllm-tpu / tpu-inference themselves (grpo_jax[vllm-tpu];
 #                                      torch, ray, ...: ~7 min and 11 GB more), so
 #                                      test_tpu_inference.py also checks the mapping against
 #                                      tpu-inference's own model classes and loaders
-# Extra arguments go to pytest (e.g. -k kl). Exit code: pytest's (5, nothing collected, fails).
+# Tests whose packages a mode does not install skip with the reason. Extra arguments go to
+# pytest (e.g. -k kl). Exit code: pytest's (5, nothing collected, fails).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-FULL=0
-if [ "${1:-}" = "--full" ]; then
-  FULL=1
+MODE=default
+if [ "${1:-}" = "--full" ] || [ "${1:-}" = "--ci" ]; then
+  MODE="${1#--}"
   shift
 fi
 VENV="${VENV:-$ROOT/.venv-tpupins}"
 source "$ROOT/scripts/_env.sh"
 make_venv
 PINS="$ROOT/requirements/tpu-pins.txt"
-if [ "$FULL" = 1 ]; then
+if [ "$MODE" = full ]; then
   echo "[grpo_jax] installing grpo_jax[test,vllm-tpu] on tpu-inference's pins into $VENV"
   CONSTRAINTS="$PINS" pip_install -e "$ROOT[test,vllm-tpu]"
 else
-  echo "[grpo_jax] installing grpo_jax[test] on tpu-inference's pins into $VENV"
+  extra=test
+  if [ "$MODE" = ci ]; then extra=test-core; fi
+  echo "[grpo_jax] installing grpo_jax[$extra] on tpu-inference's pins into $VENV"
   cons="$(mktemp)"
   trap 'rm -f "$cons"' EXIT
   # The tested versions, except the ones tpu-inference pins otherwise.
   grep -viE '^(jax|jaxlib|libtpu|flax|qwix)==' "$ROOT/requirements/constraints.txt" > "$cons"
   cat "$PINS" >> "$cons"
-  CONSTRAINTS="$cons" pip_install -r "$PINS" -e "$ROOT[test]"
+  CONSTRAINTS="$cons" pip_install -r "$PINS" -e "$ROOT[$extra]"
 fi
 "$VENV/bin/python" - "$PINS" <<'EOF'
 import sys
@@ -44,9 +52,19 @@ if got != want:
 print("[grpo_jax] pins:", " ".join(f"{k}=={v}" for k, v in got.items()))
 EOF
 cd "$ROOT"
+TESTS=(tests/test_rl_*.py tests/test_model.py tests/test_sampler.py tests/test_step.py
+       tests/test_tpu_inference.py)
+if [ "$MODE" = ci ]; then
+  # The loop on the pins: main end to end (eval, checkpoint, summary), and the steady-state
+  # step with every optional path under the transfer guard (JAX-internal hooks).
+  TESTS+=(tests/test_train.py::test_entry_point_writes_events_checkpoint_and_summary
+          tests/test_train.py::test_emulated_guard_catches_an_implicit_read
+          "tests/test_train.py::test_steady_state_steps_touch_the_host_only_on_purpose[overrides1]")
+else
+  TESTS+=(tests/test_train.py)
+fi
 set +e
-JAX_PLATFORMS=cpu "$VENV/bin/python" -m pytest -q tests/test_rl_*.py tests/test_model.py \
-  tests/test_sampler.py tests/test_step.py tests/test_train.py tests/test_tpu_inference.py "$@"
+JAX_PLATFORMS=cpu "$VENV/bin/python" -m pytest -q -rs "${TESTS[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests: the suite is missing or every test was deselected." >&2
