@@ -264,8 +264,10 @@ class LoopStep:
     batch = train._prompt_batch(c, self.data, next(self.iter), self.mesh)
     ids = multihost.to_global(batch["prompt_ids"], self.mesh)
     mask = multihost.to_global(batch["prompt_mask"], self.mesh)
-    run = lambda: jax.block_until_ready(sampler(self.state["params"], ids, mask, self.rng,
-                                                self.gen).tokens)
+    params = self.state["params"]
+    if not self.policy.sampler_is_trainer:  # e.g. LoRA merged for rollout: the sampler's weights
+      params = jax.jit(self.policy.rollout_params)(params)
+    run = lambda: jax.block_until_ready(sampler(params, ids, mask, self.rng, self.gen).tokens)
     run()
     return min(_timed(run) for _ in range(max(repeats, 3)))
 
