@@ -162,10 +162,15 @@ def main(argv):
   if _EXPORT_PEFT.value:
     if not config.lora.rank:
       raise ValueError("--export_peft needs a LoRA run (config.lora.rank > 0)")
+    from grpo_jax import paths
     from grpo_jax.models import peft_export
+    base = config.model.hf_path
+    if peft_export.needs_own_base(config):  # the SFT'd / initial / dequantized base beside it
+      base = str(paths.path(_EXPORT_PEFT.value) / "base")
+      peft_export.save_base(policy, policy.params, base)
     peft_export.save_peft(policy.params, config, _EXPORT_PEFT.value,
-                          base_model_name_or_path=config.model.hf_path)
-    print(f"wrote {_EXPORT_PEFT.value} (step {step})")
+                          base_model_name_or_path=base)
+    print(f"wrote {_EXPORT_PEFT.value} (step {step}; base: {base})")
   if _EXPORT_HF.value or _EXPORT_PEFT.value:
     return
   if not prompts:

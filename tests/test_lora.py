@@ -168,6 +168,34 @@ def test_loop_keeps_no_reference_checkpoints_adapters_and_resumes_exactly(tmp_pa
   sa, sb = _checkpoint(straight, 10)[0], _checkpoint(split_dir, 10)[0]
   for x, y in zip(jax.tree.leaves(sa["train"]), jax.tree.leaves(sb["train"])):
     np.testing.assert_array_equal(x, y)
+  if _have("torch", "transformers", "peft"):  # infer --export_peft of the trained run: the
+    _export_and_load(tmp_path, straight, kw)     # adapters + the SFT'd base they go with
+
+
+def _export_and_load(tmp_path, workdir, kw):
+  import subprocess
+  import sys
+  import torch
+  import transformers
+  import peft
+  out, merged = tmp_path / "peft", tmp_path / "merged"
+  args = [f"--config.{k}={v}" for k, v in kw.items()] + ["--config.lora.rank=4",
+                                                         "--config.lora.alpha=8.0"]
+  r = subprocess.run([sys.executable, "-m", "grpo_jax.infer", "--config=configs/tiny.py",
+                      f"--workdir={workdir}", f"--export_peft={out}", f"--export_hf={merged}",
+                      *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert json.load(open(out / "adapter_config.json"))["base_model_name_or_path"] == str(
+      out / "base")
+  model = peft.PeftModel.from_pretrained(
+      transformers.AutoModelForCausalLM.from_pretrained(out / "base"), out).eval()
+  want = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
+  ids = torch.tensor(np.random.default_rng(0).integers(3, 60, (2, 9)))
+  with torch.no_grad():
+    assert float((model(ids).logits - want(ids).logits).abs().max()) <= 1e-4
+    with model.disable_adapter():
+      assert float((model(ids).logits - want(ids).logits).abs().max()) > 1e-4
 
 
 def _have(*mods):

@@ -68,3 +68,20 @@ def save_peft(params, config, path: str, *, base_model_name_or_path: str = ""):
   (folder / "adapter_model.safetensors").write_bytes(save(tensors, metadata={"format": "pt"}))
   paths.write_atomic(folder / "adapter_config.json",
                      json.dumps(adapter_config(config, base_model_name_or_path), indent=2))
+
+
+def needs_own_base(config) -> bool:
+  """True when the adapters' base is not `model.hf_path` as published: no hf_path (the seed's
+  init), a full SFT warm start (folded into the base), or a quantized base (the adapters were
+  trained against its dequantized weights)."""
+  return (not config.model.hf_path or config.sft_steps > 0 or
+          config.lora.quantize_base != "none")
+
+
+def save_base(policy, params, path: str):
+  """The frozen base of `params` (adapters zeroed, dequantized) as an HF folder at `path`: what
+  the PEFT adapters load onto when the base is not model.hf_path."""
+  adapters, base = lora.split(params)
+  zeros = nnx.State.from_flat_path([
+      (p, v.replace(jax.numpy.zeros_like(v.get_value()))) for p, v in nnx.to_flat_state(adapters)])
+  policy.save_hf(lora.combine(zeros, base), path)
