@@ -1,4 +1,4 @@
-"""Weight sync into vLLM-TPU's JAX model (grpo_jax/rollout/tpu_inference_sync.py).
+"""Weight sync into vLLM-TPU's JAX model (grpo_jax/rollout/tpu_inference_mapping.py, tpu_inference_sync.py).
 
 Without tpu-inference (the main venv): the name/layout mapping on tiny Qwen3 and Llama models
 (scanned and not, tied and not, 1 and 4 tensor-parallel devices, both q layouts): every target
@@ -28,6 +28,7 @@ from grpo_jax import sharding
 from grpo_jax.models import hf
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.transformer import build_model
+from grpo_jax.rollout import tpu_inference_mapping as tim
 from grpo_jax.rollout import tpu_inference_sync as tis
 
 
@@ -60,7 +61,7 @@ def native(cfg, seed=0):
 
 
 def flat_np(state):
-  return {p: np.asarray(v) for p, v in tis.native_flat(state, None).items()}
+  return {p: np.asarray(v) for p, v in tim.native_flat(state, None).items()}
 
 
 def expected_shapes(cfg, tp, q_layout):
@@ -101,24 +102,24 @@ def expected_shapes(cfg, tp, q_layout):
 @pytest.mark.parametrize("case", list(CASES))
 def test_names_shapes_and_round_trip(case):
   cfg, tp, q_layout = CASES[case]
-  lay = tis.Layout.expected(cfg, tp, q_layout)
-  names = tis.target_names(cfg)
+  lay = tim.Layout.expected(cfg, tp, q_layout)
+  names = tim.target_names(cfg)
   assert len(names) == len(set(names))  # each target written once
   want = expected_shapes(cfg, tp, q_layout)
   assert set(names) == set(want)
   state = native(cfg)
   # Every native parameter is read by exactly one rule.
   used = [(("layers", *r.path) if cfg.scan_layers else ("layers", i, *r.path)) if r.per_layer
-          else r.path for r in tis.rules(cfg)
+          else r.path for r in tim.rules(cfg)
           for i in (range(cfg.num_layers) if r.per_layer and not cfg.scan_layers else [0])]
-  assert sorted(map(str, used)) == sorted(map(str, tis.native_flat(state, cfg)))
-  target = tis.to_target_tree(state, cfg, lay, jnp.bfloat16)
+  assert sorted(map(str, used)) == sorted(map(str, tim.native_flat(state, cfg)))
+  target = tim.to_target_tree(state, cfg, lay, jnp.bfloat16)
   assert {n: tuple(a.shape) for n, a in target.items()} == want
   assert all(a.dtype == jnp.bfloat16 for a in target.values())
   # The layout read back from the shapes is the predicted one.
-  assert tis.Layout.from_target(cfg, want) == lay
+  assert tim.Layout.from_target(cfg, want) == lay
   # Round trip, bit for bit (f32 here).
-  back = tis.from_target_tree(tis.to_target_tree(state, cfg, lay), cfg, lay)
+  back = tim.from_target_tree(tim.to_target_tree(state, cfg, lay), cfg, lay)
   orig = flat_np(state)
   assert set(back) == set(orig)
   for p, x in orig.items():
@@ -133,7 +134,7 @@ def _loader_view(cfg, tp, q_layout):
   model = build_model(cfg, seed=3)
   tensors = {n: p() for n, p in hf.hf_tensors(model)}
   h, g, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-  kp = tis.padded_head_dim(k)
+  kp = tim.padded_head_dim(k)
   rep = max(g, tp) // g
 
   def heads(w, n):  # HF [n*K, D] -> reshape (n, K, D), pad K, transpose (2, 0, 1) -> [D, n, Kp]
@@ -156,7 +157,7 @@ def _loader_view(cfg, tp, q_layout):
     else:
       y = w
     if "embed_tokens" in name or name == "lm_head.weight":
-      rows = tis.Layout.expected(cfg, tp).vocab_rows
+      rows = tim.Layout.expected(cfg, tp).vocab_rows
       y = np.pad(y, ((0, rows - y.shape[0]), (0, 0)) if "embed" in name else
                  ((0, 0), (0, rows - y.shape[1])))
     if qwen:
@@ -178,8 +179,8 @@ def _loader_view(cfg, tp, q_layout):
 def test_mapping_equals_the_checkpoint_loaders_transform(case):
   cfg, tp, q_layout = CASES[case]
   model, theirs = _loader_view(cfg, tp, q_layout)
-  ours = tis.to_target_tree(nnx.state(model, nnx.Param), cfg,
-                            tis.Layout.expected(cfg, tp, q_layout))
+  ours = tim.to_target_tree(nnx.state(model, nnx.Param), cfg,
+                            tim.Layout.expected(cfg, tp, q_layout))
   assert set(ours) == set(theirs)
   for n in ours:
     np.testing.assert_array_equal(np.asarray(ours[n]), theirs[n], err_msg=n)
@@ -190,12 +191,12 @@ def test_padded_heads_compute_the_same_attention():
   attention unchanged (q head i reads kv head i // (H / Hkv), tpu-inference's grouping and
   ours), with the scale of the original head_dim (as tpu-inference passes it)."""
   cfg = llama3()
-  lay = tis.Layout.expected(cfg, 4)
+  lay = tim.Layout.expected(cfg, 4)
   assert (lay.head_dim, lay.num_kv_heads) == (128, 4)
   state = native(cfg, seed=5)
   flat = flat_np(state)
   w = {n: flat[("layers", 0, "attn", n)] for n in "qkvo"}
-  t = {n: np.asarray(tis.to_target(kind, w[n], cfg, lay))
+  t = {n: np.asarray(tim.to_target(kind, w[n], cfg, lay))
        for n, kind in zip("qkvo", ("q", "kv", "kv", "o"))}
   x = np.random.default_rng(0).normal(size=(2, 5, cfg.hidden_size)).astype(np.float32)
 
@@ -214,8 +215,8 @@ def test_padded_heads_compute_the_same_attention():
 
 
 def test_problems_name_the_field():
-  assert tis.problems(qwen3(), 2) == []
-  assert tis.problems(llama3(), 4) == []
+  assert tim.problems(qwen3(), 2) == []
+  assert tim.problems(llama3(), 4) == []
   checks = [
       (qwen3(head_dim=96), 1, "model.head_dim=96"),
       (qwen3(attention_bias=True), 1, "model.attention_bias"),
@@ -226,7 +227,7 @@ def test_problems_name_the_field():
       (ModelConfig(arch="gpt", vocab_size=8), 1, "model.arch"),
   ]
   for cfg, tp, needle in checks:
-    got = tis.problems(cfg, tp)
+    got = tim.problems(cfg, tp)
     assert any(needle in p for p in got), (needle, got)
   with pytest.raises(ValueError, match="model.head_dim=96"):
     tis.Syncer(qwen3(head_dim=96))
@@ -241,7 +242,7 @@ def test_split_off_local_devices():
   assert tis.vllm_local_devices(2) == off and tis.vllm_local_devices(0) == jax.local_devices()
   with pytest.raises(ValueError, match="at least one"):
     sharding.split_off_local(8)
-  assert not tis.available()  # CPU: the vllm engine stays vllm_engine.VLLMEngine
+  assert not tim.available()  # CPU: the vllm engine stays vllm_engine.VLLMEngine
 
 
 def test_trainer_mesh_leaves_vllm_its_chips():
@@ -279,7 +280,7 @@ def fake_target_state(cfg, tp, devices, dtype=jnp.bfloat16, q_layout="DNH"):
   "model" axis: heads, the MLP width and the vocabulary split), zeros, as an nnx.State whose
   dotted paths are the target names."""
   mesh = Mesh(np.asarray(devices), ("model",))
-  lay = tis.Layout.expected(cfg, tp, q_layout)
+  lay = tim.Layout.expected(cfg, tp, q_layout)
   shapes = expected_shapes(cfg, tp, q_layout)
   specs = {"q_proj": (None, "model", None) if q_layout == "DNH" else ("model", None, None),
            "k_proj": (None, "model", None), "v_proj": (None, "model", None),
@@ -321,19 +322,19 @@ def test_push_on_device_keeps_target_shardings(where, scan):
   params = nnx.state(model, nnx.Param)
   target, lay = fake_target_state(cfg, tp, [devs[i] for i in vllm])
   before = {n: (v.get_value(), v.get_value().sharding)
-            for n, v in tis.target_params(target).items()}
+            for n, v in tim.target_params(target).items()}
   syncer = tis.Syncer(cfg)
   with jax.transfer_guard_host_to_device("disallow"), jax.transfer_guard_device_to_host("disallow"):
     stats = syncer.push(params, target)
     stats2 = syncer.push(params, target)  # a second sync reuses the compiled mappers
   assert stats == stats2 and stats["tensors"] == len(before)
   assert stats["bytes"] == sum(a.size * 2 for a, _ in before.values())
-  after = tis.target_params(target)
+  after = tim.target_params(target)
   for n, (old, sh) in before.items():
     new = after[n].get_value()
     assert new.sharding == sh and new.dtype == jnp.bfloat16, n
     assert old.is_deleted(), n
-  got = tis.from_target_tree({n: v.get_value() for n, v in after.items()}, cfg, lay)
+  got = tim.from_target_tree({n: v.get_value() for n, v in after.items()}, cfg, lay)
   for p, x in flat_np(params).items():
     np.testing.assert_array_equal(np.asarray(got[p]), np.asarray(jnp.asarray(x, jnp.bfloat16)),
                                   err_msg=str(p))
@@ -410,10 +411,10 @@ def test_abstract_tpu_inference_model_has_the_mapped_names_and_shapes(ti, case):
   mesh = ti_mesh(ti, tp)
   with jax.set_mesh(mesh):
     m = nnx.eval_shape(lambda: ti.classes[cfg.arch](ti_config(cfg, tp), jax.random.key(0), mesh))
-  shapes = tis.target_shapes(nnx.state(m))
+  shapes = tim.target_shapes(nnx.state(m))
   assert shapes == expected_shapes(cfg, tp, "DNH")
   lay = tis.Syncer(cfg).check(nnx.state(m))  # the engine's own start-up check
-  assert lay == tis.Layout.expected(cfg, tp)
+  assert lay == tim.Layout.expected(cfg, tp)
 
 
 @needs_ti
@@ -440,9 +441,9 @@ def test_tpu_inference_loader_equals_mapping_and_push_overwrites_it(ti, case):
     else:
       m.load_weights(jax.random.key(0))
   state = nnx.state(m)
-  lay = tis.Layout.expected(cfg, tp)
-  theirs = {n: v.get_value() for n, v in tis.target_params(state).items()}
-  ours = tis.to_target_tree(nnx.state(model, nnx.Param), cfg, lay)
+  lay = tim.Layout.expected(cfg, tp)
+  theirs = {n: v.get_value() for n, v in tim.target_params(state).items()}
+  ours = tim.to_target_tree(nnx.state(model, nnx.Param), cfg, lay)
   assert set(theirs) == set(ours)
   for n, a in ours.items():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(theirs[n]), err_msg=n)
@@ -451,8 +452,8 @@ def test_tpu_inference_loader_equals_mapping_and_push_overwrites_it(ti, case):
   shardings = {n: a.sharding for n, a in theirs.items()}
   with jax.transfer_guard_host_to_device("disallow"), jax.transfer_guard_device_to_host("disallow"):
     tis.Syncer(cfg).push(other, state)
-  after = {n: v.get_value() for n, v in tis.target_params(state).items()}
+  after = {n: v.get_value() for n, v in tim.target_params(state).items()}
   assert {n: a.sharding for n, a in after.items()} == shardings
-  back = tis.from_target_tree(after, cfg, lay)
+  back = tim.from_target_tree(after, cfg, lay)
   for p, x in flat_np(other).items():
     np.testing.assert_array_equal(np.asarray(back[p]), x, err_msg=str(p))

@@ -35,8 +35,6 @@ them), and reshapes q/k/v [D, H, K] -> [D, H*K] (qwix's PTQ `WithAux.reshape` re
 qwix supplies the quantization (`qarray.quantize` / `qwix.dequantize`, in qwix 0.1.2 and 0.1.8)
 and the parameter naming and types follow its provider.
 """
-import dataclasses
-import json
 import math
 import re
 
@@ -309,14 +307,19 @@ def merged(params, graphdef):
   return nnx.State.from_flat_path(flat)
 
 
-def fold(params, graphdef):
-  """After a full-parameter SFT warm start: the adapters' delta folded into the base (which is
-  then the reference GRPO starts from) and B back to zeros, so the policy is unchanged."""
-  adapters, _ = split(params)
+def zero_delta(params):
+  """`params` with every B at zero: the adapted model computes exactly its base."""
+  adapters, base = split(params)
   flat = [(path, var.replace(jnp.zeros_like(var.get_value()))
            if str(path[-1]).endswith("_lora_b") else var)
           for path, var in nnx.to_flat_state(adapters)]
-  return combine(nnx.State.from_flat_path(flat), merged(params, graphdef))
+  return combine(nnx.State.from_flat_path(flat), base)
+
+
+def fold(params, graphdef):
+  """After a full-parameter SFT warm start: the adapters' delta folded into the base (which is
+  then the reference GRPO starts from) and B back to zeros, so the policy is unchanged."""
+  return combine(split(zero_delta(params))[0], merged(params, graphdef))
 
 
 # ------------------------------------------------------------------------------ the policy

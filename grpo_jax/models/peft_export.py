@@ -81,7 +81,4 @@ def needs_own_base(config) -> bool:
 def save_base(policy, params, path: str):
   """The frozen base of `params` (adapters zeroed, dequantized) as an HF folder at `path`: what
   the PEFT adapters load onto when the base is not model.hf_path."""
-  adapters, base = lora.split(params)
-  zeros = nnx.State.from_flat_path([
-      (p, v.replace(jax.numpy.zeros_like(v.get_value()))) for p, v in nnx.to_flat_state(adapters)])
-  policy.save_hf(lora.combine(zeros, base), path)
+  policy.save_hf(lora.zero_delta(params), path)  # save_hf merges: base + 0, dequantized

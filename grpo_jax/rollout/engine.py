@@ -70,8 +70,9 @@ def make_engine(config, policy, tokenizer, mesh, *, num_generations: int | None 
     if policy.decoder_start_id is not None:
       raise ValueError("rollout.engine='vllm' serves decoder-only policies; this one is an "
                        "encoder-decoder (model.family). Fix: --config.rollout.engine=native")
+    from grpo_jax.rollout import tpu_inference_mapping
     from grpo_jax.rollout import tpu_inference_sync
-    if tpu_inference_sync.available():  # vLLM-TPU: on-device sync into its JAX model
+    if tpu_inference_mapping.available():  # vLLM-TPU: on-device sync into its JAX model
       cls = tpu_inference_sync.engine_class()
     else:
       from grpo_jax.rollout import vllm_engine  # optional dependency
