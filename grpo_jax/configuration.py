@@ -29,6 +29,7 @@ from grpo_jax.rl import advantages
 from grpo_jax.rl import registry as rl_registry
 from grpo_jax.rollout import engine as rollout_engine
 from grpo_jax.rollout import types as rollout_types
+from grpo_jax.rollout import vllm_engine as vllm_sync
 
 # jax.transfer_guard levels that config.debug.transfer_guard may name (passed to jax as is).
 TRANSFER_GUARDS = ("allow", "log", "disallow")
@@ -212,6 +213,7 @@ def _check_rollout(c: _Checker, cfg):
             "0 = no limit; e.g. 600")
   c.require(r.vllm.num_devices >= 0, "rollout.vllm.num_devices", "must be >= 0",
             "0 = vLLM shares the trainer's chips; N = vLLM's own chips on each host")
+  c.one_of("rollout.vllm.lora_sync", vllm_sync.LORA_SYNCS, "LoRA weight sync")
   known = rollout_types.GENERATION_CONFIGS
   for name in cfg.eval.generation_configs:
     if name not in known:

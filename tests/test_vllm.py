@@ -183,11 +183,13 @@ def test_a_sync_past_its_timeout_stops_the_run(setup, monkeypatch):
   assert engine.last_probe_diff <= 1e-4
 
 
-@pytest.mark.parametrize("config", [
-    "tiny", pytest.param("tiny_maxtext", marks=pytest.mark.slow),  # suite time: -m slow
-    pytest.param("tiny_lora", marks=pytest.mark.slow)])  # LoRA: vLLM gets merged weights
-def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config):
-  """Native policy, and a MaxText policy whose weights reach vLLM through the native layout.
+@pytest.mark.parametrize("config,lora_sync", [
+    ("tiny", "merged"), pytest.param("tiny_maxtext", "merged", marks=pytest.mark.slow),
+    pytest.param("tiny_lora", "merged", marks=pytest.mark.slow),  # suite time: -m slow
+    pytest.param("tiny_lora", "adapters", marks=pytest.mark.slow)])
+def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config, lora_sync):
+  """Native policy, and a MaxText policy whose weights reach vLLM through the native layout;
+  a LoRA policy with merged weights or with vLLM's own LoRA (adapters only cross).
   The run stops after step 1 and resumes: the resumed run's policy is a restore target (shapes
   only) when vLLM boots, and vLLM must then sample from the restored weights."""
   if config == "tiny_maxtext":
@@ -204,7 +206,8 @@ def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config):
          "--config.batch_size=8", "--config.num_generations=4",
          "--config.data.arithmetic.num_train=64", "--config.data.arithmetic.num_test=16",
          "--config.log_interval_steps=1", "--config.rollout.max_logprob_gap=0.5",
-         f"--config.reward.custom_file={ROOT}/tests/data/digit_count_reward.py", *args],
+         f"--config.reward.custom_file={ROOT}/tests/data/digit_count_reward.py",
+         f"--config.rollout.vllm.lora_sync={lora_sync}", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert says in r.stderr
@@ -213,6 +216,7 @@ def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config):
   assert [x["step"] for x in steps] == [1, 2]
   for x in steps:
     assert x["perf/weight_sync_sec"] > 0
+    assert x["perf/weight_sync_mb"] > 0
     assert x["perf/weight_sync_check_sec"] > 0
     assert x["rollout/weight_sync_probe_diff"] <= 1e-4  # vLLM holds the synced weights
     # vLLM samples what the trainer scores; MaxText's tied head is bf16-rounded (see
@@ -221,3 +225,49 @@ def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config):
     assert x["rollout/logprob_abs_diff_max"] <= tol
     assert x["loss/grad_norm"] > 0
   assert json.load(open(workdir / "summary.json"))["final_step"] == 2
+
+
+class _Tok:
+  stop_ids, pad_id = (), 0
+
+
+def test_lora_adapters_only_sync_serves_the_policy():
+  """rollout.vllm.lora_sync=adapters: vLLM's own LoRA. The first sync sends the base the
+  adapters go with (here another base than the one vLLM booted on, as after a resume onto an
+  SFT'd base) and the adapters; later ones the adapters alone (bytes counted). vLLM then
+  samples what the trainer scores (probe and sampled tokens' log-probs within 1e-4)."""
+  from grpo_jax.models import build
+  from grpo_jax.models import lora
+  from tests.test_lora import lora_config
+  from tests.test_lora import one_device_mesh
+  config = lora_config(**{"rollout.engine": "vllm", "rollout.vllm.lora_sync": "adapters",
+                          "lora.rank": 8, "lora.alpha": 16.0})
+  mesh = one_device_mesh()
+  policy = build.make_policy(config, mesh)
+  engine = vllm_engine.VLLMEngine.from_config(config, policy, _Tok(), mesh, num_generations=2,
+                                              max_new_tokens=6)
+  try:
+    adapters, base = lora.split(policy.params)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 96, (4, config.max_prompt_length)).astype(np.int32)
+    mask = np.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    gen = GenerationConfig(temperature=1.0, top_k=0, top_p=1.0)
+    for step, params in enumerate([
+        lora.combine(_perturbed(adapters, 0.05), _perturbed(base, 0.05)),
+        lora.combine(_perturbed(adapters, 0.1), _perturbed(base, 0.05))]):
+      r = engine.generate(params, dict(prompt_ids=ids, prompt_mask=mask), jax.random.key(step),
+                          gen)
+      assert engine.last_probe_diff <= 1e-4
+      adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(lora.split(params)[0]))
+      merged_bytes = sum(x.nbytes for x in jax.tree.leaves(lora.merged(params, policy.graphdef)))
+      assert engine.last_sync_bytes == adapter_bytes + (merged_bytes if step == 0 else 0)
+      tokens, cmask = np.asarray(r.tokens), np.asarray(r.mask)
+      assert cmask.sum() > 0
+      full = np.concatenate([np.repeat(ids, 2, 0), tokens], 1)
+      am = np.concatenate([np.repeat(mask, 2, 0), cmask], 1)
+      trainer = np.asarray(policy.logprobs(params, full, am, 6))
+      assert np.abs((trainer - np.asarray(r.logprobs)) * cmask).max() <= 1e-4
+    assert engine.stats()["perf/weight_sync_mb"] == pytest.approx(adapter_bytes / 1e6)
+  finally:
+    engine.close()

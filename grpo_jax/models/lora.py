@@ -347,8 +347,9 @@ def lora_policy(config, mesh, *, abstract: bool = False):
   def save(params, path):
     hf.save_hf(nnx.merge(plain.graphdef, merge_fn(params)), path)
 
-  # vLLM (any engine but the native one) serves the plain decoder, so it gets merged weights:
-  # the full model crosses at each sync (vLLM's own LoRA loading is not wired up).
+  # vLLM (any engine but the native one) holds the plain decoder: its sync gets merged weights
+  # (rollout.vllm.lora_sync=merged) or the base once and then the adapters alone through
+  # vLLM's own LoRA (adapters; rollout/vllm_engine.py); its probe check uses the merged form.
   if lc.merge_for_rollout or config.rollout.engine != "native":
     # the sampler runs the plain decoder on merged weights
     rollout = dict(rollout_params=lambda p: merged(p, graphdef), sampler_graphdef=plain.graphdef,

@@ -236,6 +236,10 @@ def make_engine_class():
       os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
       devices = list(devices if devices is not None else jax.local_devices())
       bad = problems(model_config, len(devices))
+      if kw.get("lora_config") is not None:
+        bad.append("rollout.vllm.lora_sync='adapters' is for vLLM on CPU/GPU; on TPU the "
+                   "merged weights are written on device, chip to chip (no host copy). Fix: "
+                   "--config.rollout.vllm.lora_sync=merged")
       if bad:
         raise ValueError("vLLM-TPU rollout engine: " + "; ".join(bad))
       llm_kwargs = dict(tensor_parallel_size=len(devices), enforce_eager=False)
@@ -264,9 +268,6 @@ def make_engine_class():
         self.last_sync_sec = time.time() - t0
         if self.verify_sync:
           self.verify(rollout_state)
-
-    def stats(self) -> dict[str, float]:
-      return dict(super().stats(), **{"perf/weight_sync_gib": self.last_sync_bytes / 2**30})
 
   return TPUInferenceEngine
 

@@ -12,6 +12,16 @@
   tied embeddings are re-tied and re-packed; the prefix cache is reset (cached KV blocks were
   computed by the old weights). Timed as `last_sync_sec`; `stats()` reports it as
   perf/weight_sync_sec. Skipped when the params object is the one synced last.
+- LoRA policies (`rollout.vllm.lora_sync`): "merged" (the default) sends W + (alpha/r) A.B for every weight
+  as above (the full model crosses per sync); "adapters" starts vLLM with its own LoRA
+  (enable_lora) and per sync writes only the adapters, in PEFT's format
+  (models/peft_export.py), to a RAM folder that vLLM reloads in place (LoRARequest with
+  load_inplace); every request then names that adapter. The base vLLM holds is sent once, at
+  the engine's first sync (the policy's weights with the adapters' delta at zero, dequantized:
+  a resumed run's base may be the SFT'd one, not the one vLLM booted on); GRPO never changes
+  it. `last_sync_bytes` (perf/weight_sync_mb) counts what crossed. vLLM computes
+  x.W + (alpha/r) (x.A).B unmerged, the same function as the trainer's merged W_eff (the probe
+  check below holds it to the same tolerance). Measured in benchmarks/lora_vllm_sync.py.
 - Verified sync (`verify_sync`, config rollout.vllm.verify_sync): after every sync a fingerprint
   is compared between trainer and engine: the log-probs of a fixed probe sequence (up to 32
   token ids drawn once from a seeded RNG, pad/eos ids left out), from the synced weights
@@ -69,7 +79,8 @@ from grpo_jax.rollout.types import generation_config
 AUTO_SYNC_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
 CALIBRATION_MARGIN = 3.0
 CALIBRATED_MAX = 1.0
-PROBE_LENGTH = 32  # probe tokens (fewer when the engine's context is shorter)
+PROBE_LENGTH = 32
+LORA_SYNCS = ("merged", "adapters")  # rollout.vllm.lora_sync (see the module docstring)  # probe tokens (fewer when the engine's context is shorter)
 
 
 def resolve_sync_tolerance(tolerance: float, dtype: str, baseline: float | None = None) -> float:
@@ -121,7 +132,8 @@ class VLLMEngine:
                max_new_tokens: int, eos_ids, pad_id: int, tied: bool, mesh,
                gpu_memory_utilization: float = 0.5, seed: int = 0, dtype: str = "float32",
                verify_sync: bool = True, sync_tolerance: float = 0.0,
-               sync_timeout_sec: float = 600.0, llm_kwargs: dict | None = None):
+               sync_timeout_sec: float = 600.0, llm_kwargs: dict | None = None,
+               lora_config=None):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
@@ -152,6 +164,19 @@ class VLLMEngine:
     self._sync_thread = None
     self._synced = None
     self._to_rollout = None  # policy params -> native layout (set by from_config)
+    self.last_sync_bytes = 0
+    # lora_sync="adapters" (lora_config: the run's config, whose lora/model blocks name the
+    # adapters): vLLM's own LoRA serves the adapters, which alone cross per sync.
+    self._lora_cfg = lora_config
+    self._lora_request = None  # what every generate names once the adapters are loaded
+    self._lora_dir = None
+    self._base_sent = False
+    self._to_base = None  # policy params -> native layout with the adapters' delta at zero
+    if lora_config is not None:
+      r = int(lora_config.lora.rank)
+      llm_kwargs = dict(dict(enable_lora=True, max_loras=1, max_cpu_loras=1,
+                             max_lora_rank=max(8, 1 << (r - 1).bit_length())),
+                        **(llm_kwargs or {}))
     # llm_kwargs: engine arguments a backend adds or overrides (the TPU engine of
     # rollout/tpu_inference_sync.py: tensor_parallel_size, its devices, enforce_eager).
     self.llm = vllm.LLM(**dict(dict(
@@ -185,6 +210,9 @@ class VLLMEngine:
       params = build.make_policy(config, mesh).params
     hf.save_hf(nnx.merge(policy.sampler_graphdef, to_rollout(params)), model_dir)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.rollout.vllm.kv_cache_space_gib))
+    lora_sync = config.rollout.vllm.get("lora_sync", "merged")
+    lora_config = (config if config.get("lora") and config.lora.rank > 0 and
+                   lora_sync == "adapters" else None)
     engine = cls(
         model_dir, graphdef=policy.sampler_graphdef,
         num_generations=config.num_generations if num_generations is None else num_generations,
@@ -194,9 +222,12 @@ class VLLMEngine:
         gpu_memory_utilization=config.rollout.vllm.gpu_memory_utilization, seed=config.seed,
         dtype=cfg.dtype, verify_sync=config.rollout.vllm.verify_sync,
         sync_tolerance=config.rollout.vllm.sync_tolerance,
-        sync_timeout_sec=config.rollout.vllm.sync_timeout_sec,
+        sync_timeout_sec=config.rollout.vllm.sync_timeout_sec, lora_config=lora_config,
         **cls.extra_init_kwargs(config, policy, mesh))
     engine._to_rollout = to_rollout
+    if lora_config is not None:
+      from grpo_jax.models import lora
+      engine._to_base = jax.jit(lambda p: policy.rollout_params(lora.zero_delta(p)))
     if engine.verify_sync:
       engine.calibrate(to_rollout(params))
     return engine
@@ -214,17 +245,26 @@ class VLLMEngine:
     (verify_sync) checks the probe fingerprint; at most sync_timeout_sec for both. Returns the
     sync's seconds (the check's are last_check_sec). Raises RuntimeError on a mismatch or a
     timeout."""
+    return self._bounded(lambda: self._sync_and_verify(rollout_state))
+
+  def sync_adapters(self, params) -> float:
+    """lora_sync="adapters": loads the LoRA adapters of the policy's `params` into vLLM's own
+    LoRA (and, at the first sync, the frozen base), then checks the probe as sync_weights."""
+    return self._bounded(lambda: self._sync_adapters_and_verify(params))
+
+  def _bounded(self, work_fn) -> float:
+    """Runs a sync (+ check) within sync_timeout_sec; see sync_weights."""
     if self._failed:
       raise RuntimeError(self._failed)
     self.num_syncs += 1
     if self.sync_timeout_sec <= 0:
-      self._sync_and_verify(rollout_state)
+      work_fn()
       return self.last_sync_sec
     box = {}
 
     def work():
       try:
-        self._sync_and_verify(rollout_state)
+        work_fn()
       except BaseException as e:  # re-raised in the caller's thread
         box["error"] = e
 
@@ -258,11 +298,48 @@ class VLLMEngine:
       named = self._named_tensors(model)
       del model
       self.llm.collective_rpc(_reload, args=(named, self.tied))
+      self.last_sync_bytes = sum(int(np.asarray(t).nbytes) for _, t in named)
       del named
       self.llm.reset_prefix_cache()
       self.last_sync_sec = time.time() - t0
       if self.verify_sync:
         self.verify(rollout_state)
+
+  def _sync_adapters_and_verify(self, params):
+    from safetensors.numpy import save_file
+    from vllm.lora.request import LoRARequest
+    from grpo_jax.models import peft_export
+    with jax.transfer_guard("allow"):
+      t0 = time.time()
+      moved = 0
+      if not self._base_sent:  # once per engine: the base the adapters go with
+        model = nnx.merge(self.graphdef, self._to_base(params))
+        named = self._named_tensors(model)
+        del model
+        self.llm.collective_rpc(_reload, args=(named, self.tied))
+        moved += sum(int(np.asarray(t).nbytes) for _, t in named)
+        del named
+        self._base_sent = True
+      tensors = peft_export.peft_tensors(params, self._lora_cfg)  # collective (multi-host)
+      if self._lora_dir is None:  # RAM-backed where there is one: the files only hand over
+        ram = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._lora_dir = tempfile.mkdtemp(prefix="grpo_vllm_lora_", dir=ram)
+        with open(os.path.join(self._lora_dir, "adapter_config.json"), "w") as f:
+          json.dump(peft_export.adapter_config(self._lora_cfg), f)
+      dtype = np.float32 if self.dtype == "float32" else None
+      tensors = {k: np.ascontiguousarray(v.astype(dtype) if dtype else v)
+                 for k, v in tensors.items()}
+      save_file(tensors, os.path.join(self._lora_dir, "adapter_model.safetensors"),
+                metadata={"format": "pt"})
+      moved += sum(v.nbytes for v in tensors.values())
+      self.llm.llm_engine.add_lora(LoRARequest("grpo_policy", 1, self._lora_dir,
+                                               load_inplace=True))
+      self._lora_request = LoRARequest("grpo_policy", 1, self._lora_dir)
+      self.llm.reset_prefix_cache()  # same adapter id, new weights: cached blocks are stale
+      self.last_sync_sec = time.time() - t0
+      self.last_sync_bytes = moved
+      if self.verify_sync:
+        self.verify(self._to_rollout(params))
 
   def trainer_probe_logprobs(self, rollout_state) -> np.ndarray:
     """log p(probe[i] | probe[:i]), i >= 1, from `rollout_state` by the trainer's forward."""
@@ -287,7 +364,8 @@ class VLLMEngine:
     params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0, top_k=0,
                                        seed=0, prompt_logprobs=0, detokenize=False)
     probe = [int(t) for t in self.probe]
-    out = self.llm.generate([TokensPrompt(prompt_token_ids=probe)], params, use_tqdm=False)[0]
+    out = self.llm.generate([TokensPrompt(prompt_token_ids=probe)], params, use_tqdm=False,
+                            lora_request=self._lora_request)[0]
     plp = out.prompt_logprobs
     return np.asarray([plp[i][tok].logprob for i, tok in enumerate(probe) if i > 0], np.float32)
 
@@ -350,7 +428,7 @@ class VLLMEngine:
     g, c_len = self.num_generations, self.max_new_tokens
     if params.n == 1 and g > 1:
       prompts = [p for p in prompts for _ in range(g)]
-    outs = self.llm.generate(prompts, params, use_tqdm=False)
+    outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
     outputs = [c for out in outs for c in out.outputs]
     n = len(prompt_ids) * g
     tokens = np.full((n, c_len), self.pad_id, np.int32)
@@ -377,7 +455,10 @@ class VLLMEngine:
       raise RuntimeError(self._failed)
     with jax.transfer_guard("allow"):  # vLLM lives on the host: every transfer is on purpose
       if params is not self._synced:
-        self.sync_weights(self._to_rollout(params) if self._to_rollout is not None else params)
+        if self._lora_cfg is not None:
+          self.sync_adapters(params)
+        else:
+          self.sync_weights(self._to_rollout(params) if self._to_rollout is not None else params)
         self._synced = params
       seed = int(jax.random.randint(rng, (), 0, 2**31 - 1)) + 7919 * jax.process_index()
       tokens, mask, logp, truncated = self.generate_local(batch["prompt_ids"],
@@ -389,7 +470,8 @@ class VLLMEngine:
                      truncated=to_g(truncated))
 
   def stats(self) -> dict[str, float]:
-    out = {"perf/weight_sync_sec": self.last_sync_sec}
+    out = {"perf/weight_sync_sec": self.last_sync_sec,
+           "perf/weight_sync_mb": self.last_sync_bytes / 1e6}
     if self.verify_sync:
       out.update({"perf/weight_sync_check_sec": self.last_check_sec,
                   "rollout/weight_sync_probe_diff": self.last_probe_diff})
@@ -397,3 +479,7 @@ class VLLMEngine:
 
   def close(self):
     self.llm = None  # frees the engine and its KV cache
+    if self._lora_dir is not None:
+      import shutil
+      shutil.rmtree(self._lora_dir, ignore_errors=True)
+      self._lora_dir = None
