@@ -226,7 +226,7 @@ class LoopStep:
             (rollout.tokens, rollout.mask, rollout.truncated))
       with timed("rewards"):
         scored = self.reward_fn([p for p in batch["prompts"] for _ in range(G)],
-                                [self.decode(t, m) for t, m in zip(tokens_nc, mask_nc)],
+                                self.decode.rows(tokens_nc, mask_nc),
                                 [row for row in batch["rows"] for _ in range(G)])
         host_rewards = scored.total + adv_lib.overlong_penalty(
             mask_nc.sum(-1), c.max_completion_length, c.loss.overlong_buffer,
@@ -388,7 +388,8 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
   steady, tunix_steady = [[] for _ in loops], []
   steady_compile = [0.0 for _ in loops]
   if args.trace:  # one trace per workload: with a sweep, its combos' steps alternate in it
-    jax.profiler.start_trace(os.path.join(args.trace, workload), create_perfetto_trace=True)
+    jax.profiler.start_trace(os.path.join(args.trace, workload), create_perfetto_trace=True,
+                             profiler_options=profiling.trace_options())
   for i in range(1, args.repeats + 1):  # turns: each combo of ours, then Tunix
     for k, loop in enumerate(loops):
       steady[k].append(loop(i))

@@ -12,7 +12,11 @@ the trace file:
   - device time by op category (matmul, attention, elementwise/fusion, collective,
     copy/transfer, other) and the idle gaps between ops, over the profiled steps;
   - the top 15 ops by time; per step, device busy time (the union of op intervals) and the
-    idle fraction 1 - busy / step wall time.
+    idle fraction 1 - busy / step wall time;
+  - device idle by host phase: the idle time split by the phase the host was in meanwhile.
+    Idle while the host waits on the device (WAITING_PHASES) is a gap inside or between device
+    programs; idle in any other phase, or outside the phases, is the host keeping the device
+    waiting: their sum is the "host overhead" (ms per step and share of the step).
 
 It reads the Chrome trace-event JSON (`*.trace.json.gz`) that jax.profiler writes next to the
 `.xplane.pb` on every backend, with the standard library: no trace server, no binary to
@@ -38,6 +42,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grpo_jax import profiling  # noqa: E402
 
 PHASE_PREFIX = profiling.PHASE_PREFIX  # profiling.phase(name) names its span "phase/<name>"
+OUTSIDE = "(outside the phases)"
+# Phases in which the host waits on the device (rollout copies the completions to the host,
+# update blocks on the new state, the log-prob passes are dispatched and read by the update):
+# device idle there is not host work. Idle in every other phase, and outside them, is.
+WAITING_PHASES = ("rollout", "old_logprobs", "ref_logprobs", "update")
 CATEGORIES = ("matmul", "attention", "elementwise", "collective", "copy", "other")
 LABELS = {"matmul": "matmul / dot / conv", "attention": "attention kernels",
           "elementwise": "elementwise / fusion / reduce", "collective": "collectives",
@@ -217,6 +226,7 @@ def analyze(trace_file: str) -> dict:
 
   # Loop phases: the phase spans inside each step span (same thread as the step).
   steps = []
+  phase_spans = [[] for _ in windows]  # per step: (start, end, phase) in time order
   for e, (lo, hi) in zip(step_spans, windows):
     steps.append({"step": int(e.get("args", {}).get("step_num", len(steps))),
                   "wall_ms": (hi - lo) / 1e3, "phases": collections.Counter()})
@@ -225,6 +235,8 @@ def analyze(trace_file: str) -> dict:
       i = window_of(float(e["ts"]))
       if i is not None and e.get("tid") == step_spans[i].get("tid"):
         steps[i]["phases"][e["name"][len(PHASE_PREFIX):]] += float(e["dur"]) / 1e3
+        phase_spans[i].append((float(e["ts"]), float(e["ts"]) + float(e["dur"]),
+                               e["name"][len(PHASE_PREFIX):]))
 
   # Device busy time per step: the union of each device's op intervals, averaged over devices.
   devices = sorted({o.device for o in ops})
@@ -234,6 +246,19 @@ def analyze(trace_file: str) -> dict:
   for s, b, (lo, hi) in zip(steps, busy_us, windows):
     s["device_busy_ms"] = b / 1e3
     s["idle_fraction"] = 1.0 - b / (hi - lo) if hi > lo else 0.0
+  # Device idle by what the host was doing meanwhile (the phase span covering the idle time;
+  # OUTSIDE when none does), averaged over devices: idle during a host-work phase (prompts,
+  # rewards, log, ...) is the host keeping the device waiting; idle while the host waits on
+  # the device ("rollout", "update" block) is a gap inside or between the device's programs.
+  for s, spans_i, (lo, hi) in zip(steps, phase_spans, windows):
+    idle = collections.Counter()
+    cuts = sorted({lo, hi, *(min(max(t, lo), hi) for a, b, _ in spans_i for t in (a, b))})
+    for a, b in zip(cuts, cuts[1:]):
+      name = next((p for x, y, p in spans_i if x <= a and b <= y), OUTSIDE)
+      busy = sum(_union_us(intervals[d], a, b) for d in devices) / max(len(devices), 1)
+      idle[name] += ((b - a) - busy) / 1e3
+    s["idle_ms_by_phase"] = dict(idle)
+    s["host_idle_ms"] = sum(ms for p, ms in idle.items() if p not in WAITING_PHASES)
 
   # Op time (self time, summed over devices) by category and by op, inside the windows.
   categories = dict.fromkeys(CATEGORIES, 0.0)
@@ -252,6 +277,11 @@ def analyze(trace_file: str) -> dict:
   order += sorted({p for s in steps for p in s["phases"]} - set(order))
   n = max(len(steps), 1)
   wall = sum(s["wall_ms"] for s in steps)
+  idle_by_phase = collections.Counter()
+  for s in steps:
+    idle_by_phase.update(s.get("idle_ms_by_phase", {}))
+  idle_by_phase = {p: ms / n for p, ms in sorted(idle_by_phase.items(), key=lambda kv: -kv[1])}
+  host_idle = sum(ms for p, ms in idle_by_phase.items() if p not in WAITING_PHASES)
   return {
       "trace": os.path.abspath(trace_file),
       "device_ops": source,
@@ -261,6 +291,9 @@ def analyze(trace_file: str) -> dict:
       "step_wall_ms": wall / n,
       "phase_sum_fraction": (sum(sum(s["phases"].values()) for s in steps) / wall
                              if wall else 0.0),
+      "idle_ms_by_phase": idle_by_phase,
+      "host_idle_ms": host_idle,
+      "host_idle_fraction": host_idle / (wall / n) if wall else 0.0,
       "categories": categories,
       "top_ops": [{"name": name, "module": module, "category": categorize(name),
                    "total_ms": ms, "count": count} for (name, module), (ms, count) in top],
@@ -282,11 +315,23 @@ def to_markdown(r: dict) -> str:
   lines += [f"| (outside the phases) | {r['step_wall_ms'] - phase_sum:.2f} | "
             f"{100 * (1 - r['phase_sum_fraction']):.1f}% |",
             f"| **step (grpo_step span)** | **{r['step_wall_ms']:.2f}** | 100% |", "",
-            "| step | wall ms | sum of phases ms | device busy ms | device idle |",
-            "|---:|---:|---:|---:|---:|"]
+            "| step | wall ms | sum of phases ms | device busy ms | device idle | idle in host "
+            "phases |", "|---:|---:|---:|---:|---:|---:|"]
   for s in r["steps"]:
     lines.append(f"| {s['step']} | {s['wall_ms']:.2f} | {sum(s['phases'].values()):.2f} | "
-                 f"{s['device_busy_ms']:.2f} | {100 * s['idle_fraction']:.1f}% |")
+                 f"{s['device_busy_ms']:.2f} | {100 * s['idle_fraction']:.1f}% | "
+                 f"{100 * s.get('host_idle_ms', 0) / s['wall_ms']:.1f}% |")
+  if r.get("idle_ms_by_phase"):
+    lines += ["", "## Device idle by host phase", "",
+              "Mean ms per step the device is idle while the host is in each phase. Idle in "
+              f"{', '.join(WAITING_PHASES)} is the host waiting on the device (gaps inside or "
+              "between programs); elsewhere the host keeps the device waiting.", "",
+              "| phase | idle ms/step | share of step |", "|---|---:|---:|"]
+    for p, ms in r["idle_ms_by_phase"].items():
+      lines.append(f"| {p}{'' if p in WAITING_PHASES else ' (host)'} | {ms:.2f} | "
+                   f"{100 * ms / wall:.1f}% |")
+    lines.append(f"| **host overhead (idle in host phases)** | **{r['host_idle_ms']:.2f}** | "
+                 f"**{100 * r['host_idle_fraction']:.1f}%** |")
   total = sum(r["categories"].values()) or 1.0
   lines += ["", "## Device time by category", "",
             "Op self time over the steps, summed over devices (ops running at once on several "

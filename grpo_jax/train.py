@@ -107,8 +107,9 @@ def _run(config, workdir: str) -> dict:
       meta["eval_before"] = evaluator(state["params"], config.sft_steps,
                                       jax.random.fold_in(rng, 2 << 20))
       eval_lib.log_results("before GRPO", meta["eval_before"])
-    profiler = session.closing(profiling.StepProfiler(workdir, config.profile.start_step,
-                                                      config.profile.num_steps))
+    profiler = session.closing(profiling.StepProfiler(
+        workdir, config.profile.start_step, config.profile.num_steps,
+        python_tracer=config.profile.get("python_tracer", False)))
     memory_profile = profiling.MemoryProfile(workdir, config.profile.memory_profile)
     log = metrics_lib.StepLog(session.writer, metrics_lib.Progress(
         config.num_steps, meta["grpo_step"], "grpo"), num_rows=config.batch_size * G,
@@ -125,9 +126,11 @@ def _run(config, workdir: str) -> dict:
                       config.kl_in_reward or not engine.matches_trainer)
     dynamic = config.loss.dynamic_sampling and config.loss.max_resample_rounds > 0
 
+    prompts = _NextPrompts(config, train_data, train_iter, mesh)
+
     def draw(key):  # steps 1-3 on a fresh batch of prompts
-      return _rollout_round(config, engine, train_data, train_iter, state["params"], key,
-                            train_gen, reward_fn, judge, decode, mesh, timing)
+      return _rollout_round(config, engine, prompts, state["params"], key, train_gen,
+                            reward_fn, judge, decode, timing)
     take_groups = jax.jit(functools.partial(dyn_lib.take, group_size=G),
                           out_shardings=sharding.batch_sharding(mesh, 1))
     first_step, ckpt_base = meta["grpo_step"], config.sft_steps
@@ -179,10 +182,17 @@ def _run(config, workdir: str) -> dict:
           with phase("kl_in_reward"):
             upd, kl_rewards_n = fns.fold_kl(upd, rewards_n)
 
-        # 6. num_iterations optimizer updates over the whole rollout batch.
+        # 6. num_iterations optimizer updates over the whole rollout batch; while the device
+        # runs them, the host prepares the next step's prompts (_NextPrompts).
         with phase("update"):
           for _ in range(config.num_iterations):
             state, upd_metrics = fns.update(state, upd)
+        t_prefetch = time.time()
+        if step + 1 < config.num_steps:
+          with phase("prompts"):
+            prompts.prefetch()
+        t_prefetch = time.time() - t_prefetch
+        with phase("update"):
           jax.block_until_ready(state)  # a wait, not a read: timing only
         meta["grpo_step"] = step = step + 1
 
@@ -206,7 +216,7 @@ def _run(config, workdir: str) -> dict:
                                "completions/truncated_fraction": host["truncated"].sum()},
                   totals={"reward/errors": host["errors"], "completions/tokens": lengths_n.sum()},
                   host={"perf/rollout_sec": rollout_sec, "perf/reward_sec": reward_sec,
-                        "perf/update_sec": time.time() - t0,
+                        "perf/update_sec": time.time() - t0 - t_prefetch,
                         "perf/step_time_sec": time.time() - t_step,
                         "data/epoch": _epoch(train_iter, steps_per_epoch), **dyn_stats,
                         **engine.stats()},
@@ -297,16 +307,48 @@ def _epoch(train_iter, steps_per_epoch: int) -> float:
   return train_iter.get_state()["next_index"] / max(steps_per_epoch, 1)
 
 
-def _rollout_round(config, engine, train_data, train_iter, params, key, generation, reward_fn,
-                   judge, decode, mesh, timing: dict):
+class _NextPrompts:
+  """The prompt batches of the loop (GRPO step 1), the next one prepared ahead.
+
+  `take()` gives the next batch: this process's rows (`_prompt_batch`) and the global prompt
+  arrays. `prefetch()` prepares the batch the next `take()` will give, to be called while the
+  device runs the update, so the host work (the row gather, the padding, the transfers) does
+  not leave the device idle at the start of the next step. It peeks: the data iterator is put
+  back where it was, and only `take()` moves it on, so a checkpoint written in between records
+  the iterator exactly as without the prefetch (resume stays exact)."""
+
+  def __init__(self, config, train_data, train_iter, mesh):
+    self.config, self.data, self.it, self.mesh = config, train_data, train_iter, mesh
+    self._ahead = None  # (iterator state before, state after, prepared batch)
+
+  def _prepare(self, indices_b):
+    batch = _prompt_batch(self.config, self.data, indices_b, self.mesh)
+    return batch, {"ids": multihost.to_global(batch["prompt_ids"], self.mesh),
+                   "mask": multihost.to_global(batch["prompt_mask"], self.mesh)}
+
+  def prefetch(self):
+    before = self.it.get_state()
+    indices_b = next(self.it)
+    after = self.it.get_state()
+    self.it.set_state(before)
+    self._ahead = (before, after, self._prepare(indices_b))
+
+  def take(self):
+    ahead, self._ahead = self._ahead, None
+    if ahead is not None and ahead[0] == self.it.get_state():
+      self.it.set_state(ahead[1])
+      return ahead[2]
+    return self._prepare(next(self.it))
+
+
+def _rollout_round(config, engine, prompts, params, key, generation, reward_fn, judge, decode,
+                   timing: dict):
   """GRPO steps 1-3 on the next batch of prompts. -> (prompt, rollout, host): the global
   prompt arrays {"ids", "mask"} [B, P] (P: data.prompt_width), the global Rollout, and this process's host rows:
   tokens, mask, truncated, rewards (f32, + DAPO's overlong penalty), per_function, errors."""
   G, phase = config.num_generations, profiling.phase
   with phase("prompts"):
-    batch = _prompt_batch(config, train_data, next(train_iter), mesh)
-    prompt = {"ids": multihost.to_global(batch["prompt_ids"], mesh),
-              "mask": multihost.to_global(batch["prompt_mask"], mesh)}
+    batch, prompt = prompts.take()
   t0 = time.time()
   with phase("rollout"):
     rollout = engine.generate(params, batch, key, generation)
@@ -317,7 +359,7 @@ def _rollout_round(config, engine, train_data, train_iter, params, key, generati
   t0 = time.time()
   with phase("rewards"):
     prompts_n = [p for p in batch["prompts"] for _ in range(G)]
-    completions_n = [decode(t, m) for t, m in zip(tokens_nc, mask_nc)]
+    completions_n = decode.rows(tokens_nc, mask_nc)
     scored = reward_fn(prompts_n, completions_n, [row for row in batch["rows"] for _ in range(G)])
     per_function = dict(scored.per_function)
     total = scored.total
@@ -382,8 +424,16 @@ def _eval_engine(config, policy, tokenizer, mesh, samples_per_prompt: int):
 
 
 def _decoder(tokenizer):
+  """decode(tokens [C], mask [C]) -> the completion's text; decode.rows(tokens [N, C], mask)
+  -> N texts, the host lists built once for the batch (host time between device programs)."""
+  def text(ids, mask):
+    return tokenizer.decode([t for t, m in zip(ids, mask) if m], skip_special=True)
+
   def decode(tokens, mask):
-    return tokenizer.decode([int(t) for t, m in zip(tokens, mask) if m], skip_special=True)
+    return text(np.asarray(tokens).tolist(), np.asarray(mask).tolist())
+
+  decode.rows = lambda tokens, mask: list(map(text, np.asarray(tokens).tolist(),
+                                               np.asarray(mask).tolist()))
   return decode
 
 

@@ -215,12 +215,16 @@ def _plugin(tmp_path, body):
 RAISING = ("  if 'boom' in solution_str:\n    raise KeyError('missing key')\n  return 1.0\n")
 NAN = ("  return float('nan') if 'boom' in solution_str else 1.0\n")
 STRING = ("  return 'high' if 'boom' in solution_str else 1.0\n")
+BOOL = ("  return True if 'boom' in solution_str else 1.0\n")
+HUGE = ("  return 10 ** 400 if 'boom' in solution_str else 1\n")
 
 
 @pytest.mark.parametrize("body,words", [
     (RAISING, ["'custom' raised KeyError", "row 1", "'xx boom yy'"]),
     (NAN, ["'custom' returned nan", "row 1", "'xx boom yy'"]),
     (STRING, ["'custom' returned 'high'", "row 1"]),
+    (BOOL, ["'custom' returned True", "row 1"]),
+    (HUGE, ["'custom' raised OverflowError", "row 1"]),
 ])
 def test_bad_reward_fails_fast_by_default_naming_function_row_and_snippet(tmp_path, body, words):
   rc = rewards.build_reward_computer((), (), custom_file=_plugin(tmp_path, body))
@@ -231,7 +235,7 @@ def test_bad_reward_fails_fast_by_default_naming_function_row_and_snippet(tmp_pa
   assert "on_error=zero" in str(e.value)
 
 
-@pytest.mark.parametrize("body", [RAISING, NAN, STRING])
+@pytest.mark.parametrize("body", [RAISING, NAN, STRING, BOOL, HUGE])
 def test_bad_reward_scores_zero_and_is_counted_when_asked(tmp_path, body):
   rc = rewards.build_reward_computer((), (), custom_file=_plugin(tmp_path, body),
                                      on_error="zero")

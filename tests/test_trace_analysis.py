@@ -90,6 +90,13 @@ def test_hand_made_trace(tmp_path):
   # Device 0 busy [10, 40) + [50, 80) = 60 µs, device 1 10 µs: mean 35 of 100.
   assert step["device_busy_ms"] == pytest.approx(0.035)
   assert step["idle_fraction"] == pytest.approx(0.65)
+  # The idle time by what the host was doing: outside [0, 1) (device 1 busy: 0.5 µs mean),
+  # [41, 45), [95, 100); rollout [1, 41) minus (30 + 9) / 2; update [45, 95) minus 30 / 2.
+  assert step["idle_ms_by_phase"] == pytest.approx(
+      {ta.OUTSIDE: 0.0095, "rollout": 0.0205, "update": 0.035})
+  assert sum(step["idle_ms_by_phase"].values()) == pytest.approx(0.065)
+  assert r["host_idle_ms"] == pytest.approx(0.0095)  # rollout and update wait on the device
+  assert r["host_idle_fraction"] == pytest.approx(0.095)
   assert r["categories"] == pytest.approx({"matmul": 0.025, "elementwise": 0.025,
                                            "copy": 0.005, "attention": 0, "collective": 0,
                                            "other": 0, "idle": 0.130})
@@ -123,3 +130,7 @@ def test_profiled_grpo_steps(tmp_path, capsys):
   assert modules <= {"jit_update", "jit__generate", "jit_logprobs", "jit_assemble",
                      "jit_rollout_stats", "jit__threefry_fold_in"}, modules
   assert "| update |" in out and "## Top 15 ops" in out
+  for s in r["steps"]:  # the idle time, split by phase, adds up to the step's
+    assert sum(s["idle_ms_by_phase"].values()) == pytest.approx(
+        s["wall_ms"] - s["device_busy_ms"], rel=1e-6)
+  assert 0 <= r["host_idle_fraction"] < 1 and "host overhead" in out

@@ -138,7 +138,10 @@ def make_prompt_iterator(num_rows: int, *, batch_size: int, seed: int, shuffle: 
     return out if take is None else out[take]
 
   ds = grain.MapDataset.range(max(per_epoch, 1)).repeat(num_epochs).map_with_index(batch)
-  return iter(ds.to_iter_dataset())
+  # No prefetch threads: a batch of indices costs ~1 ms to compute, the loop prepares the next
+  # one itself while the device runs the update (train._NextPrompts), and it peeks by
+  # get_state/set_state, which with grain's default 16 threads restarts them (~65 ms).
+  return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
 
 
 def batches_per_epoch(num_rows: int, batch_size: int) -> int:

@@ -68,13 +68,18 @@ class CharTokenizer:
     return ids
 
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
-    out = []
-    for i in ids:
-      i = int(i)
-      if i in (self.pad_id, self.eos_id) and skip_special:
-        continue
-      out.append(self.itos[i] if 0 <= i < self.vocab_size else "")
-    return "".join(out)
+    table = self._skip_table if skip_special else self.itos
+    n = self.vocab_size
+    return "".join([table[i] if 0 <= i < n else "" for i in map(int, ids)])
+
+  @property
+  def _skip_table(self) -> list[str]:
+    """itos with pad and eos as "" (decode's skip_special)."""
+    table = self.__dict__.get("_skip")
+    if table is None:
+      table = self.__dict__["_skip"] = [
+          "" if i in (self.pad_id, self.eos_id) else s for i, s in enumerate(self.itos)]
+    return table
 
 
 # Qwen2's pre-tokenization split (from its tokenizer.json).

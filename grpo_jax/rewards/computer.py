@@ -74,6 +74,10 @@ _FIX = ("Fix the function, or set --config.reward.on_error=zero to score such ro
         "in reward/errors)")
 
 
+# Value types accepted in one vectorized check (bool is not among them: it is refused per row).
+_PLAIN_NUMBERS = frozenset({float, int, np.float64, np.float32, np.float16, np.int64, np.int32})
+
+
 class RewardError(RuntimeError):
   pass
 
@@ -226,6 +230,13 @@ class RewardComputer:
       raise
     except Exception:  # find the row(s) at fault, one at a time
       values = None
+    if values is not None and all(type(v) in _PLAIN_NUMBERS for v in values):
+      try:  # every value fine: no per-row checks (host time between device programs)
+        out = np.asarray(values, np.float64)
+        if np.isfinite(out).all():
+          return out.astype(np.float32), []
+      except OverflowError:  # an int beyond float range: the per-row pass names the row
+        pass
     out = np.zeros(n, np.float32)
     failures = []
     for i in range(n):
