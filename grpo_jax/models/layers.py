@@ -268,14 +268,24 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x_btd, positions_bt, q_slot_bt, kv_valid_bs, cache_kv=None):
+  def __call__(self, x_btd, positions_bt, q_slot_bt, kv_valid_bs, cache_kv=None,
+               write_slot=None):
     """Without `cache_kv`, attends within x (training forward / prefill). With
     `cache_kv=(k, v)`, the T new tokens attend to the cache plus themselves
     (decode, T=1; the cache is head-major, [B, Hkv, S, K]). Returns (x, k, v) where k, v
-    [B, T, Hkv, K] are this call's new keys/values."""
+    [B, T, Hkv, K] are this call's new keys/values; with `write_slot` they are first written
+    into the cache at that slot (kv_valid must already mark it) and the attention reads the
+    written cache: (x, cache k, cache v) come back. Written first, the cache is updated in
+    place; read first and written after, XLA copies the whole cache every decode step (the
+    old buffer is still read when the update lands)."""
     q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions_bt)
     if cache_kv is None:
       a = attention(q, k, v, q_slot_bt, kv_valid_bs)
+    elif write_slot is not None:
+      k, v = (jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype),
+                                           (0, 0, write_slot, 0))
+              for c, n in zip(cache_kv, (k, v)))
+      a = attention(q, k, v, q_slot_bt, kv_valid_bs, kv_head_major=True)
     else:
       a = attention(q, cache_kv[0], cache_kv[1], q_slot_bt, kv_valid_bs, extra_kv=(k, v),
                     kv_head_major=True)

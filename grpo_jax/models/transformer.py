@@ -76,9 +76,12 @@ class Transformer(nnx.Module):
     x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(self.compute_dtype)
     return sharding.constrain(x, "batch", "length", "act_embed")
 
-  def _run_layers(self, x, positions, q_slot, kv_valid, cache_k=None, cache_v=None):
+  def _run_layers(self, x, positions, q_slot, kv_valid, cache_k=None, cache_v=None,
+                  write_slot=None):
     """All layers. Returns (x, ks, vs): each layer's new keys/values [B, T, Hkv, K], stacked
-    on a leading layer axis with scan_layers, else a tuple per layer (like the cache)."""
+    on a leading layer axis with scan_layers, else a tuple per layer (like the cache). With
+    `write_slot` (per-layer caches only): each layer writes its keys/values into its cache
+    first and (x, caches k, caches v) come back (layers.Block)."""
     policy = remat_lib.policy(self.cfg.remat_policy)
 
     def make_layer(graphdef):
@@ -86,7 +89,7 @@ class Transformer(nnx.Module):
         # lora.adapt: LoRA adapters / a quantized base become this layer's effective weights
         # here, one layer at a time (a no-op on a plain layer).
         block = lora.adapt(nnx.merge(graphdef, block_state))
-        return block(x, positions, q_slot, kv_valid, cache_kv)
+        return block(x, positions, q_slot, kv_valid, cache_kv, write_slot)
       if policy is None:
         return layer
       return jax.checkpoint(layer, policy=policy, prevent_cse=not self.cfg.scan_layers)
@@ -180,15 +183,17 @@ class Transformer(nnx.Module):
     index = cache["index"]
     positions = cache["pos"][:, None]
     q_slot = jnp.full((b, 1), index)
-    x, ks, vs = self._run_layers(self._embed(token_b[:, None]), positions, q_slot,
-                                 cache["valid"], cache["k"], cache["v"])
+    valid = jax.lax.dynamic_update_slice(cache["valid"], jnp.ones((b, 1), jnp.int32),
+                                         (0, index))
+    if isinstance(cache["k"], tuple):  # per-layer buffers: each layer writes, then reads
+      x, ks, vs = self._run_layers(self._embed(token_b[:, None]), positions, q_slot, valid,
+                                   cache["k"], cache["v"], write_slot=index)
+    else:  # one stacked buffer, sliced per layer by the scan: written after all layers
+      x, ks, vs = self._run_layers(self._embed(token_b[:, None]), positions, q_slot,
+                                   cache["valid"], cache["k"], cache["v"])
+      ks, vs = _write_kv(cache["k"], ks, index), _write_kv(cache["v"], vs, index)
     logits = self.logits_from_hidden(self.final_norm(x))[:, 0]
-    cache = dict(
-        k=_write_kv(cache["k"], ks, index), v=_write_kv(cache["v"], vs, index),
-        valid=jax.lax.dynamic_update_slice(cache["valid"], jnp.ones((b, 1), jnp.int32),
-                                           (0, index)),
-        index=index + 1,
-        pos=cache["pos"] + 1)
+    cache = dict(k=ks, v=vs, valid=valid, index=index + 1, pos=cache["pos"] + 1)
     return logits, cache
 
 

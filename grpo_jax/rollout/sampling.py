@@ -32,13 +32,26 @@ def categorical(key: jax.Array, logits_nv: jax.Array, block: int = 256) -> jax.A
   block) so the scan is over V / block + block values: ~20x faster at V = 32k. A token of
   probability 0 (masked to -inf or to the float32 minimum) is never drawn.
   """
+  return categorical_lse(key, logits_nv, block=block)[0]
+
+
+def categorical_lse(key: jax.Array, logits_nv: jax.Array, inv_temperature=1.0,
+                    block: int = 256) -> tuple[jax.Array, jax.Array]:
+  """`categorical` from softmax(logits * inv_temperature) (inv_temperature > 0, may be traced),
+  and that distribution's log-normalizer logsumexp(logits * inv_temperature) [N] from the same
+  pass: the scaled logits are never formed (max(x * t) = max(x) * t for t > 0), and the mass
+  the draw sums anyway gives the normalizer. Over [N, V] that is one max, one exp and the block
+  sums, instead of a division, two more max passes and two more exp passes (the decode step's
+  elementwise work next to the LM head)."""
   n, v = logits_nv.shape
   logits = logits_nv.astype(jnp.float32)
-  p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp((logits - m) * inv_temperature)
+  top = m[:, 0] * inv_temperature
   if v <= 2 * block:  # small vocabularies / top-k sets: one level
     c = jnp.cumsum(p, axis=-1)
     u = _uniform_in(key, n, c[:, -1])
-    return jnp.sum(c < u[:, None], axis=-1).astype(jnp.int32)
+    return jnp.sum(c < u[:, None], axis=-1).astype(jnp.int32), top + jnp.log(c[:, -1])
   pad = -v % block
   p_nbk = jnp.pad(p, ((0, 0), (0, pad))).reshape(n, (v + pad) // block, block)
   cb = jnp.cumsum(p_nbk.sum(-1), axis=-1)  # [N, nb]
@@ -50,7 +63,7 @@ def categorical(key: jax.Array, logits_nv: jax.Array, block: int = 256) -> jax.A
   ci = jnp.cumsum(inner, axis=-1)
   u_in = jnp.clip(u - before, jnp.finfo(jnp.float32).tiny, ci[:, -1])
   j = jnp.sum(ci < u_in[:, None], axis=-1)
-  return (blk * block + j).astype(jnp.int32)
+  return (blk * block + j).astype(jnp.int32), top + jnp.log(cb[:, -1])
 
 
 def _uniform_in(key, n, total_n):
@@ -68,17 +81,22 @@ def sample_token(logits_nv: jax.Array, key: jax.Array, *, temperature, top_p, to
   is sorted each step, so pair top-p with a top-k where speed matters.
   """
   logits = logits_nv.astype(jnp.float32)
-  raw_lse = jax.nn.logsumexp(logits, axis=-1)
   rows = jnp.arange(logits.shape[0])
   if greedy:
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    raw_lse = jax.nn.logsumexp(logits, axis=-1)
     return token, jnp.zeros(token.shape, jnp.float32), logits[rows, token] - raw_lse
 
+  if top_k == 0 and not use_top_p:  # the whole vocabulary: no [N, V] pass beyond the draw's
+    inv_t = 1.0 / jnp.asarray(temperature, jnp.float32)
+    token, lse = categorical_lse(key, logits, inv_t)
+    picked = logits[rows, token]
+    # raw_lse only where the temperature is not 1 (else the draw's normalizer is it).
+    raw_lse = jax.lax.cond(inv_t == 1.0, lambda: lse,
+                           lambda: jax.nn.logsumexp(logits, axis=-1))
+    return token, picked * inv_t - lse, picked - raw_lse
+
   scaled = logits / temperature
-  if top_k == 0 and not use_top_p:
-    token = categorical(key, scaled)
-    logp = scaled[rows, token] - jax.nn.logsumexp(scaled, axis=-1)
-    return token, logp, logits[rows, token] - raw_lse
 
   k = top_k if top_k > 0 else logits.shape[-1]
   k = min(k, logits.shape[-1])
@@ -86,7 +104,7 @@ def sample_token(logits_nv: jax.Array, key: jax.Array, *, temperature, top_p, to
   neg = jnp.finfo(jnp.float32).min
   if use_top_p:
     vals_nk = jnp.where(_top_p_keep(vals_nk, top_p), vals_nk, neg)
-  choice = categorical(key, vals_nk)
+  choice, lse = categorical_lse(key, vals_nk)
   token = idx_nk[rows, choice].astype(jnp.int32)
-  logp = vals_nk[rows, choice] - jax.nn.logsumexp(vals_nk, axis=-1)
-  return token, logp, logits[rows, token] - raw_lse
+  logp = vals_nk[rows, choice] - lse
+  return token, logp, logits[rows, token] - jax.nn.logsumexp(logits, axis=-1)
