@@ -48,6 +48,9 @@ row; only the C completion positions go through the LM head):
 
 with N_nonembed = L * (D*(H + 2*G_kv)*K + H*K*D + 3*D*F) (q, k, v, o, gate/up/down; norms and
 the embedding gather are free). Recomputation under remat is not counted (MFU, not HFU).
+A log-prob pass (old / reference: forward only) is a third of that: 2 FLOPs per weight per
+token, 2 * D * V per completion token, 4 * L * H * K * S per token of attention; "lp MFU" is
+the reference pass's (the old pass, when the workload has one, is the same program).
 
 Sweeps (--remat, --micro_batch, --generations; comma lists, every combination) build one
 step per combination and take their steady steps in turn, so the rows of a sweep are measured
@@ -289,7 +292,8 @@ def matmul_peak_gflops(repeats: int, n: int = 2048) -> float:
 
 
 def update_flops(cfg, rows: int, prompt_len: int, completion_len: int) -> float:
-  """Model FLOPs of one update over `rows` rows (formula in the module docstring)."""
+  """Model FLOPs of one update over `rows` rows (formula in the module docstring); a forward
+  log-prob pass over the same rows is a third of it."""
   d, f, h, g, k, l = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                       cfg.head_dim, cfg.num_layers)
   s = prompt_len + completion_len
@@ -422,7 +426,7 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
              decode_est_sec=max(phases["rollout"] - prefill, 0.0),
              generated_tokens=loop.generated, rollout_tok_s=loop.generated / phases["rollout"],
              update_tok_s=rows * s / phases["update"], update_flops=flops,
-             update_tflops_s=flops / phases["update"] / 1e12)
+             update_tflops_s=flops / phases["update"] / 1e12, logprob_flops=flops / 3)
     shown = ("rollout", "rewards", "ref_logprobs", "update")  # the Tunix table's phases
     r["rest_sec"] = _median([t["step"] - sum(t.get(n, 0.0) for n in shown) for t in steady[k]])
     if tunix and k == mine:
@@ -480,6 +484,10 @@ def main(argv=None):
   peak = max(peak, matmul_peak_gflops(args.repeats, n))  # the better of before/after the runs
   for r in results:
     r["update_mfu"] = r["update_flops"] / r["phases"]["update"] / (peak * 1e9)
+    for name in ("old_logprobs", "ref_logprobs"):
+      if r["phases"].get(name):
+        r[name.replace("logprobs", "lp_mfu")] = (r["logprob_flops"] / r["phases"][name] /
+                                                 (peak * 1e9))
   _print(results, peak)
   if "tunix" in workloads and not any("tunix" in r for r in results):
     why = ("--no_tunix" if args.no_tunix or args.quick else
@@ -500,7 +508,8 @@ def _print(results, peak):
   print(f"\n{'workload':<9}{'remat':<13}{'mb':>4}{'G':>3}{'params':>8}{'rows x S':>10}"
         f"{'first':>8}{'compile':>8}{'steady':>8}" +
         "".join(f"{short.get(p, p):>10}" for p in cols) +
-        f"{'prefill~':>10}{'decode~':>10}{'gen tok/s':>10}{'upd tok/s':>10}{'upd MFU':>8}")
+        f"{'prefill~':>10}{'decode~':>10}{'gen tok/s':>10}{'upd tok/s':>10}{'upd MFU':>8}"
+        f"{'lp MFU':>8}")
   for r in results:
     ph = r["phases"]
     print(f"{r['workload']:<9}{r['remat']:<13}{r['micro_batch']:>4}{r['generations']:>3}"
@@ -508,7 +517,8 @@ def _print(results, peak):
           f"{r['first_step_sec']:>7.2f}s{r['compile_sec']:>7.2f}s{r['steady_step_sec']:>7.3f}s" +
           "".join(f"{1e3 * ph[p]:>8.1f}ms" if p in ph else f"{'-':>10}" for p in cols) +
           f"{1e3 * r['prefill_est_sec']:>8.1f}ms{1e3 * r['decode_est_sec']:>8.1f}ms"
-          f"{r['rollout_tok_s']:>10.0f}{r['update_tok_s']:>10.0f}{r['update_mfu']:>8.1%}")
+          f"{r['rollout_tok_s']:>10.0f}{r['update_tok_s']:>10.0f}{r['update_mfu']:>8.1%}" +
+          (f"{r['ref_lp_mfu']:>8.1%}" if "ref_lp_mfu" in r else f"{'-':>8}"))
   tunix = [r for r in results if "tunix" in r]
   if not tunix:
     return

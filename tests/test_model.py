@@ -186,9 +186,30 @@ def test_logprob_helpers_match_log_softmax_with_gradients():
     np.testing.assert_allclose(chunked_token_logprobs(h, w, tok, temp, chunk_size=8), want,
                                atol=1e-5)
     g_ref = jax.grad(lambda h, w: ref(h, w, temp).sum(), (0, 1))(h, w)
-    g = jax.grad(lambda h, w: chunked_token_logprobs(h, w, tok, temp, 8).sum(), (0, 1))(h, w)
-    for a, b in zip(g, g_ref):
-      np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
+    for remat in (True, False):  # logits recomputed in the backward pass, or kept
+      g = jax.grad(lambda h, w: chunked_token_logprobs(h, w, tok, temp, 8, remat).sum(),
+                   (0, 1))(h, w)
+      for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
+
+
+def test_lm_head_logits_are_recomputed_unless_remat_policy_is_none():
+  """remat_policy="none" keeps the head's logits for the backward (no checkpoint around the
+  chunk: one [c, D] x [D, V] product fewer); every other policy recomputes them. Same grads."""
+  cfg = CFGS["qwen3"]
+  ids = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
+  mask = jnp.ones_like(ids)
+  grads = {}
+  for policy in ("none", "full", "save_dots"):
+    graphdef, params = nnx.split(build_model(cfg.replace(remat_policy=policy), seed=3))
+    loss = lambda p: completion_logprobs(nnx.merge(graphdef, p), ids, mask, 5).sum()
+    remats = str(jax.make_jaxpr(loss)(params)).count("remat")  # jax.checkpoint's primitive
+    # one per layer under a remat policy, plus the head's chunk: none of either with "none"
+    assert remats == (0 if policy == "none" else cfg.num_layers + 1), (policy, remats)
+    grads[policy] = jax.grad(loss)(params)
+  for policy in ("full", "save_dots"):
+    for a, b in zip(jax.tree.leaves(grads["none"]), jax.tree.leaves(grads[policy])):
+      np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_padding_tokens_do_not_change_real_logits():

@@ -1,6 +1,7 @@
 """Named rematerialization policies for the layer stack (`ModelConfig.remat_policy`).
 
-  none          keep every activation (fastest, most memory)
+  none          keep every activation (fastest, most memory), the LM head's logits included
+                (models/logprobs.py: B x C x V floats per micro-batch, f32)
   full          keep only layer inputs; recompute the whole layer in the backward pass
   save_dots     keep matmul outputs without batch dims (jax's dots_with_no_batch_dims_saveable)
   save_qkv_out  keep the named q/k/v projections and attention/MLP outputs, recompute the rest
@@ -8,8 +9,10 @@
                 memory (`save_and_offload_only_these_names`): device memory of full remat at
                 a fraction of its recompute. On CPU the offload is a no-op (no host placement
                 in the compiled HLO) but numerics are the same; measure it on an accelerator.
-The layers tag activations with `checkpoint_name` ("qkv_proj", "attn_out", "mlp_hidden",
-"mlp_out"; see layers.py) so these policies can select them by name.
+Every policy but "none" also recomputes the LM head's logits chunk by chunk in the backward
+pass (memory O(B x chunk x V) instead of O(B x C x V)). The layers tag activations with
+`checkpoint_name` ("qkv_proj", "attn_out", "mlp_hidden", "mlp_out"; see layers.py) so these
+policies can select them by name.
 """
 import jax
 

@@ -391,7 +391,7 @@ def t5_logprobs(model: T5, input_ids_bp, attention_mask_bp, targets_nc, targets_
   dec_mask = shift_right(targets_mask_nc, 1)
   h = model.decoder_hidden(dec_in, dec_mask, enc, attention_mask_bp)
   logp = chunked_token_logprobs(model.head_input(h), model.unembedding(), targets_nc,
-                                temperature, chunk_size)
+                                temperature, chunk_size, remat=cfg.remat_policy != "none")
   return jnp.where(targets_mask_nc != 0, logp, 0.0)
 
 
