@@ -133,6 +133,11 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.temperature = 0.9
   c.rollout.top_k = 50  # 0 = no top-k truncation.
   c.rollout.top_p = 1.0
+  # The native sampler decodes in this many loops over a KV cache that grows between them
+  # (a step reads about the slots written so far; each loop compiles once; a growth holds the
+  # old and the new cache at once). 0 = auto: on CPU one per 32 new tokens, at most 4; on
+  # TPU/GPU 1.
+  c.rollout.decode_phases = 0
   c.rollout.vllm = ml_collections.ConfigDict()
   c.rollout.vllm.gpu_memory_utilization = 0.5
   c.rollout.vllm.kv_cache_space_gib = 1  # vLLM's CPU backend only (VLLM_CPU_KVCACHE_SPACE).

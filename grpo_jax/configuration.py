@@ -204,6 +204,8 @@ def _check_rollout(c: _Checker, cfg):
   c.require(r.temperature > 0, "rollout.temperature", "must be > 0",
             "use e.g. 0.9 (greedy evaluation has its own generation config)")
   c.require(r.top_k >= 0, "rollout.top_k", "must be >= 0", "0 disables top-k")
+  c.require(r.get("decode_phases", 0) >= 0, "rollout.decode_phases", "must be >= 0",
+            "0 = auto (rollout/sampler.py phase_ends)")
   c.require(0 < r.top_p <= 1, "rollout.top_p", "must lie in (0, 1]", "1.0 disables top-p")
   c.require(r.max_logprob_gap >= 0, "rollout.max_logprob_gap", "must be >= 0",
             "0 disables the stop; e.g. 0.05")

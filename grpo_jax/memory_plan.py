@@ -133,15 +133,19 @@ def _host(stats: dict) -> int:
   return stats["host_temp"] + stats["host_argument"] + stats["host_output"] - stats["host_alias"]
 
 
-def kv_cache_bytes(model_cfg, rows: int, length: int, mesh) -> int:
+def kv_cache_bytes(model_cfg, rows: int, length: int, mesh, *, prompts: int = 0,
+                   prompt_len: int = 0) -> int:
   """Per-device bytes of the sampler's decode cache (Transformer.init_cache's arrays under the
-  sampler's sharding constraints: rows over (data, fsdp), kv heads over tensor)."""
-  shape = (rows, model_cfg.num_kv_heads, length, model_cfg.head_dim)
-  spec = sharding.logical_to_spec(("batch", "kv_heads", "length", "head_dim"), shape, mesh)
-  per_layer = math.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(shape))
-  kv = 2 * model_cfg.num_layers * per_layer * jnp.dtype(model_cfg.dtype).itemsize
-  valid = _abstract((rows, length), jnp.int32, sharding.batch_sharding(mesh, 2))
-  return kv + shard_bytes(valid)
+  sampler's sharding constraints: rows over (data, fsdp), kv heads over tensor): `length`
+  slots per row, plus `prompt_len` slots per prompt for `prompts` prompts kept once per group
+  (transformer.share_prompt)."""
+  def one(n, s):
+    shape = (n, model_cfg.num_kv_heads, s, model_cfg.head_dim)
+    spec = sharding.logical_to_spec(("batch", "kv_heads", "length", "head_dim"), shape, mesh)
+    per_layer = math.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(shape))
+    kv = 2 * model_cfg.num_layers * per_layer * jnp.dtype(model_cfg.dtype).itemsize
+    return kv + shard_bytes(_abstract((n, s), jnp.int32, sharding.batch_sharding(mesh, 2)))
+  return one(rows, length) + (one(prompts, prompt_len) if prompts else 0)
 
 
 def with_overrides(config, **fields):
@@ -269,7 +273,8 @@ def _step_inputs(cfg, policy, fns, mesh) -> dict:
   key = jax.eval_shape(lambda: jax.random.key(0))
   scalar = _abstract((), jnp.float32, replicated)
   sampler = sampler_lib.Sampler(policy.sampler_graphdef, max_prompt_length=p,
-                                max_new_tokens=c, num_generations=g, eos_ids=(0,), mesh=mesh)
+                                max_new_tokens=c, num_generations=g, eos_ids=(0,), mesh=mesh,
+                                decode_phases=cfg.rollout.get("decode_phases", 0))
   gen = GenerationConfig(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
   generate = sampler._fn(0 if gen.is_greedy else int(gen.top_k), gen.top_p < 1.0, gen.is_greedy)
   sampler_args = (_sampler_weights(policy, fns.abstract_state["params"]), prompt, prompt,
@@ -285,6 +290,7 @@ def _step_inputs(cfg, policy, fns, mesh) -> dict:
   batch = dict(batch, **({"old_logp": logp} if needs_old else {}),
                **({"ref_logp": logp} if cfg.beta > 0 else {}))
   return dict(generate=generate, sampler_args=sampler_args, rollout=rollout, num_rows=b * g,
+              num_prompts=b,
               batch=_rows_abstract(batch, mesh), logp=_rows_abstract(logp, mesh),
               prompt_len=p, completion_len=c)
 
@@ -313,8 +319,8 @@ def _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log) -> list[R
     return rows
   weights, *other_args = inputs["sampler_args"]
   rollout_w = 0 if policy.sampler_is_trainer else shard_bytes(weights)
-  kv = kv_cache_bytes(policy.model_config, inputs["num_rows"],
-                      inputs["prompt_len"] + inputs["completion_len"], mesh)
+  kv = kv_cache_bytes(policy.model_config, inputs["num_rows"], inputs["completion_len"], mesh,
+                      prompts=inputs["num_prompts"], prompt_len=inputs["prompt_len"])
   io = shard_bytes((other_args, inputs["rollout"]))
   log("compiling sampler ...")
   with jax.set_mesh(mesh):

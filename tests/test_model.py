@@ -12,6 +12,8 @@ from grpo_jax.models import chunked_token_logprobs
 from grpo_jax.models import completion_logprobs
 from grpo_jax.models import layers
 from grpo_jax.models import repeat_cache
+from grpo_jax.models.transformer import grow_cache
+from grpo_jax.models.transformer import share_prompt
 from grpo_jax.models import token_logprobs
 from grpo_jax.models.config import REMAT_POLICIES
 
@@ -33,22 +35,28 @@ def prompts_and_completions(vocab, seed=0):
   return [jnp.asarray(x) for x in (prompt, pmask, comp, cmask)]
 
 
-def decode_logprobs(model, prompt, pmask, comp, repeat=1):
-  """Prefill + teacher-forced decode (each step jitted); log-prob of each completion token."""
+def decode_logprobs(model, prompt, pmask, comp, repeat=1, shared=False):
+  """Prefill + teacher-forced decode (each step jitted); log-prob of each completion token.
+  `shared`: the sampler's layout (share_prompt: one copy of the prompt's keys per group, the
+  new tokens' cache starting at 2 slots and grown to the completion length after 2 steps)."""
   b, p = prompt.shape
   l = comp.shape[1]
   graphdef, state = nnx.split(model)
   prefill = jax.jit(lambda s, *a: nnx.merge(graphdef, s).prefill(*a))
   decode = jax.jit(lambda s, *a: nnx.merge(graphdef, s).decode(*a))
-  cache = model.init_cache(b, p + l)
+  cache = model.init_cache(b, p if shared else p + l)
   logits, cache = prefill(state, prompt, pmask, cache)
-  if repeat > 1:
+  if shared:
+    cache = share_prompt(cache, repeat, 2)
+  elif repeat > 1:
     cache = repeat_cache(cache, repeat)
-    logits = jnp.repeat(logits, repeat, axis=0)
-    comp = jnp.repeat(comp, repeat, axis=0)
+  logits = jnp.repeat(logits, repeat, axis=0)
+  comp = jnp.repeat(comp, repeat, axis=0)
   out = []
   for t in range(l):
     out.append(jax.nn.log_softmax(logits, -1)[jnp.arange(comp.shape[0]), comp[:, t]])
+    if shared and t == 2:
+      cache = grow_cache(cache, l)
     logits, cache = decode(state, comp[:, t], cache)
   return jnp.stack(out, 1)
 
@@ -69,6 +77,12 @@ def test_prefill_decode_equals_training_forward(arch, scan):
   dec3 = decode_logprobs(model, prompt, pmask, comp, repeat=3)
   np.testing.assert_allclose(dec3[::3], dec, atol=1e-6)
   np.testing.assert_allclose(dec3[2::3], dec, atol=1e-6)
+  # The sampler's layout: the prompt's keys once per group, a cache that grows mid-way.
+  shared = decode_logprobs(model, prompt, pmask, comp, repeat=3, shared=True)
+  for j in range(3):
+    np.testing.assert_allclose(shared[j::3], dec, atol=1e-6)
+  shared1 = decode_logprobs(model, prompt, pmask, comp, shared=True)
+  np.testing.assert_allclose(shared1, dec, atol=1e-6)
 
 
 def test_jitted_decode_as_while_loop_carry():

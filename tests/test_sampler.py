@@ -14,6 +14,7 @@ from grpo_jax.rollout import GenerationConfig
 from grpo_jax.rollout import Sampler
 from grpo_jax.rollout import sample
 from grpo_jax.rollout import sampling
+from grpo_jax.rollout.sampler import phase_ends
 
 CFG = PRESETS["tiny-qwen3"]
 
@@ -49,6 +50,41 @@ def test_sampled_logprobs_equal_training_forward(model, gen):
   if isinstance(gen, GenerationConfig):  # no truncation, T=1: sampled == raw
     assert np.abs(train - np.asarray(r.logprobs))[m].max() <= 1e-5
   assert np.all(np.asarray(r.logprobs)[~m] == 0) and np.all(np.asarray(r.raw_logprobs)[~m] == 0)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_decode_phases_keep_tokens_and_logprobs(scan):
+  """Decoding in 3 loops over a growing cache (and the prompt's keys shared by the group)
+  draws the same tokens as one loop, with the trainer's log-probs."""
+  model = build_model(CFG.replace(scan_layers=scan), seed=3)
+  ids, mask = prompts(CFG.vocab_size, seed=6)
+  graphdef, state = nnx.split(model)
+  out = {}
+  for phases in (1, 3):
+    s = Sampler(graphdef, max_prompt_length=7, max_new_tokens=24, num_generations=3,
+                eos_ids=(5,), decode_phases=phases)
+    assert len(s.phase_ends) == phases and s.phase_ends[-1] == 24
+    out[phases] = s(state, ids, mask, jax.random.key(4), GenerationConfig(temperature=1.0))
+  np.testing.assert_array_equal(out[1].tokens, out[3].tokens)
+  np.testing.assert_allclose(out[1].logprobs, out[3].logprobs, atol=1e-6)
+  m = np.asarray(out[3].mask) > 0
+  assert m.sum() > 3 * 24  # the rows ran into the later phases
+  train = np.asarray(trainer_logprobs(model, ids, mask, out[3], 3))
+  assert np.abs(train - np.asarray(out[3].raw_logprobs))[m].max() <= 1e-5
+
+
+def test_phase_ends():
+  assert phase_ends(128) == (32, 64, 96, 128)
+  assert phase_ends(1024) == (256, 512, 768, 1024)
+  assert phase_ends(40) == (20, 40)
+  assert phase_ends(10) == (10,)
+  assert phase_ends(100, 3) == (34, 67, 100)
+  assert phase_ends(12, 4) == (12,)  # phases of at least 8 tokens
+  assert phase_ends(128, 0) == phase_ends(128)  # 0 = auto
+  assert phase_ends(128, 0, "tpu") == (128,)  # auto: growing the cache costs memory there
+  assert phase_ends(128, 2, "gpu") == (64, 128)
+  with pytest.raises(ValueError, match="decode_phases=-1"):
+    phase_ends(12, -1)
 
 
 def test_temperature_logprobs_match_scaled_forward(model):

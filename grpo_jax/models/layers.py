@@ -79,7 +79,7 @@ def apply_rope(x, positions, inv_freq):
 
 
 def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None,
-              kv_head_major=False):
+              kv_head_major=False, prefix=None):
   """Grouped-query attention with an explicit key validity mask; softmax in f32.
 
   q [B, T, H, K]; k, v [B, S, Hkv, K], or [B, Hkv, S, K] with `kv_head_major` (the KV cache's
@@ -87,7 +87,11 @@ def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None,
   with no per-step transpose of the whole cache); q_slot [B, T] absolute slot of each query; kv_valid
   [B, S] (nonzero = a real token). `extra_kv=(k1, v1)` ([B, T, Hkv, K]) appends each query's
   own key/value (decode: the token being generated attends to itself) without writing it
-  into the cache first. Fully masked query rows (padding) get a uniform softmax, never NaN.
+  into the cache first. `prefix=(pk, pv, p_valid)` (head-major [B/G, Hkv, P, K], [B/G, P])
+  is a shared prompt that every query also attends to (before the cache slots), one prompt
+  per group of G = B / (B/G) consecutive rows: the group sampler's decode reads each prompt's
+  keys once per group, not once per sample. Fully masked query rows (padding) get a uniform
+  softmax, never NaN.
   """
   b, t, h, kd = q_bthk.shape
   kv = "bgsk" if kv_head_major else "bsgk"
@@ -102,6 +106,16 @@ def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None,
   neg = jnp.finfo(jnp.float32).min
   logits = jnp.where(allowed[:, None, None], logits, neg)
   values = v_bsgk
+  n_prefix = 0
+  if prefix is not None:
+    pk, pv, p_valid = prefix
+    bp, n_prefix = pk.shape[0], pk.shape[2]
+    # The G samples of a prompt are one product against its keys: [G*R*T, K] x [K, P].
+    qp = q.reshape(bp, b // bp, t, g, h // g, kd)
+    lp = jnp.einsum("bntgrk,bgpk->bgnrtp", qp, pk, preferred_element_type=jnp.float32) * scale
+    lp = jnp.where(p_valid[:, None, None, None, None, :] != 0, lp, neg)
+    lp = lp.transpose(0, 2, 1, 3, 4, 5).reshape(b, g, h // g, t, n_prefix)
+    logits = jnp.concatenate([lp, logits], axis=-1)  # [B, G, R, T, P+S]
   if extra_kv is not None:
     k1, v1 = extra_kv
     self_logits = jnp.einsum("btgrk,btgk->bgrt", q, k1,
@@ -109,10 +123,14 @@ def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None,
     logits = jnp.concatenate([logits, self_logits], axis=-1)  # [B, G, R, T, S+1]
   probs = jax.nn.softmax(logits, axis=-1).astype(v_bsgk.dtype)
   if extra_kv is not None:
-    out = jnp.einsum(f"bgrts,{kv}->bgrtk", probs[..., :-1], values)
+    out = jnp.einsum(f"bgrts,{kv}->bgrtk", probs[..., n_prefix:-1], values)
     out = out + jnp.einsum("bgrt,btgk->bgrtk", probs[..., -1], extra_kv[1])
   else:
-    out = jnp.einsum(f"bgrts,{kv}->bgrtk", probs, values)
+    out = jnp.einsum(f"bgrts,{kv}->bgrtk", probs[..., n_prefix:], values)
+  if prefix is not None:
+    pp = probs[..., :n_prefix].reshape(bp, b // bp, g, h // g, t, n_prefix)
+    op = jnp.einsum("bngrtp,bgpk->bgnrtk", pp, pv)
+    out = out + op.transpose(0, 2, 1, 3, 4, 5).reshape(b, g, h // g, t, kd)
   # Batch dims first in the product's output, then a transpose of the (small) result: XLA:CPU
   # runs "bgrts,bgsk->btgrk" ~17x slower than "->bgrtk" at decode shapes.
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, kd)
@@ -269,7 +287,7 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, rngs=rngs)
 
   def __call__(self, x_btd, positions_bt, q_slot_bt, kv_valid_bs, cache_kv=None,
-               write_slot=None):
+               write_slot=None, prefix=None):
     """Without `cache_kv`, attends within x (training forward / prefill). With
     `cache_kv=(k, v)`, the T new tokens attend to the cache plus themselves
     (decode, T=1; the cache is head-major, [B, Hkv, S, K]). Returns (x, k, v) where k, v
@@ -277,7 +295,8 @@ class Block(nnx.Module):
     into the cache at that slot (kv_valid must already mark it) and the attention reads the
     written cache: (x, cache k, cache v) come back. Written first, the cache is updated in
     place; read first and written after, XLA copies the whole cache every decode step (the
-    old buffer is still read when the update lands)."""
+    old buffer is still read when the update lands). `prefix`: a shared prompt's keys and
+    values for the cache paths (`attention`'s `prefix`)."""
     q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions_bt)
     if cache_kv is None:
       a = attention(q, k, v, q_slot_bt, kv_valid_bs)
@@ -285,10 +304,10 @@ class Block(nnx.Module):
       k, v = (jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype),
                                            (0, 0, write_slot, 0))
               for c, n in zip(cache_kv, (k, v)))
-      a = attention(q, k, v, q_slot_bt, kv_valid_bs, kv_head_major=True)
+      a = attention(q, k, v, q_slot_bt, kv_valid_bs, kv_head_major=True, prefix=prefix)
     else:
       a = attention(q, cache_kv[0], cache_kv[1], q_slot_bt, kv_valid_bs, extra_kv=(k, v),
-                    kv_head_major=True)
+                    kv_head_major=True, prefix=prefix)
     x_btd = x_btd + self.attn.out(a)
     x_btd = x_btd + self.mlp(self.mlp_norm(x_btd))
     return x_btd, k, v

@@ -77,19 +77,22 @@ class Transformer(nnx.Module):
     return sharding.constrain(x, "batch", "length", "act_embed")
 
   def _run_layers(self, x, positions, q_slot, kv_valid, cache_k=None, cache_v=None,
-                  write_slot=None):
+                  write_slot=None, prefix=None):
     """All layers. Returns (x, ks, vs): each layer's new keys/values [B, T, Hkv, K], stacked
     on a leading layer axis with scan_layers, else a tuple per layer (like the cache). With
     `write_slot` (per-layer caches only): each layer writes its keys/values into its cache
-    first and (x, caches k, caches v) come back (layers.Block)."""
+    first and (x, caches k, caches v) come back (layers.Block). `prefix=(k, v, valid)`: a
+    shared prompt's keys/values (laid out like the cache) that the queries also attend to."""
+    prefix_k, prefix_v, prefix_valid = prefix if prefix is not None else (None, None, None)
     policy = remat_lib.policy(self.cfg.remat_policy)
 
     def make_layer(graphdef):
-      def layer(block_state, x, cache_kv):
+      def layer(block_state, x, cache_kv, prefix_kv):
         # lora.adapt: LoRA adapters / a quantized base become this layer's effective weights
         # here, one layer at a time (a no-op on a plain layer).
         block = lora.adapt(nnx.merge(graphdef, block_state))
-        return block(x, positions, q_slot, kv_valid, cache_kv, write_slot)
+        pre = None if prefix_kv is None else (*prefix_kv, prefix_valid)
+        return block(x, positions, q_slot, kv_valid, cache_kv, write_slot, pre)
       if policy is None:
         return layer
       return jax.checkpoint(layer, policy=policy, prevent_cse=not self.cfg.scan_layers)
@@ -99,18 +102,20 @@ class Transformer(nnx.Module):
       layer = make_layer(graphdef)
 
       def body(x, xs):
-        state, ck, cv = xs
-        x, k, v = layer(state, x, None if ck is None else (ck, cv))
+        state, ck, cv, pk, pv = xs
+        x, k, v = layer(state, x, None if ck is None else (ck, cv),
+                        None if pk is None else (pk, pv))
         return sharding.constrain(x, "batch", "length", "act_embed"), (k, v)
 
-      x, (ks, vs) = jax.lax.scan(body, x, (stacked, cache_k, cache_v))
+      x, (ks, vs) = jax.lax.scan(body, x, (stacked, cache_k, cache_v, prefix_k, prefix_v))
       return x, ks, vs
 
     ks, vs = [], []
     for i, blk in enumerate(self.layers):
       graphdef, state = nnx.split(blk)
       kv = None if cache_k is None else (cache_k[i], cache_v[i])
-      x, k, v = make_layer(graphdef)(state, x, kv)
+      pkv = None if prefix_k is None else (prefix_k[i], prefix_v[i])
+      x, k, v = make_layer(graphdef)(state, x, kv, pkv)
       x = sharding.constrain(x, "batch", "length", "act_embed")
       ks.append(k)
       vs.append(v)
@@ -185,15 +190,18 @@ class Transformer(nnx.Module):
     q_slot = jnp.full((b, 1), index)
     valid = jax.lax.dynamic_update_slice(cache["valid"], jnp.ones((b, 1), jnp.int32),
                                          (0, index))
+    prefix = None
+    if "prefix_k" in cache:
+      prefix = (cache["prefix_k"], cache["prefix_v"], cache["prefix_valid"])
     if isinstance(cache["k"], tuple):  # per-layer buffers: each layer writes, then reads
       x, ks, vs = self._run_layers(self._embed(token_b[:, None]), positions, q_slot, valid,
-                                   cache["k"], cache["v"], write_slot=index)
+                                   cache["k"], cache["v"], write_slot=index, prefix=prefix)
     else:  # one stacked buffer, sliced per layer by the scan: written after all layers
       x, ks, vs = self._run_layers(self._embed(token_b[:, None]), positions, q_slot,
-                                   cache["valid"], cache["k"], cache["v"])
+                                   cache["valid"], cache["k"], cache["v"], prefix=prefix)
       ks, vs = _write_kv(cache["k"], ks, index), _write_kv(cache["v"], vs, index)
     logits = self.logits_from_hidden(self.final_norm(x))[:, 0]
-    cache = dict(k=ks, v=vs, valid=valid, index=index + 1, pos=cache["pos"] + 1)
+    cache = dict(cache, k=ks, v=vs, valid=valid, index=index + 1, pos=cache["pos"] + 1)
     return logits, cache
 
 
@@ -205,6 +213,34 @@ def _write_kv(cache_kv, new_kv, slot):
                  for c, n in zip(cache_kv, new_kv))
   return jax.lax.dynamic_update_slice(cache_kv, new_kv.swapaxes(2, 3).astype(cache_kv.dtype),
                                       (0, 0, 0, slot, 0))
+
+
+def share_prompt(cache: dict, n: int, slots: int) -> dict:
+  """A cache of B prompts prefilled to exactly its P slots (`init_cache(B, P)`) -> a decode
+  cache for n samples per prompt (B*n rows, group-major) that keeps the prompts' keys/values
+  once per prompt ("prefix_k", "prefix_v", "prefix_valid": read by every sample of the prompt)
+  and has `slots` empty slots per row for the new tokens (slot j = completion token j;
+  `grow_cache` adds more). Decode attends to the prefix and the written slots: the same
+  log-probs as `repeat_cache` + decode, and each prompt's keys are read once per group."""
+  def empty(x):
+    shape = list(x.shape)
+    shape[-4], shape[-2] = shape[-4] * n, slots
+    return jnp.zeros(shape, x.dtype)
+  b = cache["valid"].shape[0]
+  return dict(prefix_k=cache["k"], prefix_v=cache["v"], prefix_valid=cache["valid"],
+              k=jax.tree.map(empty, cache["k"]), v=jax.tree.map(empty, cache["v"]),
+              valid=jnp.zeros((b * n, slots), jnp.int32), index=jnp.zeros((), jnp.int32),
+              pos=jnp.repeat(cache["pos"], n, axis=0))
+
+
+def grow_cache(cache: dict, slots: int) -> dict:
+  """The cache with `slots` slots per row (more than it has; the new ones empty)."""
+  def pad(x):
+    widths = [(0, 0)] * x.ndim
+    widths[-2] = (0, slots - x.shape[-2])
+    return jnp.pad(x, widths)
+  return dict(cache, k=jax.tree.map(pad, cache["k"]), v=jax.tree.map(pad, cache["v"]),
+              valid=jnp.pad(cache["valid"], ((0, 0), (0, slots - cache["valid"].shape[1]))))
 
 
 def repeat_cache(cache: dict, n: int) -> dict:

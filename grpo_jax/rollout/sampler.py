@@ -4,11 +4,16 @@
                       eos_ids=(eos,), pad_id=pad, mesh=mesh)
     rollout = sampler(params_state, prompt_ids, prompt_mask, rng, "standard")
 
-1. Prefill: the B left-padded prompts run once ([B, P]); their caches are then repeated G
-   times along the batch (group-major), so prefill cost does not grow with G.
-2. Decode: a `lax.while_loop` over a static [layers, B*G, P+C, ...] cache; each step samples
-   one token per row (sampling.py), records it and its log-probs, and stops when every row has
-   emitted a stop token (or after C steps). Rows that stopped keep emitting `pad_id`.
+1. Prefill: the B left-padded prompts run once ([B, P]), so prefill cost does not grow with
+   G. Their keys/values stay one copy per prompt (`share_prompt`): each decode step reads a
+   prompt's keys once for its G samples, not G times.
+2. Decode: `lax.while_loop`s over the [B*G, Hkv, S, K] caches of the new tokens; each step
+   samples one token per row (sampling.py), records it and its log-probs, and stops when every
+   row has emitted a stop token (or after C steps). Rows that stopped keep emitting `pad_id`.
+   Decode attention is bound by memory (it reads every cache slot each step), so the C steps
+   run in `decode_phases` loops over a cache that grows between them (S = C/phases, 2C/phases,
+   ..., C slots): a step reads about the slots written so far, not all C. Each phase is its own
+   compiled loop (compile time grows with the phases; 1 = one loop over C slots).
 3. Everything is one jit per (shapes, static sampling path); new parameters, prompts, rng,
    temperature and top_p reuse the compiled program. Batch rows shard over (data, fsdp).
 
@@ -25,7 +30,8 @@ import numpy as np
 
 from grpo_jax import multihost
 from grpo_jax import sharding
-from grpo_jax.models.transformer import repeat_cache
+from grpo_jax.models.transformer import grow_cache
+from grpo_jax.models.transformer import share_prompt
 from grpo_jax.rollout import sampling
 from grpo_jax.rollout.types import GenerationConfig
 from grpo_jax.rollout.types import Rollout
@@ -36,7 +42,8 @@ class Sampler:
   """Compile-once rollout generation for a model graph (see the module docstring)."""
 
   def __init__(self, graphdef, *, max_prompt_length: int, max_new_tokens: int,
-               num_generations: int = 1, eos_ids=(), pad_id: int = 0, mesh=None):
+               num_generations: int = 1, eos_ids=(), pad_id: int = 0, mesh=None,
+               decode_phases: int = 0):
     self.graphdef = graphdef
     self.max_prompt_length = max_prompt_length
     self.max_new_tokens = max_new_tokens
@@ -44,6 +51,8 @@ class Sampler:
     self.eos_ids = tuple(int(e) for e in eos_ids)
     self.pad_id = int(pad_id)
     self.mesh = mesh
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    self.phase_ends = phase_ends(max_new_tokens, decode_phases, platform)
     self._compiled = {}
     self._device_scalars = {}
 
@@ -95,11 +104,10 @@ class Sampler:
     b, p = prompt_ids.shape
     n = b * g
     prompt_ids = sharding.constrain(prompt_ids, "batch", "length")
-    cache = model.init_cache(b, p + c_len)
-    cache = _constrain_cache(cache)
+    cache = _constrain_cache(model.init_cache(b, p))
     logits, cache = model.prefill(prompt_ids, prompt_mask, cache)  # [B, V]
+    cache = _constrain_cache(share_prompt(cache, g, self.phase_ends[0]))
     if g > 1:
-      cache = _constrain_cache(repeat_cache(cache, g))
       logits = jnp.repeat(logits, g, axis=0)
     stop_ids = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
     draw = functools.partial(sampling.sample_token, temperature=temperature, top_p=top_p,
@@ -122,8 +130,8 @@ class Sampler:
     # Token 0 comes from the prefill's logits; each loop iteration decodes the previous token
     # and draws the next, so no decode runs after the last token (no per-step lax.cond, and
     # the [N, V] logits never sit in the loop carry).
-    def cond(c):
-      return (c["t"] < c_len) & ~jnp.all(c["done"])
+    def cond(c, end):
+      return (c["t"] < end) & ~jnp.all(c["done"])
 
     def body(c):
       logits, cache = model.decode(c["token"], c["cache"])
@@ -133,8 +141,11 @@ class Sampler:
                 done=jnp.zeros((n,), bool), tokens=jnp.full((n, c_len), self.pad_id, jnp.int32),
                 mask=jnp.zeros((n, c_len), jnp.int32), logprobs=jnp.zeros((n, c_len), jnp.float32),
                 raw_logprobs=jnp.zeros((n, c_len), jnp.float32))
-    init = record(init, init["t"], logits, init["done"])
-    final = jax.lax.while_loop(cond, body, init)
+    final = record(init, init["t"], logits, init["done"])
+    for i, end in enumerate(self.phase_ends):
+      if i:
+        final = dict(final, cache=_constrain_cache(grow_cache(final["cache"], end)))
+      final = jax.lax.while_loop(functools.partial(cond, end=end), body, final)
     return Rollout(tokens=final["tokens"], mask=final["mask"], logprobs=final["logprobs"],
                    raw_logprobs=final["raw_logprobs"], lengths=final["mask"].sum(-1),
                    truncated=~final["done"])
@@ -146,10 +157,31 @@ def _constrain_kv(x):
 
 
 def _constrain_cache(cache: dict) -> dict:
-  return dict(cache, k=jax.tree.map(_constrain_kv, cache["k"]),
-              v=jax.tree.map(_constrain_kv, cache["v"]),
-              valid=sharding.constrain(cache["valid"], "batch", "length"),
-              pos=sharding.constrain(cache["pos"], "batch"))
+  out = dict(cache, valid=sharding.constrain(cache["valid"], "batch", "length"),
+             pos=sharding.constrain(cache["pos"], "batch"))
+  for name in ("k", "v", "prefix_k", "prefix_v"):
+    if name in cache:
+      out[name] = jax.tree.map(_constrain_kv, cache[name])
+  if "prefix_valid" in cache:
+    out["prefix_valid"] = sharding.constrain(cache["prefix_valid"], "batch", "length")
+  return out
+
+
+def phase_ends(max_new_tokens: int, decode_phases: int = 0,
+               platform: str = "cpu") -> tuple[int, ...]:
+  """The completion lengths at which the decode loops end (the last is max_new_tokens).
+
+  decode_phases 0 = auto: on CPU one phase per 32 new tokens, at most 4 (compile time grows
+  with them); on other platforms 1, since growing the cache holds the old and the new buffer
+  at once (at the last growth 1.75x the cache with 4 phases), which a TPU/GPU memory plan may
+  not afford. Phases never get shorter than 8 tokens."""
+  c = max_new_tokens
+  if decode_phases < 0:
+    raise ValueError(f"decode_phases={decode_phases}: use 0 (auto) or a count >= 1")
+  auto = max(1, min(4, -(-c // 32))) if platform == "cpu" else 1
+  n = int(decode_phases) or auto
+  n = max(1, min(n, c // 8))
+  return tuple(sorted({-(-c * (i + 1) // n) for i in range(n)}))
 
 
 _SAMPLERS: dict = {}
