@@ -10,10 +10,10 @@
 2. Decode: `lax.while_loop`s over the [B*G, Hkv, S, K] caches of the new tokens; each step
    samples one token per row (sampling.py), records it and its log-probs, and stops when every
    row has emitted a stop token (or after C steps). Rows that stopped keep emitting `pad_id`.
-   Decode attention is bound by memory (it reads every cache slot each step), so the C steps
-   run in `decode_phases` loops over a cache that grows between them (S = C/phases, 2C/phases,
-   ..., C slots): a step reads about the slots written so far, not all C. Each phase is its own
-   compiled loop (compile time grows with the phases; 1 = one loop over C slots).
+   Decode attention reads every cache slot each step, so the C steps run in `decode_phases`
+   loops over a cache that grows between them (S = C/phases, 2C/phases, ..., C slots): a step
+   reads about the slots written so far, not all C. Each phase is its own compiled loop
+   (compile time grows with the phases; 1 = one loop over C slots; see `phase_ends`).
 3. Everything is one jit per (shapes, static sampling path); new parameters, prompts, rng,
    temperature and top_p reuse the compiled program. Batch rows shard over (data, fsdp).
 
