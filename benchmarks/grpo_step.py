@@ -7,7 +7,7 @@ r"""One GRPO step, phase by phase: the loop's own jitted functions on named work
     python benchmarks/grpo_step.py --quick --trace=/tmp/trace   # Perfetto trace, phase names
 
 The step is train.py's steps 1-7 chained from the same pieces the loop builds (nothing copied):
-`train._prompt_data` + `data.make_prompt_iterator` (prompts), `rollout.make_engine` (rollout,
+`prompts.prompt_data` + `data.make_prompt_iterator` (prompts), `rollout.make_engine` (rollout,
 with the host copy of the completions), `rewards.build_reward_computer` (rewards on the host),
 `rl.step.build(config, policy, mesh)` -> assemble (advantages), logprobs (old: only when the
 loop needs them; reference: beta > 0, a full copy) and update (one per num_iterations), then
@@ -28,9 +28,12 @@ overlaps a little host work with device work that this waits out. Workloads:
          over micro-batches of 8 rows (same gradients; cache-sized on CPU)
 
 The first step (compilation included) is reported apart from the steady state (the median
-of the --repeats steps after it). "compile" is what JAX itself reports for the first step
-(jax.monitoring: tracing + lowering + XLA compilation, per phase in the JSON); the JSON also
-has first - steady. The rollout is one jitted program (prefill + while_loop decode), so its
+of the --repeats steps after it). "compile" is what JAX itself reports for the first step on
+the main thread (jax.monitoring: tracing + lowering + XLA compilation, per phase in the JSON);
+with config.compile_ahead (the default; --no_compile_ahead turns it off) the update, log-prob
+and advantage programs compile on a worker thread during the rollout instead, their seconds
+in the JSON's compile_ahead_sec (overlapping the phases, so not part of "compile"); the JSON
+also has first - steady. The rollout is one jitted program (prefill + while_loop decode), so its
 prefill and decode cannot be timed apart inside the step: "prefill~" is the same sampler
 built for 1 new token on the same prompts (rollout.py's method), "decode~" = rollout -
 prefill~.
@@ -72,6 +75,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,10 +86,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import tiny as tiny_config  # noqa: E402
+from grpo_jax import compile_ahead  # noqa: E402
 from grpo_jax import data as data_lib  # noqa: E402
 from grpo_jax import metrics as metrics_lib  # noqa: E402
 from grpo_jax import multihost  # noqa: E402
 from grpo_jax import profiling  # noqa: E402
+from grpo_jax import prompts as prompts_lib  # noqa: E402
 from grpo_jax import rewards as rewards_lib  # noqa: E402
 from grpo_jax import rollout as rollout_lib  # noqa: E402
 from grpo_jax import sharding  # noqa: E402
@@ -161,14 +167,19 @@ _COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
                    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
                    "/jax/core/compile/backend_compile_duration": "xla"}
 _compile_secs = {k: 0.0 for k in _COMPILE_EVENTS.values()}
+_ahead_secs = [0.0]  # the same events on compile_ahead.py's worker thread
 
 
 def _on_event(event, secs, **_):
   if event in _COMPILE_EVENTS:
-    _compile_secs[_COMPILE_EVENTS[event]] += secs
+    if threading.current_thread().name.startswith("compile_ahead"):
+      _ahead_secs[0] += secs
+    else:
+      _compile_secs[_COMPILE_EVENTS[event]] += secs
 
 
 def compile_seconds() -> float:
+  """Seconds the main thread spent tracing, lowering and compiling so far."""
   return sum(_compile_secs.values())
 
 
@@ -179,7 +190,7 @@ class LoopStep:
     self.config = c = config
     self.mesh = build.make_mesh(c, devices=jax.devices()[:1])
     tokenizer = data_lib.build_tokenizer(c.tokenizer.kind, c.tokenizer.path)
-    self.data, _ = train._prompt_data(c, tokenizer)
+    self.data, _ = prompts_lib.prompt_data(c, tokenizer)
     self.decode = train._decoder(tokenizer)
     self.policy = build.make_policy(c, self.mesh)
     self.engine = rollout_lib.make_engine(c, self.policy, tokenizer, self.mesh)
@@ -200,6 +211,9 @@ class LoopStep:
                             out_shardings=sharding.replicated(self.mesh))
     self.needs_old_logp = (c.num_iterations > 1 or c.loss.tis_cap > 0 or
                            not self.engine.matches_trainer)
+    self.ahead = compile_ahead.CompileAhead(
+        c, self.fns, self.stats_fn, self.policy, self.mesh, needs_old_logp=self.needs_old_logp,
+        matches_trainer=self.engine.matches_trainer) if c.compile_ahead else None
     self.generated, self.compile, self.widths = 0, {}, []
 
   def __call__(self, step: int) -> dict:
@@ -218,10 +232,13 @@ class LoopStep:
     t_step = time.perf_counter()
     with profiling.step_span(step):
       with timed("prompts"):
-        batch = train._prompt_batch(c, self.data, next(self.iter), self.mesh)
+        batch = prompts_lib.prompt_batch(c, self.data, next(self.iter), self.mesh)
         prompt_ids = multihost.to_global(batch["prompt_ids"], self.mesh)
         self.widths.append(prompt_ids.shape[1])  # data.prompt_width: P of this step
         prompt_mask = multihost.to_global(batch["prompt_mask"], self.mesh)
+        if self.ahead:  # as train.py: a new width's step programs compile in the background
+          self.ahead.submit({"ids": prompt_ids, "mask": prompt_mask}, self.state,
+                            self.ref_params)
       with timed("rollout"):
         rollout = self.engine.generate(self.state["params"], batch,
                                        train._step_key(self.rng, step, self.mesh), self.gen)
@@ -236,6 +253,8 @@ class LoopStep:
             c.loss.overlong_factor)
         rewards_n = multihost.to_global(host_rewards.astype(np.float32), self.mesh)
       with timed("advantages"):
+        if self.ahead:
+          self.ahead.wait(prompt_ids.shape[1])
         upd = jax.block_until_ready(self.fns.assemble(prompt_ids, prompt_mask, rollout,
                                                       rewards_n))
       if self.needs_old_logp:
@@ -264,7 +283,7 @@ class LoopStep:
     sampler = rollout_lib.Sampler(self.policy.sampler_graphdef,
                                   max_prompt_length=c.max_prompt_length, max_new_tokens=1,
                                   num_generations=c.num_generations, mesh=self.mesh)
-    batch = train._prompt_batch(c, self.data, next(self.iter), self.mesh)
+    batch = prompts_lib.prompt_batch(c, self.data, next(self.iter), self.mesh)
     ids = multihost.to_global(batch["prompt_ids"], self.mesh)
     mask = multihost.to_global(batch["prompt_mask"], self.mesh)
     params = self.state["params"]
@@ -365,6 +384,8 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
   """Every (remat, micro_batch, G) combo of one workload, their steady steps taken in turn
   (combo 1, combo 2, ..., Tunix, then again) so load on the machine hits all alike."""
   configs = [make_config(workload, *combo) for combo in combos]
+  for config in configs:
+    config.compile_ahead = not args.no_compile_ahead
   loops, setup, first, first_compile = [], [], [], []
   for config in configs:
     t0 = time.perf_counter()
@@ -372,6 +393,9 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
     setup.append(time.perf_counter() - t0)
     first.append(loops[-1](0))
     first_compile.append(dict(loops[-1].compile))
+    if loops[-1].ahead:  # the first width's programs, compiled during the first step
+      loops[-1].ahead.wait(loops[-1].widths[0])
+    first_compile[-1]["ahead"], _ahead_secs[0] = _ahead_secs[0], 0.0
   # Tunix beside the combo with the workload's own settings (Tunix's: G=4, one update on the
   # whole batch, no remat).
   own = _settings(make_config(workload))
@@ -419,7 +443,7 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
              params_m=sum(x.size for x in jax.tree.leaves(loop.policy.params)) / 1e6,
              setup_sec=setup[k], first_step_sec=first[k]["step"],
              steady_step_sec=phases["step"], best_step_sec=min(t["step"] for t in steady[k]),
-             compile_sec=first_compile[k]["step"],
+             compile_sec=first_compile[k]["step"], compile_ahead_sec=first_compile[k]["ahead"],
              first_minus_steady_sec=first[k]["step"] - phases["step"],
              steady_compile_sec=steady_compile[k], phases=phases, phases_first=first[k],
              compile_phases=first_compile[k], prefill_est_sec=prefill,
@@ -462,6 +486,8 @@ def main(argv=None):
   ap.add_argument("--micro_batch", default="", help="comma list of micro-batch sizes (0 = all)")
   ap.add_argument("--generations", default="", help="comma list of G")
   ap.add_argument("--no_tunix", action="store_true")
+  ap.add_argument("--no_compile_ahead", action="store_true",
+                  help="compile each program at its first call (config.compile_ahead=False)")
   ap.add_argument("--tunix_python", default="", help="interpreter with google-tunix installed")
   ap.add_argument("--trace", default="", help="write a Perfetto trace of the steady steps here")
   ap.add_argument("--json", default="", help="also write the results to this file")

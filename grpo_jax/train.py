@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from grpo_jax import checkpoint as ckpt_lib
+from grpo_jax import compile_ahead
 from grpo_jax import data as data_lib
 from grpo_jax import dynamic_sampling as dyn_lib
 from grpo_jax import eval_tasks
@@ -34,6 +35,7 @@ from grpo_jax import evaluate as eval_lib
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import multihost
 from grpo_jax import profiling
+from grpo_jax import prompts as prompts_lib
 from grpo_jax import report as report_lib
 from grpo_jax import rewards as rewards_lib
 from grpo_jax import rollout as rollout_lib
@@ -69,7 +71,7 @@ def _run(config, workdir: str) -> dict:
                  jax.process_count())
     tokenizer = data_lib.build_tokenizer(config.tokenizer.kind,
                                          config.tokenizer.path or config.model.hf_path)
-    train_data, eval_data = _prompt_data(config, tokenizer)
+    train_data, eval_data = prompts_lib.prompt_data(config, tokenizer)
     config = _run_length(config, len(train_data))
     decode = _decoder(tokenizer)
     policy = build.make_policy(config, mesh, abstract=session.resume_step is not None)
@@ -103,10 +105,6 @@ def _run(config, workdir: str) -> dict:
     state, ref_params = _start_grpo(config, session, fns, policy, mesh, params, train_iter)
     meta, rng, G = session.meta, session.rng, config.num_generations
     steps_per_epoch = data_lib.batches_per_epoch(len(train_data), config.batch_size)
-    if meta["eval_before"] is None:
-      meta["eval_before"] = evaluator(state["params"], config.sft_steps,
-                                      jax.random.fold_in(rng, 2 << 20))
-      eval_lib.log_results("before GRPO", meta["eval_before"])
     profiler = session.closing(profiling.StepProfiler(
         workdir, config.profile.start_step, config.profile.num_steps,
         python_tracer=config.profile.get("python_tracer", False)))
@@ -126,7 +124,19 @@ def _run(config, workdir: str) -> dict:
                       config.kl_in_reward or not engine.matches_trainer)
     dynamic = config.loss.dynamic_sampling and config.loss.max_resample_rounds > 0
 
-    prompts = _NextPrompts(config, train_data, train_iter, mesh)
+    prompts = prompts_lib.NextPrompts(config, train_data, train_iter, mesh)
+    # The first batch's step programs compile in the background from here on, during the
+    # evaluation and the first rollout (compile_ahead.py); later widths when prefetched.
+    ahead = session.closing(compile_ahead.CompileAhead(
+        config, fns, stats_fn, policy, mesh, needs_old_logp=needs_old_logp,
+        matches_trainer=engine.matches_trainer)) if config.compile_ahead else None
+    if ahead and meta["grpo_step"] < config.num_steps:
+      prompts.prefetch()
+      ahead.submit(prompts.peek(), state, ref_params)
+    if meta["eval_before"] is None:
+      meta["eval_before"] = evaluator(state["params"], config.sft_steps,
+                                      jax.random.fold_in(rng, 2 << 20))
+      eval_lib.log_results("before GRPO", meta["eval_before"])
 
     def draw(key):  # steps 1-3 on a fresh batch of prompts
       return _rollout_round(config, engine, prompts, state["params"], key, train_gen,
@@ -165,6 +175,8 @@ def _run(config, workdir: str) -> dict:
         # 4. Advantages per group, and the [prompt; completion] rows to train on.
         t0 = time.time()
         with phase("advantages"):
+          if ahead:  # the first step of a prompt width: its programs compiled meanwhile
+            ahead.wait(prompt_ids_bp.shape[1])
           upd = fns.assemble(prompt_ids_bp, prompt_mask_bp, rollout, rewards_n)
 
         # 5. Log-probs: old policy (when needed) and frozen reference (beta > 0).
@@ -183,7 +195,7 @@ def _run(config, workdir: str) -> dict:
             upd, kl_rewards_n = fns.fold_kl(upd, rewards_n)
 
         # 6. num_iterations optimizer updates over the whole rollout batch; while the device
-        # runs them, the host prepares the next step's prompts (_NextPrompts).
+        # runs them, the host prepares the next step's prompts (prompts_lib.NextPrompts).
         with phase("update"):
           for _ in range(config.num_iterations):
             state, upd_metrics = fns.update(state, upd)
@@ -191,6 +203,8 @@ def _run(config, workdir: str) -> dict:
         if step + 1 < config.num_steps:
           with phase("prompts"):
             prompts.prefetch()
+            if ahead:  # a new width compiles while the device runs this step
+              ahead.submit(prompts.peek(), state, ref_params)
         t_prefetch = time.time() - t_prefetch
         with phase("update"):
           jax.block_until_ready(state)  # a wait, not a read: timing only
@@ -262,30 +276,6 @@ def _run(config, workdir: str) -> dict:
 # ======================================================================== loop helpers
 
 
-def _prompt_data(config, tokenizer):
-  """Train and eval prompts, rendered, tokenized and left-padded once."""
-  if tokenizer.vocab_size > config.model.vocab_size and not config.model.hf_path:
-    raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size="
-                     f"{config.model.vocab_size}: set --config.model.vocab_size >= "
-                     f"{tokenizer.vocab_size}")
-  train_rows, eval_rows = data_lib.load_rows(config)
-  if config.eval.num_examples:
-    eval_rows = eval_rows[:config.eval.num_examples]
-  kw = dict(template=config.data.template, max_prompt_length=config.max_prompt_length,
-            system_prompt=data_lib.system_prompt(config.data.system_prompt))
-  train_data = data_lib.PromptData(train_rows, tokenizer, **kw)
-  if config.data.overlong_prompts == "drop" and train_data.num_truncated:
-    keep = np.flatnonzero(~train_data.truncated)
-    if not len(keep):
-      raise ValueError(f"every train prompt is longer than max_prompt_length="
-                       f"{config.max_prompt_length} tokens. Fix: raise max_prompt_length, or "
-                       "set data.overlong_prompts=truncate")
-    logging.warning("data.overlong_prompts=drop: %d of %d train prompts dropped",
-                    train_data.num_truncated, len(train_data))
-    train_data = train_data.select(keep)
-  return train_data, data_lib.PromptData(eval_rows, tokenizer, **kw)
-
-
 def _run_length(config, num_train_prompts: int):
   """num_epochs > 0: a copy of `config` with num_steps = epochs x batches per epoch."""
   if not config.num_epochs:
@@ -305,40 +295,6 @@ def _run_length(config, num_train_prompts: int):
 def _epoch(train_iter, steps_per_epoch: int) -> float:
   """Epochs of prompts drawn so far (data/epoch), from the iterator's position."""
   return train_iter.get_state()["next_index"] / max(steps_per_epoch, 1)
-
-
-class _NextPrompts:
-  """The prompt batches of the loop (GRPO step 1), the next one prepared ahead.
-
-  `take()` gives the next batch: this process's rows (`_prompt_batch`) and the global prompt
-  arrays. `prefetch()` prepares the batch the next `take()` will give, to be called while the
-  device runs the update, so the host work (the row gather, the padding, the transfers) does
-  not leave the device idle at the start of the next step. It peeks: the data iterator is put
-  back where it was, and only `take()` moves it on, so a checkpoint written in between records
-  the iterator exactly as without the prefetch (resume stays exact)."""
-
-  def __init__(self, config, train_data, train_iter, mesh):
-    self.config, self.data, self.it, self.mesh = config, train_data, train_iter, mesh
-    self._ahead = None  # (iterator state before, state after, prepared batch)
-
-  def _prepare(self, indices_b):
-    batch = _prompt_batch(self.config, self.data, indices_b, self.mesh)
-    return batch, {"ids": multihost.to_global(batch["prompt_ids"], self.mesh),
-                   "mask": multihost.to_global(batch["prompt_mask"], self.mesh)}
-
-  def prefetch(self):
-    before = self.it.get_state()
-    indices_b = next(self.it)
-    after = self.it.get_state()
-    self.it.set_state(before)
-    self._ahead = (before, after, self._prepare(indices_b))
-
-  def take(self):
-    ahead, self._ahead = self._ahead, None
-    if ahead is not None and ahead[0] == self.it.get_state():
-      self.it.set_state(ahead[1])
-      return ahead[2]
-    return self._prepare(next(self.it))
 
 
 def _rollout_round(config, engine, prompts, params, key, generation, reward_fn, judge, decode,
@@ -373,14 +329,6 @@ def _rollout_round(config, engine, prompts, params, key, generation, reward_fn, 
   return prompt, rollout, dict(tokens=tokens_nc, mask=mask_nc, truncated=truncated_n,
                                rewards=rewards_n.astype(np.float32),
                                per_function=per_function, errors=scored.errors)
-
-
-def _prompt_batch(config, train_data, indices_b, mesh) -> dict:
-  """This process's rows of the global batch `indices_b` [B], as PromptData.batch gives them,
-  at the width data.prompt_width picks from the whole global batch (the same on every
-  process)."""
-  return train_data.batch(indices_b[multihost.process_rows(mesh, config.batch_size)],
-                          train_data.width(indices_b, config.data.prompt_width))
 
 
 def _dynamic_sampling(config, first, draw, key, mesh, take_groups):

@@ -312,11 +312,11 @@ def test_sources_are_the_readers_plus_arithmetic():
 
 
 def test_overlong_train_prompts_are_truncated_or_dropped_per_config():
-  from grpo_jax import train
+  from grpo_jax import prompts
   from tests.test_train import tiny_config
   tok = data.build_tokenizer("char")
-  kept, _ = train._prompt_data(tiny_config(max_prompt_length=5), tok)
-  dropped, _ = train._prompt_data(tiny_config(max_prompt_length=5, **{
+  kept, _ = prompts.prompt_data(tiny_config(max_prompt_length=5), tok)
+  dropped, _ = prompts.prompt_data(tiny_config(max_prompt_length=5, **{
       "data.overlong_prompts": "drop"}), tok)
   assert kept.num_truncated > 0 and len(kept) == 64  # "12+34=" is 6 characters
   assert len(dropped) == len(kept) - kept.num_truncated and dropped.num_truncated == 0
@@ -324,21 +324,21 @@ def test_overlong_train_prompts_are_truncated_or_dropped_per_config():
 
 
 def test_next_prompts_prefetch_gives_the_same_batches_and_leaves_the_iterator_alone():
-  """train._NextPrompts prepares the next batch while the update runs: the batches taken are
+  """prompts.NextPrompts prepares the next batch while the update runs: the batches taken are
   those without a prefetch, and between a prefetch and the take (where the loop checkpoints)
   the data iterator's state is what it would be without one. A prefetch that no longer fits
   the iterator (restored from a checkpoint meanwhile) is dropped."""
   from grpo_jax import sharding
-  from grpo_jax import train
+  from grpo_jax import prompts
   from tests.test_train import tiny_config
   config = tiny_config()
   tok = data.build_tokenizer("char")
-  prompt_data, _ = train._prompt_data(config, tok)
+  prompt_data, _ = prompts.prompt_data(config, tok)
   mesh = sharding.make_mesh(-1, 1, 1)
   plain_it, ahead_it = (data.make_prompt_iterator(len(prompt_data), batch_size=8, seed=3)
                         for _ in range(2))
-  plain = train._NextPrompts(config, prompt_data, plain_it, mesh)
-  ahead = train._NextPrompts(config, prompt_data, ahead_it, mesh)
+  plain = prompts.NextPrompts(config, prompt_data, plain_it, mesh)
+  ahead = prompts.NextPrompts(config, prompt_data, ahead_it, mesh)
   for step in range(12):  # past the end of epoch 1 (8 batches of 8 of the 64 rows)
     if step % 3:
       ahead.prefetch()

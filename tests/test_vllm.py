@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 import optax  # noqa: E402
 
+from grpo_jax import compile_ahead  # noqa: E402
 from grpo_jax import sharding  # noqa: E402
 from grpo_jax.models import hf  # noqa: E402
 from grpo_jax.models.config import ModelConfig  # noqa: E402
@@ -28,6 +29,7 @@ from grpo_jax.rl import step as step_lib  # noqa: E402
 from grpo_jax.rollout import Sampler  # noqa: E402
 from grpo_jax.rollout import vllm_engine  # noqa: E402
 from grpo_jax.rollout.types import GenerationConfig  # noqa: E402
+from grpo_jax.rollout.types import Rollout  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P, L, G, V = 8, 10, 2, 128
@@ -72,6 +74,20 @@ def test_greedy_matches_native_sampler(setup):
   np.testing.assert_array_equal(tokens * mask, ref_tokens * ref_mask)
   stopped = (ref_tokens * ref_mask == EOS).any(-1)
   np.testing.assert_array_equal(truncated, ~stopped)
+
+
+def test_both_engines_return_the_rollout_spec(setup):
+  """Rollout.spec, which compile_ahead.py lowers the step's programs on, is what the vLLM
+  engine and the native sampler return (shapes, dtypes, shardings)."""
+  s = setup
+  spec = Rollout.spec(s["ids"].shape[0] * G, L, s["mesh"])
+  rollouts = [
+      s["engine"].generate(s["state"], dict(prompt_ids=s["ids"], prompt_mask=s["mask"]),
+                           jax.random.key(0), "greedy"),
+      s["sampler"](s["state"], jnp.asarray(s["ids"]), jnp.asarray(s["mask"]), jax.random.key(0),
+                   "standard")]
+  for r in rollouts:
+    assert compile_ahead.abstract(r) == spec
 
 
 def _trainer_logp(s, state, tokens, mask, temperature=1.0):

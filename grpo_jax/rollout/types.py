@@ -2,6 +2,9 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
+
+from grpo_jax import sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,3 +60,16 @@ class Rollout:
   raw_logprobs: jax.Array
   lengths: jax.Array
   truncated: jax.Array
+
+  @classmethod
+  def spec(cls, rows: int, completion_len: int, mesh) -> "Rollout":
+    """What every engine returns for `rows` completions on `mesh`, as ShapeDtypeStructs: the
+    dtypes above, rows sharded over (data, fsdp) (compile_ahead.py lowers on it)."""
+    def sds(dtype, *shape):
+      return jax.ShapeDtypeStruct(shape, dtype,
+                                  sharding=sharding.batch_sharding(mesh, len(shape)))
+    return cls(tokens=sds(jnp.int32, rows, completion_len),
+               mask=sds(jnp.int32, rows, completion_len),
+               logprobs=sds(jnp.float32, rows, completion_len),
+               raw_logprobs=sds(jnp.float32, rows, completion_len),
+               lengths=sds(jnp.int32, rows), truncated=sds(jnp.bool_, rows))

@@ -1,0 +1,90 @@
+"""compile_ahead.py: the step programs of every prompt width compile in the background thread,
+so the loop's own calls find them compiled (no compile of them on the main thread), for the
+loop's variants (reference or not, old log-probs + KL fold + TIS, LoRA, widths that change
+between steps); turned off, the main thread compiles them (the probe can see a miss)."""
+import contextlib
+import threading
+
+import jax
+import pytest
+
+from grpo_jax import compile_ahead
+from grpo_jax import train
+from tests.test_train import grpo_rows
+from tests.test_train import tiny_config
+
+STEP_PROGRAMS = {"update", "logprobs", "assemble", "fold_kl", "rollout_stats"}
+
+
+@contextlib.contextmanager
+def compiles():
+  """-> a list that fills with (thread name, function name) of each XLA compile."""
+  seen = []
+
+  def on(event, secs, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      name = kw.get("fun_name", "")  # "jit(update)"
+      seen.append((threading.current_thread().name, name[4:-1] if name[:4] == "jit(" else name))
+  jax.monitoring.register_event_duration_secs_listener(on)
+  try:
+    yield seen
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on)
+
+
+def _alternate_widths(monkeypatch) -> set:
+  """Batches 8 or 16 prompt columns wide by their first index (the same answer for the
+  prefetch and the take of a batch): a second width appears after the first step, so it is
+  compiled ahead at prefetch time. -> the set of widths used."""
+  used = set()
+
+  def width(self, indices, mode):
+    used.add(8 if int(indices[0]) % 2 else 16)
+    return 8 if int(indices[0]) % 2 else 16
+  monkeypatch.setattr(train.data_lib.PromptData, "width", width)
+  return used
+
+
+@pytest.mark.parametrize("overrides", [
+    {"beta": 0.08},                                          # reference log-probs
+    {"num_steps": 4, "widths": "alternate"},                 # beta 0 (tiny.py); 2 widths
+    {"kl_in_reward": True, "beta": 0.08, "num_iterations": 2, "loss.tis_cap": 2.0},  # fold_kl
+    {"lora.rank": 4, "lora.alpha": 8.0, "beta": 0.08},       # reference = the LoRA base
+])
+def test_step_programs_compile_in_the_background(tmp_path, monkeypatch, overrides):
+  overrides = dict(overrides)
+  widths = _alternate_widths(monkeypatch) if overrides.pop("widths", None) else {8}
+  with compiles() as seen:
+    train.run(tiny_config(**{"eval.generation_configs": (), **overrides}), str(tmp_path))
+  assert len(grpo_rows(str(tmp_path))) == overrides.get("num_steps", 3)
+  step = [(thread, name) for thread, name in seen if name in STEP_PROGRAMS]
+  on_main = [name for thread, name in step if not thread.startswith("compile_ahead")]
+  assert not on_main, f"compiled at first call, not ahead: {on_main} (all: {step})"
+  names = {name for _, name in step}
+  assert {"update", "assemble", "rollout_stats"} <= names
+  if overrides.get("beta", 0.0) > 0 or overrides.get("kl_in_reward"):
+    assert "logprobs" in names
+  if overrides.get("kl_in_reward"):
+    assert "fold_kl" in names
+  assert len(widths) == (2 if overrides.get("num_steps") == 4 else 1)
+  assert sum(name == "update" for _, name in step) == len(widths)  # once per width, ahead
+
+
+def test_turned_off_the_loop_compiles_at_first_call(tmp_path):
+  with compiles() as seen:
+    train.run(tiny_config(**{"eval.generation_configs": (), "compile_ahead": False, "beta": 0.08,
+                             "num_steps": 1}), str(tmp_path))
+  main = {name for thread, name in seen if thread == "MainThread"}
+  assert {"update", "logprobs", "assemble", "rollout_stats"} <= main
+  assert not any(t.startswith("compile_ahead") for t, _ in seen)
+
+
+def test_a_failed_compile_is_logged_and_the_run_goes_on(tmp_path, monkeypatch):
+  def broken(self, *args):
+    raise RuntimeError("boom")
+  monkeypatch.setattr(compile_ahead.CompileAhead, "_programs", broken)
+  warnings = []
+  monkeypatch.setattr(compile_ahead.logging, "warning", lambda msg, *a: warnings.append(msg % a))
+  train.run(tiny_config(**{"eval.generation_configs": (), "num_steps": 2}), str(tmp_path))
+  assert len(grpo_rows(str(tmp_path))) == 2
+  assert len(warnings) == 1 and "prompt width 6 failed" in warnings[0] and "boom" in warnings[0]
