@@ -9,7 +9,8 @@ Every prompt width (`data.prompt_width`) is one set of programs: the advantages/
 the log-prob pass (policy and reference), the KL fold, the update and the step's statistics.
 Their input shapes follow from the config and the width alone, so they can be lowered on
 abstract inputs (`jax.ShapeDtypeStruct` with the shardings the loop's arrays will carry) and
-compiled in a worker thread while the main thread compiles and runs the rollout; jit's own
+compiled in a worker thread while the main thread compiles and runs the rollout (when the main
+thread needs them, `wait` compiles in it those the worker has not started yet); jit's own
 caches then serve the real calls. The loop submits the first batch's width before the
 evaluation that precedes GRPO, and each later new width when it prefetches the next step's
 prompts, so a new width compiles while the device runs the current step. XLA compiles with the
@@ -50,8 +51,43 @@ def _on_device(tree):
   return jax.tree.map(one, tree)
 
 
+class _Width:
+  """The programs of one prompt width: a list the worker thread and `wait` both take from."""
+
+  def __init__(self, width: int):
+    self.width = width
+    self.tasks = None  # [(name, jitted fn, abstract args)], set once planned
+    self.planned = threading.Event()
+    self._next, self._running, self._lock = 0, 0, threading.Condition()
+    self.errors: list[str] = []
+    self.reported = False
+    self.t0 = time.perf_counter()
+
+  def run(self):
+    """Compiles the programs not yet taken, one at a time, in this thread; -> once all are
+    taken, after waiting for the ones other threads are compiling."""
+    while True:
+      with self._lock:
+        if self._next == len(self.tasks):
+          while self._running:
+            self._lock.wait()
+          return
+        name, fn, args = self.tasks[self._next]
+        self._next += 1
+        self._running += 1
+      try:
+        fn.lower(*args).compile()
+      except Exception as e:  # pylint: disable=broad-except
+        self.errors.append(f"{name}: {type(e).__name__}: {e}")
+      finally:
+        with self._lock:
+          self._running -= 1
+          self._lock.notify_all()
+
+
 class CompileAhead:
-  """One worker thread that compiles the step programs of each new prompt width once."""
+  """A worker thread that compiles the step programs of each new prompt width once; the main
+  thread, when it needs them (`wait`), compiles those the worker has not started yet."""
 
   def __init__(self, config, fns, stats_fn, policy, mesh, *, needs_old_logp: bool,
                matches_trainer: bool):
@@ -59,7 +95,7 @@ class CompileAhead:
         config, fns, stats_fn, policy, mesh)
     self.needs_old_logp, self.matches_trainer = needs_old_logp, matches_trainer
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile_ahead")
-    self._futures: dict[int, concurrent.futures.Future] = {}
+    self._widths: dict[int, _Width] = {}
     self._lock = threading.Lock()
 
   def submit(self, prompt: dict, state: dict, ref_params) -> bool:
@@ -67,62 +103,69 @@ class CompileAhead:
     unless that width was submitted before. -> whether it started."""
     width = prompt["ids"].shape[1]
     with self._lock:
-      if width in self._futures:
+      if width in self._widths:
         return False
       # Abstract copies now, in the caller's thread: `state` is donated by the next update.
       args = (abstract(prompt["ids"]), abstract(prompt["mask"]), abstract(state),
               None if ref_params is None else _on_device(abstract(ref_params)))
-      self._futures[width] = self._pool.submit(self._compile, width, *args)
+      job = self._widths[width] = _Width(width)
+      self._pool.submit(self._work, job, *args)
     return True
 
   def wait(self, width: int) -> None:
-    """Blocks until the programs for `width` are compiled (or failed); no-op if never
-    submitted."""
-    future = self._futures.get(width)
-    if future is not None:
-      future.result()
+    """Returns once the programs for `width` are compiled (or failed), compiling in this thread
+    those the worker has not started; no-op if `width` was never submitted."""
+    job = self._widths.get(width)
+    if job is not None:
+      job.planned.wait()
+      job.run()
+      if job.errors and not job.reported:
+        job.reported = True
+        logging.warning("compiling ahead for prompt width %d failed (those programs compile "
+                        "at their first call instead): %s", width, "; ".join(job.errors))
 
   def close(self):
     self._pool.shutdown(wait=True, cancel_futures=True)
 
-  def _compile(self, width, ids, mask, state, ref):
+  def _work(self, job: _Width, ids, mask, state, ref):
     try:
-      t0 = time.perf_counter()
-      for fn, args in self._programs(ids, mask, state, ref):
-        fn.lower(*args).compile()
-      logging.info("compiled ahead the step programs for prompt width %d in %.1f s", width,
-                   time.perf_counter() - t0)
+      job.tasks = self._programs(ids, mask, state, ref)
     except Exception as e:  # pylint: disable=broad-except
-      logging.warning("compiling ahead for prompt width %d failed (the step's programs compile "
-                      "at their first call instead): %s: %s", width, type(e).__name__, e)
+      job.tasks, job.errors = [], [f"planning: {type(e).__name__}: {e}"]
+    job.planned.set()
+    job.run()
+    logging.info("compiled ahead the step programs for prompt width %d in %.1f s", job.width,
+                 time.perf_counter() - job.t0)
 
   def _programs(self, ids, mask, state, ref):
-    """(jitted fn, abstract args) in train.py's order, the update first: it compiles longest
-    and the main thread needs it last."""
+    """[(name, jitted fn, abstract args)]: the update first (it compiles longest, so the worker
+    starts on it), then train.py's order (what the main thread will take when it waits)."""
     c, fns, mesh = self.config, self.fns, self.mesh
     rows = ids.shape[0] * c.num_generations
     rollout = Rollout.spec(rows, c.max_completion_length, mesh)
     rewards = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=sharding.batch_sharding(mesh, 1))
-    assemble = (fns.assemble, (ids, mask, rollout, rewards))
-    upd = jax.eval_shape(fns.assemble, *assemble[1])
+    assemble = ("assemble", fns.assemble, (ids, mask, rollout, rewards))
+    upd = jax.eval_shape(fns.assemble, *assemble[2])
     programs = [assemble]
     if self.needs_old_logp:
-      programs.append((fns.logprobs, (state["params"], upd["input_ids"], upd["attention_mask"])))
-      upd["old_logp"] = jax.eval_shape(fns.logprobs, *programs[-1][1])
+      programs.append(("old logprobs", fns.logprobs,
+                       (state["params"], upd["input_ids"], upd["attention_mask"])))
+      upd["old_logp"] = jax.eval_shape(fns.logprobs, *programs[-1][2])
     if c.beta > 0:  # LoRA: the base of the state's own params; else the stored reference
       ref = self.policy.reference(state["params"]) if self.policy.reference else ref
-      programs.append((fns.logprobs, (ref, upd["input_ids"], upd["attention_mask"])))
-      upd["ref_logp"] = jax.eval_shape(fns.logprobs, *programs[-1][1])
+      programs.append(("ref logprobs", fns.logprobs,
+                       (ref, upd["input_ids"], upd["attention_mask"])))
+      upd["ref_logp"] = jax.eval_shape(fns.logprobs, *programs[-1][2])
     kl_rewards = None
     if c.kl_in_reward:
-      programs.append((fns.fold_kl, (upd, rewards)))
+      programs.append(("fold_kl", fns.fold_kl, (upd, rewards)))
       upd, kl_rewards = jax.eval_shape(fns.fold_kl, upd, rewards)
-    update = (fns.update, (state, upd))
+    update = ("update", fns.update, (state, upd))
     mismatch = {} if self.matches_trainer else dict(sampler_logp_nc=rollout.logprobs,
                                                    trainer_logp_nc=upd["old_logp"])
     if kl_rewards is not None:
       mismatch["kl_rewards_n"] = kl_rewards
-    stats = (_with_kwargs(self.stats_fn, mismatch),
+    stats = ("statistics", _with_kwargs(self.stats_fn, mismatch),
              (rewards, upd["advantages"], rollout.mask))
     return [update, *programs, stats]
 

@@ -1,9 +1,11 @@
-"""compile_ahead.py: the step programs of every prompt width compile in the background thread,
-so the loop's own calls find them compiled (no compile of them on the main thread), for the
+"""compile_ahead.py: the step programs of every prompt width compile ahead (the worker thread,
+or `wait` before step 4), so the loop's own calls find them compiled, for the
 loop's variants (reference or not, old log-probs + KL fold + TIS, LoRA, widths that change
 between steps); turned off, the main thread compiles them (the probe can see a miss)."""
 import contextlib
+import os
 import threading
+import traceback
 
 import jax
 import pytest
@@ -13,18 +15,23 @@ from grpo_jax import train
 from tests.test_train import grpo_rows
 from tests.test_train import tiny_config
 
+MODULE = os.path.join("grpo_jax", "compile_ahead.py")  # (not this test file)
 STEP_PROGRAMS = {"update", "logprobs", "assemble", "fold_kl", "rollout_stats"}
 
 
 @contextlib.contextmanager
 def compiles():
-  """-> a list that fills with (thread name, function name) of each XLA compile."""
+  """-> a list that fills with (where, function name) of each XLA compile: where is "ahead"
+  when compile_ahead.py asked for it (its worker thread, or `wait` taking what the worker had
+  not started), else the thread's name."""
   seen = []
 
   def on(event, secs, **kw):
     if event == "/jax/core/compile/backend_compile_duration":
       name = kw.get("fun_name", "")  # "jit(update)"
-      seen.append((threading.current_thread().name, name[4:-1] if name[:4] == "jit(" else name))
+      ahead = any(f.filename.endswith(MODULE) for f in traceback.extract_stack())
+      seen.append(("ahead" if ahead else threading.current_thread().name,
+                   name[4:-1] if name[:4] == "jit(" else name))
   jax.monitoring.register_event_duration_secs_listener(on)
   try:
     yield seen
@@ -58,7 +65,7 @@ def test_step_programs_compile_in_the_background(tmp_path, monkeypatch, override
     train.run(tiny_config(**{"eval.generation_configs": (), **overrides}), str(tmp_path))
   assert len(grpo_rows(str(tmp_path))) == overrides.get("num_steps", 3)
   step = [(thread, name) for thread, name in seen if name in STEP_PROGRAMS]
-  on_main = [name for thread, name in step if not thread.startswith("compile_ahead")]
+  on_main = [name for where, name in step if where != "ahead"]
   assert not on_main, f"compiled at first call, not ahead: {on_main} (all: {step})"
   names = {name for _, name in step}
   assert {"update", "assemble", "rollout_stats"} <= names
@@ -76,7 +83,7 @@ def test_turned_off_the_loop_compiles_at_first_call(tmp_path):
                              "num_steps": 1}), str(tmp_path))
   main = {name for thread, name in seen if thread == "MainThread"}
   assert {"update", "logprobs", "assemble", "rollout_stats"} <= main
-  assert not any(t.startswith("compile_ahead") for t, _ in seen)
+  assert not any(where == "ahead" for where, _ in seen)
 
 
 def test_a_failed_compile_is_logged_and_the_run_goes_on(tmp_path, monkeypatch):
