@@ -125,6 +125,9 @@ class CompileAhead:
                         "at their first call instead): %s", width, "; ".join(job.errors))
 
   def close(self):
+    """Drops the widths not started; a compile in flight is waited for (XLA's cannot be
+    interrupted), so an exit can take up to one compile longer; a stop's checkpoint save is
+    under way by then and finishes beside it."""
     self._pool.shutdown(wait=True, cancel_futures=True)
 
   def _work(self, job: _Width, ids, mask, state, ref):

@@ -95,3 +95,17 @@ def test_a_failed_compile_is_logged_and_the_run_goes_on(tmp_path, monkeypatch):
   train.run(tiny_config(**{"eval.generation_configs": (), "num_steps": 2}), str(tmp_path))
   assert len(grpo_rows(str(tmp_path))) == 2
   assert len(warnings) == 1 and "prompt width 6 failed" in warnings[0] and "boom" in warnings[0]
+
+
+@pytest.mark.slow  # suite time (-m slow runs it): a MaxText policy's programs, compiled ahead
+def test_maxtext_policy_programs_compile_ahead(tmp_path):
+  pytest.importorskip("maxtext")
+  from configs import tiny_maxtext
+  config = tiny_maxtext.get_config()
+  config.num_steps, config.sft_steps, config.beta = 2, 0, 0.08
+  config.eval.generation_configs = ()
+  with compiles() as seen:
+    train.run(config, str(tmp_path))
+  step = [(where, name) for where, name in seen if name in STEP_PROGRAMS]
+  assert {"update", "logprobs", "assemble"} <= {name for _, name in step}
+  assert all(where == "ahead" for where, _ in step), step
