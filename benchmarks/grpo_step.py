@@ -393,8 +393,7 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
     setup.append(time.perf_counter() - t0)
     first.append(loops[-1](0))
     first_compile.append(dict(loops[-1].compile))
-    if loops[-1].ahead:  # the first width's programs, compiled during the first step
-      loops[-1].ahead.wait(loops[-1].widths[0])
+    # The worker's compiles for the first width (the step waited for them before step 4).
     first_compile[-1]["ahead"], _ahead_secs[0] = _ahead_secs[0], 0.0
   # Tunix beside the combo with the workload's own settings (Tunix's: G=4, one update on the
   # whole batch, no remat).

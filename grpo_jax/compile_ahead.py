@@ -34,20 +34,16 @@ from grpo_jax import sharding
 from grpo_jax.rollout.types import Rollout
 
 
-def abstract(tree):
-  """Arrays (or ShapeDtypeStructs) -> ShapeDtypeStructs with their shape, dtype, sharding."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=getattr(x, "sharding", None),
-      weak_type=getattr(x, "weak_type", False)), tree)
-
-
-def _on_device(tree):
-  """The reference's arrays as the loop passes them: host-offloaded ones moved to device."""
+def abstract(tree, *, on_device: bool = False):
+  """Arrays (or ShapeDtypeStructs) -> ShapeDtypeStructs with their shape, dtype, sharding and
+  weak type (all part of jit's cache key; checkpoint.abstract_like drops the weak type).
+  on_device: host-offloaded (pinned_host) ones as the loop passes them, moved to device."""
   def one(x):
-    s = x.sharding
-    if getattr(s, "memory_kind", None) == "pinned_host":
+    s = getattr(x, "sharding", None)
+    if on_device and getattr(s, "memory_kind", None) == "pinned_host":
       s = s.with_memory_kind("device")
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s,
+                                weak_type=getattr(x, "weak_type", False))
   return jax.tree.map(one, tree)
 
 
@@ -107,7 +103,7 @@ class CompileAhead:
         return False
       # Abstract copies now, in the caller's thread: `state` is donated by the next update.
       args = (abstract(prompt["ids"]), abstract(prompt["mask"]), abstract(state),
-              None if ref_params is None else _on_device(abstract(ref_params)))
+              None if ref_params is None else abstract(ref_params, on_device=True))
       job = self._widths[width] = _Width(width)
       self._pool.submit(self._work, job, *args)
     return True
