@@ -31,7 +31,8 @@ The first step (compilation included) is reported apart from the steady state (t
 of the --repeats steps after it). "compile" is what JAX itself reports for the first step on
 the main thread (jax.monitoring: tracing + lowering + XLA compilation, per phase in the JSON);
 with config.compile_ahead (the default; --no_compile_ahead turns it off) the update, log-prob
-and advantage programs compile on a worker thread during the rollout instead, their seconds
+and advantage programs (and the sampler's, if the worker gets to it before the rollout asks
+for it) compile on a worker thread during the rollout instead, their seconds
 in the JSON's compile_ahead_sec (overlapping the phases, so not part of "compile"); the JSON
 also has first - steady. The rollout is one jitted program (prefill + while_loop decode), so its
 prefill and decode cannot be timed apart inside the step: "prefill~" is the same sampler
@@ -213,7 +214,8 @@ class LoopStep:
                            not self.engine.matches_trainer)
     self.ahead = compile_ahead.CompileAhead(
         c, self.fns, self.stats_fn, self.policy, self.mesh, needs_old_logp=self.needs_old_logp,
-        matches_trainer=self.engine.matches_trainer) if c.compile_ahead else None
+        matches_trainer=self.engine.matches_trainer, engine=self.engine, generation=self.gen,
+        key=train._step_key(self.rng, 0, self.mesh)) if c.compile_ahead else None
     self.generated, self.compile, self.widths = 0, {}, []
 
   def __call__(self, step: int) -> dict:
@@ -240,6 +242,8 @@ class LoopStep:
           self.ahead.submit({"ids": prompt_ids, "mask": prompt_mask}, self.state,
                             self.ref_params)
       with timed("rollout"):
+        if self.ahead:
+          self.ahead.wait(prompt_ids.shape[1], only="sampler")
         rollout = self.engine.generate(self.state["params"], batch,
                                        train._step_key(self.rng, step, self.mesh), self.gen)
         tokens_nc, mask_nc, _ = multihost.local_rows(

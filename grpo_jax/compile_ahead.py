@@ -1,26 +1,29 @@
 """Compiling a GRPO step's programs in the background, before their first call.
 
-    ahead = CompileAhead(config, fns, stats_fn, policy, mesh, needs_old_logp=...)
+    ahead = CompileAhead(config, fns, stats_fn, policy, mesh, needs_old_logp=...,
+                         engine=engine, generation=train_gen, key=a_step_key)
     ahead.submit(prompt, state, ref_params)  # as soon as a batch's prompt width is known
+    ahead.wait(width, only="sampler")        # before the rollout: the sampler is compiled
     ...                                      # rollout, rewards: the main thread goes on
     ahead.wait(width)                        # before step 4: its programs are compiled
 
-Every prompt width (`data.prompt_width`) is one set of programs: the advantages/assembly,
-the log-prob pass (policy and reference), the KL fold, the update and the step's statistics.
-Their input shapes follow from the config and the width alone, so they can be lowered on
-abstract inputs (`jax.ShapeDtypeStruct` with the shardings the loop's arrays will carry) and
-compiled in a worker thread while the main thread compiles and runs the rollout (when the main
-thread needs them, `wait` compiles in it those the worker has not started yet); jit's own
-caches then serve the real calls. The loop submits the first batch's width before the
-evaluation that precedes GRPO, and each later new width when it prefetches the next step's
-prompts, so a new width compiles while the device runs the current step. XLA compiles with the
-GIL released: the two compiles (and the device) overlap.
+Every prompt width (`data.prompt_width`) is one set of programs: the sampler's (native engine),
+the advantages/assembly, the log-prob pass (policy and reference), the KL fold, the update and
+the step's statistics. Their input shapes follow from the config and the width alone, so they
+can be lowered on abstract inputs (`jax.ShapeDtypeStruct` with the shardings the loop's arrays
+will carry) and compiled in a worker thread while the main thread runs the evaluation or the
+step before (when the main thread needs them, `wait` compiles in it those the worker has not
+started yet); jit's own caches then serve the real calls. The loop submits the first batch's
+width before the evaluation that precedes GRPO, and each later new width when it prefetches the
+next step's prompts, so a new width compiles while the device runs the current step. XLA
+compiles with the GIL released: the compiles (and the device) overlap.
 
 The abstract inputs are made by the same jitted functions the loop calls (`jax.eval_shape` of
 each, chained as in train.py's steps 4-6), starting from the engine-independent `Rollout.spec`,
-so they carry the out_shardings the real arrays get. Where they still differ from a real call
-(e.g. DAPO's combined rounds), that call compiles at its first use as it would without this;
-a failure here is logged and changes nothing else.
+so they carry the out_shardings the real arrays get; the sampler's come from the engine
+(`NativeEngine.program`). Where they still differ from a real call (e.g. DAPO's combined
+rounds), that call compiles at its first use as it would without this; a failure here is
+logged and changes nothing else.
 """
 import concurrent.futures
 import threading
@@ -54,31 +57,34 @@ class _Width:
     self.width = width
     self.tasks = None  # [(name, jitted fn, abstract args)], set once planned
     self.planned = threading.Event()
-    self._next, self._running, self._lock = 0, 0, threading.Condition()
+    self._taken, self._done, self._lock = set(), set(), threading.Condition()
     self.errors: list[str] = []
     self.reported = False
     self.t0 = time.perf_counter()
 
-  def run(self):
-    """Compiles the programs not yet taken, one at a time, in this thread; -> once all are
-    taken, after waiting for the ones other threads are compiling."""
-    while True:
+  def run(self, only: str | None = None):
+    """Compiles in this thread, one at a time and in order, the programs no thread has taken
+    yet (`only`: just the one of that name, if no thread has); -> once those (that one) are
+    compiled, after waiting for the ones another thread is compiling."""
+    names = [name for name, _, _ in self.tasks]
+    wanted = ([names.index(only)] if only in names else []) if only else range(len(names))
+    for i in wanted:
       with self._lock:
-        if self._next == len(self.tasks):
-          while self._running:
-            self._lock.wait()
-          return
-        name, fn, args = self.tasks[self._next]
-        self._next += 1
-        self._running += 1
+        if i in self._taken:
+          continue
+        self._taken.add(i)
+      name, fn, args = self.tasks[i]
       try:
         fn.lower(*args).compile()
       except Exception as e:  # pylint: disable=broad-except
         self.errors.append(f"{name}: {type(e).__name__}: {e}")
       finally:
         with self._lock:
-          self._running -= 1
+          self._done.add(i)
           self._lock.notify_all()
+    with self._lock:
+      while not all(i in self._done for i in wanted):
+        self._lock.wait()
 
 
 class CompileAhead:
@@ -86,10 +92,14 @@ class CompileAhead:
   thread, when it needs them (`wait`), compiles those the worker has not started yet."""
 
   def __init__(self, config, fns, stats_fn, policy, mesh, *, needs_old_logp: bool,
-               matches_trainer: bool):
+               matches_trainer: bool, engine=None, generation=None, key=None):
+    """engine, generation, key: the rollout engine, the train generation config and a step's
+    RNG key (its shape and sharding): the sampler's program is compiled ahead too when the
+    engine has one to give (`engine.program`: the native engine; vLLM's compiles its own)."""
     self.config, self.fns, self.stats_fn, self.policy, self.mesh = (
         config, fns, stats_fn, policy, mesh)
     self.needs_old_logp, self.matches_trainer = needs_old_logp, matches_trainer
+    self.engine, self.generation, self.key = engine, generation, key
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile_ahead")
     self._widths: dict[int, _Width] = {}
     self._lock = threading.Lock()
@@ -101,20 +111,34 @@ class CompileAhead:
     with self._lock:
       if width in self._widths:
         return False
+      job = self._widths[width] = _Width(width)
       # Abstract copies now, in the caller's thread: `state` is donated by the next update.
       args = (abstract(prompt["ids"]), abstract(prompt["mask"]), abstract(state),
-              None if ref_params is None else abstract(ref_params, on_device=True))
-      job = self._widths[width] = _Width(width)
+              None if ref_params is None else abstract(ref_params, on_device=True),
+              self._sampler(job, prompt, state))
       self._pool.submit(self._work, job, *args)
     return True
 
-  def wait(self, width: int) -> None:
+  def _sampler(self, job: _Width, prompt: dict, state: dict):
+    """("sampler", program, abstract args) for the engine's program at this width, or None."""
+    program = getattr(self.engine, "program", None)
+    if program is None or self.key is None:
+      return None
+    try:
+      got = program(state["params"], prompt, self.key, self.generation)
+    except Exception as e:  # pylint: disable=broad-except
+      job.errors.append(f"sampler: {type(e).__name__}: {e}")
+      return None
+    return None if got is None else ("sampler", got[0], abstract(got[1]))
+
+  def wait(self, width: int, only: str | None = None) -> None:
     """Returns once the programs for `width` are compiled (or failed), compiling in this thread
-    those the worker has not started; no-op if `width` was never submitted."""
+    those the worker has not started; no-op if `width` was never submitted. only="sampler":
+    just the sampler's program (before the rollout; none with the vLLM engine)."""
     job = self._widths.get(width)
     if job is not None:
       job.planned.wait()
-      job.run()
+      job.run(only)
       if job.errors and not job.reported:
         job.reported = True
         logging.warning("compiling ahead for prompt width %d failed (those programs compile "
@@ -126,11 +150,14 @@ class CompileAhead:
     under way by then and finishes beside it."""
     self._pool.shutdown(wait=True, cancel_futures=True)
 
-  def _work(self, job: _Width, ids, mask, state, ref):
+  def _work(self, job: _Width, ids, mask, state, ref, sampler):
     try:
       job.tasks = self._programs(ids, mask, state, ref)
     except Exception as e:  # pylint: disable=broad-except
-      job.tasks, job.errors = [], [f"planning: {type(e).__name__}: {e}"]
+      job.tasks = []
+      job.errors.append(f"planning: {type(e).__name__}: {e}")
+    if sampler:  # second: the update compiles longest; the rollout's wait takes the sampler
+      job.tasks.insert(min(1, len(job.tasks)), sampler)
     job.planned.set()
     job.run()
     logging.info("compiled ahead the step programs for prompt width %d in %.1f s", job.width,

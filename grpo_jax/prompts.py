@@ -64,7 +64,10 @@ class NextPrompts:
                    "mask": multihost.to_global(batch["prompt_mask"], self.mesh)}
 
   def prefetch(self):
+    """Prepares the batch the next `take()` gives (once: again is a no-op until it is taken)."""
     before = self.it.get_state()
+    if self._ahead is not None and self._ahead[0] == before:
+      return
     indices_b = next(self.it)
     after = self.it.get_state()
     self.it.set_state(before)

@@ -125,11 +125,13 @@ def _run(config, workdir: str) -> dict:
     dynamic = config.loss.dynamic_sampling and config.loss.max_resample_rounds > 0
 
     prompts = prompts_lib.NextPrompts(config, train_data, train_iter, mesh)
-    # The first batch's step programs compile in the background from here on, during the
-    # evaluation and the first rollout (compile_ahead.py); later widths when prefetched.
+    # The first batch's sampler and step programs compile in the background from here on,
+    # during the evaluation and the first rollout (compile_ahead.py); later widths when
+    # prefetched.
     ahead = session.closing(compile_ahead.CompileAhead(
         config, fns, stats_fn, policy, mesh, needs_old_logp=needs_old_logp,
-        matches_trainer=engine.matches_trainer)) if config.compile_ahead else None
+        matches_trainer=engine.matches_trainer, engine=engine, generation=train_gen,
+        key=_step_key(rng, 0, mesh))) if config.compile_ahead else None
     if ahead and meta["grpo_step"] < config.num_steps:
       prompts.prefetch()
       ahead.submit(prompts.peek(), state, ref_params)
@@ -138,9 +140,15 @@ def _run(config, workdir: str) -> dict:
                                       jax.random.fold_in(rng, 2 << 20))
       eval_lib.log_results("before GRPO", meta["eval_before"])
 
+    def look_ahead():  # the next batch's width compiles while the device runs this step
+      if meta["grpo_step"] + 1 < config.num_steps:
+        prompts.prefetch()
+        ahead.submit(prompts.peek(), state, ref_params)
+
     def draw(key):  # steps 1-3 on a fresh batch of prompts
       return _rollout_round(config, engine, prompts, state["params"], key, train_gen,
-                            reward_fn, judge, decode, timing)
+                            reward_fn, judge, decode, timing, ahead,
+                            look_ahead if ahead else None)
     take_groups = jax.jit(functools.partial(dyn_lib.take, group_size=G),
                           out_shardings=sharding.batch_sharding(mesh, 1))
     first_step, ckpt_base = meta["grpo_step"], config.sft_steps
@@ -202,9 +210,7 @@ def _run(config, workdir: str) -> dict:
         t_prefetch = time.time()
         if step + 1 < config.num_steps:
           with phase("prompts"):
-            prompts.prefetch()
-            if ahead:  # a new width compiles while the device runs this step
-              ahead.submit(prompts.peek(), state, ref_params)
+            prompts.prefetch()  # (done already when compiling ahead: look_ahead)
         t_prefetch = time.time() - t_prefetch
         with phase("update"):
           jax.block_until_ready(state)  # a wait, not a read: timing only
@@ -298,7 +304,7 @@ def _epoch(train_iter, steps_per_epoch: int) -> float:
 
 
 def _rollout_round(config, engine, prompts, params, key, generation, reward_fn, judge, decode,
-                   timing: dict):
+                   timing: dict, ahead=None, after_dispatch=None):
   """GRPO steps 1-3 on the next batch of prompts. -> (prompt, rollout, host): the global
   prompt arrays {"ids", "mask"} [B, P] (P: data.prompt_width), the global Rollout, and this process's host rows:
   tokens, mask, truncated, rewards (f32, + DAPO's overlong penalty), per_function, errors."""
@@ -307,7 +313,11 @@ def _rollout_round(config, engine, prompts, params, key, generation, reward_fn, 
     batch, prompt = prompts.take()
   t0 = time.time()
   with phase("rollout"):
+    if ahead:  # a width's first rollout: its sampler compiled meanwhile (compile_ahead.py)
+      ahead.wait(prompt["ids"].shape[1], only="sampler")
     rollout = engine.generate(params, batch, key, generation)
+    if after_dispatch:  # host work while the device samples
+      after_dispatch()
     # This process's rows, on the host (one transfer).
     tokens_nc, mask_nc, truncated_n = multihost.local_rows(
         (rollout.tokens, rollout.mask, rollout.truncated))

@@ -1,7 +1,8 @@
-"""compile_ahead.py: the step programs of every prompt width compile ahead (the worker thread,
-or `wait` before step 4), so the loop's own calls find them compiled, for the
-loop's variants (reference or not, old log-probs + KL fold + TIS, LoRA, widths that change
-between steps); turned off, the main thread compiles them (the probe can see a miss)."""
+"""compile_ahead.py: the sampler and step programs of every prompt width compile ahead (the
+worker thread, or `wait` before the rollout / step 4), so the loop's own calls find them
+compiled, for the loop's variants (reference or not, old log-probs + KL fold + TIS, LoRA,
+widths that change between steps); turned off, the main thread compiles them (the probe can
+see a miss)."""
 import contextlib
 import os
 import threading
@@ -12,11 +13,12 @@ import pytest
 
 from grpo_jax import compile_ahead
 from grpo_jax import train
+from grpo_jax.rollout.engine import NativeEngine
 from tests.test_train import grpo_rows
 from tests.test_train import tiny_config
 
 MODULE = os.path.join("grpo_jax", "compile_ahead.py")  # (not this test file)
-STEP_PROGRAMS = {"update", "logprobs", "assemble", "fold_kl", "rollout_stats"}
+STEP_PROGRAMS = {"update", "logprobs", "assemble", "fold_kl", "rollout_stats", "_generate"}
 
 
 @contextlib.contextmanager
@@ -75,6 +77,39 @@ def test_step_programs_compile_in_the_background(tmp_path, monkeypatch, override
     assert "fold_kl" in names
   assert len(widths) == (2 if overrides.get("num_steps") == 4 else 1)
   assert sum(name == "update" for _, name in step) == len(widths)  # once per width, ahead
+  assert sum(name == "_generate" for _, name in step) == len(widths)  # the sampler too
+
+
+def test_the_next_width_is_submitted_while_the_device_samples(tmp_path, monkeypatch):
+  """The next batch's width goes to the worker right after a step's rollout is dispatched (so it
+  compiles during that step's sampling, rewards and update), not at the end of the step."""
+  widths = _alternate_widths(monkeypatch)
+  events = []
+  generate, submit, local_rows = (NativeEngine.generate, compile_ahead.CompileAhead.submit,
+                                  train.multihost.local_rows)
+
+  def on_generate(self, params, batch, rng, generation):
+    events.append("generate")
+    return generate(self, params, batch, rng, generation)
+
+  def on_submit(self, prompt, state, ref_params):
+    started = submit(self, prompt, state, ref_params)
+    if started:
+      events.append(f"submit {prompt['ids'].shape[1]}")
+    return started
+
+  def on_rows(tree):
+    events.append("rows")  # the rollout's results read: the step goes on to the rewards
+    return local_rows(tree)
+  monkeypatch.setattr(NativeEngine, "generate", on_generate)
+  monkeypatch.setattr(compile_ahead.CompileAhead, "submit", on_submit)
+  monkeypatch.setattr(train.multihost, "local_rows", on_rows)
+  train.run(tiny_config(**{"eval.generation_configs": (), "num_steps": 4}), str(tmp_path))
+  assert len(widths) == 2
+  submits = [i for i, e in enumerate(events) if e.startswith("submit")]
+  assert len(submits) == 2 and submits[0] == 0, events  # the first before the loop
+  i = submits[1]
+  assert events[i - 1:i + 2] == ["generate", events[i], "rows"], events
 
 
 def test_turned_off_the_loop_compiles_at_first_call(tmp_path):
@@ -82,7 +117,7 @@ def test_turned_off_the_loop_compiles_at_first_call(tmp_path):
     train.run(tiny_config(**{"eval.generation_configs": (), "compile_ahead": False, "beta": 0.08,
                              "num_steps": 1}), str(tmp_path))
   main = {name for thread, name in seen if thread == "MainThread"}
-  assert {"update", "logprobs", "assemble", "rollout_stats"} <= main
+  assert {"update", "logprobs", "assemble", "rollout_stats", "_generate"} <= main
   assert not any(where == "ahead" for where, _ in seen)
 
 
@@ -98,14 +133,19 @@ def test_a_failed_compile_is_logged_and_the_run_goes_on(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # suite time (-m slow runs it): a MaxText policy's programs, compiled ahead
-def test_maxtext_policy_programs_compile_ahead(tmp_path):
+def test_maxtext_policy_programs_compile_ahead(tmp_path, monkeypatch):
   pytest.importorskip("maxtext")
   from configs import tiny_maxtext
+  widths = _alternate_widths(monkeypatch)
   config = tiny_maxtext.get_config()
-  config.num_steps, config.sft_steps, config.beta = 2, 0, 0.08
+  config.num_steps, config.sft_steps, config.beta = 4, 0, 0.08
   config.eval.generation_configs = ()
   with compiles() as seen:
     train.run(config, str(tmp_path))
   step = [(where, name) for where, name in seen if name in STEP_PROGRAMS]
   assert {"update", "logprobs", "assemble"} <= {name for _, name in step}
-  assert all(where == "ahead" for where, _ in step), step
+  assert len(widths) == 2
+  # The sampler's weights are mapped from MaxText's: their shardings are known from the first
+  # rollout on, so the first width's sampler compiles at its call, the second's ahead.
+  assert [where == "ahead" for where, name in step if name == "_generate"] == [False, True]
+  assert all(where == "ahead" for where, name in step if name != "_generate"), step

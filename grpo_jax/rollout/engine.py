@@ -43,11 +43,28 @@ class NativeEngine:
     self.matches_trainer = policy.sampler_is_trainer
     # A native policy samples from the trained arrays themselves; MaxText maps them on device.
     self._to_rollout = None if policy.sampler_is_trainer else jax.jit(policy.rollout_params)
+    self._rollout_spec = None  # the mapped weights' shapes and shardings, once seen
 
   def generate(self, params, batch: dict, rng, generation) -> Rollout:
     state = params if self._to_rollout is None else self._to_rollout(params)
+    if self._to_rollout is not None and self._rollout_spec is None:  # for program()
+      self._rollout_spec = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     return self.sampler(state, multihost.to_global(batch["prompt_ids"], self.mesh),
                         multihost.to_global(batch["prompt_mask"], self.mesh), rng, generation)
+
+  def program(self, params, prompt: dict, rng, generation):
+    """The sampler program `generate(params, ...)` runs for global prompt arrays shaped like
+    prompt["ids"] / ["mask"], for compiling it ahead (compile_ahead.py): -> (an object with
+    .lower(*args), args), or None while the rollout weights' shardings are unknown (a policy
+    whose sampler weights are mapped from the trained ones, before its first generate)."""
+    if self._to_rollout is None:
+      state = params
+    elif self._rollout_spec is not None:
+      state = self._rollout_spec
+    else:
+      return None
+    return self.sampler.program(state, prompt["ids"], prompt["mask"], rng, generation)
 
   def stats(self) -> dict[str, float]:
     return {}

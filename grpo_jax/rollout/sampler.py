@@ -70,6 +70,20 @@ class Sampler:
     return self._compiled[key]
 
   def __call__(self, state, prompt_ids, prompt_mask, rng, generation="greedy") -> Rollout:
+    fn, args = self._call(state, prompt_ids, prompt_mask, rng, generation)
+    if self.mesh is not None:
+      with jax.set_mesh(self.mesh):
+        return fn(*args)
+    return fn(*args)
+
+  def program(self, state, prompt_ids, prompt_mask, rng, generation="greedy"):
+    """The jitted program a call with these arguments (arrays or ShapeDtypeStructs) runs, for
+    compiling it ahead: -> (an object with .lower(*args), args). Its compile lands in jit's
+    caches, so the call that follows finds it compiled."""
+    fn, args = self._call(state, prompt_ids, prompt_mask, rng, generation)
+    return _InMesh(fn, self.mesh), args
+
+  def _call(self, state, prompt_ids, prompt_mask, rng, generation):
     gen: GenerationConfig = generation_config(generation)
     b, p = prompt_ids.shape
     if p > self.max_prompt_length:  # narrower batches (data.prompt_width) compile once each
@@ -82,10 +96,7 @@ class Sampler:
                          f"pad the batch to a multiple of {dp}")
     fn = self._fn(int(gen.top_k) if not gen.is_greedy else 0, gen.top_p < 1.0, gen.is_greedy)
     temperature, top_p = self._scalars(gen)
-    if self.mesh is not None:
-      with jax.set_mesh(self.mesh):
-        return fn(state, prompt_ids, prompt_mask, rng, temperature, top_p)
-    return fn(state, prompt_ids, prompt_mask, rng, temperature, top_p)
+    return fn, (state, prompt_ids, prompt_mask, rng, temperature, top_p)
 
   def _scalars(self, gen: GenerationConfig):
     """Temperature and top_p as device scalars, put there once per config (explicitly: the
@@ -149,6 +160,19 @@ class Sampler:
     return Rollout(tokens=final["tokens"], mask=final["mask"], logprobs=final["logprobs"],
                    raw_logprobs=final["raw_logprobs"], lengths=final["mask"].sum(-1),
                    truncated=~final["done"])
+
+
+class _InMesh:
+  """fn.lower(*args) inside the mesh context the sampler's calls run in."""
+
+  def __init__(self, fn, mesh):
+    self.fn, self.mesh = fn, mesh
+
+  def lower(self, *args):
+    if self.mesh is None:
+      return self.fn.lower(*args)
+    with jax.set_mesh(self.mesh):
+      return self.fn.lower(*args)
 
 
 def _constrain_kv(x):
