@@ -71,8 +71,9 @@ def base() -> ml_collections.ConfigDict:
   # every host of a pod) loads its compiled steps instead of compiling again. A local folder
   # or gs://...; "" turns it off.
   c.compilation_cache_dir = "~/.cache/grpo_jax/jax_cache"
-  # Compile each prompt width's update, log-prob and advantage programs in a background
-  # thread while the rollout compiles and runs (grpo_jax/compile_ahead.py); False: at first call.
+  # Compile each prompt width's sampler, update, log-prob and advantage programs in a
+  # background thread during the step before its first (grpo_jax/compile_ahead.py); False: at
+  # their first call.
   c.compile_ahead = True
   c.num_steps = 200  # GRPO steps; each takes `batch_size` prompts.
   # Or passes over the train prompts (set num_steps=0): num_steps becomes
