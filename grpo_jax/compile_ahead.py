@@ -61,6 +61,7 @@ class _Width:
     self.errors: list[str] = []
     self.reported = False
     self.t0 = time.perf_counter()
+    self.first = False  # the first width submitted (its sampler goes after the update)
 
   def run(self, only: str | None = None):
     """Compiles in this thread, one at a time and in order, the programs no thread has taken
@@ -112,6 +113,7 @@ class CompileAhead:
       if width in self._widths:
         return False
       job = self._widths[width] = _Width(width)
+      job.first = len(self._widths) == 1
       # Abstract copies now, in the caller's thread: `state` is donated by the next update.
       args = (abstract(prompt["ids"]), abstract(prompt["mask"]), abstract(state),
               None if ref_params is None else abstract(ref_params, on_device=True),
@@ -156,8 +158,10 @@ class CompileAhead:
     except Exception as e:  # pylint: disable=broad-except
       job.tasks = []
       job.errors.append(f"planning: {type(e).__name__}: {e}")
-    if sampler:  # second: the update compiles longest; the rollout's wait takes the sampler
-      job.tasks.insert(min(1, len(job.tasks)), sampler)
+    if sampler:  # a later width: first, it is needed first; the first width: after the
+      # update, which compiles longest, so that the first rollout's wait compiles the sampler
+      # beside it when the loop gets there before the worker (no evaluation before GRPO)
+      job.tasks.insert(min(int(job.first), len(job.tasks)), sampler)
     job.planned.set()
     job.run()
     logging.info("compiled ahead the step programs for prompt width %d in %.1f s", job.width,
