@@ -53,15 +53,15 @@ def abstract(tree, *, on_device: bool = False):
 class _Width:
   """The programs of one prompt width: a list the worker thread and `wait` both take from."""
 
-  def __init__(self, width: int):
+  def __init__(self, width: int, first: bool):
     self.width = width
+    self.first = first  # the first width submitted (its sampler goes after the update)
     self.tasks = None  # [(name, jitted fn, abstract args)], set once planned
     self.planned = threading.Event()
     self._taken, self._done, self._lock = set(), set(), threading.Condition()
     self.errors: list[str] = []
     self.reported = False
     self.t0 = time.perf_counter()
-    self.first = False  # the first width submitted (its sampler goes after the update)
 
   def run(self, only: str | None = None):
     """Compiles in this thread, one at a time and in order, the programs no thread has taken
@@ -112,8 +112,7 @@ class CompileAhead:
     with self._lock:
       if width in self._widths:
         return False
-      job = self._widths[width] = _Width(width)
-      job.first = len(self._widths) == 1
+      job = self._widths[width] = _Width(width, first=not self._widths)
       # Abstract copies now, in the caller's thread: `state` is donated by the next update.
       args = (abstract(prompt["ids"]), abstract(prompt["mask"]), abstract(state),
               None if ref_params is None else abstract(ref_params, on_device=True),
