@@ -111,6 +111,7 @@ def _check_model(c: _Checker, cfg):
   c.one_of("model.param_dtype", model_config.DTYPES, "dtype")
   c.one_of("model.dtype", model_config.DTYPES, "dtype")
   c.one_of("model.remat_policy", remat.POLICIES, "remat policy")
+  c.one_of("model.attention_impl", model_config.ATTENTION_IMPLS, "attention implementation")
   if m.impl == "maxtext":
     from grpo_jax.models import maxtext_adapter  # imports maxtext lazily itself
     c.one_of("model.maxtext.attention", maxtext_adapter.ATTENTION_KERNELS,

@@ -257,3 +257,52 @@ def test_swiglu_custom_vjp_matches_autodiff(fused, monkeypatch):
   grads = jax.grad(lambda *a: jnp.sum(layers.swiglu(*a).astype(jnp.float32)),
                    argnums=(0, 1, 2))(*bf)
   assert all(g.dtype == jnp.bfloat16 for g in grads)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_fused_attention_path_equals_masked_attention(scan):
+  """attention_impl="fused" (real tokens moved first, one causal kernel: cuDNN flash on GPU,
+  its XLA form here) gives the masked einsum's hidden states, prefill logits and caches, and
+  gradients, for left padding, right padding and holes in the mask."""
+  cfg = CFGS["qwen3"].replace(scan_layers=scan)
+  masked = build_model(cfg, seed=2)
+  graphdef, state = nnx.split(build_model(cfg.replace(attention_impl="fused"), seed=2))
+  fused = nnx.merge(graphdef, nnx.state(masked))
+  assert layers.fused_attention_for(fused.cfg) and not layers.fused_attention_for(masked.cfg)
+  rng = np.random.default_rng(0)
+  ids = jnp.asarray(rng.integers(1, cfg.vocab_size, (4, 12)), jnp.int32)
+  mask = np.ones((4, 12), np.int32)
+  mask[0, :5] = 0  # left padding
+  mask[1, 7:] = 0  # right padding
+  mask[2, [0, 3, 4, 9]] = 0  # holes
+  mask = jnp.asarray(mask)
+  m = mask[..., None] > 0
+  h_masked, h_fused = masked.hidden(ids, mask), fused.hidden(ids, mask)
+  assert float(jnp.abs(jnp.where(m, h_masked - h_fused, 0)).max()) <= 1e-5
+  lo, co = masked.prefill(ids, mask, masked.init_cache(4, 12), all_logits=True)
+  lf, cf = fused.prefill(ids, mask, fused.init_cache(4, 12), all_logits=True)
+  assert float(jnp.abs(jnp.where(m, lo - lf, 0)).max()) <= 1e-4
+  last_o, _ = masked.prefill(ids, mask, masked.init_cache(4, 12))
+  last_f, _ = fused.prefill(ids, mask, fused.init_cache(4, 12))
+  np.testing.assert_allclose(last_o[:2], last_f[:2], atol=1e-4)  # rows whose last slot is real
+  for a, b in zip(jax.tree.leaves((co["k"], co["v"])), jax.tree.leaves((cf["k"], cf["v"]))):
+    slot = mask[:, None, :, None] > 0 if a.ndim == 4 else mask[None, :, None, :, None] > 0
+    assert float(jnp.abs(jnp.where(slot, a - b, 0)).max()) <= 1e-5
+
+  def loss(model):
+    return jnp.sum(jnp.where(m, model.hidden(ids, mask), 0) ** 2)
+  g_masked, g_fused = nnx.grad(loss)(masked), nnx.grad(loss)(fused)
+  for a, b in zip(jax.tree.leaves(nnx.state(g_masked)), jax.tree.leaves(nnx.state(g_fused))):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_impl_auto_picks_the_fused_kernel_on_gpu_only():
+  cfg = CFGS["qwen3"].replace(dtype="bfloat16", head_dim=64)
+  with layers.gate_up_fused_for("cuda"):
+    assert layers.fused_attention_for(cfg)
+    assert not layers.fused_attention_for(cfg.replace(dtype="float32"))  # cuDNN: bf16/f16
+    assert not layers.fused_attention_for(cfg.replace(attention_impl="xla"))
+  for platform in ("cpu", "tpu"):
+    with layers.gate_up_fused_for(platform):
+      assert not layers.fused_attention_for(cfg)
+      assert layers.fused_attention_for(cfg.replace(attention_impl="fused"))

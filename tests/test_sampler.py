@@ -1,6 +1,7 @@
 """The rollout sampler: exact log-probs, greedy parity with transformers, sampling statistics."""
 from flax import nnx
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -281,3 +282,63 @@ def test_greedy_equals_transformers_generate(tmp_path):
   want = out[:, ids.shape[1]:].numpy()
   r = sample(ours, ids, mask, num_generations=1, max_new_tokens=new, rng=jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(r.tokens), want)
+
+
+@pytest.mark.parametrize("v,k,ties", [(151936, 50, False), (151936, 50, True), (32000, 20, True),
+                                      (5000, 7, False), (96, 50, False)])
+def test_two_level_top_k_equals_lax_top_k(v, k, ties):
+  """sampling.top_k (block maxima, then the k best blocks) == lax.top_k: values and indices,
+  ties to the lower index, -inf entries included."""
+  rng = np.random.default_rng(v + k)
+  x = (rng.integers(-20, 5, (6, v)) if ties else rng.standard_normal((6, v))).astype(np.float32)
+  x[1] = 0.0  # one all-tied row
+  x[2, k // 2:] = -np.inf  # fewer than k finite entries
+  want = jax.lax.top_k(jnp.asarray(x), k)
+  got = jax.jit(sampling.top_k, static_argnums=1)(jnp.asarray(x), k)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def _while_bodies(jaxpr):
+  """Every while loop body in a (closed) jaxpr, nested ones too."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "while":
+      yield eqn.params["body_jaxpr"].jaxpr
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _while_bodies(sub)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_decode_loop_reads_compute_dtype_weights_made_once(scan):
+  """f32 master weights, bf16 compute: the sampler's program casts the weights (and unstacks
+  scanned layers) once, before its loops; no weight-sized convert and no slice of a stacked
+  weight inside a decode loop (no reliance on the compiler's loop-invariant motion)."""
+  cfg = CFG.replace(param_dtype="float32", dtype="bfloat16", scan_layers=scan,
+                    remat_policy="save_dots")
+  model = build_model(cfg, seed=0)
+  graphdef, state = nnx.split(model)
+  sampler = Sampler(graphdef, max_prompt_length=7, max_new_tokens=16, num_generations=2,
+                    decode_phases=2)
+  ids, mask = prompts(cfg.vocab_size)
+  fn, args = sampler._call(state, ids, mask, jax.random.key(0), "standard")
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  weights = {s for x in jax.tree.leaves(state) if x.ndim >= 2 for s in (x.shape, x.shape[1:])}
+  bodies = list(_while_bodies(jaxpr))
+  assert len(bodies) >= 2  # the decode phases
+
+  def walk(j):
+    for eqn in j.eqns:
+      yield eqn
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        yield from walk(sub)
+  for body in bodies:
+    for eqn in walk(body):
+      if eqn.primitive.name == "convert_element_type":
+        x = eqn.invars[0].aval
+        assert not (x.dtype == jnp.float32 and x.shape in weights), eqn
+      if eqn.primitive.name in ("slice", "dynamic_slice", "squeeze") and scan:
+        assert eqn.invars[0].aval.ndim < 5 or eqn.invars[0].aval.shape[0] != cfg.num_layers
+  r = sampler(state, ids, mask, jax.random.key(0), "standard")
+  train = trainer_logprobs(model, ids, mask, r, 2)
+  m = np.asarray(r.mask) > 0
+  assert np.abs(np.asarray(train) - np.asarray(r.raw_logprobs))[m].max() <= 0.1  # bf16

@@ -13,6 +13,11 @@ ARCHS = ("qwen3", "llama3")
 # a policy registered later is accepted too).
 REMAT_POLICIES = tuple(remat.POLICIES)
 DTYPES = ("float32", "bfloat16", "float16")
+# How the training forward and the prefill attend (models/layers.py): "auto" = a fused
+# (flash) kernel where the backend has one (GPU: cuDNN through jax.nn.dot_product_attention),
+# else "xla"; "xla" = the masked einsum with its [.., T, S] f32 scores; "fused" = the fused path
+# on every backend (on CPU it is jax.nn.dot_product_attention's XLA form: for tests).
+ATTENTION_IMPLS = ("auto", "xla", "fused")
 
 _HF_ARCH = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama3": ("LlamaForCausalLM", "llama")}
 
@@ -42,6 +47,7 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype
   remat_policy: str = "none"
   scan_layers: bool = False
+  attention_impl: str = "auto"
 
   def problems(self) -> list[tuple[str, str, str]]:
     """(field, why, fix) for every bad value; empty when the config is usable."""
@@ -66,6 +72,9 @@ class ModelConfig:
     for f in ("param_dtype", "dtype"):
       if getattr(self, f) not in DTYPES:
         out.append((f, "unknown dtype", f"use one of {', '.join(DTYPES)}"))
+    if self.attention_impl not in ATTENTION_IMPLS:
+      out.append(("attention_impl", "unknown attention implementation",
+                  f"use one of {', '.join(ATTENTION_IMPLS)}"))
     if self.remat_policy not in remat.POLICIES:
       out.append(("remat_policy", "unknown remat policy",
                   f"use one of {', '.join(remat.POLICIES)}"))

@@ -136,6 +136,27 @@ def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None,
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, kd)
 
 
+def fused_attention_for(cfg: ModelConfig) -> bool:
+  """Whether the training forward and the prefill use `causal_attention` (cfg.attention_impl:
+  "auto" = where the target platform has a fused kernel for this shape: cuDNN flash attention
+  on GPU, bf16/f16, head_dim a multiple of 8 up to 128)."""
+  if cfg.attention_impl == "auto":
+    return (target_platform() == "gpu" and cfg.dtype in ("bfloat16", "float16") and
+            cfg.head_dim <= 128 and cfg.head_dim % 8 == 0)
+  return cfg.attention_impl == "fused"
+
+
+def causal_attention(q_bthk, k_btgk, v_btgk):
+  """Causal self-attention over T slots that all hold real tokens (the callers move padding
+  behind the real tokens first: transformer.compaction), as one fused kernel: no [.., T, T]
+  score matrix in HBM. GPU: cuDNN's flash attention (jax.nn.dot_product_attention); other
+  backends: its XLA form (same values; what the CPU tests check the layout against).
+  q [B, T, H, K], k, v [B, T, Hkv, K] (grouped-query: H a multiple of Hkv) -> [B, T, H, K]."""
+  gpu = target_platform() == "gpu" and q_bthk.dtype in (jnp.bfloat16, jnp.float16)
+  return jax.nn.dot_product_attention(q_bthk, k_btgk, v_btgk, is_causal=True,
+                                      implementation="cudnn" if gpu else "xla")
+
+
 class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -185,26 +206,36 @@ class Attention(nnx.Module):
     return checkpoint_name(y, "attn_out")
 
 
+# The platform the program is traced for: None = jax.default_backend(). memory_plan traces for
+# TPU / GPU chips from a CPU host (`gate_up_fused_for`), and the choices below follow it.
+TARGET_PLATFORM: str | None = None
+
 # gate and up as one [D, 2F] GEMM (forward and backward): True / False, or None = on the CPU
 # backend only. On XLA:CPU one wide GEMM beats two narrow ones; on TPU/GPU the weights are
 # sharded over F (mlp axis) and a concatenation would reshard them, so it stays off there.
-# memory_plan sets False while it compiles for TPU chips from a CPU host.
 FUSE_GATE_UP: bool | None = None
 
 
+def target_platform() -> str:
+  """"cpu", "gpu" or "tpu": the backend the program being traced will run on."""
+  p = TARGET_PLATFORM or jax.default_backend()
+  return "gpu" if p in ("gpu", "cuda", "rocm") else p
+
+
 def _fuse_gate_up() -> bool:
-  return jax.default_backend() == "cpu" if FUSE_GATE_UP is None else FUSE_GATE_UP
+  return target_platform() == "cpu" if FUSE_GATE_UP is None else FUSE_GATE_UP
 
 
 @contextlib.contextmanager
 def gate_up_fused_for(platform: str):
-  """Traces inside compile for `platform` (e.g. "tpu" from a CPU host: memory_plan)."""
-  global FUSE_GATE_UP
-  saved, FUSE_GATE_UP = FUSE_GATE_UP, platform == "cpu"
+  """Traces inside compile for `platform` (e.g. "tpu" from a CPU host: memory_plan): the
+  gate/up fusion and the attention kernel are chosen for it."""
+  global TARGET_PLATFORM
+  saved, TARGET_PLATFORM = TARGET_PLATFORM, platform
   try:
     yield
   finally:
-    FUSE_GATE_UP = saved
+    TARGET_PLATFORM = saved
 
 
 def _gate_up(x_nd, w_gate_df, w_up_df):
@@ -288,7 +319,8 @@ class Block(nnx.Module):
 
   def __call__(self, x_btd, positions_bt, q_slot_bt, kv_valid_bs, cache_kv=None,
                write_slot=None, prefix=None):
-    """Without `cache_kv`, attends within x (training forward / prefill). With
+    """Without `cache_kv`, attends within x (training forward / prefill; `kv_valid_bs` None:
+    every slot is a real token, in order, and the fused `causal_attention` runs). With
     `cache_kv=(k, v)`, the T new tokens attend to the cache plus themselves
     (decode, T=1; the cache is head-major, [B, Hkv, S, K]). Returns (x, k, v) where k, v
     [B, T, Hkv, K] are this call's new keys/values; with `write_slot` they are first written
@@ -298,7 +330,9 @@ class Block(nnx.Module):
     old buffer is still read when the update lands). `prefix`: a shared prompt's keys and
     values for the cache paths (`attention`'s `prefix`)."""
     q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions_bt)
-    if cache_kv is None:
+    if cache_kv is None and kv_valid_bs is None:  # real tokens first: fused causal kernel
+      a = causal_attention(q, k, v)
+    elif cache_kv is None:
       a = attention(q, k, v, q_slot_bt, kv_valid_bs)
     elif write_slot is not None:
       k, v = (jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype),

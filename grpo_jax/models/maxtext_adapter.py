@@ -219,7 +219,8 @@ def _native_cfg(config) -> ModelConfig:
   if m.hf_path:
     return ModelConfig.from_hf_config(hf.read_hf_config(m.hf_path), dtype=m.dtype,
                                       param_dtype=m.param_dtype, remat_policy=m.remat_policy,
-                                      scan_layers=m.scan_layers)
+                                      scan_layers=m.scan_layers,
+                                      attention_impl=m.attention_impl)
   return policy_lib.model_config_from(config)
 
 
@@ -262,7 +263,7 @@ def maxtext_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy
   elif m.hf_path:
     native = hf.load_hf(m.hf_path, jnp.dtype(m.dtype), param_dtype=jnp.dtype(m.param_dtype),
                         mesh=parts.mesh, remat_policy=m.remat_policy,
-                        scan_layers=m.scan_layers)
+                        scan_layers=m.scan_layers, attention_impl=m.attention_impl)
     native_pure = nnx.to_pure_dict(nnx.state(native))
     params = _params_of(parts, lambda: to_maxtext(native_pure))
     del native, native_pure

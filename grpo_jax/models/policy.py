@@ -95,14 +95,16 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
   m = config.model
   if m.hf_path and not abstract:
     model = hf.load_hf(m.hf_path, jnp.dtype(m.dtype), param_dtype=jnp.dtype(m.param_dtype),
-                       mesh=mesh, remat_policy=m.remat_policy, scan_layers=m.scan_layers)
+                       mesh=mesh, remat_policy=m.remat_policy, scan_layers=m.scan_layers,
+                       attention_impl=m.attention_impl)
     cfg = model.cfg
   else:
     cfg = model_config_from(config)
     if m.hf_path:  # abstract restore of an HF-initialized run: the shape comes from the folder
       cfg = ModelConfig.from_hf_config(hf.read_hf_config(m.hf_path), dtype=m.dtype,
                                        param_dtype=m.param_dtype, remat_policy=m.remat_policy,
-                                       scan_layers=m.scan_layers)
+                                       scan_layers=m.scan_layers,
+                                       attention_impl=m.attention_impl)
     if abstract:
       model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=config.seed)))
     else:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax import sharding
+from grpo_jax.models import layers
 from grpo_jax.models import lora
 from grpo_jax.models import remat as remat_lib
 from grpo_jax.models.config import ModelConfig
@@ -33,6 +34,28 @@ def positions_from_mask(mask_bt: jax.Array) -> jax.Array:
   """Position of each token = number of real tokens before it (pads get 0)."""
   m = (mask_bt != 0).astype(jnp.int32)
   return jnp.maximum(jnp.cumsum(m, axis=-1) - 1, 0)
+
+
+def compaction(mask_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(src, dst) [B, T] int32: `_take(x, src)` moves each row's real tokens to its front, in
+  order, and the padding behind them; `_take(y, dst)` puts every slot back. With the real
+  tokens first, attention under a plain causal mask is attention over the real tokens before
+  each query (what the masked `layers.attention` computes), whatever the padding pattern (left
+  padding, right padding, holes), so a fused causal kernel (`layers.causal_attention`) serves
+  every batch the loop makes. Padding slots' outputs are unspecified (they are never read)."""
+  m = mask_bt != 0
+  rank = jnp.cumsum(m, axis=-1) - 1
+  dst = jnp.where(m, rank, rank[:, -1:] + jnp.cumsum(~m, axis=-1)).astype(jnp.int32)
+  t = mask_bt.shape[1]
+  src = jax.vmap(lambda d: jnp.zeros((t,), jnp.int32).at[d].set(jnp.arange(t, dtype=jnp.int32),
+                                                               unique_indices=True))(dst)
+  return src, dst
+
+
+def _take(x, idx_bt, axis: int = 1):
+  """x gathered along its token `axis` by [B, T'] indices (rows on the axis before it)."""
+  idx = idx_bt.reshape((1,) * (axis - 1) + idx_bt.shape + (1,) * (x.ndim - axis - 1))
+  return jnp.take_along_axis(x, idx, axis=axis)
 
 
 class Transformer(nnx.Module):
@@ -129,6 +152,11 @@ class Transformer(nnx.Module):
       attention_mask = jnp.ones_like(input_ids)
     b, t = input_ids.shape
     positions = positions_from_mask(attention_mask)
+    if layers.fused_attention_for(self.cfg):  # real tokens first, one fused causal kernel
+      src, dst = compaction(attention_mask)
+      x, _, _ = self._run_layers(self._embed(_take(input_ids, src)), _take(positions, src),
+                                 None, None)
+      return _take(self.final_norm(x), dst)
     q_slot = jnp.broadcast_to(jnp.arange(t), (b, t))
     x, _, _ = self._run_layers(self._embed(input_ids), positions, q_slot, attention_mask)
     return self.final_norm(x)
@@ -171,8 +199,16 @@ class Transformer(nnx.Module):
     """
     b, p = tokens_bp.shape
     positions = positions_from_mask(mask_bp)
-    q_slot = jnp.broadcast_to(jnp.arange(p), (b, p))
-    x, ks, vs = self._run_layers(self._embed(tokens_bp), positions, q_slot, mask_bp)
+    if layers.fused_attention_for(self.cfg):  # real tokens first, one fused causal kernel
+      src, dst = compaction(mask_bp)
+      x, ks, vs = self._run_layers(self._embed(_take(tokens_bp, src)), _take(positions, src),
+                                   None, None)
+      lead = 1 if self.cfg.scan_layers else 0  # stacked keys: [L, B, P, Hkv, K]
+      ks, vs = (jax.tree.map(lambda a: _take(a, dst, axis=1 + lead), kv) for kv in (ks, vs))
+      x = _take(x, dst if all_logits else dst[:, -1:])
+    else:
+      q_slot = jnp.broadcast_to(jnp.arange(p), (b, p))
+      x, ks, vs = self._run_layers(self._embed(tokens_bp), positions, q_slot, mask_bp)
     h = self.final_norm(x if all_logits else x[:, -1:])
     logits = self.logits_from_hidden(h)
     cache = dict(
@@ -277,3 +313,73 @@ def build_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Transformer:
 
   state = jax.jit(init, out_shardings=shardings)()
   return nnx.merge(graphdef, state)
+
+
+def sampling_copy(model: Transformer) -> Transformer:
+  """The decoder the sampler runs, made once per rollout inside its program: every floating
+  weight in the compute dtype and already effective (LoRA adapters added, a quantized base
+  dequantized: lora.effective_weight), and the layers as a list (scan_layers unstacked), so the
+  decode loop reads compute-dtype per-layer weights and per-layer caches that update in place:
+  no f32 -> bf16 convert per token, no slice of a stacked weight or cache per layer (which the
+  layer scan would otherwise put inside the loop, whatever the compiler hoists). Same values as
+  the trainer's forward, which casts each weight to the compute dtype where it reads it. The
+  model itself when there is nothing to do (unscanned, plain, weights already in the compute
+  dtype)."""
+  cfg = model.cfg
+  dt = model.compute_dtype
+  plain = not lora.has_adapters(nnx.state(model)) and not _has_quantized(model)
+  if (not cfg.scan_layers and plain and
+      all(x.dtype == dt for x in jax.tree.leaves(nnx.state(model, nnx.Param))
+          if jnp.issubdtype(x.dtype, jnp.floating))):
+    return model
+  out_cfg = cfg.replace(scan_layers=False, param_dtype=cfg.dtype, remat_policy="none")
+  target = nnx.eval_shape(lambda: Transformer(out_cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(target)
+  if cfg.scan_layers:
+    layer_graph, stacked = nnx.split(model.layers)
+    blocks = [nnx.merge(layer_graph, jax.tree.map(lambda x, i=i: x[i], stacked))
+              for i in range(cfg.num_layers)]
+  else:
+    blocks = list(model.layers)
+
+  def value(path):
+    obj = blocks[path[1]] if path[0] == "layers" else model
+    for name in path[2:] if path[0] == "layers" else path:
+      obj = getattr(obj, name)
+    return obj[...]
+
+  def effective(path, x):
+    if path[0] == "layers" and len(path) == 4 and path[2] in ("attn", "mlp"):
+      w = lora.effective_weight(getattr(blocks[path[1]], path[2]), path[3])
+      if w is not None:
+        return w
+    return value(path)
+
+  pure = nnx.to_pure_dict(state)
+  flat = {path: effective(path, x) for path, x in _flatten(pure)}
+  filled = _unflatten({p: (v.astype(dt) if jnp.issubdtype(v.dtype, jnp.floating) else v)
+                       for p, v in flat.items()})
+  nnx.replace_by_pure_dict(state, filled)
+  return nnx.merge(graphdef, state)
+
+
+def _has_quantized(model) -> bool:
+  return any("_qscale" in "/".join(map(str, path)) for path, _ in nnx.iter_graph(model))
+
+
+def _flatten(tree, prefix=()):
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      yield from _flatten(v, prefix + (k,))
+    else:
+      yield prefix + (k,), v
+
+
+def _unflatten(flat: dict) -> dict:
+  out = {}
+  for path, v in flat.items():
+    node = out
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = v
+  return out

@@ -31,6 +31,7 @@ import numpy as np
 from grpo_jax import multihost
 from grpo_jax import sharding
 from grpo_jax.models.transformer import grow_cache
+from grpo_jax.models.transformer import sampling_copy
 from grpo_jax.models.transformer import share_prompt
 from grpo_jax.rollout import sampling
 from grpo_jax.rollout.types import GenerationConfig
@@ -110,7 +111,8 @@ class Sampler:
 
   def _generate(self, state, prompt_ids, prompt_mask, rng, temperature, top_p, *, top_k,
                 use_top_p, greedy) -> Rollout:
-    model = nnx.merge(self.graphdef, state)
+    # The weights the loops read: compute dtype, per layer, made once here (sampling_copy).
+    model = sampling_copy(nnx.merge(self.graphdef, state))
     g, c_len = self.num_generations, self.max_new_tokens
     b, p = prompt_ids.shape
     n = b * g
