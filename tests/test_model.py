@@ -306,3 +306,25 @@ def test_attention_impl_auto_picks_the_fused_kernel_on_gpu_only():
     with layers.gate_up_fused_for(platform):
       assert not layers.fused_attention_for(cfg)
       assert layers.fused_attention_for(cfg.replace(attention_impl="fused"))
+
+
+def test_splash_attention_equals_causal_attention_under_a_mesh():
+  """The TPU kernel (Pallas splash attention, run by Pallas's interpreter here): the causal
+  attention's values and gradients, T padded to 128s, grouped-query heads, rows and heads
+  split over an 8-device (data, fsdp, tensor) mesh by its shard_map."""
+  rng = np.random.default_rng(0)
+  b, t, h, g, kd = 4, 200, 4, 2, 128
+  q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, kd)), jnp.float32) for n in (h, g, g))
+  want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  dwant = jax.grad(lambda q, k: jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True)
+                                        ** 2), argnums=(0, 1))(q, k)
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  splash = jax.jit(lambda q, k, v: layers.splash_attention(q, k, v, interpret=True))
+  dsplash = jax.jit(jax.grad(lambda q, k: jnp.sum(layers.splash_attention(
+      q, k, v, interpret=True) ** 2), argnums=(0, 1)))
+  with jax.set_mesh(mesh):
+    got = splash(q, k, v)
+    dgot = dsplash(q, k)
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  for a, w in zip(dgot, dwant):
+    np.testing.assert_allclose(a, w, atol=2e-4, rtol=1e-4)

@@ -19,6 +19,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
+from grpo_jax import sharding
 from grpo_jax.models.config import ModelConfig
 
 
@@ -139,9 +140,13 @@ def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None,
 def fused_attention_for(cfg: ModelConfig) -> bool:
   """Whether the training forward and the prefill use `causal_attention` (cfg.attention_impl:
   "auto" = where the target platform has a fused kernel for this shape: cuDNN flash attention
-  on GPU, bf16/f16, head_dim a multiple of 8 up to 128)."""
+  on GPU (bf16/f16, head_dim a multiple of 8 up to 128), Pallas splash attention on TPU
+  (head_dim a multiple of 128))."""
   if cfg.attention_impl == "auto":
-    return (target_platform() == "gpu" and cfg.dtype in ("bfloat16", "float16") and
+    platform = target_platform()
+    if platform == "tpu":  # splash attention: any dtype, head_dim a multiple of 128 (lanes)
+      return cfg.head_dim % 128 == 0
+    return (platform == "gpu" and cfg.dtype in ("bfloat16", "float16") and
             cfg.head_dim <= 128 and cfg.head_dim % 8 == 0)
   return cfg.attention_impl == "fused"
 
@@ -152,9 +157,47 @@ def causal_attention(q_bthk, k_btgk, v_btgk):
   score matrix in HBM. GPU: cuDNN's flash attention (jax.nn.dot_product_attention); other
   backends: its XLA form (same values; what the CPU tests check the layout against).
   q [B, T, H, K], k, v [B, T, Hkv, K] (grouped-query: H a multiple of Hkv) -> [B, T, H, K]."""
-  gpu = target_platform() == "gpu" and q_bthk.dtype in (jnp.bfloat16, jnp.float16)
+  platform = target_platform()
+  if platform == "tpu":
+    return splash_attention(q_bthk, k_btgk, v_btgk)
+  gpu = platform == "gpu" and q_bthk.dtype in (jnp.bfloat16, jnp.float16)
   return jax.nn.dot_product_attention(q_bthk, k_btgk, v_btgk, is_causal=True,
                                       implementation="cudnn" if gpu else "xla")
+
+
+def splash_attention(q_bthk, k_btgk, v_btgk, *, interpret: bool = False):
+  """`causal_attention` on TPU: the Pallas splash-attention kernel (flash attention tiled for
+  the TPU's VMEM, grouped-query heads read in place), one kernel call per row, under a
+  shard_map that keeps rows on (data, fsdp) and heads on tensor when a mesh is set. T is padded
+  at the end to a multiple of 128 (causal: the padding is never attended by a real query).
+  `interpret`: Pallas's interpreter (the CPU tests)."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+  b, t, h, kd = q_bthk.shape
+  tp = -(-t // 128) * 128
+  blk = next(x for x in (512, 256, 128) if tp % x == 0)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, 0))).swapaxes(1, 2)  # noqa
+  q, k, v = pad(q_bthk * jnp.asarray(kd**-0.5, q_bthk.dtype)), pad(k_btgk), pad(v_btgk)
+
+  def local(q, k, v):  # [b, h, T, K] this shard's rows and heads
+    mask = sm.MultiHeadMask([sm.CausalMask((tp, tp)) for _ in range(q.shape[1])])
+    sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk,
+                          block_kv_dkv=blk, block_kv_dkv_compute=blk, block_q_dq=blk,
+                          block_kv_dq=blk)
+    kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
+                                interpret=interpret)
+    return jax.vmap(kernel)(q, k, v)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and set(sharding.MESH_AXES) <= set(mesh.axis_names):
+    names = ("batch", "q_heads", "length", "head_dim")
+    qs = sharding.logical_to_spec(names, q.shape, mesh)
+    ks = sharding.logical_to_spec(("batch", "kv_heads", "length", "head_dim"), k.shape, mesh)
+    if qs[1] != ks[1]:  # heads split differently (Hkv not divisible): replicate heads
+      qs, ks = (jax.sharding.PartitionSpec(p[0], None, None, None) for p in (qs, ks))
+    local = jax.shard_map(local, mesh=mesh, in_specs=(qs, ks, ks), out_specs=qs,
+                          check_vma=False)
+  return local(q, k, v).swapaxes(1, 2)[:, :t]
 
 
 class Attention(nnx.Module):
