@@ -28,6 +28,10 @@ def model(preset: str) -> ml_collections.ConfigDict:
   m.impl = "native"
   m.hf_path = ""
   m.maxtext_checkpoint = ""
+  # m.attention_impl (a ModelConfig field, default "auto"): how the training forward and the
+  # prefill attend. "auto": a fused flash kernel where the backend has one (GPU: cuDNN through
+  # jax.nn.dot_product_attention, bf16; TPU: Pallas splash attention, head_dim % 128 == 0),
+  # else "xla" (masked einsum, [.., T, S] f32 scores); "fused": the fused path everywhere.
   # MaxText-only settings (impl="maxtext"; see grpo_jax/models/maxtext_adapter.py).
   m.maxtext = ml_collections.ConfigDict()
   m.maxtext.remat_policy = "full"  # MaxText's names: full, minimal, save_qkv_proj, custom, ...
