@@ -143,9 +143,13 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.top_p = 1.0
   # The native sampler decodes in this many loops over a KV cache that grows between them
   # (a step reads about the slots written so far; each loop compiles once; a growth holds the
-  # old and the new cache at once). 0 = auto: on CPU one per 32 new tokens, at most 4; on
-  # TPU/GPU 1.
+  # old and the new cache at once). 0 = auto: on CPU one per 32 new tokens, at most 4; on GPU
+  # one per 128, at most 4; on TPU 1.
   c.rollout.decode_phases = 0
+  # Decode steps between two checks of "every row stopped": on GPU the check of a while loop
+  # waits on the host each iteration, a block of steps of known count does not (at most
+  # block - 1 steps decoded past the last stop). 0 = auto: 8 on GPU, 1 on TPU/CPU.
+  c.rollout.decode_block = 0
   c.rollout.vllm = ml_collections.ConfigDict()
   c.rollout.vllm.gpu_memory_utilization = 0.5
   c.rollout.vllm.kv_cache_space_gib = 1  # vLLM's CPU backend only (VLLM_CPU_KVCACHE_SPACE).

@@ -207,6 +207,8 @@ def _check_rollout(c: _Checker, cfg):
   c.require(r.top_k >= 0, "rollout.top_k", "must be >= 0", "0 disables top-k")
   c.require(r.get("decode_phases", 0) >= 0, "rollout.decode_phases", "must be >= 0",
             "0 = auto (rollout/sampler.py phase_ends)")
+  c.require(r.get("decode_block", 0) >= 0, "rollout.decode_block", "must be >= 0",
+            "0 = auto (rollout/sampler.py block_size)")
   c.require(0 < r.top_p <= 1, "rollout.top_p", "must lie in (0, 1]", "1.0 disables top-p")
   c.require(r.max_logprob_gap >= 0, "rollout.max_logprob_gap", "must be >= 0",
             "0 disables the stop; e.g. 0.05")

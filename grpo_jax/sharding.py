@@ -9,6 +9,7 @@ Multi-slice (config.mesh.dcn_data > 1): the DCN (data-center network) factor is 
 its slowest-varying part, so the axes stay (data, fsdp, tensor): each slice is an ICI mesh of
 the configured (data, fsdp, tensor) sizes and the global data axis is dcn_data * data.
 """
+import functools
 import math
 from typing import Sequence
 
@@ -296,3 +297,17 @@ def opt_state_shardings(optimizer, opt_state, param_shardings, mesh: Mesh):
   import optax
   return optax.tree_map_params(optimizer, lambda _, s: s, opt_state, param_shardings,
                                transform_non_params=lambda _: replicated(mesh))
+
+
+
+def traced_in(fn, mesh: Mesh):
+  """`fn` traced with `mesh` as the abstract mesh (jit it: `jax.jit(traced_in(f, mesh))`):
+  its `constrain` calls take effect and kernels that split their work over the mesh (TPU
+  splash attention's shard_map: layers.splash_attention) find it. Unlike `jax.set_mesh`
+  around the call, this holds wherever the jitted function is traced (eval_shape, lower,
+  compile-ahead threads)."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+  return wrapped

@@ -84,6 +84,8 @@ def test_phase_ends():
   assert phase_ends(128, 0) == phase_ends(128)  # 0 = auto
   assert phase_ends(128, 0, "tpu") == (128,)  # auto: growing the cache costs memory there
   assert phase_ends(128, 2, "gpu") == (64, 128)
+  assert phase_ends(512, 0, "gpu") == (128, 256, 384, 512)  # auto: one per 128 on GPU
+  assert phase_ends(100, 0, "gpu") == (100,)
   with pytest.raises(ValueError, match="decode_phases=-1"):
     phase_ends(12, -1)
 
@@ -342,3 +344,24 @@ def test_decode_loop_reads_compute_dtype_weights_made_once(scan):
   train = trainer_logprobs(model, ids, mask, r, 2)
   m = np.asarray(r.mask) > 0
   assert np.abs(np.asarray(train) - np.asarray(r.raw_logprobs))[m].max() <= 0.1  # bf16
+
+
+def test_decode_blocks_keep_tokens_logprobs_and_stops(model):
+  """Decoding in blocks of steps between stop checks (GPU's default: 8), with or without
+  phases, draws the tokens of the step-by-step loop, stops rows at the same tokens and marks
+  the same rows truncated; the columns past max_new_tokens that whole blocks need stay out."""
+  graphdef, state = nnx.split(model)
+  ids, mask = prompts(CFG.vocab_size, seed=4)
+  for eos in [(), (5, 9, 11, 13)]:
+    runs = []
+    for block, phases in [(1, 1), (8, 1), (3, 3), (5, 2)]:
+      s = Sampler(graphdef, max_prompt_length=7, max_new_tokens=21, num_generations=3,
+                  eos_ids=eos, decode_phases=phases, decode_block=block)
+      runs.append(s(state, ids, mask, jax.random.key(2), "standard"))
+      assert runs[-1].tokens.shape == (12, 21)
+    for r in runs[1:]:
+      for name in ("tokens", "mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(getattr(r, name), getattr(runs[0], name))
+      np.testing.assert_allclose(r.raw_logprobs, runs[0].raw_logprobs, atol=1e-5)
+    truncated = np.asarray(runs[0].truncated)
+    assert truncated.all() if not eos else not truncated.all()

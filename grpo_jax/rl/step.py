@@ -286,9 +286,11 @@ def build(config, policy, mesh) -> TrainFunctions:
   rows2 = sharding.batch_sharding(mesh, 2)
   return TrainFunctions(
       init=jax.jit(init, out_shardings=shardings),
-      update=jax.jit(update, donate_argnums=0,
+      # The model's forward runs in these two: traced in the mesh (activation constraints,
+      # TPU splash attention's shard_map).
+      update=jax.jit(sharding.traced_in(update, mesh), donate_argnums=0,
                      out_shardings=(shardings, sharding.replicated(mesh))),
-      logprobs=jax.jit(logprobs, out_shardings=rows2),
+      logprobs=jax.jit(sharding.traced_in(logprobs, mesh), out_shardings=rows2),
       assemble=jax.jit(assemble, out_shardings=sharding.batch_sharding(mesh, 1)),
       fold_kl=jax.jit(fold_kl, out_shardings=sharding.batch_sharding(mesh, 1)),
       refresh=jax.jit(refresh, donate_argnums=0, out_shardings=param_shardings),

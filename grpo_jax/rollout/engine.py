@@ -31,12 +31,14 @@ class NativeEngine:
   """The jitted group sampler on the policy's rollout weights (no copy for a native policy)."""
 
   def __init__(self, policy, mesh, *, num_generations: int, max_prompt_length: int,
-               max_new_tokens: int, eos_ids, pad_id: int, decode_phases: int = 0):
+               max_new_tokens: int, eos_ids, pad_id: int, decode_phases: int = 0,
+               decode_block: int = 0):
     self.mesh = mesh
     kw = dict(max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens,
               num_generations=num_generations, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
     if policy.decoder_start_id is None:
-      self.sampler = Sampler(policy.sampler_graphdef, decode_phases=decode_phases, **kw)
+      self.sampler = Sampler(policy.sampler_graphdef, decode_phases=decode_phases,
+                             decode_block=decode_block, **kw)
     else:  # encoder-decoder: prompts are the encoder's input
       self.sampler = Seq2SeqSampler(policy.sampler_graphdef,
                                     decoder_start_id=policy.decoder_start_id, **kw)
@@ -99,5 +101,6 @@ def make_engine(config, policy, tokenizer, mesh, *, num_generations: int | None 
     raise ValueError(f"rollout.engine={kind!r}: use one of {', '.join(ENGINES)}")
   return NativeEngine(policy, mesh, num_generations=g, max_prompt_length=config.max_prompt_length,
                       max_new_tokens=c, eos_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-                      decode_phases=config.rollout.get("decode_phases", 0))
+                      decode_phases=config.rollout.get("decode_phases", 0),
+                      decode_block=config.rollout.get("decode_block", 0))
 
