@@ -2,6 +2,8 @@ r"""HBM plan: the per-device memory of one GRPO step, from the compiler, without
 
     python -m grpo_jax.memory_plan --config=configs/qwen3_8b.py --topology=v5p-8 \
         --remat=none,full,save_dots,offload_dots --micro_batch=8,16 --json=/tmp/plan.json
+    python -m grpo_jax.memory_plan --config=configs/qwen3_0p6b.py --topology=h100 \
+        --dump_hlo=/tmp/hlo          # + the optimized HLO of each program (hlo_inspect.py)
     python -m grpo_jax.memory_plan --config=configs/tiny.py          # this machine's devices
 
 The loop's own jitted functions (rl/step.py's `update` and `logprobs`, rollout/sampler.py's
@@ -12,11 +14,24 @@ allocated, so an 8B plan runs on a CPU-only machine (about 2 minutes per compile
 --topology=v5p-8 (also v4-8, v5e-16, v6e-8, ..., or a raw name such as v5p:2x2x1) compiles for
 that TPU slice with the TPU compiler itself when libtpu is importable (`pip install jax[tpu]`,
 best in a separate venv; compile-only devices from jax.experimental.topologies, no TPU needed);
-without libtpu the same program is compiled for as many fake CPU devices, and the plan says so.
+--topology=h100 (h200; h100-8: eight on one host) compiles for NVIDIA GPUs with XLA:GPU's
+deviceless compile when jax-cuda13-plugin is importable (requirements/aot.txt; JAX_PLATFORMS=cpu,
+which this command sets; the GPU's target config is the one the plugin embeds; no autotuning, so
+GEMM tilings may differ from a real run). Without the chip's compiler (libtpu, the CUDA plugin)
+the same program is compiled for as many fake CPU devices, and the plan says so in one line.
 No --topology: this machine's devices. The mesh is the config's (`mesh.*`, -1 filled) over the
 target's devices, and the config is validated against that device count first. The HBM
 capacity is the one the TPU compiler checks programs against (read from its own out-of-memory
 message); a program it refuses as too large still gets a row, from the bytes that message gives.
+A GPU's HBM is the device memory of its target config (79.1 GiB for the H100 80GB); JAX itself
+preallocates 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION / _PREALLOCATE say otherwise.
+
+--dump_hlo=DIR writes each compiled program's optimized HLO as DIR/<program>.hlo.txt: sampler,
+logprobs, and update_<remat>_mb<micro-batch> per setting (e.g. update_save_dots_mb16). On a GPU
+target a top_k with k > 16 becomes a cub sort whose deviceless compile fails at its very last
+step ("invalid device ordinal"): the HLO then comes from XLA's own dump of that compile, and the
+figures from a recompile with XLA's sort kernel (xla_gpu_deviceless_cub_mode; the row's
+`compiled` figures say `deviceless_cub_disabled`).
 
 Per device, for each compiled function (update per remat policy and micro-batch size; the
 forward-only log-prob pass and sampler once: no backward pass, so remat does not change them):
@@ -24,8 +39,11 @@ forward-only log-prob pass and sampler once: no backward pass, so remat does not
   params       trained parameters (their shards)          resident through the whole step
   optimizer    AdamW moments (+ counters)                  resident
   reference    the frozen reference copy (beta > 0)        resident unless reference.offload_to_host
-  rollout_w    the sampler's weights when they are a mapped copy (impl=maxtext)
-  temp         compiled temporaries: activations, gradients, logits (the sampler's minus its cache)
+  rollout_w    the sampler's own weights: a mapped copy (impl=maxtext), or (native) the
+               compute-dtype, per-layer copy the sampler makes once per rollout inside its
+               program (param_dtype != dtype or scan_layers; else it reads the params: 0)
+  temp         compiled temporaries: activations, gradients, logits (the sampler's minus its
+               cache and, native, minus its weight copy)
   kv_cache     the sampler's [L, B*G, Hkv, P+C, K] cache (its shape and sharding)
   io           the function's other inputs and outputs (batch, log-probs, rollout)
   host_offload bytes in pinned host memory (offloaded activations, an offloaded reference)
@@ -36,10 +54,12 @@ fit (the last lines of the printout). --json writes the rows, bytes per device.
 """
 import dataclasses
 import functools
+import glob
 import json
 import math
 import os
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +75,7 @@ from grpo_jax.rollout.types import GenerationConfig
 from grpo_jax.tpu_targets import GIB
 from grpo_jax.tpu_targets import Target
 from grpo_jax.tpu_targets import _oom_figures  # noqa: F401  (re-exported for the tests)
+from grpo_jax.tpu_targets import cuda_plugin_version
 from grpo_jax.tpu_targets import libtpu_compile_only_env
 from grpo_jax.tpu_targets import libtpu_version
 from grpo_jax.tpu_targets import make_target
@@ -173,9 +194,10 @@ def remat_field(config) -> str:
 
 
 def plan(config, target: Target, *, remat_policies=None, micro_batches=None,
-         functions=FUNCTIONS, log=print):
+         functions=FUNCTIONS, log=print, dump_hlo: str | None = None):
   """-> (rows, mesh shape): the step's compiled `functions` on `target`, the update per remat
-  policy and micro-batch size (defaults: the config's own)."""
+  policy and micro-batch size (defaults: the config's own). `dump_hlo`: a folder that gets
+  each program's optimized HLO as <program>.hlo.txt (program_name; the module docstring)."""
   if config.model.family != "decoder":
     raise ValueError(f"model.family={config.model.family!r}: the memory planner models "
                      "decoder-only policies (its KV cache and sampler). Fix: plan a decoder "
@@ -189,11 +211,20 @@ def plan(config, target: Target, *, remat_policies=None, micro_batches=None,
     if errors:
       raise ValueError(f"the config does not fit {target.name} ({len(target.devices)} devices):"
                        f" {' | '.join(errors)}")
+  if dump_hlo:
+    os.makedirs(dump_hlo, exist_ok=True)
+  compile_ = functools.partial(measure, platform=target.devices[0].platform, dump_hlo=dump_hlo,
+                               log=log)
   with layers.gate_up_fused_for(target.devices[0].platform):
-    return _plan(config, target, remat_policies, micro_batches, functions, log)
+    return _plan(config, target, remat_policies, micro_batches, functions, log, compile_)
 
 
-def _plan(config, target, remat_policies, micro_batches, functions, log):
+def program_name(function: str, remat: str | None = None, micro_batch: int | None = None):
+  """The name --dump_hlo files a program under: "sampler", "logprobs", "update_none_mb16"."""
+  return function if function != "update" else f"update_{remat}_mb{micro_batch}"
+
+
+def _plan(config, target, remat_policies, micro_batches, functions, log, measure_):
   rows = []
   for i, remat in enumerate(remat_policies):
     cfg = with_overrides(config, **{remat_field(config): remat})
@@ -204,33 +235,76 @@ def _plan(config, target, remat_policies, micro_batches, functions, log):
     row = functools.partial(Row, **resident, hbm_capacity=target.hbm_bytes)
     if i == 0:  # shapes, and the forward-only programs, do not depend on the remat policy
       inputs = _step_inputs(cfg, policy, fns, mesh)
-      rows += _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log)
+      rows += _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log, measure_)
     for mb in micro_batches if "update" in functions else ():
       fns_mb = step_lib.build(with_overrides(cfg, micro_batch_size=mb), policy, mesh)
       log(f"compiling update (remat={remat}, micro_batch={mb or 'all'}) ...")
       io = shard_bytes(inputs["batch"])
-      temp, stats = measure(fns_mb.update.lower(fns_mb.abstract_state, inputs["batch"]),
-                            resident["params"] + resident["optimizer"] + io)
-      rows.append(row(function="update", remat=remat, micro_batch=mb or inputs["num_rows"],
+      rows_mb = mb or inputs["num_rows"]
+      temp, stats = measure_(fns_mb.update.lower(fns_mb.abstract_state, inputs["batch"]),
+                             resident["params"] + resident["optimizer"] + io,
+                             name=program_name("update", remat, rows_mb))
+      rows.append(row(function="update", remat=remat, micro_batch=rows_mb,
                       rollout_weights=0, temp=temp, kv_cache=0, io=io,
                       host_offload=resident_host(cfg, fns) + _host(stats), compiled=stats))
   return rows, {k: int(v) for k, v in mesh.shape.items() if v > 1 or k in sharding.MESH_AXES}
 
 
-def measure(lowered, outside_temp: int) -> tuple[int, dict]:
+def measure(lowered, outside_temp: int, *, platform: str = "", name: str = "",
+            dump_hlo: str | None = None, log=print) -> tuple[int, dict]:
   """(temp bytes, figures) of a lowered function: memory_analysis() when it compiles. The TPU
   compiler refuses a program that does not fit in HBM, and its error gives the bytes required;
   the temporaries are then those less `outside_temp` (the arguments and outputs counted in
-  the other columns), and the figures hold {"oom_required", "oom_available"}."""
+  the other columns), and the figures hold {"oom_required", "oom_available"}. With `dump_hlo`,
+  the optimized HLO goes to dump_hlo/<name>.hlo.txt (none for a refused program)."""
   try:
-    stats = _stats(lowered.compile())
-    return stats["temp"], stats
+    compiled, hlo, notes = compile_program(lowered, platform, hlo=dump_hlo is not None)
   except jax.errors.JaxRuntimeError as e:
     figures = _oom_figures(str(e))
     if figures is None:
       raise
+    if dump_hlo:
+      log(f"{name}: refused by the compiler, no HLO to write")
     return max(figures[0] - outside_temp, 0), dict(oom_required=figures[0],
                                                    oom_available=figures[1])
+  if dump_hlo:
+    with open(os.path.join(dump_hlo, f"{name}.hlo.txt"), "w") as fh:
+      fh.write(hlo)
+  stats = dict(_stats(compiled), **notes)
+  return stats["temp"], stats
+
+
+def compile_program(lowered, platform: str = "", *, hlo: bool = False):
+  """-> (compiled, its optimized HLO text when `hlo`, else None, notes for the figures).
+
+  On a GPU without a device (XLA:GPU's deviceless compile) a cub sort (top_k with k > 16)
+  fails at thunk emission, after optimization: the HLO is then read from the compile's own
+  dump (*_gpu_after_optimizations.txt) and the Compiled object comes from a recompile with
+  XLA's sort kernel instead of cub (notes: deviceless_cub_disabled=1)."""
+  if platform != "gpu":
+    compiled = lowered.compile()
+    return compiled, compiled.as_text() if hlo else None, {}
+  with tempfile.TemporaryDirectory(prefix="grpo_jax_hlo_") as dump:
+    try:
+      compiled = lowered.compile(compiler_options={"xla_dump_to": dump} if hlo else None)
+      return compiled, compiled.as_text() if hlo else None, {}
+    except jax.errors.JaxRuntimeError as e:
+      if "invalid device ordinal" not in str(e):
+        raise
+      text = _dumped_hlo(dump) if hlo else None
+  compiled = lowered.compile(compiler_options={
+      "xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED"})
+  return compiled, text, {"deviceless_cub_disabled": 1}
+
+
+def _dumped_hlo(folder: str) -> str:
+  """The optimized module XLA:GPU dumped into `folder` (xla_dump_to): the largest
+  *_gpu_after_optimizations.txt (one per module it compiled; the program is the largest)."""
+  paths = glob.glob(os.path.join(folder, "*_gpu_after_optimizations.txt"))
+  if not paths:
+    raise RuntimeError(f"XLA:GPU wrote no *_gpu_after_optimizations.txt into {folder}")
+  with open(max(paths, key=os.path.getsize)) as fh:
+    return fh.read()
 
 
 def _resident(cfg, fns) -> dict:
@@ -295,9 +369,23 @@ def _step_inputs(cfg, policy, fns, mesh) -> dict:
               prompt_len=p, completion_len=c)
 
 
-def _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log) -> list[Row]:
+def sampler_weight_copy_bytes(cfg, policy, weights) -> int:
+  """Per-device bytes of the sampler's own weights (the rollout_w column): MaxText's mapped
+  copy (an argument of the sampler), or the native sampler's compute-dtype, per-layer copy that
+  its program makes once per rollout (a temporary of it), when the params are not already that
+  (param_dtype != dtype, or scanned layers to unstack)."""
+  if not policy.sampler_is_trainer:
+    return shard_bytes(weights)
+  m = cfg.model
+  if m.param_dtype == m.dtype and not m.scan_layers:
+    return 0
+  return shard_bytes(policy_lib.as_reference(weights, m.dtype))
+
+
+def _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log, measure_) -> list[Row]:
   """The log-prob pass (old/reference) and the sampler: no backward pass, remat-independent.
-  `row`: Row with the resident figures filled in."""
+  `row`: Row with the resident figures filled in; `measure_`: measure with the target's
+  compile options bound."""
   rows, host_ref = [], resident_host(cfg, fns)
   params = fns.abstract_state["params"]
   params_b = shard_bytes(params)
@@ -305,8 +393,9 @@ def _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log) -> list[R
     log("compiling logprobs ...")
     batch = inputs["batch"]
     io = shard_bytes((batch["input_ids"], batch["attention_mask"], inputs["logp"]))
-    temp, stats = measure(fns.logprobs.lower(params, batch["input_ids"],
-                                             batch["attention_mask"]), params_b + io)
+    temp, stats = measure_(fns.logprobs.lower(params, batch["input_ids"],
+                                              batch["attention_mask"]), params_b + io,
+                           name=program_name("logprobs"))
     # The reference pass runs on a device copy of an offloaded reference: count it here.
     extra = dict(reference=host_ref) if host_ref else {}
     rows.append(row(function="logprobs", remat=None, micro_batch=None, rollout_weights=0,
@@ -318,16 +407,17 @@ def _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log) -> list[R
     log(f"rollout.engine={cfg.rollout.engine}: its memory is its own; no sampler row")
     return rows
   weights, *other_args = inputs["sampler_args"]
-  rollout_w = 0 if policy.sampler_is_trainer else shard_bytes(weights)
+  rollout_w = sampler_weight_copy_bytes(cfg, policy, weights)
+  copy_in_temp = rollout_w if policy.sampler_is_trainer else 0  # native: made in the program
   kv = kv_cache_bytes(policy.model_config, inputs["num_rows"], inputs["completion_len"], mesh,
                       prompts=inputs["num_prompts"], prompt_len=inputs["prompt_len"])
   io = shard_bytes((other_args, inputs["rollout"]))
   log("compiling sampler ...")
   with jax.set_mesh(mesh):
-    temp, stats = measure(inputs["generate"].lower(weights, *other_args),
-                          shard_bytes(weights) + io)
+    temp, stats = measure_(inputs["generate"].lower(weights, *other_args),
+                           shard_bytes(weights) + io, name=program_name("sampler"))
   rows.append(row(function="sampler", remat=None, micro_batch=None, rollout_weights=rollout_w,
-                  temp=max(temp - kv, 0), kv_cache=kv, io=io,
+                  temp=max(temp - kv - copy_in_temp, 0), kv_cache=kv, io=io,
                   host_offload=host_ref + _host(stats), compiled=stats))
   return rows
 
@@ -392,8 +482,9 @@ def header(config, target: Target, mesh_shape: dict, unit: str = "GiB") -> str:
           f"C={config.max_completion_length} beta={config.beta}\n"
           f"target: {target.name}, {len(target.devices)} x {target.device_kind}, mesh "
           f"{mesh_shape}; {target.compiler}\n"
-          f"{unit} per device. total = params + optim + ref + temp + kv + io (host: pinned host "
-          "memory, not in total); a step fits when its update row and the forward rows fit.")
+          f"{unit} per device. total = params + optim + ref + rollout_w + temp + kv + io (host: "
+          "pinned host memory, not in total); a step fits when its update row and the forward "
+          "rows fit.")
 
 
 # ================================================================================== main
@@ -417,18 +508,22 @@ def main(argv):
   try:
     if _TOPOLOGY.value:
       # Compile-only targets need no accelerator here; keep jax off any local TPU runtime.
+      # (XLA:GPU's deviceless compile needs it too: the CUDA plugin then wants no driver.)
       jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
-      if libtpu_version() is None:
-        jax.config.update("jax_num_cpu_devices", parse_topology(_TOPOLOGY.value).chips)
-      else:
+      spec = parse_topology(_TOPOLOGY.value)
+      compiler = libtpu_version() if spec.platform == "tpu" else cuda_plugin_version()
+      if compiler is None:
+        jax.config.update("jax_num_cpu_devices", spec.chips)
+      elif spec.platform == "tpu":
         libtpu_compile_only_env(_TOPOLOGY.value)
     target = make_target(_TOPOLOGY.value)
-    if _TOPOLOGY.value and target.devices[0].platform == "cpu":  # the no-libtpu fallback
+    if _TOPOLOGY.value and target.devices[0].platform == "cpu":  # no compiler for the chip
       print(f"note: {target.compiler}", file=sys.stderr)
     rows, mesh_shape = plan(config, target, remat_policies=_csv(_REMAT.value),
                             micro_batches=_csv(_MICRO.value, int),
                             functions=_csv(_FUNCTIONS.value) or FUNCTIONS,
-                            log=lambda s: print(s, file=sys.stderr, flush=True))
+                            log=lambda s: print(s, file=sys.stderr, flush=True),
+                            dump_hlo=_DUMP_HLO.value)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -443,6 +538,8 @@ def main(argv):
     with open(_JSON.value, "w") as fh:
       json.dump([r.to_json(target, mesh_shape) for r in rows], fh, indent=1)
     print(f"wrote {_JSON.value} ({f['config'].config_filename})")
+  if _DUMP_HLO.value:
+    print(f"optimized HLO of each program in {_DUMP_HLO.value}/<program>.hlo.txt")
 
 
 if __name__ == "__main__":
@@ -453,8 +550,8 @@ if __name__ == "__main__":
   _CONFIG = config_flags.DEFINE_config_file(
       "config", None, "Experiment config file (configs/*.py).", lock_config=True)
   _TOPOLOGY = flags.DEFINE_string(
-      "topology", None, "TPU slice to plan for: v5p-8, v6e-8, v5e-16, v4-8, ... (or v5p:2x2x1). "
-      "Default: this machine's devices.")
+      "topology", None, "TPU slice or GPUs to plan for: v5p-8, v6e-8, v5e-16, v4-8, ... (or "
+      "v5p:2x2x1); h100, h200 (h100-8: eight on one host). Default: this machine's devices.")
   _REMAT = flags.DEFINE_string(
       "remat", None, "Comma-separated remat policies (models/remat.py POLICIES; MaxText's "
       "names with impl=maxtext). Default: the config's.")
@@ -464,5 +561,8 @@ if __name__ == "__main__":
   _FUNCTIONS = flags.DEFINE_string(
       "functions", None, f"Comma-separated subset of {','.join(FUNCTIONS)}. Default: all.")
   _JSON = flags.DEFINE_string("json", None, "Write the rows (bytes per device) to this file.")
+  _DUMP_HLO = flags.DEFINE_string(
+      "dump_hlo", None, "Write each program's optimized HLO to DIR/<program>.hlo.txt (sampler, "
+      "logprobs, update_<remat>_mb<micro-batch>).")
   flags.mark_flag_as_required("config")
   app.run(main)

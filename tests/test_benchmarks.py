@@ -50,3 +50,75 @@ def test_grpo_step_benchmark_quick(tmp_path):
   assert 0 < res["update_mfu"] <= 1 and res["update_flops"] > 0
   assert res["generated_tokens"] > 0 and res["rollout_tok_s"] > 0
   assert "upd MFU" in r.stdout
+
+
+def _accelerator(tmp_path, *flags):
+  out = tmp_path / "accel.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)  # one real CPU device, as the GPU run has one device
+  r = subprocess.run([sys.executable, "benchmarks/accelerator.py", f"--json={out}",
+                      f"--out={tmp_path / 'out'}", *flags], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  return json.loads(out.read_text()), r.stdout
+
+
+def test_accelerator_benchmark_quick(tmp_path):
+  """benchmarks/accelerator.py --quick: every section's code path on a tiny model (CPU)."""
+  res, stdout = _accelerator(tmp_path, "--quick", "--compile_workers=2")
+  assert res["meta"]["quick"] and res["meta"]["platform"] == "cpu"
+  loop_data = os.path.isdir(os.path.join(ROOT, ".gpudata", "gsm8k")) or os.path.isdir(
+      os.path.join(ROOT, "..", "shared", "data", "gsm8k"))
+  for name in ("ceilings", "sampler", "exactness", "transformers", "update", "loop"):
+    if name == "loop" and not loop_data:
+      assert res[name]["status"] == "failed" and "FileNotFoundError" in res[name]["error"]
+      continue
+    assert res[name]["status"] == "ok", (name, res[name])
+    assert f"-- section {name}: " in stdout
+  c = res["ceilings"]
+  assert c["matmul_bf16_tflops"] > 0 and c["hbm_tb_s"] > 0
+  s = res["sampler"]
+  runs = s["runs"]
+  assert set(runs) == {"bf16/recipe", "bf16/recipe/prefill", "bf16/full_vocab", "f32/recipe"}
+  w = s["workload"]
+  for name in ("bf16/recipe", "bf16/full_vocab", "f32/recipe"):
+    r = runs[name]
+    assert r["tokens"] == w["rows"] * w["new_tokens"] and r["tok_s"] > 0
+    assert r["decode_step_ms"] > 0 and r["roofline_step_ms"] > 0 and r["roofline_fraction"] > 0
+  assert runs["bf16/recipe/prefill"]["tokens"] == w["rows"]
+  assert s["roofline"]["weight_gb"] > 0 and s["roofline"]["kv_alloc_gb"] > s["roofline"][
+      "kv_in_use_gb"] > 0
+  assert all(s["draw"][g]["ms"] > 0 and s["draw"][g]["of_decode_step"] > 0
+             for g in ("recipe", "full_vocab"))
+  e = res["exactness"]
+  # f32 masters, bf16 compute: bf16-sized differences, no more
+  assert 0 < e["logprobs"]["mean_abs_diff"] <= e["logprobs"]["max_abs_diff"] < 0.5
+  assert 0 <= e["greedy"]["before_first_divergence"] <= 1
+  t = res["transformers"]["runs"]
+  assert t["full_vocab"]["tok_s"] > 0 and t["full_vocab"]["ours_over_transformers"] > 0
+  u = res["update"]["settings"]
+  assert len(u) == 3
+  for name, r in u.items():
+    assert 0 < r["mfu"] <= 1 and r["flops"] > 0 and r["median_s"] > 0, (name, r)
+    assert r["memory"]["argument_gib"] > 0
+  if loop_data:
+    lp = res["loop"]
+    assert lp["steps_logged"] == 3 and lp["prompt_widths"] == [128]
+    assert lp["first_step_s"] > lp["steady_step_s"] > 0
+    assert lp["rollout_tok_s"] > 0 and lp["rollout_of_hbm_roofline"] > 0
+    assert {"rollout", "update"} <= set(lp["trace_analysis"]["phases"])
+    assert (tmp_path / "out" / "trace_analysis.md").exists()
+  summary = res["summary"]
+  assert summary["sampler_bf16/recipe_tok_s"] > 0 and "== summary" in stdout
+
+
+def test_accelerator_benchmark_failures_and_deadline(tmp_path):
+  """A failing section is one line and the next one runs; past the deadline sections are
+  skipped with a line; the JSON holds both."""
+  res, stdout = _accelerator(tmp_path, "--quick", "--sections=loop,ceilings",
+                             f"--data_dir={tmp_path / 'nothing'}")
+  assert res["loop"]["status"] == "failed" and res["ceilings"]["status"] == "ok"
+  assert "section loop failed: FileNotFoundError" in stdout
+  res, stdout = _accelerator(tmp_path, "--quick", "--sections=1,2", "--deadline_s=0")
+  assert res["ceilings"]["status"] == res["sampler"]["status"] == "skipped"
+  assert "== section sampler: skipped (deadline" in stdout

@@ -1,5 +1,7 @@
 """The HBM planner (grpo_jax/memory_plan.py): byte split vs an analytic count, remat's effect on
-temporaries, the JSON rows, the no-libtpu fallback line, and a TPU compile when libtpu is here."""
+temporaries, the JSON rows, the sampler's weight copy, --dump_hlo's files, the fallback lines
+(no libtpu, no CUDA plugin), and TPU / H100 compiles when their compilers are here
+(scripts/test_aot.sh)."""
 import json
 import os
 import subprocess
@@ -35,15 +37,17 @@ def _deep_config(**over):
 
 
 @pytest.fixture(scope="module")
-def remat_rows():
+def remat_rows(tmp_path_factory):
   target = mp.make_target()  # the test process's 8 CPU devices
+  dump = tmp_path_factory.mktemp("hlo")
   rows, mesh_shape = mp.plan(_deep_config(), target, remat_policies=["none", "full"],
-                             micro_batches=[0], functions=("update",), log=lambda _: None)
-  return target, {r.remat: r for r in rows}, mesh_shape
+                             micro_batches=[0], functions=("update",), log=lambda _: None,
+                             dump_hlo=str(dump))
+  return target, {r.remat: r for r in rows}, mesh_shape, dump
 
 
 def test_params_and_optimizer_bytes_match_the_analytic_count(remat_rows):
-  target, rows, mesh_shape = remat_rows
+  target, rows, mesh_shape, _ = remat_rows
   assert mesh_shape == {"data": 1, "fsdp": 8, "tensor": 1}
   cfg = _deep_config().model
   d, f, v, k = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
@@ -65,19 +69,52 @@ def test_params_and_optimizer_bytes_match_the_analytic_count(remat_rows):
 
 
 def test_full_remat_shrinks_the_update_temporaries(remat_rows):
-  _, rows, _ = remat_rows
+  _, rows, _, _ = remat_rows
   assert rows["full"].temp < 0.6 * rows["none"].temp, (rows["full"].temp, rows["none"].temp)
   assert rows["full"].total < rows["none"].total
 
 
 def test_json_rows_have_the_planner_keys(remat_rows):
-  target, rows, mesh_shape = remat_rows
+  target, rows, mesh_shape, _ = remat_rows
   out = json.loads(json.dumps([r.to_json(target, mesh_shape) for r in rows.values()]))
   for obj in out:
     assert JSON_KEYS <= set(obj)
     assert obj["num_devices"] == 8 and obj["function"] == "update"
     assert obj["total"] == sum(obj[k] for k in ("params", "optimizer", "reference",
                                                 "rollout_weights", "temp", "kv_cache", "io"))
+
+
+def test_dump_hlo_writes_each_program_under_its_name(remat_rows):
+  _, rows, _, dump = remat_rows
+  assert sorted(p.name for p in dump.iterdir()) == [
+      "update_full_mb256.hlo.txt", "update_none_mb256.hlo.txt"]  # all 32 * 8 rows at once
+  text = (dump / "update_full_mb256.hlo.txt").read_text()
+  assert text.startswith("HloModule") and "ENTRY" in text
+
+
+def test_native_sampler_counts_its_compute_dtype_copy():
+  """The native sampler casts f32 master weights to bf16 (and unstacks scanned layers) once
+  per rollout inside its program: rollout_w = the params in the compute dtype, taken out of
+  its temporaries; none when it can read the params as they are."""
+  def weight_copy(param_dtype, dtype, scan):
+    c = _deep_config()
+    c.model.param_dtype, c.model.dtype, c.model.scan_layers = param_dtype, dtype, scan
+    mesh = build.make_mesh(c)
+    policy = build.make_policy(c, mesh, abstract=True)
+    params = step_lib.build(c, policy, mesh).abstract_state["params"]
+    return mp.sampler_weight_copy_bytes(c, policy, params), mp.shard_bytes(params)
+  copy, params = weight_copy("float32", "bfloat16", True)
+  assert copy == params // 2
+  assert weight_copy("float32", "bfloat16", False) == (params // 2, params)
+  assert weight_copy("float32", "float32", True) == (params, params)  # unstacked, same dtype
+  assert weight_copy("float32", "float32", False) == (0, params)
+  c = _deep_config()
+  c.model.param_dtype, c.model.dtype = "float32", "bfloat16"
+  rows, _ = mp.plan(c, mp.make_target(), functions=("sampler",), log=lambda _: None)
+  (row,) = rows
+  assert row.rollout_weights == row.params // 2 > 0
+  assert row.total == (row.params + row.optimizer + row.reference + row.rollout_weights +
+                       row.temp + row.kv_cache + row.io)
 
 
 def test_topology_names():
@@ -91,7 +128,12 @@ def test_topology_names():
   assert mp.parse_topology("v5e-16").topology_name == "v5e:4x4"
   assert mp.parse_topology("v5e-16").hbm_bytes == 16 * mp.GIB
   assert mp.parse_topology("v5p:2x2x1").hbm_bytes == 95 * mp.GIB
-  for bad in ("v5p-6", "v7x-8", "tpu", "v5p-2"):
+  h100 = mp.parse_topology("h100")
+  assert (h100.platform, h100.topology_name, h100.chips) == ("cuda", "1x1x1", 1)
+  assert h100.device_kind == "NVIDIA H100 80GB HBM3" and h100.hbm_bytes == 80 * mp.GIB
+  assert mp.parse_topology("h100-8").topology_name == "1x1x8"
+  assert mp.parse_topology("h200").hbm_bytes == 141 * mp.GIB
+  for bad in ("v5p-6", "v7x-8", "tpu", "v5p-2", "h100-9", "h300", "a100"):
     with pytest.raises(ValueError, match="--topology"):
       mp.parse_topology(bad)
 
@@ -115,6 +157,29 @@ def test_cli_writes_json_for_a_topology(tmp_path):
   # v5p's 95 GiB by table; with libtpu, what the compiler allows (95.73 GiB with 0.0.50).
   assert 95 * mp.GIB <= row["hbm_capacity"] < 96 * mp.GIB
   assert row["total"] < row["hbm_capacity"]
+
+
+def test_cli_plans_an_h100(tmp_path):
+  """--topology=h100: XLA:GPU's deviceless compile with the CUDA plugin (its HBM: the target
+  config's device memory, 79.1 GiB), the optimized HLO dumped; else one fake CPU device and
+  one line saying so."""
+  out, dump = tmp_path / "plan.json", tmp_path / "hlo"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  proc = subprocess.run(
+      [sys.executable, "-m", "grpo_jax.memory_plan", "--config=configs/tiny.py",
+       "--topology=h100", "--functions=logprobs", f"--json={out}", f"--dump_hlo={dump}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  (row,) = json.loads(out.read_text())
+  assert row["num_devices"] == 1 and row["device_kind"] == "NVIDIA H100 80GB HBM3"
+  assert (dump / "logprobs.hlo.txt").read_text().startswith("HloModule")
+  if mp.cuda_plugin_version() is None:
+    assert ("note: XLA:CPU on 1 fake device (jax-cuda13-plugin not importable" in
+            proc.stderr)
+    assert row["hbm_capacity"] == 80 * mp.GIB
+  else:
+    assert "note:" not in proc.stderr and "XLA:GPU deviceless compile" in row["compiler"]
+    assert row["hbm_capacity"] == 84942979072  # the H100 80GB's target config
 
 
 @pytest.fixture(scope="module")

