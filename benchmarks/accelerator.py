@@ -463,13 +463,8 @@ def recipe_config(ctx, preset: str, **fields):
     for k, v in TINY[preset].items():
       c.model[k] = v
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
-  for dotted, value in fields.items():
-    *path, leaf = dotted.split(".")
-    node = c
-    for p in path:
-      node = node[p]
-    node[leaf] = value
-  return c
+  from grpo_jax.memory_plan import with_overrides
+  return with_overrides(c, **fields)
 
 
 def has_attention_impl(config) -> bool:
