@@ -290,11 +290,13 @@ def test_fused_attention_path_equals_masked_attention(scan):
     slot = mask[:, None, :, None] > 0 if a.ndim == 4 else mask[None, :, None, :, None] > 0
     assert float(jnp.abs(jnp.where(slot, a - b, 0)).max()) <= 1e-5
 
-  def loss(model):
-    return jnp.sum(jnp.where(m, model.hidden(ids, mask), 0) ** 2)
+  probe = jnp.asarray(rng.standard_normal((4, 12, cfg.hidden_size)), jnp.float32)
+
+  def loss(model):  # linear in the hidden states (a sum of squares of an RMSNorm output is
+    return jnp.sum(jnp.where(m, model.hidden(ids, mask), 0) * probe)  # ~constant: no gradient)
   g_masked, g_fused = nnx.grad(loss)(masked), nnx.grad(loss)(fused)
   for a, b in zip(jax.tree.leaves(nnx.state(g_masked)), jax.tree.leaves(nnx.state(g_fused))):
-    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4)  # gradients of size ~10-70
 
 
 def test_attention_impl_auto_picks_the_fused_kernel_on_gpu_only():
