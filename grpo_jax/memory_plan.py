@@ -54,12 +54,10 @@ fit (the last lines of the printout). --json writes the rows, bytes per device.
 """
 import dataclasses
 import functools
-import glob
 import json
 import math
 import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -72,9 +70,15 @@ from grpo_jax.models import policy as policy_lib
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rollout import sampler as sampler_lib
 from grpo_jax.rollout.types import GenerationConfig
-from grpo_jax.tpu_targets import GIB
+from grpo_jax.memory_plan_table import fit_text  # noqa: F401  (the tests read it here)
+from grpo_jax.memory_plan_table import header
+from grpo_jax.memory_plan_table import step_summary
+from grpo_jax.memory_plan_table import table
+from grpo_jax.memory_plan_table import unit_of
+from grpo_jax.tpu_targets import GIB  # noqa: F401  (re-exported for the tests)
 from grpo_jax.tpu_targets import Target
 from grpo_jax.tpu_targets import _oom_figures  # noqa: F401  (re-exported for the tests)
+from grpo_jax.tpu_targets import compile_program
 from grpo_jax.tpu_targets import cuda_plugin_version
 from grpo_jax.tpu_targets import libtpu_compile_only_env
 from grpo_jax.tpu_targets import libtpu_version
@@ -274,39 +278,6 @@ def measure(lowered, outside_temp: int, *, platform: str = "", name: str = "",
   return stats["temp"], stats
 
 
-def compile_program(lowered, platform: str = "", *, hlo: bool = False):
-  """-> (compiled, its optimized HLO text when `hlo`, else None, notes for the figures).
-
-  On a GPU without a device (XLA:GPU's deviceless compile) a cub sort (top_k with k > 16)
-  fails at thunk emission, after optimization: the HLO is then read from the compile's own
-  dump (*_gpu_after_optimizations.txt) and the Compiled object comes from a recompile with
-  XLA's sort kernel instead of cub (notes: deviceless_cub_disabled=1)."""
-  if platform != "gpu":
-    compiled = lowered.compile()
-    return compiled, compiled.as_text() if hlo else None, {}
-  with tempfile.TemporaryDirectory(prefix="grpo_jax_hlo_") as dump:
-    try:
-      compiled = lowered.compile(compiler_options={"xla_dump_to": dump} if hlo else None)
-      return compiled, compiled.as_text() if hlo else None, {}
-    except jax.errors.JaxRuntimeError as e:
-      if "invalid device ordinal" not in str(e):
-        raise
-      text = _dumped_hlo(dump) if hlo else None
-  compiled = lowered.compile(compiler_options={
-      "xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED"})
-  return compiled, text, {"deviceless_cub_disabled": 1}
-
-
-def _dumped_hlo(folder: str) -> str:
-  """The optimized module XLA:GPU dumped into `folder` (xla_dump_to): the largest
-  *_gpu_after_optimizations.txt (one per module it compiled; the program is the largest)."""
-  paths = glob.glob(os.path.join(folder, "*_gpu_after_optimizations.txt"))
-  if not paths:
-    raise RuntimeError(f"XLA:GPU wrote no *_gpu_after_optimizations.txt into {folder}")
-  with open(max(paths, key=os.path.getsize)) as fh:
-    return fh.read()
-
-
 def _resident(cfg, fns) -> dict:
   """Params, optimizer state and the device-resident reference, per device: alive all step."""
   state = fns.abstract_state
@@ -420,71 +391,6 @@ def _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log, measure_)
                   temp=max(temp - kv - copy_in_temp, 0), kv_cache=kv, io=io,
                   host_offload=host_ref + _host(stats), compiled=stats))
   return rows
-
-
-# ================================================================================ printout
-
-
-def unit_of(rows: list[Row]) -> tuple[str, int]:
-  """GiB, or MiB when every total is under 1 GiB (tiny configs)."""
-  return ("GiB", GIB) if max(r.total for r in rows) >= GIB else ("MiB", 1024 ** 2)
-
-
-def fit_text(row: Row, unit=("GiB", GIB)) -> str:
-  if not row.hbm_capacity:
-    return "n/a (HBM unknown)"
-  margin = (row.hbm_capacity - row.total) / unit[1]
-  refused = "*" if "oom_required" in row.compiled else ""  # the TPU compiler itself said so
-  return f"FITS (+{margin:.2f})" if margin >= 0 else f"DOES NOT FIT ({margin:.2f}){refused}"
-
-
-def table(rows: list[Row]) -> str:
-  """Rows as a fixed-width table, per device (unit_of's unit)."""
-  unit = unit_of(rows)
-  cols = ["function", "remat", "micro", "params", "optim", "ref", "rollout_w", "temp", "kv",
-          "io", "host", "total", "HBM", f"fits (margin {unit[0]})"]
-  if not any(r.rollout_weights for r in rows):
-    cols.remove("rollout_w")
-  gib = lambda b: f"{b / unit[1]:.2f}"
-  cells = {"function": lambda r: r.function, "remat": lambda r: r.remat or "-",
-           "micro": lambda r: str(r.micro_batch or "-"), "params": lambda r: gib(r.params),
-           "optim": lambda r: gib(r.optimizer), "ref": lambda r: gib(r.reference),
-           "rollout_w": lambda r: gib(r.rollout_weights), "temp": lambda r: gib(r.temp),
-           "kv": lambda r: gib(r.kv_cache), "io": lambda r: gib(r.io),
-           "host": lambda r: gib(r.host_offload), "total": lambda r: gib(r.total),
-           "HBM": lambda r: gib(r.hbm_capacity) if r.hbm_capacity else "?",
-           cols[-1]: lambda r: fit_text(r, unit)}
-  body = [[cells[c](r) for c in cols] for r in rows]
-  widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
-  fmt = lambda vals: "  ".join(v.ljust(w) if i < 2 else v.rjust(w)
-                               for i, (v, w) in enumerate(zip(vals, widths))).rstrip()
-  return "\n".join([fmt(cols), fmt(["-" * w for w in widths]), *map(fmt, body)])
-
-
-def step_summary(rows: list[Row], unit=("GiB", GIB)) -> list[str]:
-  """One line per update setting: the step's peak, the largest of that update and the
-  forward-only rows (the sampler and log-prob passes run with the same state resident)."""
-  forward = [r for r in rows if r.function != "update"]
-  settings = [r for r in rows if r.function == "update"] or [None]
-  lines = []
-  for u in settings:
-    peak = max([r for r in (u, *forward) if r is not None], key=lambda r: r.total)
-    what = f"remat {u.remat}, micro-batch {u.micro_batch}" if u else "forward passes"
-    lines.append(f"step with {what}: peak {peak.total / unit[1]:.2f} {unit[0]} "
-                 f"({peak.function}): {fit_text(peak, unit)}")
-  return lines
-
-
-def header(config, target: Target, mesh_shape: dict, unit: str = "GiB") -> str:
-  m = config.model
-  return (f"HBM plan: model {m.preset} ({m.impl}, params {m.param_dtype}, compute {m.dtype}), "
-          f"B={config.batch_size} G={config.num_generations} P={config.max_prompt_length} "
-          f"C={config.max_completion_length} beta={config.beta}\n"
-          f"target: {target.name}, {len(target.devices)} x {target.device_kind}, mesh "
-          f"{mesh_shape}; {target.compiler}\n"
-          f"{unit} per device. total = params + optim + ref + rollout_w + temp + kv + io (host: "
-          "pinned host memory, not in total); a step fits when its update row and the forward "
-          "rows fit.")
 
 
 # ================================================================================== main

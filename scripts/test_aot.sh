@@ -18,16 +18,7 @@ make_venv
 PINS="$ROOT/requirements/aot.txt"
 echo "[grpo_jax] installing grpo_jax[test-core] + the CUDA plugin and libtpu into $VENV"
 CONSTRAINTS="$ROOT/requirements/constraints.txt" pip_install -r "$PINS" -e "$ROOT[test-core]"
-"$VENV/bin/python" - "$PINS" <<'PY'
-import sys
-from importlib.metadata import version
-want = dict(l.split("==") for l in open(sys.argv[1]).read().split("\n")
-            if "==" in l and not l.startswith("#"))
-got = {name: version(name) for name in want}
-if got != want:
-  sys.exit(f"error: the venv does not hold requirements/aot.txt's pins: {got} (want {want})")
-print("[grpo_jax] aot:", " ".join(f"{k}=={v}" for k, v in got.items()))
-PY
+check_pins "$PINS" "requirements/aot.txt's pins"
 cd "$ROOT"
 set +e
 JAX_PLATFORMS=cpu "$VENV/bin/python" -m pytest -q -rsx tests/test_compiled_programs.py \

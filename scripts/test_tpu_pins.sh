@@ -41,16 +41,7 @@ else
   cat "$PINS" >> "$cons"
   CONSTRAINTS="$cons" pip_install -r "$PINS" -e "$ROOT[$extra]"
 fi
-"$VENV/bin/python" - "$PINS" <<'EOF'
-import sys
-from importlib.metadata import version
-want = dict(l.split("==") for l in open(sys.argv[1]).read().split("\n")
-            if "==" in l and not l.startswith("#"))
-got = {name: version(name) for name in want}
-if got != want:
-  sys.exit(f"error: the venv does not hold tpu-inference's pins: {got} (want {want})")
-print("[grpo_jax] pins:", " ".join(f"{k}=={v}" for k, v in got.items()))
-EOF
+check_pins "$PINS" "tpu-inference's pins"
 cd "$ROOT"
 TESTS=(tests/test_rl_*.py tests/test_model.py tests/test_sampler.py tests/test_step.py
        tests/test_tpu_inference.py)
