@@ -96,7 +96,7 @@ from grpo_jax import prompts as prompts_lib  # noqa: E402
 from grpo_jax import rewards as rewards_lib  # noqa: E402
 from grpo_jax import rollout as rollout_lib  # noqa: E402
 from grpo_jax import sharding  # noqa: E402
-from grpo_jax import train  # noqa: E402
+from grpo_jax import rollout_source as source_lib  # noqa: E402
 from grpo_jax.configuration import validate  # noqa: E402
 from grpo_jax.models import build  # noqa: E402
 from grpo_jax.rl import advantages as adv_lib  # noqa: E402
@@ -192,7 +192,7 @@ class LoopStep:
     self.mesh = build.make_mesh(c, devices=jax.devices()[:1])
     tokenizer = data_lib.build_tokenizer(c.tokenizer.kind, c.tokenizer.path)
     self.data, _ = prompts_lib.prompt_data(c, tokenizer)
-    self.decode = train._decoder(tokenizer)
+    self.decode = source_lib.decoder(tokenizer)
     self.policy = build.make_policy(c, self.mesh)
     self.engine = rollout_lib.make_engine(c, self.policy, tokenizer, self.mesh)
     r = c.reward
@@ -215,7 +215,7 @@ class LoopStep:
     self.ahead = compile_ahead.CompileAhead(
         c, self.fns, self.stats_fn, self.policy, self.mesh, needs_old_logp=self.needs_old_logp,
         matches_trainer=self.engine.matches_trainer, engine=self.engine, generation=self.gen,
-        key=train._step_key(self.rng, 0, self.mesh)) if c.compile_ahead else None
+        key=source_lib.step_key(self.rng, 0, self.mesh)) if c.compile_ahead else None
     self.generated, self.compile, self.widths = 0, {}, []
 
   def __call__(self, step: int) -> dict:
@@ -245,7 +245,7 @@ class LoopStep:
         if self.ahead:
           self.ahead.wait(prompt_ids.shape[1], only="sampler")
         rollout = self.engine.generate(self.state["params"], batch,
-                                       train._step_key(self.rng, step, self.mesh), self.gen)
+                                       source_lib.step_key(self.rng, step, self.mesh), self.gen)
         tokens_nc, mask_nc, _ = multihost.local_rows(
             (rollout.tokens, rollout.mask, rollout.truncated))
       with timed("rewards"):

@@ -150,6 +150,18 @@ def base() -> ml_collections.ConfigDict:
   # waits on the host each iteration, a block of steps of known count does not (at most
   # block - 1 steps decoded past the last stop). 0 = auto: 8 on GPU, 1 on TPU/CPU.
   c.rollout.decode_block = 0
+  # Where the native sampler runs: "colocated" (the trainer's mesh; rollout and update take
+  # turns) or "disaggregated" (rollout.num_devices of the global devices form the sampler's
+  # mesh, the rest the trainer's; the weights move trainer -> sampler after each update by a
+  # JAX collective, grpo_jax/transfer.py). num_devices: a count, or a fraction in (0, 1) of
+  # all devices; 0 = half.
+  c.rollout.placement = "colocated"
+  c.rollout.num_devices = 0.0
+  # Off-policy depth: 0 = on-policy (each step samples from the weights it updates); k > 0 =
+  # the rollouts of the next k steps are sampled while this step's update runs, from weights
+  # up to k updates old (rollout/staleness). Their old log-probs are the sampler's (the
+  # behaviour policy's). With placement=disaggregated, 1 overlaps rollout and update.
+  c.rollout.max_staleness = 0
   c.rollout.vllm = ml_collections.ConfigDict()
   c.rollout.vllm.gpu_memory_utilization = 0.5
   c.rollout.vllm.kv_cache_space_gib = 1  # vLLM's CPU backend only (VLLM_CPU_KVCACHE_SPACE).

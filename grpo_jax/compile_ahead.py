@@ -93,13 +93,16 @@ class CompileAhead:
   thread, when it needs them (`wait`), compiles those the worker has not started yet."""
 
   def __init__(self, config, fns, stats_fn, policy, mesh, *, needs_old_logp: bool,
-               matches_trainer: bool, engine=None, generation=None, key=None):
+               matches_trainer: bool, engine=None, generation=None, key=None,
+               off_policy: bool = False):
     """engine, generation, key: the rollout engine, the train generation config and a step's
     RNG key (its shape and sharding): the sampler's program is compiled ahead too when the
-    engine has one to give (`engine.program`: the native engine; vLLM's compiles its own)."""
+    engine has one to give (`engine.program`: the native engine; vLLM's compiles its own).
+    off_policy: the old log-probs are the sampler's (rollout_source.py), no trainer pass."""
     self.config, self.fns, self.stats_fn, self.policy, self.mesh = (
         config, fns, stats_fn, policy, mesh)
     self.needs_old_logp, self.matches_trainer = needs_old_logp, matches_trainer
+    self.off_policy = off_policy
     self.engine, self.generation, self.key = engine, generation, key
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile_ahead")
     self._widths: dict[int, _Width] = {}
@@ -176,7 +179,9 @@ class CompileAhead:
     assemble = ("assemble", fns.assemble, (ids, mask, rollout, rewards))
     upd = jax.eval_shape(fns.assemble, *assemble[2])
     programs = [assemble]
-    if self.needs_old_logp:
+    if self.off_policy:
+      upd["old_logp"] = rollout.logprobs
+    elif self.needs_old_logp:
       programs.append(("old logprobs", fns.logprobs,
                        (state["params"], upd["input_ids"], upd["attention_mask"])))
       upd["old_logp"] = jax.eval_shape(fns.logprobs, *programs[-1][2])

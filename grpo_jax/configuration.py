@@ -33,6 +33,7 @@ from grpo_jax.rollout import vllm_engine as vllm_sync
 
 # jax.transfer_guard levels that config.debug.transfer_guard may name (passed to jax as is).
 TRANSFER_GUARDS = ("allow", "log", "disallow")
+PLACEMENTS = ("colocated", "disaggregated")
 
 
 class _Checker:
@@ -210,6 +211,11 @@ def _check_rollout(c: _Checker, cfg):
   c.require(r.get("decode_block", 0) >= 0, "rollout.decode_block", "must be >= 0",
             "0 = auto (rollout/sampler.py block_size)")
   c.require(0 < r.top_p <= 1, "rollout.top_p", "must lie in (0, 1]", "1.0 disables top-p")
+  c.one_of("rollout.placement", PLACEMENTS, "sampler placement")
+  c.require(r.get("max_staleness", 0) >= 0, "rollout.max_staleness", "must be >= 0",
+            "0 = on-policy; 1 = the next step's rollout overlaps this step's update")
+  c.require(0 <= r.get("num_devices", 0), "rollout.num_devices", "must be >= 0",
+            "a device count, a fraction in (0, 1) of all devices, or 0 = half")
   c.require(r.max_logprob_gap >= 0, "rollout.max_logprob_gap", "must be >= 0",
             "0 disables the stop; e.g. 0.05")
   c.require(r.vllm.sync_tolerance >= 0, "rollout.vllm.sync_tolerance", "must be >= 0",

@@ -12,6 +12,7 @@ import jax
 import pytest
 
 from grpo_jax import compile_ahead
+from grpo_jax import multihost
 from grpo_jax import train
 from grpo_jax.rollout.engine import NativeEngine
 from tests.test_train import grpo_rows
@@ -86,7 +87,7 @@ def test_the_next_width_is_submitted_while_the_device_samples(tmp_path, monkeypa
   widths = _alternate_widths(monkeypatch)
   events = []
   generate, submit, local_rows = (NativeEngine.generate, compile_ahead.CompileAhead.submit,
-                                  train.multihost.local_rows)
+                                  multihost.local_rows)
 
   def on_generate(self, params, batch, rng, generation):
     events.append("generate")
@@ -103,7 +104,7 @@ def test_the_next_width_is_submitted_while_the_device_samples(tmp_path, monkeypa
     return local_rows(tree)
   monkeypatch.setattr(NativeEngine, "generate", on_generate)
   monkeypatch.setattr(compile_ahead.CompileAhead, "submit", on_submit)
-  monkeypatch.setattr(train.multihost, "local_rows", on_rows)
+  monkeypatch.setattr(multihost, "local_rows", on_rows)
   train.run(tiny_config(**{"eval.generation_configs": (), "num_steps": 4}), str(tmp_path))
   assert len(widths) == 2
   submits = [i for i, e in enumerate(events) if e.startswith("submit")]

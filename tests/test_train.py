@@ -16,6 +16,7 @@ import pytest
 
 from grpo_jax import sharding
 from grpo_jax import train
+from grpo_jax.models import policy as policy_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -190,7 +191,7 @@ def test_sigterm_saves_a_restorable_checkpoint_and_exits_0(tmp_path):
 
 def test_beta_zero_builds_no_reference(tmp_path, monkeypatch):
   calls = []
-  real = train.policy_lib.native_policy
+  real = policy_lib.native_policy
 
   def counting_policy(*a, **kw):
     p = real(*a, **kw)
@@ -202,7 +203,7 @@ def test_beta_zero_builds_no_reference(tmp_path, monkeypatch):
 
     return dataclasses.replace(p, logprobs=logprobs)
 
-  monkeypatch.setattr(train.policy_lib, "native_policy", counting_policy)
+  monkeypatch.setattr(policy_lib, "native_policy", counting_policy)
   train.run(tiny_config(num_steps=1, beta=0.0), str(tmp_path / "b0"))
   traced_b0 = len(calls)
   _, state = checkpoint_state(str(tmp_path / "b0"))

@@ -1,0 +1,219 @@
+"""The loop's rollout source: GRPO steps 1-3 (prompts, rollout, rewards) behind one call.
+
+    source = RolloutSource(config, engine=..., prompts=..., reward_fn=..., judge=..., ...)
+    scored = source.next(state["params"], step)   # the step's scored batch (Scored)
+    source.while_updating(step)                    # host work while the device updates
+    source.after_update(state["params"])           # the sampler's weights follow the update
+
+The loop asks it for "the next scored batch" and does not care how it was made:
+- on-policy (rollout.max_staleness = 0): sampled now, from the weights of this step;
+- k steps off (max_staleness = k > 0): the rollouts of the next k steps are in flight while
+  the trainer updates on this one, each sampled from the weights of the step that dispatched
+  it (rollout of step s: the weights after s - k updates; the first k steps are fresher);
+  rollout/staleness logs s minus that version. The loss stays correct off-policy: the loop
+  takes the old log-probs from the sampler (`Scored.behaviour_logp`), the behaviour policy.
+- DAPO dynamic sampling's extra rounds (loss.dynamic_sampling) happen inside: on fresh prompts,
+  from the current weights, until the step holds batch_size groups with signal.
+
+Checkpoints: the in-flight rollouts are saved with the step (`saved()`: their arrays; meta
+"rollout_pending": the data iterator's position before each of their prompt batches) and put
+back by `restore()`, so a resumed run trains on exactly the rollouts an uninterrupted one does.
+Rewards are host functions of the saved completions: recomputed on resume.
+
+Multi-host: each process scores its own rows of the batch (multihost.local_rows).
+"""
+import collections
+import dataclasses
+import functools
+import time
+
+import jax
+import numpy as np
+
+from grpo_jax import dynamic_sampling as dyn_lib
+from grpo_jax import multihost
+from grpo_jax import profiling
+from grpo_jax import sharding
+from grpo_jax.rl import advantages as adv_lib
+from grpo_jax.rollout.types import GenerationConfig
+from grpo_jax.rollout.types import Rollout
+
+
+@dataclasses.dataclass
+class Scored:
+  """One step's batch. prompt: global {"ids", "mask"} [B, P]; rollout: global Rollout [N, C];
+  rewards: global f32 [N]; host: this process's rows (tokens, mask, truncated, rewards,
+  per_function, errors); figures: host figures to log; behaviour_logp: the sampler's per-token
+  log-probs [N, C] when the batch is off-policy (the old log-probs), else None."""
+  prompt: dict
+  rollout: Rollout
+  rewards: jax.Array
+  host: dict
+  figures: dict
+  behaviour_logp: jax.Array | None = None
+
+
+@dataclasses.dataclass
+class _Drawn:
+  """A dispatched rollout: the host prompt batch, the global prompt arrays, the Rollout, the
+  version of the weights that sampled it (updates applied) and the iterator state before its
+  prompts were taken."""
+  batch: dict
+  prompt: dict
+  rollout: Rollout
+  version: int
+  iterator_before: dict
+
+
+class RolloutSource:
+
+  def __init__(self, config, *, engine, prompts, reward_fn, judge, decode, mesh, rng,
+               ahead=None, look_ahead=None):
+    self.config, self.engine, self.prompts, self.mesh, self.rng = (config, engine, prompts, mesh,
+                                                                   rng)
+    self.reward_fn, self.judge, self.decode = reward_fn, judge, decode
+    self.ahead, self.look_ahead = ahead, look_ahead
+    self.depth = config.rollout.max_staleness
+    self.generation = generation(config)
+    self.dynamic = config.loss.dynamic_sampling and config.loss.max_resample_rounds > 0
+    self._take_groups = jax.jit(functools.partial(dyn_lib.take, group_size=config.num_generations),
+                                out_shardings=sharding.batch_sharding(mesh, 1))
+    self._pending = collections.deque()  # _Drawn, oldest first
+
+  # --------------------------------------------------------------------------- the loop
+
+  def next(self, params, step: int) -> Scored:
+    """The scored batch of `step`; `params`: the trainer's weights now (after `step` updates).
+    Off-policy, the rollouts of the next steps are dispatched before this returns."""
+    timing = {"rollout": 0.0, "rewards": 0.0}
+    if not self._pending:
+      self._pending.append(self._dispatch(params, step, step, timing))
+    drawn = self._pending.popleft()
+    first = self._score(drawn, timing)
+    figures = {}
+    if self.dynamic:  # extra rounds on fresh prompts, from the current weights
+      key = step_key(self.rng, step, self.mesh)
+      draw = lambda k: self._score(self._dispatch(params, step, step, timing, key=k), timing)
+      prompt, rollout, host, figures = dyn_lib.choose(self.config, first, draw, key, self.mesh,
+                                                      self._take_groups)
+    else:
+      prompt, rollout, host = first
+    while len(self._pending) < self.depth and (
+        step + 1 + len(self._pending) < self.config.num_steps):
+      self._pending.append(self._dispatch(params, step + 1 + len(self._pending), step, timing))
+    staleness = step - drawn.version
+    figures.update({"perf/rollout_sec": timing["rollout"], "perf/reward_sec": timing["rewards"],
+                    "rollout/staleness": staleness, **self.engine.stats()})
+    return Scored(prompt=prompt, rollout=rollout, host=host, figures=figures,
+                  rewards=multihost.to_global(host["rewards"], self.mesh),
+                  behaviour_logp=rollout.logprobs if self.depth else None)
+
+  def while_updating(self, step: int):
+    """Host work while the device runs the update: the next batch's prompts."""
+    if step + 1 + len(self._pending) < self.config.num_steps:
+      with profiling.phase("prompts"):
+        self.prompts.prefetch()  # (done already when compiling ahead: look_ahead)
+
+  def after_update(self, params):
+    """The trainer's weights changed: colocated, the sampler reads them as they are."""
+
+  # ---------------------------------------------------------------------- checkpoints
+
+  def saved(self) -> dict:
+    """The in-flight rollouts' arrays for the checkpoint ({} on-policy)."""
+    return {"pending": [dataclasses.asdict(d.rollout) for d in self._pending]} if (
+        self._pending) else {}
+
+  def pending_meta(self) -> list:
+    """For the checkpoint's meta ("rollout_pending"): per in-flight rollout, the iterator
+    position before its prompts and the version of the weights that sampled it."""
+    return [{"iterator": d.iterator_before, "version": d.version} for d in self._pending]
+
+  def target(self, meta: dict) -> dict:
+    """The abstract arrays of the in-flight rollouts a checkpoint with `meta` holds."""
+    n = len(meta.get("rollout_pending", []))
+    if not n:
+      return {}
+    spec = Rollout.spec(self.config.batch_size * self.config.num_generations,
+                        self.config.max_completion_length, self.mesh)
+    return {"pending": [dataclasses.asdict(spec)] * n}
+
+  def restore(self, restored: dict, meta: dict):
+    """Puts back a checkpoint's in-flight rollouts: their prompt batches taken again from the
+    iterator positions in meta, their arrays restored (not sampled again)."""
+    after = self.prompts.it.get_state()
+    for entry, arrays in zip(meta.get("rollout_pending", []), restored.get("pending", [])):
+      self.prompts.it.set_state(entry["iterator"])
+      batch, prompt = self.prompts.take()
+      self._pending.append(_Drawn(batch, prompt, Rollout(**arrays), entry["version"],
+                                  entry["iterator"]))
+    self.prompts.it.set_state(after)
+
+  # ------------------------------------------------------------------------- internals
+
+  def _dispatch(self, params, step: int, version: int, timing: dict, key=None) -> _Drawn:
+    """Takes the next prompts and dispatches their rollout (not waited for)."""
+    with profiling.phase("prompts"):
+      before = self.prompts.it.get_state()
+      batch, prompt = self.prompts.take()
+    t0 = time.time()
+    with profiling.phase("rollout"):
+      if self.ahead:  # a width's first rollout: its sampler compiled meanwhile
+        self.ahead.wait(prompt["ids"].shape[1], only="sampler")
+      key = step_key(self.rng, step, self.mesh) if key is None else key
+      rollout = self.engine.generate(params, batch, key, self.generation)
+      if self.look_ahead:  # host work while the device samples
+        self.look_ahead()
+    timing["rollout"] += time.time() - t0
+    return _Drawn(batch, prompt, rollout, version, before)
+
+  def _score(self, drawn: _Drawn, timing: dict):
+    """Waits for a dispatched rollout and scores this process's rows of it. -> (prompt,
+    rollout, host rows: tokens, mask, truncated, rewards (f32, + DAPO's overlong penalty),
+    per_function, errors)."""
+    c, G, batch = self.config, self.config.num_generations, drawn.batch
+    t0 = time.time()
+    with profiling.phase("rollout"):  # this process's rows, on the host (one transfer)
+      tokens_nc, mask_nc, truncated_n = multihost.local_rows(
+          (drawn.rollout.tokens, drawn.rollout.mask, drawn.rollout.truncated))
+    timing["rollout"] += time.time() - t0
+    t0 = time.time()
+    with profiling.phase("rewards"):
+      prompts_n = [p for p in batch["prompts"] for _ in range(G)]
+      completions_n = self.decode.rows(tokens_nc, mask_nc)
+      scored = self.reward_fn(prompts_n, completions_n, [r for r in batch["rows"] for _ in range(G)])
+      per_function, total = dict(scored.per_function), scored.total
+      if self.judge is not None:  # collective: every process, its own rows
+        per_function["judge"] = self.judge(prompts_n, completions_n)
+        total = total + c.reward.judge.weight * per_function["judge"]
+      rewards_n = total + adv_lib.overlong_penalty(
+          mask_nc.sum(-1), c.max_completion_length, c.loss.overlong_buffer,
+          c.loss.overlong_factor)
+    timing["rewards"] += time.time() - t0
+    return drawn.prompt, drawn.rollout, dict(
+        tokens=tokens_nc, mask=mask_nc, truncated=truncated_n, rewards=rewards_n.astype(np.float32),
+        per_function=per_function, errors=scored.errors)
+
+
+def generation(config) -> GenerationConfig:
+  """The train rollout's sampling settings (rollout.temperature, top_k, top_p)."""
+  return GenerationConfig(config.rollout.temperature, config.rollout.top_k, config.rollout.top_p)
+
+
+def step_key(rng, step: int, mesh):
+  """fold_in(rng, step), the step put beside the (replicated) key explicitly."""
+  return jax.random.fold_in(rng, multihost.replicated(np.uint32(step), mesh))
+
+
+def decoder(tokenizer):
+  """decode(tokens [C], mask [C]) -> the completion's text; decode.rows(tokens [N, C], mask)
+  -> N texts, the host lists built once for the batch (host time between device programs)."""
+  def text(ids, mask):
+    return tokenizer.decode([t for t, m in zip(ids, mask) if m], skip_special=True)
+
+  def decode(tokens, mask):
+    return text(np.asarray(tokens).tolist(), np.asarray(mask).tolist())
+
+  decode.rows = lambda tokens, mask: list(map(text, np.asarray(tokens).tolist(),
+                                               np.asarray(mask).tolist()))
+  return decode
