@@ -212,6 +212,13 @@ def _check_rollout(c: _Checker, cfg):
             "0 = auto (rollout/sampler.py block_size)")
   c.require(0 < r.top_p <= 1, "rollout.top_p", "must lie in (0, 1]", "1.0 disables top-p")
   c.one_of("rollout.placement", PLACEMENTS, "sampler placement")
+  if r.get("placement", "colocated") == "disaggregated":
+    c.require(r.engine == "native", "rollout.placement", "disaggregated places the native "
+              "sampler; vLLM has its own devices", "rollout.vllm.num_devices for vLLM on TPU, "
+              "or --config.rollout.placement=colocated")
+    c.require(not cfg.reward.judge.path, "rollout.placement", "disaggregated: the reward judge "
+              "(reward.judge.path) runs on the trainer's mesh and is not supported yet",
+              "--config.rollout.placement=colocated")
   c.require(r.get("max_staleness", 0) >= 0, "rollout.max_staleness", "must be >= 0",
             "0 = on-policy; 1 = the next step's rollout overlaps this step's update")
   c.require(0 <= r.get("num_devices", 0), "rollout.num_devices", "must be >= 0",

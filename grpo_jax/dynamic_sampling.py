@@ -83,7 +83,7 @@ def choose(config, first, draw, key, mesh, take_groups):
   chosen = picks(flags, B)
   if len(rounds) == 1 and np.array_equal(chosen, np.arange(B)):
     return (*first, stats)
-  put = functools.partial(multihost.to_global, mesh=mesh)
+  put = functools.partial(multihost.to_global, mesh=mesh, global_rows=B * G)
   names = list(first[2]["per_function"])
   out = take_groups(
       [{"prompt": prompt, "rows": {"rollout": rollout, "rewards": put(host["rewards"]),

@@ -34,7 +34,7 @@ def evaluate(engines, params, data: pipeline.PromptData, *, generation_configs,
     tally = eval_tasks.Tally(ks if n > 1 else ())
     for bi, (indices, valid) in enumerate(pipeline.eval_batches(len(data), batch_size,
                                                                 rows=rows)):
-      batch = data.batch(indices)
+      batch = dict(data.batch(indices), global_rows=batch_size)
       rollout = engine.generate(params, batch, jax.random.fold_in(rng, gi * 100_003 + bi), name)
       tokens, mask = multihost.local_rows((rollout.tokens, rollout.mask))
       real = [p for p, ok in enumerate(valid) if ok]  # this process's prompts, not padding

@@ -28,6 +28,11 @@ _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0, for jax.distributed.initialize.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "JAX processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in the job.")
+_PEER_TIMEOUT = flags.DEFINE_float(
+    "peer_timeout_seconds", 10.0, "Multi-process: when another process has sent no heartbeat "
+    "for this long (killed, crashed), this one stops too, with one error line and exit status "
+    "75; relaunching every process resumes from the last checkpoint (grpo_jax/peers.py). 0: "
+    "leave it to JAX (an abort after its 100 s heartbeat timeout).")
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "Print the resolved config (file + --config.* overrides) and exit.")
 _VERBOSE = flags.DEFINE_bool(
@@ -112,6 +117,8 @@ def main(argv):
     raise app.UsageError("--config is required, e.g. --config=configs/tiny.py")
   logging.get_absl_handler().addFilter(_QuietLibraries())
   _init_distributed()
+  from grpo_jax import peers
+  watchdog = peers.start(_PEER_TIMEOUT.value)
 
   from grpo_jax import configuration
   config = _CONFIG.value
@@ -140,19 +147,28 @@ def main(argv):
     jax.config.update("jax_compilation_cache_dir", os.fspath(paths.path(
         config.compilation_cache_dir)))
   from grpo_jax import train
+  watchdog.workdir = workdir
   try:
     train.run(config, workdir)
-  except (SystemExit, KeyboardInterrupt):
+  except (SystemExit, KeyboardInterrupt) as e:
+    watchdog.stop(clean=isinstance(e, SystemExit) and e.code in (0, None))
     raise
   except Exception as e:  # one line on the console, the traceback in WORKDIR/error.log
+    watchdog.stop(clean=False)  # the other processes stop too (no hang in a collective)
     if _VERBOSE.value:
       raise
     where = _write_traceback(workdir)
     console = _quiet_shutdown(where)  # library threads may still print: not to the console
     # A library thread may have been cut off mid-line by the redirect: start on a fresh line.
+    if peers.lost_peer(e):  # a collective found a peer process dead
+      os.write(console, f"\nerror: a peer JAX process is gone ({peers.lost_peer(e)}); this "
+               f"process stops too. {peers.relaunch_hint(workdir)} (traceback: {where})\n"
+               .encode())
+      os._exit(peers.EXIT_PEER_GONE)  # jax's shutdown at exit would wait for the dead peer
     os.write(console, f"\nerror: {_one_line(e)} (traceback: {where}; --verbose prints it "
              "here)\n".encode())
     sys.exit(1)
+  watchdog.stop()
 
 
 def _quiet_shutdown(log_path: str) -> int:
@@ -186,9 +202,9 @@ def _write_traceback(workdir: str) -> str:
   import jax
   from grpo_jax import paths
   text = traceback.format_exc()
-  name = "error.log" if jax.process_index() == 0 else f"error.process_{jax.process_index()}.log"
+  from grpo_jax import peers
   try:
-    target = paths.path(workdir) / name
+    target = paths.path(workdir) / peers.error_log_name(jax.process_index())
     paths.write_atomic(target, text)
     return os.fspath(target)
   except Exception:  # the workdir itself may be the problem

@@ -86,10 +86,11 @@ class StepLog:
 
   def __init__(self, writer: "MetricWriter", progress: "Progress", *, num_rows: int,
                max_consecutive_nonfinite: int, max_logprob_gap: float = 0.0,
-               gap_patience: int = 3, step_offset: int = 0):
+               gap_patience: int = 3, step_offset: int = 0, mesh=None):
     """`step_offset`: TensorBoard puts GRPO step s at s + step_offset (the checkpoint's global
-    step, after the SFT steps); metrics.jsonl keeps the GRPO step."""
-    self.step_offset = step_offset
+    step, after the SFT steps); metrics.jsonl keeps the GRPO step. `mesh`: the one the device
+    figures live on (a process without devices there reads them from process 0)."""
+    self.step_offset, self.mesh = step_offset, mesh
     self.writer = writer
     self.progress = progress
     self.num_rows = num_rows
@@ -107,7 +108,8 @@ class StepLog:
     NonFiniteError (after writing the steps up to it) when the update streak hits the limit."""
     if not self._pending:
       return {}
-    device = jax.device_get([p[4] for p in self._pending])
+    device = (multihost.read([p[4] for p in self._pending], self.mesh) if self.mesh is not None
+              else jax.device_get([p[4] for p in self._pending]))
     keys = list(self._pending[0][1]) + list(self._pending[0][2])
     sums = multihost.sum_over_processes(np.asarray(
         [[*p[1].values(), *p[2].values()] for p in self._pending], np.float64))

@@ -12,10 +12,23 @@ import numpy as np
 from grpo_jax import sharding
 
 
-def to_global(local: np.ndarray, mesh) -> jax.Array:
-  """This process's rows -> one global array with rows sharded over (data, fsdp)."""
+def owns(mesh) -> bool:
+  """Whether this process holds devices of `mesh` (with rollout.placement=disaggregated a
+  process may hold only sampler or only trainer devices)."""
+  return any(d.process_index == jax.process_index() for d in mesh.devices.flat)
+
+
+def to_global(local: np.ndarray, mesh, global_rows: int | None = None) -> jax.Array:
+  """This process's rows -> one global array with rows sharded over (data, fsdp).
+  global_rows: the global row count, needed only on a process without devices in `mesh`
+  (it contributes no rows; its array has no addressable shards)."""
   local = np.asarray(local)
   spec = sharding.batch_sharding(mesh, local.ndim)
+  if not owns(mesh):
+    if global_rows is None:
+      raise ValueError("to_global on a process without devices in the mesh needs global_rows")
+    return jax.make_array_from_single_device_arrays((global_rows, *local.shape[1:]), spec, [],
+                                                    dtype=local.dtype)
   return jax.make_array_from_process_local_data(spec, local)
 
 
@@ -24,6 +37,8 @@ def process_rows(mesh, global_rows: int) -> np.ndarray:
   that this process's devices hold: the rows `to_global` expects from it, in that order."""
   index_map = sharding.batch_sharding(mesh, 1).addressable_devices_indices_map((global_rows,))
   starts = sorted({(idx[0].start or 0, idx[0].stop) for idx in index_map.values()})
+  if not starts:  # no devices of the mesh here: no rows
+    return np.zeros(0, np.int64)
   return np.concatenate([np.arange(a, global_rows if b is None else b) for a, b in starts])
 
 
@@ -33,7 +48,7 @@ def replicated(value, mesh) -> jax.Array:
   value = np.asarray(value)
   with jax.transfer_guard_host_to_device("allow"):  # on purpose (the loop's transfer guard)
     return jax.make_array_from_callback(value.shape, sharding.replicated(mesh),
-                                        lambda index: value[index])
+                                        lambda index: value[index], dtype=value.dtype)
 
 
 def local_rows(tree):
@@ -49,8 +64,19 @@ def local_rows(tree):
     return [by_start[k] for k in sorted(by_start)]
 
   shards = jax.device_get(jax.tree.map(own_shards, tree))  # leaves: lists of row blocks
-  return jax.tree.map(lambda blocks: np.concatenate([np.asarray(b) for b in blocks], axis=0),
-                      shards, is_leaf=lambda x: isinstance(x, list))
+  empty = jax.tree.map(lambda x: np.zeros((0, *x.shape[1:]), x.dtype), tree)
+  return jax.tree.map(lambda blocks, e: np.concatenate([np.asarray(b) for b in blocks], axis=0)
+                      if blocks else e, shards, empty, is_leaf=lambda x: isinstance(x, list))
+
+
+def read(tree, mesh):
+  """Host copies of replicated arrays on `mesh`, on every process: a process without devices
+  in `mesh` gets them from process 0 (which holds trainer devices: build.make_meshes)."""
+  if {d.process_index for d in mesh.devices.flat} == set(range(jax.process_count())):
+    return jax.device_get(tree)
+  values = jax.device_get(tree) if owns(mesh) else jax.tree.map(
+      lambda x: np.zeros(x.shape, x.dtype), tree)
+  return multihost_utils.broadcast_one_to_all(values)
 
 
 def sum_over_processes(x) -> np.ndarray:

@@ -40,8 +40,9 @@ def prompt_batch(config, train_data, indices_b, mesh) -> dict:
   """This process's rows of the global batch `indices_b` [B], as PromptData.batch gives them,
   at the width data.prompt_width picks from the whole global batch (the same on every
   process)."""
-  return train_data.batch(indices_b[multihost.process_rows(mesh, config.batch_size)],
-                          train_data.width(indices_b, config.data.prompt_width))
+  return dict(train_data.batch(indices_b[multihost.process_rows(mesh, config.batch_size)],
+                               train_data.width(indices_b, config.data.prompt_width)),
+              global_rows=config.batch_size)
 
 
 class NextPrompts:
@@ -60,8 +61,9 @@ class NextPrompts:
 
   def _prepare(self, indices_b):
     batch = prompt_batch(self.config, self.data, indices_b, self.mesh)
-    return batch, {"ids": multihost.to_global(batch["prompt_ids"], self.mesh),
-                   "mask": multihost.to_global(batch["prompt_mask"], self.mesh)}
+    rows = self.config.batch_size
+    return batch, {"ids": multihost.to_global(batch["prompt_ids"], self.mesh, rows),
+                   "mask": multihost.to_global(batch["prompt_mask"], self.mesh, rows)}
 
   def prefetch(self):
     """Prepares the batch the next `take()` gives (once: again is a no-op until it is taken)."""

@@ -28,12 +28,14 @@ import functools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import dynamic_sampling as dyn_lib
 from grpo_jax import multihost
 from grpo_jax import profiling
 from grpo_jax import sharding
+from grpo_jax import transfer
 from grpo_jax.rl import advantages as adv_lib
 from grpo_jax.rollout.types import GenerationConfig
 from grpo_jax.rollout.types import Rollout
@@ -68,17 +70,29 @@ class _Drawn:
 class RolloutSource:
 
   def __init__(self, config, *, engine, prompts, reward_fn, judge, decode, mesh, rng,
-               ahead=None, look_ahead=None):
-    self.config, self.engine, self.prompts, self.mesh, self.rng = (config, engine, prompts, mesh,
-                                                                   rng)
+               sampler_mesh=None, policy=None, ahead=None, look_ahead=None):
+    """mesh: the trainer's. sampler_mesh (placement=disaggregated; `engine` and `prompts` on
+    it, `policy` for its rollout_params): the sampler's, else the trainer's."""
+    self.config, self.engine, self.prompts, self.mesh = config, engine, prompts, mesh
     self.reward_fn, self.judge, self.decode = reward_fn, judge, decode
     self.ahead, self.look_ahead = ahead, look_ahead
     self.depth = config.rollout.max_staleness
     self.generation = generation(config)
     self.dynamic = config.loss.dynamic_sampling and config.loss.max_resample_rounds > 0
-    self._take_groups = jax.jit(functools.partial(dyn_lib.take, group_size=config.num_generations),
-                                out_shardings=sharding.batch_sharding(mesh, 1))
+    self.sampler_mesh = sampler_mesh or mesh
+    self.disaggregated = self.sampler_mesh is not mesh
+    self.rng = rng
     self._pending = collections.deque()  # _Drawn, oldest first
+    self._take_groups = jax.jit(functools.partial(dyn_lib.take, group_size=config.num_generations),
+                                out_shardings=sharding.batch_sharding(self.sampler_mesh, 1))
+    self._sync_figures = {}
+    if self.disaggregated:
+      self.rng = jax.random.wrap_key_data(multihost.replicated(  # the session's key, there
+          jax.random.key_data(jax.random.key(config.seed)), self.sampler_mesh))
+      self._to_sampler = transfer.CrossMesh(mesh, self.sampler_mesh)
+      self._to_trainer = transfer.CrossMesh(self.sampler_mesh, mesh)
+      self._map = (lambda p: p) if policy.sampler_is_trainer else jax.jit(policy.rollout_params)
+      self._weights = None  # the sampler's copy, in config.model.dtype
 
   # --------------------------------------------------------------------------- the loop
 
@@ -86,26 +100,36 @@ class RolloutSource:
     """The scored batch of `step`; `params`: the trainer's weights now (after `step` updates).
     Off-policy, the rollouts of the next steps are dispatched before this returns."""
     timing = {"rollout": 0.0, "rewards": 0.0}
+    if self.disaggregated and self._weights is None:  # the run's start (or resume)
+      self.after_update(params)
+    weights = self._weights if self.disaggregated else params
     if not self._pending:
-      self._pending.append(self._dispatch(params, step, step, timing))
+      self._pending.append(self._dispatch(weights, step, step, timing))
     drawn = self._pending.popleft()
     first = self._score(drawn, timing)
-    figures = {}
+    figures, mesh = {}, self.sampler_mesh
     if self.dynamic:  # extra rounds on fresh prompts, from the current weights
-      key = step_key(self.rng, step, self.mesh)
-      draw = lambda k: self._score(self._dispatch(params, step, step, timing, key=k), timing)
-      prompt, rollout, host, figures = dyn_lib.choose(self.config, first, draw, key, self.mesh,
+      key = step_key(self.rng, step, mesh)
+      draw = lambda k: self._score(self._dispatch(weights, step, step, timing, key=k), timing)
+      prompt, rollout, host, figures = dyn_lib.choose(self.config, first, draw, key, mesh,
                                                       self._take_groups)
     else:
       prompt, rollout, host = first
+    rewards = multihost.to_global(host["rewards"], mesh, len(drawn.rollout.lengths))
+    if self.disaggregated:  # to the trainer's devices, before the next rollouts start
+      t0 = time.time()
+      with profiling.phase("to_trainer"):
+        prompt, rollout, rewards = self._to_trainer.move(
+            (prompt, rollout, rewards), jax.tree.map(
+                lambda x: sharding.batch_sharding(self.mesh, x.ndim), (prompt, rollout, rewards)))
+      figures["perf/batch_transfer_sec"] = time.time() - t0
     while len(self._pending) < self.depth and (
         step + 1 + len(self._pending) < self.config.num_steps):
-      self._pending.append(self._dispatch(params, step + 1 + len(self._pending), step, timing))
-    staleness = step - drawn.version
+      self._pending.append(self._dispatch(weights, step + 1 + len(self._pending), step, timing))
     figures.update({"perf/rollout_sec": timing["rollout"], "perf/reward_sec": timing["rewards"],
-                    "rollout/staleness": staleness, **self.engine.stats()})
-    return Scored(prompt=prompt, rollout=rollout, host=host, figures=figures,
-                  rewards=multihost.to_global(host["rewards"], self.mesh),
+                    "rollout/staleness": step - drawn.version, **self._sync_figures,
+                    **self.engine.stats()})
+    return Scored(prompt=prompt, rollout=rollout, host=host, figures=figures, rewards=rewards,
                   behaviour_logp=rollout.logprobs if self.depth else None)
 
   def while_updating(self, step: int):
@@ -115,14 +139,40 @@ class RolloutSource:
         self.prompts.prefetch()  # (done already when compiling ahead: look_ahead)
 
   def after_update(self, params):
-    """The trainer's weights changed: colocated, the sampler reads them as they are."""
+    """The trainer's weights changed. Colocated, the sampler reads them as they are;
+    disaggregated, they move to the sampler's devices (device to device, in the compute
+    dtype, into the buffers of the copy they replace), once an in-flight rollout that reads
+    that copy is done. perf/weight_sync_sec includes that wait."""
+    if not self.disaggregated:
+      return
+    with profiling.phase("weight_sync"):
+      mapped = self._map(params)
+      self._weights = self._to_sampler.move(
+          mapped, jax.tree.map(lambda x: x.sharding.spec, mapped),
+          dtype=jnp.dtype(self.config.model.dtype), donate=self._weights)
+    self._sync_figures = {"perf/weight_sync_sec": self._to_sampler.last_sec,
+                          "perf/weight_sync_gb": self._to_sampler.last_bytes / 1e9}
+
+  def as_trainer(self, prompt: dict) -> dict:
+    """Global prompt arrays, or their abstract trainer-side twins when disaggregated (what the
+    trainer's programs will get: for compiling them ahead)."""
+    if not self.disaggregated or prompt is None:
+      return prompt
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=sharding.batch_sharding(self.mesh, x.ndim)), prompt)
 
   # ---------------------------------------------------------------------- checkpoints
 
   def saved(self) -> dict:
-    """The in-flight rollouts' arrays for the checkpoint ({} on-policy)."""
-    return {"pending": [dataclasses.asdict(d.rollout) for d in self._pending]} if (
-        self._pending) else {}
+    """The in-flight rollouts' arrays for the checkpoint ({} on-policy), on the trainer's mesh
+    (checkpoint.py writes arrays local to some processes from process 0, a trainer's)."""
+    if not self._pending:
+      return {}
+    pending = [dataclasses.asdict(d.rollout) for d in self._pending]
+    if self.disaggregated:
+      pending = self._to_trainer.move(pending, jax.tree.map(
+          lambda x: sharding.batch_sharding(self.mesh, x.ndim), pending))
+    return {"pending": pending}
 
   def pending_meta(self) -> list:
     """For the checkpoint's meta ("rollout_pending"): per in-flight rollout, the iterator
@@ -141,8 +191,11 @@ class RolloutSource:
   def restore(self, restored: dict, meta: dict):
     """Puts back a checkpoint's in-flight rollouts: their prompt batches taken again from the
     iterator positions in meta, their arrays restored (not sampled again)."""
-    after = self.prompts.it.get_state()
-    for entry, arrays in zip(meta.get("rollout_pending", []), restored.get("pending", [])):
+    after, pending = self.prompts.it.get_state(), restored.get("pending", [])
+    if self.disaggregated and pending:
+      pending = self._to_sampler.move(pending, jax.tree.map(
+          lambda x: sharding.batch_sharding(self.sampler_mesh, x.ndim), pending))
+    for entry, arrays in zip(meta.get("rollout_pending", []), pending):
       self.prompts.it.set_state(entry["iterator"])
       batch, prompt = self.prompts.take()
       self._pending.append(_Drawn(batch, prompt, Rollout(**arrays), entry["version"],
@@ -160,7 +213,7 @@ class RolloutSource:
     with profiling.phase("rollout"):
       if self.ahead:  # a width's first rollout: its sampler compiled meanwhile
         self.ahead.wait(prompt["ids"].shape[1], only="sampler")
-      key = step_key(self.rng, step, self.mesh) if key is None else key
+      key = step_key(self.rng, step, self.sampler_mesh) if key is None else key
       rollout = self.engine.generate(params, batch, key, self.generation)
       if self.look_ahead:  # host work while the device samples
         self.look_ahead()
@@ -181,7 +234,8 @@ class RolloutSource:
     with profiling.phase("rewards"):
       prompts_n = [p for p in batch["prompts"] for _ in range(G)]
       completions_n = self.decode.rows(tokens_nc, mask_nc)
-      scored = self.reward_fn(prompts_n, completions_n, [r for r in batch["rows"] for _ in range(G)])
+      rows_n = [r for r in batch["rows"] for _ in range(G)]
+      scored = self.reward_fn(prompts_n, completions_n, rows_n)
       per_function, total = dict(scored.per_function), scored.total
       if self.judge is not None:  # collective: every process, its own rows
         per_function["judge"] = self.judge(prompts_n, completions_n)

@@ -61,11 +61,12 @@ def run(config, workdir: str) -> dict:
 
 
 def _run(config, workdir: str) -> dict:
-  mesh = build.make_mesh(config)
+  mesh, sampler_mesh = build.make_meshes(config)  # the same mesh unless disaggregated
   with session_lib.open_session(config, workdir, mesh) as session:
     # ------------------------------------------------------------------------------ setup
-    logging.info("mesh %s over %d devices, %d process(es)", dict(mesh.shape), mesh.size,
-                 jax.process_count())
+    logging.info("mesh %s over %d devices, %d process(es)%s", dict(mesh.shape), mesh.size,
+                 jax.process_count(), "" if sampler_mesh is mesh else
+                 f"; the sampler's {dict(sampler_mesh.shape)} over {sampler_mesh.size} more")
     tokenizer = data_lib.build_tokenizer(config.tokenizer.kind,
                                          config.tokenizer.path or config.model.hf_path)
     train_data, eval_data = prompts_lib.prompt_data(config, tokenizer)
@@ -75,7 +76,8 @@ def _run(config, workdir: str) -> dict:
     logging.info("policy: %s (%s), %.2fM parameters", config.model.impl, config.model.preset,
                  sum(x.size for x in jax.tree.leaves(policy.params)) / 1e6)
     profiling.log_memory("loading the policy")
-    engine = session.closing(rollout_lib.make_engine(config, policy, tokenizer, mesh))
+    engine = session.closing(rollout_lib.make_engine(config, policy, tokenizer, sampler_mesh,
+                                                     mapped=sampler_mesh is not mesh))
     evaluator = _evaluator(config, session, policy, tokenizer, mesh, eval_data, decode)
     r = config.reward
     reward_fn = session.closing(rewards_lib.build_reward_computer(
@@ -95,7 +97,7 @@ def _run(config, workdir: str) -> dict:
     train_iter = data_lib.make_prompt_iterator(len(train_data), batch_size=config.batch_size,
                                                seed=config.seed)
     meta, rng, G = session.meta, session.rng, config.num_generations
-    prompts = prompts_lib.NextPrompts(config, train_data, train_iter, mesh)
+    prompts = prompts_lib.NextPrompts(config, train_data, train_iter, sampler_mesh)
     # Old-policy log-probs: for the PPO ratio over several passes, for TIS, and whenever the
     # sampler is another program than the trainer (its log-probs are then only close).
     # Off-policy (rollout.max_staleness > 0) they are the sampler's: the behaviour policy's.
@@ -111,23 +113,24 @@ def _run(config, workdir: str) -> dict:
     # prefetched.
     ahead = session.closing(compile_ahead.CompileAhead(
         config, fns, stats_fn, policy, mesh, needs_old_logp=needs_old_logp,
-        matches_trainer=engine.matches_trainer, engine=engine,
+        matches_trainer=engine.matches_trainer, engine=engine if sampler_mesh is mesh else None,
         generation=source_lib.generation(config), key=source_lib.step_key(rng, 0, mesh),
         off_policy=off_policy)) if config.compile_ahead else None
 
     def look_ahead():  # the next batch's width compiles while the device runs this step
       if meta["grpo_step"] + 1 < config.num_steps:
         prompts.prefetch()
-        ahead.submit(prompts.peek(), state, reference.params)
+        ahead.submit(source.as_trainer(prompts.peek()), state, reference.params)
     source = source_lib.RolloutSource(
         config, engine=engine, prompts=prompts, reward_fn=reward_fn, judge=judge, decode=decode,
-        mesh=mesh, rng=rng, ahead=ahead, look_ahead=look_ahead if ahead else None)
+        mesh=mesh, rng=rng, sampler_mesh=sampler_mesh, policy=policy, ahead=ahead,
+        look_ahead=look_ahead if ahead else None)
     reference = Reference(config, policy, fns, mesh)
     state = _start_grpo(config, session, fns, policy, mesh, params, train_iter, reference,
                         source)
     if ahead and meta["grpo_step"] < config.num_steps:
       prompts.prefetch()
-      ahead.submit(prompts.peek(), state, reference.params)
+      ahead.submit(source.as_trainer(prompts.peek()), state, reference.params)
     if meta["eval_before"] is None:
       meta["eval_before"] = evaluator(state["params"], config.sft_steps,
                                       jax.random.fold_in(rng, 2 << 20))
@@ -139,7 +142,7 @@ def _run(config, workdir: str) -> dict:
     log = metrics_lib.StepLog(session.writer, metrics_lib.Progress(
         config.num_steps, meta["grpo_step"], "grpo"), num_rows=config.batch_size * G,
         max_consecutive_nonfinite=config.max_consecutive_nonfinite,
-        max_logprob_gap=config.rollout.max_logprob_gap, step_offset=config.sft_steps)
+        max_logprob_gap=config.rollout.max_logprob_gap, step_offset=config.sft_steps, mesh=mesh)
     steps_per_epoch = data_lib.batches_per_epoch(len(train_data), config.batch_size)
     first_step, ckpt_base = meta["grpo_step"], config.sft_steps
 

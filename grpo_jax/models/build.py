@@ -11,6 +11,8 @@ devices in the same order), so `make_mesh` builds that mesh up front for impl=ma
 loop, the sampler and the policy then share one mesh object and PartitionSpecs over
 (data, fsdp, tensor) mean the same thing on it.
 """
+import jax
+
 from grpo_jax import sharding
 from grpo_jax.models import policy as policy_lib
 
@@ -32,6 +34,38 @@ def make_mesh(config, devices=None):
     from grpo_jax.models import maxtext_adapter  # optional dependency
     return maxtext_adapter.make_mesh(config, base)
   return base
+
+
+def make_meshes(config):
+  """(trainer mesh, sampler mesh). rollout.placement=colocated: one mesh, twice. disaggregated:
+  the last rollout.num_devices of the global devices (a count, a fraction of all, 0 = half)
+  form the sampler's mesh (config.mesh sizes, -1 filling), the others the trainer's (so
+  process 0 always holds trainer devices). The two must be equal in size (transfer.py)."""
+  if config.rollout.get("placement", "colocated") != "disaggregated":
+    mesh = make_mesh(config)
+    return mesh, mesh
+  devices = jax.devices()
+  n = sampler_devices(config.rollout.num_devices, len(devices))
+  sampler = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
+                               devices=devices[len(devices) - n:])
+  return make_mesh(config, devices[:len(devices) - n]), sampler
+
+
+def sampler_devices(num_devices: float, total: int) -> int:
+  """rollout.num_devices -> a count: as is when >= 1, a fraction of `total` when in (0, 1),
+  half when 0. ValueError (one line, with the fix) unless it leaves the trainer as many."""
+  n = total // 2 if not num_devices else (
+      int(num_devices) if num_devices >= 1 else int(round(num_devices * total)))
+  if total < 2:
+    raise ValueError("rollout.placement=disaggregated needs at least 2 devices (one sampler, "
+                     "one trainer). Fix: --config.rollout.placement=colocated")
+  if n != total - n:
+    raise ValueError(
+        f"rollout.placement=disaggregated: rollout.num_devices={num_devices} gives the sampler "
+        f"{n} of {total} devices; the weight transfer (grpo_jax/transfer.py) pairs each sampler "
+        f"device with a trainer device, so the split must be even. Fix: "
+        f"--config.rollout.num_devices={total // 2} (or 0 = half)")
+  return n
 
 
 def make_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy:

@@ -201,7 +201,7 @@ def _array(ckpt, name, e, shape, pdtype, target):
       cache["w"] = _checked(ckpt, name, e, shape)
     return np.asarray(cache["w"][index], dtype=pdtype)
 
-  return jax.make_array_from_callback(shape, target, cb)
+  return jax.make_array_from_callback(shape, target, cb, dtype=pdtype)
 
 
 def _stacked_array(ckpt, names, e, shape, pdtype, target):
@@ -210,7 +210,7 @@ def _stacked_array(ckpt, names, e, shape, pdtype, target):
     return np.stack([np.asarray(_checked(ckpt, names[i], e, shape, shape[1:])[index[1:]],
                                 dtype=pdtype) for i in rows])
 
-  return jax.make_array_from_callback(shape, target, cb)
+  return jax.make_array_from_callback(shape, target, cb, dtype=pdtype)
 
 
 # ---------------------------------------------------------------------------------- writing

@@ -32,7 +32,9 @@ class NativeEngine:
 
   def __init__(self, policy, mesh, *, num_generations: int, max_prompt_length: int,
                max_new_tokens: int, eos_ids, pad_id: int, decode_phases: int = 0,
-               decode_block: int = 0):
+               decode_block: int = 0, mapped: bool = False):
+    """mapped: generate() gets the sampler's weights already mapped (policy.rollout_params,
+    e.g. moved onto a sampler mesh of their own: rollout_source.py), not the trained ones."""
     self.mesh = mesh
     kw = dict(max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens,
               num_generations=num_generations, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
@@ -44,7 +46,8 @@ class NativeEngine:
                                     decoder_start_id=policy.decoder_start_id, **kw)
     self.matches_trainer = policy.sampler_is_trainer
     # A native policy samples from the trained arrays themselves; MaxText maps them on device.
-    self._to_rollout = None if policy.sampler_is_trainer else jax.jit(policy.rollout_params)
+    self._to_rollout = None if policy.sampler_is_trainer or mapped else jax.jit(
+        policy.rollout_params)
     self._rollout_spec = None  # the mapped weights' shapes and shardings, once seen
 
   def generate(self, params, batch: dict, rng, generation) -> Rollout:
@@ -52,8 +55,10 @@ class NativeEngine:
     if self._to_rollout is not None and self._rollout_spec is None:  # for program()
       self._rollout_spec = jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    return self.sampler(state, multihost.to_global(batch["prompt_ids"], self.mesh),
-                        multihost.to_global(batch["prompt_mask"], self.mesh), rng, generation)
+    rows = batch.get("global_rows")  # (a process without devices here has no rows)
+    return self.sampler(state, multihost.to_global(batch["prompt_ids"], self.mesh, rows),
+                        multihost.to_global(batch["prompt_mask"], self.mesh, rows), rng,
+                        generation)
 
   def program(self, params, prompt: dict, rng, generation):
     """The sampler program `generate(params, ...)` runs for global prompt arrays shaped like
@@ -76,7 +81,8 @@ class NativeEngine:
 
 
 def make_engine(config, policy, tokenizer, mesh, *, num_generations: int | None = None,
-                max_new_tokens: int | None = None, kind: str | None = None):
+                max_new_tokens: int | None = None, kind: str | None = None,
+                mapped: bool = False):
   """The engine named by `kind` (default config.rollout.engine) for `policy` on `mesh`.
 
   num_generations / max_new_tokens default to the training rollout's (config.num_generations,
@@ -102,5 +108,5 @@ def make_engine(config, policy, tokenizer, mesh, *, num_generations: int | None 
   return NativeEngine(policy, mesh, num_generations=g, max_prompt_length=config.max_prompt_length,
                       max_new_tokens=c, eos_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
                       decode_phases=config.rollout.get("decode_phases", 0),
-                      decode_block=config.rollout.get("decode_block", 0))
+                      decode_block=config.rollout.get("decode_block", 0), mapped=mapped)
 
