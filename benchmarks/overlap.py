@@ -37,7 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_LINE = re.compile(r"^I(\d{4}) (\d\d:\d\d:\d\d\.\d+) .*\[grpo\] step (\d+)/")
 
 
-def args_for(steps: int, completion: int, placement: str, staleness: int) -> list[str]:
+def args_for(steps: int, completion: int, placement: str, staleness: int,
+             extra=()) -> list[str]:
   return ["--config=configs/tiny.py", "--config.sft_steps=0", f"--config.num_steps={steps}",
           "--config.batch_size=32", "--config.num_generations=8",
           f"--config.max_completion_length={completion}",
@@ -46,10 +47,11 @@ def args_for(steps: int, completion: int, placement: str, staleness: int) -> lis
           "--config.eval.batch_size=16", "--config.eval.generation_configs=('greedy',)",
           "--config.log_interval_steps=1", "--config.save_interval_steps=100000",
           "--config.reward.custom_file=tests/data/digit_count_reward.py",
-          "--config.reward.functions=()", "--config.report_at_end=False",
+          "--config.reward.functions=()", "--config.reward.weights=()",
+          "--config.report_at_end=False",
           "--config.compile_ahead=False",
           f"--config.rollout.placement={placement}",
-          f"--config.rollout.max_staleness={staleness}"]
+          f"--config.rollout.max_staleness={staleness}", *extra]
 
 
 def step_times(log: str) -> dict[int, float]:
@@ -73,7 +75,8 @@ def steady_rate(times: dict[int, float], warmup: int) -> float:
 def metric_medians(workdir: str, keys, warmup: int) -> dict[str, float]:
   rows = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]
   rows = [r for r in rows if "loss/policy_loss" in r and r["step"] > warmup]
-  return {k: statistics.median(r[k] for r in rows if k in r) for k in keys}
+  return {k: statistics.median(r[k] for r in rows if k in r) for k in keys
+          if any(k in r for r in rows)}
 
 
 def run_pair(workdir: str, args: list[str], cores: list[int]) -> str:
@@ -119,6 +122,8 @@ def main():
   ap.add_argument("--cores", default="0,1")
   ap.add_argument("--quick", action="store_true", help="8 steps, warm-up 3")
   ap.add_argument("--json", default="")
+  ap.add_argument("--set", action="append", default=[],
+                  help="more config overrides, e.g. --set=micro_batch_size=64 (repeatable)")
   a = ap.parse_args()
   if a.quick:
     a.steps, a.warmup = 8, 3
@@ -130,7 +135,8 @@ def main():
                                          ("disaggregated+1", "disaggregated", 1)):
         workdir = os.path.join(tmp, f"{layout}-{name}")
         t0 = time.time()
-        args = args_for(a.steps, a.completion, placement, staleness)
+        args = args_for(a.steps, a.completion, placement, staleness,
+                        [f"--config.{x}" for x in a.set])
         log = run_pair(workdir, args, cores) if layout == "pair" else run_single(workdir, args)
         rate = steady_rate(step_times(log), a.warmup)
         med = metric_medians(workdir, ("perf/rollout_sec", "perf/update_sec",

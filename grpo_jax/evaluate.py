@@ -10,6 +10,7 @@ import time
 
 from absl import logging
 import jax
+import numpy as np
 
 from grpo_jax import eval_tasks
 from grpo_jax import multihost
@@ -18,14 +19,16 @@ from grpo_jax.data import pipeline
 
 
 def evaluate(engines, params, data: pipeline.PromptData, *, generation_configs,
-             batch_size: int, rng, decode, rows=None, ks=()) -> dict[str, dict[str, float]]:
+             batch_size: int, rng, decode, rows=None, ks=(),
+             mesh=None) -> dict[str, dict[str, float]]:
   """-> {generation config: {metric: value, ..., "num_examples"}} (metrics: eval_tasks.py).
 
   `engines(name) -> (rollout engine, samples per prompt)` for a generation config;
   `decode(token_ids, mask) -> str`. `batch_size` is the global batch of prompts (a multiple
   of the data-parallel size: `global_batch_size`); each process takes its `rows` of every
   batch (`multihost.process_rows`; None: all, one process). `ks`: pass@k for configs with
-  more than one sample per prompt.
+  more than one sample per prompt. `mesh`: the one `rng` is replicated over (batch keys are
+  folded in there; needed on a process without devices in it).
   """
   results = {}
   for gi, name in enumerate(generation_configs):
@@ -35,7 +38,10 @@ def evaluate(engines, params, data: pipeline.PromptData, *, generation_configs,
     for bi, (indices, valid) in enumerate(pipeline.eval_batches(len(data), batch_size,
                                                                 rows=rows)):
       batch = dict(data.batch(indices), global_rows=batch_size)
-      rollout = engine.generate(params, batch, jax.random.fold_in(rng, gi * 100_003 + bi), name)
+      n_key = gi * 100_003 + bi
+      key = (jax.random.fold_in(rng, n_key) if mesh is None else
+             jax.random.fold_in(rng, multihost.replicated(np.uint32(n_key), mesh)))
+      rollout = engine.generate(params, batch, key, name)
       tokens, mask = multihost.local_rows((rollout.tokens, rollout.mask))
       real = [p for p, ok in enumerate(valid) if ok]  # this process's prompts, not padding
       tally.add([decode(tokens[p * n + j], mask[p * n + j]) for p in real for j in range(n)],
@@ -76,6 +82,7 @@ class Evaluator:
     self.rows = multihost.process_rows(mesh, self.batch_size)
     self.decode = decode
     self.writer = writer
+    self.mesh = mesh
 
   def _engines(self, name):
     if name == "greedy" or self.sample_engine is None:
@@ -85,14 +92,15 @@ class Evaluator:
   def __call__(self, params, step: int, rng) -> dict:
     results = evaluate(self._engines, params, self.data,
                        generation_configs=self.generation_configs, batch_size=self.batch_size,
-                       rng=rng, decode=self.decode, rows=self.rows, ks=self.ks)
+                       rng=rng, decode=self.decode, rows=self.rows, ks=self.ks,
+                       mesh=self.mesh)
     self.writer.write_scalars(step, as_scalars(results))
     return results
 
   def accuracy(self, params, data: pipeline.PromptData, rng) -> float:
     results = evaluate(lambda name: (self.engine, 1), params, data,
                        generation_configs=("greedy",), batch_size=self.batch_size, rng=rng,
-                       decode=self.decode, rows=self.rows)
+                       decode=self.decode, rows=self.rows, mesh=self.mesh)
     return eval_tasks.primary_metric(results["greedy"])[1]
 
 

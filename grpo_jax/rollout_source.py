@@ -65,6 +65,8 @@ class _Drawn:
   rollout: Rollout
   version: int
   iterator_before: dict
+  scored: tuple | None = None  # (prompt, rollout, host) once scored ahead (while_updating)
+  timing: dict = dataclasses.field(default_factory=lambda: {"rollout": 0.0, "rewards": 0.0})
 
 
 class RolloutSource:
@@ -72,7 +74,8 @@ class RolloutSource:
   def __init__(self, config, *, engine, prompts, reward_fn, judge, decode, mesh, rng,
                sampler_mesh=None, policy=None, ahead=None, look_ahead=None):
     """mesh: the trainer's. sampler_mesh (placement=disaggregated; `engine` and `prompts` on
-    it, `policy` for its rollout_params): the sampler's, else the trainer's."""
+    it, `policy` for LoRA's split/combine): the sampler's, else the trainer's. The engine maps
+    the moved weights for its sampler itself (policy.rollout_params, on the sampler's mesh)."""
     self.config, self.engine, self.prompts, self.mesh = config, engine, prompts, mesh
     self.reward_fn, self.judge, self.decode = reward_fn, judge, decode
     self.ahead, self.look_ahead = ahead, look_ahead
@@ -91,8 +94,9 @@ class RolloutSource:
           jax.random.key_data(jax.random.key(config.seed)), self.sampler_mesh))
       self._to_sampler = transfer.CrossMesh(mesh, self.sampler_mesh)
       self._to_trainer = transfer.CrossMesh(self.sampler_mesh, mesh)
-      self._map = (lambda p: p) if policy.sampler_is_trainer else jax.jit(policy.rollout_params)
-      self._weights = None  # the sampler's copy, in config.model.dtype
+      self._split, self._combine = policy.split, policy.combine  # LoRA: only adapters travel
+      self._weights = None  # the sampler's copy (LoRA: its adapters), in config.model.dtype
+      self._base = None  # LoRA: the frozen base on the sampler's devices, moved once
 
   # --------------------------------------------------------------------------- the loop
 
@@ -102,11 +106,15 @@ class RolloutSource:
     timing = {"rollout": 0.0, "rewards": 0.0}
     if self.disaggregated and self._weights is None:  # the run's start (or resume)
       self.after_update(params)
-    weights = self._weights if self.disaggregated else params
+    weights = params
+    if self.disaggregated:
+      weights = self._combine(self._weights, self._base) if self._split else self._weights
     if not self._pending:
       self._pending.append(self._dispatch(weights, step, step, timing))
     drawn = self._pending.popleft()
-    first = self._score(drawn, timing)
+    first = drawn.scored or self._score(drawn, timing)
+    for k, v in drawn.timing.items():  # what scoring it ahead cost
+      timing[k] += v
     figures, mesh = {}, self.sampler_mesh
     if self.dynamic:  # extra rounds on fresh prompts, from the current weights
       key = step_key(self.rng, step, mesh)
@@ -133,7 +141,12 @@ class RolloutSource:
                   behaviour_logp=rollout.logprobs if self.depth else None)
 
   def while_updating(self, step: int):
-    """Host work while the device runs the update: the next batch's prompts."""
+    """Host work while the device runs the update: off-policy, the next step's rollout is
+    scored as soon as it is done (rewards on the host, beside the update); the next batch's
+    prompts are prepared."""
+    if self._pending and self._pending[0].scored is None:
+      drawn = self._pending[0]
+      drawn.scored = self._score(drawn, drawn.timing)
     if step + 1 + len(self._pending) < self.config.num_steps:
       with profiling.phase("prompts"):
         self.prompts.prefetch()  # (done already when compiling ahead: look_ahead)
@@ -145,11 +158,17 @@ class RolloutSource:
     that copy is done. perf/weight_sync_sec includes that wait."""
     if not self.disaggregated:
       return
+    dtype = jnp.dtype(self.config.model.dtype)
+    move = lambda tree, donate=None: self._to_sampler.move(
+        tree, jax.tree.map(lambda x: x.sharding.spec, tree), dtype=dtype, donate=donate)
     with profiling.phase("weight_sync"):
-      mapped = self._map(params)
-      self._weights = self._to_sampler.move(
-          mapped, jax.tree.map(lambda x: x.sharding.spec, mapped),
-          dtype=jnp.dtype(self.config.model.dtype), donate=self._weights)
+      if self._split:  # LoRA: the adapters (and, the first time, the base)
+        adapters, base = self._split(params)
+        if self._base is None:
+          self._base = move(base)
+        self._weights = move(adapters, self._weights)
+      else:
+        self._weights = move(params, self._weights)
     self._sync_figures = {"perf/weight_sync_sec": self._to_sampler.last_sec,
                           "perf/weight_sync_gb": self._to_sampler.last_bytes / 1e9}
 

@@ -11,6 +11,7 @@ it does nothing and returns `policy.params` (abstract when GRPO is about to be r
 from absl import logging
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from grpo_jax import data as data_lib
@@ -25,7 +26,8 @@ def run(config, session, policy, mesh, train_data, evaluator):
   if meta["phase"] != "sft":
     return policy.params
   if meta["eval_initial"] is None:
-    meta["eval_initial"] = evaluator(policy.params, 0, jax.random.fold_in(session.rng, 1 << 20))
+    meta["eval_initial"] = evaluator(policy.params, 0, jax.random.fold_in(
+        session.rng, multihost.replicated(np.uint32(1 << 20), mesh)))
   stage = SFTStage(config, policy, mesh)
   if session.resume_phase == "sft":
     data_iter = stage.iterator(train_data)

@@ -76,8 +76,7 @@ def _run(config, workdir: str) -> dict:
     logging.info("policy: %s (%s), %.2fM parameters", config.model.impl, config.model.preset,
                  sum(x.size for x in jax.tree.leaves(policy.params)) / 1e6)
     profiling.log_memory("loading the policy")
-    engine = session.closing(rollout_lib.make_engine(config, policy, tokenizer, sampler_mesh,
-                                                     mapped=sampler_mesh is not mesh))
+    engine = session.closing(rollout_lib.make_engine(config, policy, tokenizer, sampler_mesh))
     evaluator = _evaluator(config, session, policy, tokenizer, mesh, eval_data, decode)
     r = config.reward
     reward_fn = session.closing(rewards_lib.build_reward_computer(
@@ -133,7 +132,7 @@ def _run(config, workdir: str) -> dict:
       ahead.submit(source.as_trainer(prompts.peek()), state, reference.params)
     if meta["eval_before"] is None:
       meta["eval_before"] = evaluator(state["params"], config.sft_steps,
-                                      jax.random.fold_in(rng, 2 << 20))
+                                      source_lib.step_key(rng, 2 << 20, mesh))
       eval_lib.log_results("before GRPO", meta["eval_before"])
     profiler = session.closing(profiling.StepProfiler(
         workdir, config.profile.start_step, config.profile.num_steps,
@@ -232,7 +231,7 @@ def _run(config, workdir: str) -> dict:
       if config.eval_interval_steps and step % config.eval_interval_steps == 0 and (
           step < config.num_steps):
         meta["history"].append({"step": step, "eval": evaluator(
-            state["params"], ckpt_base + step, jax.random.fold_in(rng, step - 1))})
+            state["params"], ckpt_base + step, source_lib.step_key(rng, step - 1, mesh))})
       if step % config.save_interval_steps == 0 or step == config.num_steps:
         log.flush()  # the checkpoint records how many metric rows precede it
         session.save(ckpt_base + step, saved_state(), train_iter)
@@ -242,7 +241,7 @@ def _run(config, workdir: str) -> dict:
 
     # ------------------------------------------------------------------------- finish
     eval_after = evaluator(state["params"], ckpt_base + config.num_steps,
-                           jax.random.fold_in(rng, 3 << 20))
+                           source_lib.step_key(rng, 3 << 20, mesh))
     eval_lib.log_results("after GRPO", eval_after)
     session.ckpt.wait()
     summary = {"final_step": meta["grpo_step"], "wall_time_sec": round(session.wall_time(), 2),

@@ -32,9 +32,7 @@ class NativeEngine:
 
   def __init__(self, policy, mesh, *, num_generations: int, max_prompt_length: int,
                max_new_tokens: int, eos_ids, pad_id: int, decode_phases: int = 0,
-               decode_block: int = 0, mapped: bool = False):
-    """mapped: generate() gets the sampler's weights already mapped (policy.rollout_params,
-    e.g. moved onto a sampler mesh of their own: rollout_source.py), not the trained ones."""
+               decode_block: int = 0):
     self.mesh = mesh
     kw = dict(max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens,
               num_generations=num_generations, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
@@ -46,8 +44,7 @@ class NativeEngine:
                                     decoder_start_id=policy.decoder_start_id, **kw)
     self.matches_trainer = policy.sampler_is_trainer
     # A native policy samples from the trained arrays themselves; MaxText maps them on device.
-    self._to_rollout = None if policy.sampler_is_trainer or mapped else jax.jit(
-        policy.rollout_params)
+    self._to_rollout = None if policy.sampler_is_trainer else jax.jit(policy.rollout_params)
     self._rollout_spec = None  # the mapped weights' shapes and shardings, once seen
 
   def generate(self, params, batch: dict, rng, generation) -> Rollout:
@@ -81,8 +78,7 @@ class NativeEngine:
 
 
 def make_engine(config, policy, tokenizer, mesh, *, num_generations: int | None = None,
-                max_new_tokens: int | None = None, kind: str | None = None,
-                mapped: bool = False):
+                max_new_tokens: int | None = None, kind: str | None = None):
   """The engine named by `kind` (default config.rollout.engine) for `policy` on `mesh`.
 
   num_generations / max_new_tokens default to the training rollout's (config.num_generations,
@@ -108,5 +104,5 @@ def make_engine(config, policy, tokenizer, mesh, *, num_generations: int | None 
   return NativeEngine(policy, mesh, num_generations=g, max_prompt_length=config.max_prompt_length,
                       max_new_tokens=c, eos_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
                       decode_phases=config.rollout.get("decode_phases", 0),
-                      decode_block=config.rollout.get("decode_block", 0), mapped=mapped)
+                      decode_block=config.rollout.get("decode_block", 0))
 
