@@ -5,6 +5,8 @@ r"""HBM plan: the per-device memory of one GRPO step, from the compiler, without
     python -m grpo_jax.memory_plan --config=configs/qwen3_0p6b.py --topology=h100 \
         --dump_hlo=/tmp/hlo          # + the optimized HLO of each program (hlo_inspect.py)
     python -m grpo_jax.memory_plan --config=configs/tiny.py          # this machine's devices
+    python -m grpo_jax.memory_plan --config=configs/qwen3_8b.py --topology=v5p-16 \
+        --config.rollout.placement=disaggregated   # trainer and sampler halves, each its own
 
 The loop's own jitted functions (rl/step.py's `update` and `logprobs`, rollout/sampler.py's
 generate) are lowered on abstract inputs (jax.ShapeDtypeStruct with the run's shardings) and
@@ -223,6 +225,33 @@ def plan(config, target: Target, *, remat_policies=None, micro_batches=None,
     return _plan(config, target, remat_policies, micro_batches, functions, log, compile_)
 
 
+def plan_disaggregated(config, target: Target, *, log=print, **kw):
+  """rollout.placement=disaggregated: the trainer's programs (update, logprobs) on the first
+  devices of `target`, with the trainer's resident state; the sampler on the last
+  rollout.num_devices (0 = half), holding only what it is sent: the weights in the compute
+  dtype (no optimizer state, no reference). -> {"trainer": (rows, mesh shape), "sampler":
+  (rows, mesh shape), "transfer_bytes": the weights moved per step (all devices)}."""
+  n = build.sampler_devices(config.rollout.num_devices, len(target.devices))
+
+  def part(devices, what):
+    return dataclasses.replace(target, devices=tuple(devices),
+                               name=f"{target.name} {what} ({len(devices)} devices)")
+
+  colocated = with_overrides(config, **{"rollout.placement": "colocated"})
+  trainer_t, sampler_t = part(target.devices[:-n], "trainer"), part(target.devices[-n:],
+                                                                    "sampler")
+  trainer = plan(colocated, trainer_t, functions=("update", "logprobs"), log=log, **kw)
+  sent = with_overrides(colocated, **{"model.param_dtype": config.model.dtype, "beta": 0.0})
+  rows, shape = plan(sent, sampler_t, functions=("sampler",), log=log,
+                     dump_hlo=kw.get("dump_hlo"))
+  rows = [dataclasses.replace(r, optimizer=0) for r in rows]
+  weights = build.make_policy(sent, build.make_mesh(sent, devices=sampler_t.devices),
+                              abstract=True).params
+  return {"trainer": (*trainer, trainer_t), "sampler": (rows, shape, sampler_t),
+          "transfer_bytes": sum(math.prod(x.shape) * x.dtype.itemsize
+                                for x in jax.tree.leaves(weights))}
+
+
 def program_name(function: str, remat: str | None = None, micro_batch: int | None = None):
   """The name --dump_hlo files a program under: "sampler", "logprobs", "update_none_mb16"."""
   return function if function != "update" else f"update_{remat}_mb{micro_batch}"
@@ -425,11 +454,11 @@ def main(argv):
     target = make_target(_TOPOLOGY.value)
     if _TOPOLOGY.value and target.devices[0].platform == "cpu":  # no compiler for the chip
       print(f"note: {target.compiler}", file=sys.stderr)
-    rows, mesh_shape = plan(config, target, remat_policies=_csv(_REMAT.value),
-                            micro_batches=_csv(_MICRO.value, int),
-                            functions=_csv(_FUNCTIONS.value) or FUNCTIONS,
-                            log=lambda s: print(s, file=sys.stderr, flush=True),
-                            dump_hlo=_DUMP_HLO.value)
+    kw = dict(remat_policies=_csv(_REMAT.value), micro_batches=_csv(_MICRO.value, int),
+              log=lambda s: print(s, file=sys.stderr, flush=True), dump_hlo=_DUMP_HLO.value)
+    if config.rollout.placement == "disaggregated":
+      return _print_disaggregated(config, target, plan_disaggregated(config, target, **kw))
+    rows, mesh_shape = plan(config, target, functions=_csv(_FUNCTIONS.value) or FUNCTIONS, **kw)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -446,6 +475,26 @@ def main(argv):
     print(f"wrote {_JSON.value} ({f['config'].config_filename})")
   if _DUMP_HLO.value:
     print(f"optimized HLO of each program in {_DUMP_HLO.value}/<program>.hlo.txt")
+
+
+def _print_disaggregated(config, target, got):
+  out = []
+  for role in ("trainer", "sampler"):
+    rows, mesh_shape, part = got[role]
+    unit = unit_of(rows)
+    print(f"--- the {role}'s devices")
+    print(header(config, part, mesh_shape, unit[0]))
+    print(table(rows))
+    print("\n".join(step_summary(rows, unit)))
+    out += [dict(r.to_json(part, mesh_shape), role=role) for r in rows]
+  pairs = len(got["sampler"][2].devices)
+  gb = got["transfer_bytes"] / 1e9
+  print(f"weight transfer trainer -> sampler per step ({config.model.dtype}): {gb:.3f} GB, "
+        f"{gb / pairs:.3f} GB per device pair ({pairs} pairs)")
+  if _JSON.value:
+    with open(_JSON.value, "w") as fh:
+      json.dump({"rows": out, "transfer_bytes": got["transfer_bytes"]}, fh, indent=1)
+    print(f"wrote {_JSON.value}")
 
 
 if __name__ == "__main__":

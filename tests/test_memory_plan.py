@@ -117,6 +117,29 @@ def test_native_sampler_counts_its_compute_dtype_copy():
                        row.temp + row.kv_cache + row.io)
 
 
+def test_disaggregated_plans_each_role_on_its_half():
+  """placement=disaggregated: update and log-probs on the trainer's 4 devices with the master
+  weights and optimizer state; the sampler on the other 4 with only the weights it is sent,
+  in the compute dtype (half the f32 params, no optimizer, no reference, no in-program copy);
+  the transfer is the whole model in the compute dtype."""
+  c = tiny.get_config()
+  c.model.param_dtype, c.model.dtype, c.beta = "float32", "bfloat16", 0.04
+  c.rollout.placement = "disaggregated"
+  got = mp.plan_disaggregated(c, mp.make_target(), log=lambda _: None)
+  trainer, _, trainer_t = got["trainer"]
+  (sampler,), _, sampler_t = got["sampler"]
+  assert len(trainer_t.devices) == len(sampler_t.devices) == 4
+  assert not set(trainer_t.devices) & set(sampler_t.devices)
+  assert sorted(r.function for r in trainer) == ["logprobs", "update"]
+  update = next(r for r in trainer if r.function == "update")
+  assert update.optimizer >= 2 * update.params and update.reference == update.params // 2
+  assert sampler.params == update.params // 2  # bf16 of the same shards (data-parallel mesh)
+  assert sampler.optimizer == sampler.reference == sampler.rollout_weights == 0
+  n = sum(x.size for x in jax.tree.leaves(build.make_policy(c, build.make_mesh(c),
+                                                            abstract=True).params))
+  assert got["transfer_bytes"] == 2 * n
+
+
 def test_topology_names():
   assert mp.parse_topology("v5p-8").topology_name == "v5:2x2x1"  # 8 cores = 4 chips
   assert mp.parse_topology("v5p-8").chips == 4
