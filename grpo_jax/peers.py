@@ -58,7 +58,7 @@ def lost_peer(e: BaseException) -> str | None:
   "Gloo AllGather failed: Connection reset by peer"), or None for any other error. Wrappers
   (the checkpoint writer's OSError) keep the collective's words in their message."""
   text = str(e)
-  op = re.search(r"Gloo [\w-]+ failed", text)
+  op = re.search(r"Gloo [\w -]+? failed", text)  # all-reduce, AllGather, collective permute
   why = re.search(r"Connection (closed|reset) by peer|Broken pipe", text)
   return f"{op.group(0)}: {why.group(0)}" if op and why else None
 

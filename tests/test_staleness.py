@@ -115,3 +115,30 @@ def test_lora_disaggregated_moves_only_the_adapters(tmp_path):
   # A LoRA checkpoint's params are the adapters: each move is their f32 bytes, no more.
   adapters = sum(x.size for x in jax.tree.leaves(checkpoint_state(col)[1]["train"]["params"]))
   assert [r["perf/weight_sync_gb"] for r in b] == pytest.approx([4 * adapters / 1e9] * 3)
+
+
+@pytest.mark.slow  # ~2 min on 2 cores: three 2-process runs
+def test_disaggregated_kill_9_of_the_sampler_process_then_relaunch_resumes_exactly(tmp_path):
+  """Disaggregated, one step off, 2 processes (trainer | sampler): kill -9 of the sampler's
+  process after checkpoint 2 (a rollout in flight, weight moves under way), the trainer's
+  process exits 75 with one line; relaunching both resumes == a run never killed."""
+  import re
+  import signal
+  from etils import epath
+  from grpo_jax import peers
+  from tests import test_multihost as mh
+  from tests import test_peer_exit as pe
+  args = [*PAIR_ARGS, "--config.num_steps=6"]
+  ref, run = epath.Path(tmp_path / "ref"), epath.Path(tmp_path / "run")
+  for rc, err in mh._launch_pair(ref, base=args):
+    assert rc == 0, err[-3000:]
+  committed = run / "checkpoints" / "2" / "commit_success.txt"
+  rc, took, stderr = pe._kill_one(str(run), signal.SIGKILL, args=args, ready=committed.exists)
+  assert rc == peers.EXIT_PEER_GONE and took < pe.EXIT_WITHIN_SEC, stderr[-3000:]
+  for rc, err in mh._launch_pair(run, base=args):
+    assert rc == 0, err[-3000:]
+    assert re.search(r"resuming from \S+/checkpoints/\d+", err), err[-3000:]
+  want, got = mh._logged(ref), mh._logged(run)
+  assert sorted(want) == sorted(got)
+  for key in want:
+    assert want[key] == got[key], key
