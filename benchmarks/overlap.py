@@ -118,7 +118,7 @@ def main():
   ap.add_argument("--layouts", default="pair,single")
   ap.add_argument("--steps", type=int, default=14)
   ap.add_argument("--warmup", type=int, default=4)
-  ap.add_argument("--completion", type=int, default=24)
+  ap.add_argument("--completion", type=int, default=48)
   ap.add_argument("--cores", default="0,1")
   ap.add_argument("--quick", action="store_true", help="8 steps, warm-up 3")
   ap.add_argument("--json", default="")

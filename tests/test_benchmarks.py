@@ -122,3 +122,26 @@ def test_accelerator_benchmark_failures_and_deadline(tmp_path):
   res, stdout = _accelerator(tmp_path, "--quick", "--sections=1,2", "--deadline_s=0")
   assert res["ceilings"]["status"] == res["sampler"]["status"] == "skipped"
   assert "== section sampler: skipped (deadline" in stdout
+
+
+@pytest.mark.slow  # ~2 min: four 2-process / 8-device runs of the loop
+def test_overlap_benchmark_quick(tmp_path):
+  """benchmarks/overlap.py --quick: both placements on both layouts, steps/s and the ratio."""
+  out = tmp_path / "overlap.json"
+  r = subprocess.run([sys.executable, "benchmarks/overlap.py", "--quick", "--completion=16",
+                      f"--json={out}"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  res = json.loads(out.read_text())
+  for layout in ("pair", "single"):
+    assert res[f"{layout}/colocated"]["steps_per_sec"] > 0
+    assert res[f"{layout}/disaggregated+1"]["perf/weight_sync_sec"] > 0
+    assert res[f"{layout}/ratio"] > 0
+
+
+def test_weight_transfer_benchmark_runs():
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  r = subprocess.run([sys.executable, "benchmarks/weight_transfer.py", "--mb=4", "--repeats=2"],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "GB/s" in r.stdout

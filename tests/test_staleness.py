@@ -101,6 +101,7 @@ def test_disaggregated_two_processes_equal_one_through_a_resume(tmp_path):
     np.testing.assert_allclose(x, y, atol=mh.PARAM_TOL)
 
 
+@pytest.mark.slow  # ~40 s
 def test_lora_disaggregated_moves_only_the_adapters(tmp_path):
   """LoRA policy, disaggregated and on-policy == colocated; after the first sync (base +
   adapters) each weight move carries only the adapters."""
