@@ -42,7 +42,7 @@ def run(config, session, policy, mesh, train_data, evaluator):
     step = meta["sft_step"] = meta["sft_step"] + 1
     loss = stage.step(train_data)
     if step % config.log_interval_steps == 0 or step == config.sft_steps:
-      scalars = {"sft/loss": float(loss)}
+      scalars = {"sft/loss": float(multihost.read(loss, mesh))}  # (every process)
       session.writer.write_scalars(step, scalars)
       progress.log(step, scalars, ("sft/loss",))
     if val_data is not None and step % c.eval_interval_steps == 0:
@@ -142,6 +142,7 @@ class SFTStage:
   def step(self, train_data):
     idx = next(self.data_iter)
     b = data_lib.sft_batch(train_data, idx, self.config.max_completion_length)
-    batch = {k: multihost.to_global(v, self.mesh) for k, v in b.items()}
+    batch = {k: multihost.to_global(v, self.mesh, self.config.sft.batch_size)
+             for k, v in b.items()}
     self.state, loss = self._update(self.state, batch)
     return loss

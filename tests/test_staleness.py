@@ -66,11 +66,13 @@ def test_disaggregated_on_policy_equals_colocated(tmp_path):
   assert all(r["perf/weight_sync_gb"] > 0 for r in b)
 
 
-PAIR_ARGS = ["--config=configs/tiny.py", "--config.sft_steps=0", "--config.num_steps=4",
+PAIR_ARGS = ["--config=configs/tiny.py", "--config.sft_steps=0",
+             "--config.sft.stop_at_accuracy=0", "--config.save_interval_steps=2",
+             "--config.num_steps=4",
              "--config.batch_size=8", "--config.num_generations=4",
              "--config.data.arithmetic.num_train=64", "--config.eval.num_examples=16",
              "--config.eval.batch_size=16", "--config.log_interval_steps=1",
-             "--config.save_interval_steps=2", "--config.optimizer.learning_rate=3e-3",
+             "--config.optimizer.learning_rate=3e-3",
              "--config.reward.custom_file=tests/data/digit_count_reward.py",
              "--config.report_at_end=False", "--config.beta=0.02",
              "--config.loss.dynamic_sampling=True", "--config.loss.max_resample_rounds=1",
@@ -121,19 +123,21 @@ def test_lora_disaggregated_moves_only_the_adapters(tmp_path):
 @pytest.mark.slow  # ~2 min on 2 cores: three 2-process runs
 def test_disaggregated_kill_9_of_the_sampler_process_then_relaunch_resumes_exactly(tmp_path):
   """Disaggregated, one step off, 2 processes (trainer | sampler): kill -9 of the sampler's
-  process after checkpoint 2 (a rollout in flight, weight moves under way), the trainer's
-  process exits 75 with one line; relaunching both resumes == a run never killed."""
+  process after GRPO step 2's checkpoint (a rollout in flight, weight moves under way), the
+  trainer's process exits 75 with one line; relaunching both resumes == a run never killed,
+  bit for bit. A short SFT warm start first (the trainer's devices; its checkpoints and logs
+  written by process 0 for both)."""
   import re
   import signal
   from etils import epath
   from grpo_jax import peers
   from tests import test_multihost as mh
   from tests import test_peer_exit as pe
-  args = [*PAIR_ARGS, "--config.num_steps=6"]
+  args = [*PAIR_ARGS, "--config.num_steps=6", "--config.sft_steps=4"]
   ref, run = epath.Path(tmp_path / "ref"), epath.Path(tmp_path / "run")
   for rc, err in mh._launch_pair(ref, base=args):
     assert rc == 0, err[-3000:]
-  committed = run / "checkpoints" / "2" / "commit_success.txt"
+  committed = run / "checkpoints" / "6" / "commit_success.txt"  # SFT's 4 + GRPO's 2
   rc, took, stderr = pe._kill_one(str(run), signal.SIGKILL, args=args, ready=committed.exists)
   assert rc == peers.EXIT_PEER_GONE and took < pe.EXIT_WITHIN_SEC, stderr[-3000:]
   for rc, err in mh._launch_pair(run, base=args):
