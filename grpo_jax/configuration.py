@@ -392,6 +392,15 @@ def validate(config, *, num_devices: int | None = None,
     c.require(num_devices >= 1, "rollout.vllm.num_devices",
               f"leaves the trainer no device of {num_devices + vllm_own} per host",
               "use fewer chips for vLLM, or 0 to share them")
+  if config.rollout.get("placement", "colocated") == "disaggregated":
+    n = model_build.sampler_count(config.rollout.num_devices, num_devices)
+    even = num_devices >= 2 and n == num_devices - n
+    c.require(even, "rollout.num_devices",
+              f"gives the sampler {n} of {num_devices} devices; each sampler device pairs with "
+              "a trainer device (grpo_jax/transfer.py), so the split must be even",
+              f"--config.rollout.num_devices={num_devices // 2} (or 0 = half)" if
+              num_devices >= 2 else "--config.rollout.placement=colocated (one device)")
+    num_devices = num_devices - n if even else 0  # the trainer's mesh (none: no mesh checks)
   if num_devices >= 1:
     _check_mesh(c, config, num_devices, num_processes or jax.process_count())
   return (c.errors + lora.problems(config) +

@@ -2,12 +2,15 @@
 
     run(config, workdir)
 
-  setup       session (checkpoints, metrics, preemption, one teardown), mesh, data, policy,
-              rollout engine, evaluator, rewards, the jitted update functions
+  setup       session (checkpoints, metrics, preemption, one teardown), the trainer's and
+              the sampler's mesh (one mesh unless rollout.placement=disaggregated), data,
+              policy, rollout engine, evaluator, rewards, the jitted update functions
   sft         the optional supervised warm start (config.sft_steps; sft.py owns that stage)
-  grpo        start (or restore) the update state and the frozen reference, evaluate, then
-              per step: prompts -> rollout (G per prompt) -> rewards -> advantages ->
-              old/ref log-probs -> num_iterations updates -> log / eval / checkpoint
+  grpo        start (or restore) the update state, the reference (reference.py) and the
+              rollout source (rollout_source.py), evaluate, then per step: the source's scored
+              batch (prompts -> rollout -> rewards; on-policy or rollout.max_staleness steps
+              ahead) -> advantages -> old/ref log-probs -> num_iterations updates -> the
+              sampler's weights and the reference follow -> log / eval / checkpoint
   finish      evaluation after training, DIR/summary.json
 
 Shapes: B prompts per step, G samples per prompt, N = B*G rows, P prompt length, C completion

@@ -277,3 +277,26 @@ def test_micro_batch_at_least_the_step_rows_means_all_rows_at_once():
   with config.unlocked():
     config.micro_batch_size = 4
   assert errors_of(config)[0].startswith("micro_batch_size=4: not divisible by the data-parallel")
+
+
+def test_disaggregated_placement_is_checked_against_the_trainer_half():
+  """placement=disaggregated: an uneven split is one line with the fix; the mesh is checked
+  against the trainer's half of the devices; vLLM is refused."""
+
+  spec = importlib.util.spec_from_file_location("cfg_tiny_p", os.path.join(ROOT, "configs",
+                                                                           "tiny.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config()
+  c.rollout.placement = "disaggregated"
+  assert configuration.validate(c, num_devices=8) == []
+  c.rollout.num_devices = 3
+  (e,) = configuration.validate(c, num_devices=8)
+  assert e.startswith("rollout.num_devices=3") and "--config.rollout.num_devices=4" in e
+  c.rollout.num_devices = 0.5
+  c.mesh.data = 8
+  (e,) = configuration.validate(c, num_devices=8)
+  assert e.startswith("mesh.data=8") and "4 devices" in e
+  c.mesh.data = -1
+  c.rollout.engine = "vllm"
+  assert any(e.startswith("rollout.placement=") for e in configuration.validate(c, num_devices=8))

@@ -51,11 +51,17 @@ def make_meshes(config):
   return make_mesh(config, devices[:len(devices) - n]), sampler
 
 
-def sampler_devices(num_devices: float, total: int) -> int:
+def sampler_count(num_devices: float, total: int) -> int:
   """rollout.num_devices -> a count: as is when >= 1, a fraction of `total` when in (0, 1),
-  half when 0. ValueError (one line, with the fix) unless it leaves the trainer as many."""
-  n = total // 2 if not num_devices else (
+  half when 0."""
+  return total // 2 if not num_devices else (
       int(num_devices) if num_devices >= 1 else int(round(num_devices * total)))
+
+
+def sampler_devices(num_devices: float, total: int) -> int:
+  """sampler_count, or ValueError (one line, with the fix) unless it leaves the trainer as
+  many."""
+  n = sampler_count(num_devices, total)
   if total < 2:
     raise ValueError("rollout.placement=disaggregated needs at least 2 devices (one sampler, "
                      "one trainer). Fix: --config.rollout.placement=colocated")
