@@ -155,7 +155,8 @@ class RolloutSource:
     """The trainer's weights changed. Colocated, the sampler reads them as they are;
     disaggregated, they move to the sampler's devices (device to device, in the compute
     dtype, into the buffers of the copy they replace), once an in-flight rollout that reads
-    that copy is done. perf/weight_sync_sec includes that wait."""
+    that copy is done. perf/weight_sync_sec includes that wait; perf/weight_sync_gb_per_sec
+    is logged on-policy only, where there is none."""
     if not self.disaggregated:
       return
     dtype = jnp.dtype(self.config.model.dtype)
@@ -169,8 +170,10 @@ class RolloutSource:
         self._weights = move(adapters, self._weights)
       else:
         self._weights = move(params, self._weights)
-    self._sync_figures = {"perf/weight_sync_sec": self._to_sampler.last_sec,
-                          "perf/weight_sync_gb": self._to_sampler.last_bytes / 1e9}
+    sec, gb = self._to_sampler.last_sec, self._to_sampler.last_bytes / 1e9
+    self._sync_figures = {"perf/weight_sync_sec": sec, "perf/weight_sync_gb": gb}
+    if not self.depth:  # (off-policy the time includes waiting for the rollout in flight)
+      self._sync_figures["perf/weight_sync_gb_per_sec"] = gb / max(sec, 1e-9)
 
   def as_trainer(self, prompt: dict) -> dict:
     """Global prompt arrays, or their abstract trainer-side twins when disaggregated (what the

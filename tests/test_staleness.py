@@ -63,7 +63,7 @@ def test_disaggregated_on_policy_equals_colocated(tmp_path):
   for ra, rb in zip(a, b, strict=True):
     for k in KEYS:
       assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (ra["step"], k, ra[k], rb[k])
-  assert all(r["perf/weight_sync_gb"] > 0 for r in b)
+  assert all(r["perf/weight_sync_gb"] > 0 and r["perf/weight_sync_gb_per_sec"] > 0 for r in b)
 
 
 PAIR_ARGS = ["--config=configs/tiny.py", "--config.sft_steps=0",
