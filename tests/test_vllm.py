@@ -199,13 +199,16 @@ def test_a_sync_past_its_timeout_stops_the_run(setup, monkeypatch):
   assert engine.last_probe_diff <= 1e-4
 
 
-@pytest.mark.parametrize("config,lora_sync", [
-    ("tiny", "merged"), pytest.param("tiny_maxtext", "merged", marks=pytest.mark.slow),
-    pytest.param("tiny_lora", "merged", marks=pytest.mark.slow),  # suite time: -m slow
-    pytest.param("tiny_lora", "adapters", marks=pytest.mark.slow)])
-def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config, lora_sync):
+@pytest.mark.parametrize("config,lora_sync,staleness", [
+    ("tiny", "merged", 0), pytest.param("tiny_maxtext", "merged", 0, marks=pytest.mark.slow),
+    pytest.param("tiny_lora", "merged", 0, marks=pytest.mark.slow),  # suite time: -m slow
+    pytest.param("tiny_lora", "adapters", 0, marks=pytest.mark.slow),
+    pytest.param("tiny", "merged", 1, marks=pytest.mark.slow)])
+def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config, lora_sync, staleness):
   """Native policy, and a MaxText policy whose weights reach vLLM through the native layout;
-  a LoRA policy with merged weights or with vLLM's own LoRA (adapters only cross).
+  a LoRA policy with merged weights or with vLLM's own LoRA (adapters only cross); one step
+  off (max_staleness=1: vLLM samples step 2 from the weights before update 1, and that
+  rollout travels with checkpoint 1).
   The run stops after step 1 and resumes: the resumed run's policy is a restore target (shapes
   only) when vLLM boots, and vLLM must then sample from the restored weights."""
   if config == "tiny_maxtext":
@@ -223,18 +226,23 @@ def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config, lora_sync):
          "--config.data.arithmetic.num_train=64", "--config.data.arithmetic.num_test=16",
          "--config.log_interval_steps=1", "--config.rollout.max_logprob_gap=0.5",
          f"--config.reward.custom_file={ROOT}/tests/data/digit_count_reward.py",
-         f"--config.rollout.vllm.lora_sync={lora_sync}", *args],
+         f"--config.rollout.vllm.lora_sync={lora_sync}",
+         f"--config.rollout.max_staleness={staleness}", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert says in r.stderr
   rows = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
   steps = [x for x in rows if "loss/policy_loss" in x]
   assert [x["step"] for x in steps] == [1, 2]
-  for x in steps:
+  assert [x["rollout/staleness"] for x in steps] == [0, staleness]
+  # One step off, the resumed run's last step samples nothing (its rollout came from the
+  # checkpoint): no sync there.
+  for x in steps[:1] if staleness else steps:
     assert x["perf/weight_sync_sec"] > 0
     assert x["perf/weight_sync_mb"] > 0
     assert x["perf/weight_sync_check_sec"] > 0
     assert x["rollout/weight_sync_probe_diff"] <= 1e-4  # vLLM holds the synced weights
+  for x in steps:
     # vLLM samples what the trainer scores; MaxText's tied head is bf16-rounded (see
     # models/maxtext_adapter.py), hence its looser bound.
     tol = 2e-2 if config == "tiny_maxtext" else 1e-4
