@@ -74,6 +74,7 @@ from grpo_jax.rollout import sampler as sampler_lib
 from grpo_jax.rollout.types import GenerationConfig
 from grpo_jax.memory_plan_table import fit_text  # noqa: F401  (the tests read it here)
 from grpo_jax.memory_plan_table import header
+from grpo_jax.memory_plan_table import print_disaggregated
 from grpo_jax.memory_plan_table import step_summary
 from grpo_jax.memory_plan_table import table
 from grpo_jax.memory_plan_table import unit_of
@@ -227,27 +228,22 @@ def plan(config, target: Target, *, remat_policies=None, micro_batches=None,
 
 def plan_disaggregated(config, target: Target, *, log=print, **kw):
   """rollout.placement=disaggregated: the trainer's programs (update, logprobs) on the first
-  devices of `target`, with the trainer's resident state; the sampler on the last
-  rollout.num_devices (0 = half), holding only what it is sent: the weights in the compute
-  dtype (no optimizer state, no reference). -> {"trainer": (rows, mesh shape), "sampler":
-  (rows, mesh shape), "transfer_bytes": the weights moved per step (all devices)}."""
+  devices of `target` with the trainer's resident state; the sampler on the last
+  rollout.num_devices (0 = half) with only what it is sent, the weights in the compute dtype.
+  -> {role: (rows, mesh shape, its Target), "transfer_bytes": weights moved per step}."""
   n = build.sampler_devices(config.rollout.num_devices, len(target.devices))
-
-  def part(devices, what):
-    return dataclasses.replace(target, devices=tuple(devices),
-                               name=f"{target.name} {what} ({len(devices)} devices)")
-
+  trainer_t, sampler_t = (dataclasses.replace(target, devices=tuple(d), name=(
+      f"{target.name} {what} ({len(d)} devices)")) for d, what in (
+          (target.devices[:-n], "trainer"), (target.devices[-n:], "sampler")))
   colocated = with_overrides(config, **{"rollout.placement": "colocated"})
-  trainer_t, sampler_t = part(target.devices[:-n], "trainer"), part(target.devices[-n:],
-                                                                    "sampler")
   trainer = plan(colocated, trainer_t, functions=("update", "logprobs"), log=log, **kw)
   sent = with_overrides(colocated, **{"model.param_dtype": config.model.dtype, "beta": 0.0})
   rows, shape = plan(sent, sampler_t, functions=("sampler",), log=log,
                      dump_hlo=kw.get("dump_hlo"))
-  rows = [dataclasses.replace(r, optimizer=0) for r in rows]
   weights = build.make_policy(sent, build.make_mesh(sent, devices=sampler_t.devices),
                               abstract=True).params
-  return {"trainer": (*trainer, trainer_t), "sampler": (rows, shape, sampler_t),
+  return {"trainer": (*trainer, trainer_t),
+          "sampler": ([dataclasses.replace(r, optimizer=0) for r in rows], shape, sampler_t),
           "transfer_bytes": sum(math.prod(x.shape) * x.dtype.itemsize
                                 for x in jax.tree.leaves(weights))}
 
@@ -457,7 +453,8 @@ def main(argv):
     kw = dict(remat_policies=_csv(_REMAT.value), micro_batches=_csv(_MICRO.value, int),
               log=lambda s: print(s, file=sys.stderr, flush=True), dump_hlo=_DUMP_HLO.value)
     if config.rollout.placement == "disaggregated":
-      return _print_disaggregated(config, target, plan_disaggregated(config, target, **kw))
+      return print_disaggregated(config, plan_disaggregated(config, target, **kw),
+                                 _JSON.value)
     rows, mesh_shape = plan(config, target, functions=_csv(_FUNCTIONS.value) or FUNCTIONS, **kw)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -475,26 +472,6 @@ def main(argv):
     print(f"wrote {_JSON.value} ({f['config'].config_filename})")
   if _DUMP_HLO.value:
     print(f"optimized HLO of each program in {_DUMP_HLO.value}/<program>.hlo.txt")
-
-
-def _print_disaggregated(config, target, got):
-  out = []
-  for role in ("trainer", "sampler"):
-    rows, mesh_shape, part = got[role]
-    unit = unit_of(rows)
-    print(f"--- the {role}'s devices")
-    print(header(config, part, mesh_shape, unit[0]))
-    print(table(rows))
-    print("\n".join(step_summary(rows, unit)))
-    out += [dict(r.to_json(part, mesh_shape), role=role) for r in rows]
-  pairs = len(got["sampler"][2].devices)
-  gb = got["transfer_bytes"] / 1e9
-  print(f"weight transfer trainer -> sampler per step ({config.model.dtype}): {gb:.3f} GB, "
-        f"{gb / pairs:.3f} GB per device pair ({pairs} pairs)")
-  if _JSON.value:
-    with open(_JSON.value, "w") as fh:
-      json.dump({"rows": out, "transfer_bytes": got["transfer_bytes"]}, fh, indent=1)
-    print(f"wrote {_JSON.value}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """memory_plan's printout: its rows (memory_plan.Row) as the fixed-width table, the per-setting
 fit lines and the header, in GiB (MiB for tiny configs)."""
+import json
+
 from grpo_jax.tpu_targets import GIB
 
 
@@ -63,3 +65,25 @@ def header(config, target, mesh_shape: dict, unit: str = "GiB") -> str:
           f"{unit} per device. total = params + optim + ref + rollout_w + temp + kv + io (host: "
           "pinned host memory, not in total); a step fits when its update row and the forward "
           "rows fit.")
+
+
+def print_disaggregated(config, got: dict, json_path: str | None = None):
+  """The printout of memory_plan.plan_disaggregated: each role's table, the weight transfer's
+  bytes per step; `json_path`: its rows (with "role") and transfer_bytes as JSON."""
+  out = []
+  for role in ("trainer", "sampler"):
+    rows, mesh_shape, part = got[role]
+    unit = unit_of(rows)
+    print(f"--- the {role}'s devices")
+    print(header(config, part, mesh_shape, unit[0]))
+    print(table(rows))
+    print("\n".join(step_summary(rows, unit)))
+    out += [dict(r.to_json(part, mesh_shape), role=role) for r in rows]
+  pairs = len(got["sampler"][2].devices)
+  gb = got["transfer_bytes"] / 1e9
+  print(f"weight transfer trainer -> sampler per step ({config.model.dtype}): {gb:.3f} GB, "
+        f"{gb / pairs:.3f} GB per device pair ({pairs} pairs)")
+  if json_path:
+    with open(json_path, "w") as fh:
+      json.dump({"rows": out, "transfer_bytes": got["transfer_bytes"]}, fh, indent=1)
+    print(f"wrote {json_path}")
