@@ -110,15 +110,31 @@ def base() -> ml_collections.ConfigDict:
   c.tokenizer.path = ""  # Empty: use model.hf_path.
 
   c.data = ml_collections.ConfigDict()
-  c.data.train_source = "gsm8k"  # gsm8k | jsonl | xsum | arithmetic
+  # Where rows come from (README "Your data"): gsm8k | jsonl | xsum (JSON lines files) |
+  # parquet (verl's layout: a file, a folder of *.parquet or a glob; local or gs://) |
+  # hf_dataset (a datasets.save_to_disk folder, or parquet/arrow/json/jsonl/csv files through
+  # datasets' loaders; TRL's layout) | arithmetic (generated). Prompts may be strings or chat
+  # messages [{"role", "content"}] (rendered by data.template).
+  c.data.train_source = "gsm8k"
   c.data.train_path = ""
   c.data.eval_source = "gsm8k"
   c.data.eval_path = ""
+  # parquet / hf_dataset: which column holds each field ("a.b" reaches into a struct column).
+  # Every column but the prompt also reaches reward functions as a keyword (as TRL passes them).
+  c.data.columns = ml_collections.ConfigDict()
+  c.data.columns.prompt = "prompt"  # a string or a list of chat messages
+  # "" = reward_model.ground_truth when the table has it (verl), else ground_truth.
+  c.data.columns.ground_truth = ""
+  c.data.columns.data_source = "data_source"  # absent column: "" for every row
+  c.data.columns.extra_info = "extra_info"  # absent column: a dict of the other columns
+  c.data.columns.demonstration = ""  # optional: a target completion column for sft_steps
   # > 0: the eval split is the last N rows of the train file (eval_source/eval_path unused) and
   # training keeps the rest: for datasets that come as one file (e.g. 1000 XSum rows).
   c.data.heldout_rows = 0
   # chatml | plain | tokenizer (the tokenizer folder's chat_template, rendered like
   # transformers' apply_chat_template)
+  # (chat-message prompts: chatml renders any turns; plain only a system and a user turn;
+  # tokenizer needs a folder with a chat template)
   c.data.template = "chatml"
   c.data.system_prompt = "reasoning"  # reasoning | think | none
   # Train prompts longer than max_prompt_length: "truncate" (keep their end, counted and logged)
@@ -226,6 +242,10 @@ def base() -> ml_collections.ConfigDict:
                         "check_numbers")
   c.reward.weights = (1.0, 1.0, 1.0, 1.0)
   c.reward.custom_file = ""  # A .py defining compute_score(data_source, solution_str, ...).
+  # A function of reward.custom_file to use instead of compute_score, called as TRL calls reward
+  # functions: fn(prompts=[...], completions=[...], ground_truth=[...], <column>=[...], ...)
+  # -> list of floats, one per completion (a batch at a time).
+  c.reward.custom_function = ""
   c.reward.custom_weight = 1.0
   c.reward.on_error = "raise"  # raise | zero (score 0 and count it in reward/errors).
   c.reward.num_workers = 0  # > 0: score in a process pool.

@@ -8,6 +8,8 @@ Every set of accepted names is imported from the module that implements it (and 
 makes it a valid config value without touching this file.
 """
 
+import os
+
 import jax
 
 from grpo_jax import paths
@@ -15,6 +17,7 @@ from grpo_jax import sharding
 from grpo_jax.data import arithmetic
 from grpo_jax.data import pipeline
 from grpo_jax.data import sources
+from grpo_jax.data import tables
 from grpo_jax.data import templates
 from grpo_jax.data import tokenizers
 from grpo_jax.models import build as model_build
@@ -62,6 +65,16 @@ class _Checker:
     v = self.value(field)
     if v not in names:
       self.fail(field, f"unknown {what}", f"use one of {', '.join(map(str, names))}")
+
+  def path_exists_glob(self, field: str):
+    p = self.value(field)
+    folder = os.path.dirname(p)
+    problem = paths.check_scheme(p)
+    if problem:
+      self.fail(field, *problem)
+    elif not paths.isdir(folder):
+      self.fail(field, f"the folder {folder} of the pattern does not exist",
+                "give an existing folder")
 
   def path_exists(self, field: str, what: str):
     p = self.value(field)
@@ -255,10 +268,22 @@ def _check_data_and_rewards(c: _Checker, cfg):
             "0 = the eval split comes from data.eval_source")
   for split in ("train", "eval") if not d.heldout_rows else ("train",):
     c.one_of(f"data.{split}_source", sources.SOURCES, "data source")
-    c.path_exists(f"data.{split}_path", "the data file")
+    if d[f"{split}_source"] in sources.TABLE_SOURCES and any(
+        ch in os.path.basename(d[f"{split}_path"]) for ch in "*?["):
+      c.path_exists_glob(f"data.{split}_path")
+    else:
+      c.path_exists(f"data.{split}_path", "the data file")
     if d[f"{split}_source"] in sources.FILE_SOURCES and not d[f"{split}_path"]:
       c.fail(f"data.{split}_path", f"data.{split}_source={d[f'{split}_source']!r} reads a file",
-             f"set --config.data.{split}_path=/path/to/file.jsonl")
+             f"set --config.data.{split}_path=" + {
+                 "parquet": "/path/to/train.parquet (a file, folder or glob)",
+                 "hf_dataset": "/path/to/saved_dataset (or its data files)"}.get(
+                     d[f"{split}_source"], "/path/to/file.jsonl"))
+  for field, name in d.columns.items():
+    c.require(field in tables.FIELDS, f"data.columns.{field}", "unknown field",
+              f"the fields are {', '.join(tables.FIELDS)}")
+    c.require(isinstance(name, str) and (bool(name) or field in ("ground_truth", "demonstration")),
+              f"data.columns.{field}", "must name a column", 'e.g. "prompt"')
   c.one_of("data.template", templates.TEMPLATES, "prompt template")
   c.one_of("data.overlong_prompts", pipeline.OVERLONG_PROMPTS, "overlong-prompt policy")
   c.one_of("data.prompt_width", pipeline.PROMPT_WIDTHS, "prompt width")
@@ -289,6 +314,9 @@ def _check_data_and_rewards(c: _Checker, cfg):
   if not rw.functions and not rw.custom_file:
     c.fail("reward.functions", "no reward at all", "name functions or set reward.custom_file")
   c.path_exists("reward.custom_file", "the reward file")
+  if rw.custom_function and not rw.custom_file:
+    c.fail("reward.custom_function", "names a function of reward.custom_file, which is unset",
+           "set --config.reward.custom_file=/path/to/rewards.py")
   c.one_of("reward.on_error", reward_computer.ON_ERROR, "reward error policy")
   c.require(rw.num_workers >= 0, "reward.num_workers", "must be >= 0", "0 scores in-process")
   c.require(rw.timeout_sec >= 0, "reward.timeout_sec", "must be >= 0", "0 = no timeout")

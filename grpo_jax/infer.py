@@ -114,10 +114,7 @@ def show_heldout(config, policy, mesh, *, num_examples=4, generation="greedy", n
   rows = eval_rows[:max(num_examples, 1)]
   completions = generate_rows(config, policy, rows, mesh, generation=generation,
                               num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed)
-  r = config.reward
-  reward_fn = rewards_lib.build_reward_computer(
-      r.functions, r.weights, custom_file=r.custom_file, custom_weight=r.custom_weight,
-      on_error="zero", timeout_sec=r.timeout_sec)
+  reward_fn = rewards_lib.from_config(config.reward, on_error="zero", num_workers=0)
   shown = []
   try:
     for i, (row, texts) in enumerate(zip(rows, completions)):

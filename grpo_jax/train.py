@@ -81,10 +81,7 @@ def _run(config, workdir: str) -> dict:
     profiling.log_memory("loading the policy")
     engine = session.closing(rollout_lib.make_engine(config, policy, tokenizer, sampler_mesh))
     evaluator = _evaluator(config, session, policy, tokenizer, mesh, eval_data, decode)
-    r = config.reward
-    reward_fn = session.closing(rewards_lib.build_reward_computer(
-        r.functions, r.weights, custom_file=r.custom_file, custom_weight=r.custom_weight,
-        on_error=r.on_error, num_workers=r.num_workers, timeout_sec=r.timeout_sec))
+    reward_fn = session.closing(rewards_lib.from_config(config.reward))
     reward_fn.check(train_data.rows[0])  # a broken plug-in fails now, not after SFT
     judge = session.closing(judge_lib.build_judge(config, mesh))  # None: reward.judge.path ""
     fns = step_lib.build(config, policy, mesh)

@@ -65,6 +65,23 @@ def _prompts(lines, name="rows.jsonl"):
   return run
 
 
+def _parquet(tmp, records):
+  pa = pytest.importorskip("pyarrow")
+  import pyarrow.parquet as pq
+  path = os.path.join(tmp, "t.parquet")
+  pq.write_table(pa.Table.from_pylist(records), path)
+  return path
+
+
+def _table(make, source="parquet", columns=None):
+  def run(tmp):
+    if source == "hf_dataset":
+      pytest.importorskip("datasets")
+    from grpo_jax.data import tables
+    tables.READERS[source](make(tmp), columns)
+  return run
+
+
 # A minimal byte-level BPE folder (the real Qwen2 files are in ../shared/data, not in CI's clone).
 MINI_TOKENIZER = {"vocab.json": json.dumps({"h": 0, "i": 1, "hi": 2, "<|endoftext|>": 3}),
                   "merges.txt": "#version: 0.2\nh i\n",
@@ -187,7 +204,7 @@ CASES = [
     ("empty file", _gsm8k(""), r"train.jsonl: no rows"),
     ("field of the wrong type", _prompts('{"prompt": 3, "ground_truth": "1", '
                                          '"data_source": "x"}\n'),
-     r"rows.jsonl:1: field 'prompt' should be a string, got int"),
+     r"rows.jsonl:1: field 'prompt' should be a string or a list of chat messages, got int"),
     (".json not a list", _prompts('{"prompt": "p"}', name="rows.json"),
      r"rows.json: expected a JSON list of objects, got dict"),
     ("overlong-prompt policy typo", _validation(**{"data.overlong_prompts": "skip"}),
@@ -197,6 +214,35 @@ CASES = [
         [{"prompt": ""}], tokenizers.build_tokenizer("char"), template="plain",
         system_prompt="", max_prompt_length=8),
      r"row 0 renders to an empty prompt"),
+    # ---- parquet (verl) and datasets (TRL) tables
+    ("parquet without the prompt column", _table(
+        lambda tmp: _parquet(tmp, [{"question": "1+1?", "answer": "2"}])),
+     r"t.parquet: no column 'prompt' for the prompt \(columns: \['answer', 'question'\]\)\. "
+     r"Fix: --config.data.columns.prompt=<one of them>"),
+    ("parquet message without content", _table(lambda tmp: _parquet(
+        tmp, [{"prompt": [{"role": "user", "content": "1+1?"}], "ground_truth": "2"},
+              {"prompt": [{"role": "user", "content": None}], "ground_truth": "2"}])),
+     r"t.parquet: row 1: column 'prompt' message 0 should be \{'role': str, 'content': str\}"),
+    ("not a parquet file", _table(lambda tmp: _write(tmp, "t.parquet", "a,b\n1,2\n")),
+     r"t.parquet: not a readable parquet file .* Fix: point data.\*_path at parquet files"),
+    ("null ground truth in a datasets folder", _table(lambda tmp: _parquet(
+        tmp, [{"prompt": "1+1?", "answer": "2"}, {"prompt": "2+2?", "answer": None}]),
+        source="hf_dataset", columns={"ground_truth": "answer"}),
+     r"t.parquet: row 1: column 'answer' is empty \(null\)\. Fix: fill it or drop the row"),
+    ("plain template meets a multi-turn prompt", lambda tmp: pipeline.PromptData(
+        [{"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                     {"role": "user", "content": "c"}]}], tokenizers.build_tokenizer("char"),
+        template="plain", system_prompt="", max_prompt_length=8),
+     r"prompt row 0 .*this prompt has the turns \['user', 'assistant', 'user'\]\. Fix: "
+     r"data.template=chatml"),
+    ("reward function missing from the file", lambda tmp: computer.build_reward_computer(
+        (), (), custom_file=_write(tmp, "r.py", "def good(prompts, completions, **kw):\n  "
+                                   "return [0.0] * len(completions)\n"),
+        custom_function="god"),
+     r"r.py defines no function 'god' \(reward.custom_function\); it defines \['good'\]"),
+    ("data path glob in a missing folder", _validation(**{"data.train_source": "parquet",
+                                                          "data.train_path": "/no/dir/*.parquet"}),
+     r"data.train_path='/no/dir/\*.parquet': the folder /no/dir of the pattern does not exist"),
     # ---- tokenizer files
     ("tokenizer folder without vocab", _tokenizer({"tokenizer_config.json": None}),
      r"tok: no tokenizer.json and no vocab.json \+ merges.txt"),

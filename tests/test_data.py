@@ -34,7 +34,7 @@ GOOD = {"prompt": "2+2?", "ground_truth": "4", "data_source": "math"}
     ('{"ground_truth": "1", "data_source": "math"}', ["missing field 'prompt'", "a string"]),
     ('{"prompt": "x", "data_source": "math"}', ["missing field 'ground_truth'"]),
     ('{"prompt": 7, "ground_truth": "1", "data_source": "math"}',
-     ["field 'prompt' should be a string, got int"]),
+     ["field 'prompt' should be a string or a list of chat messages, got int"]),
     ('{"prompt": "x", "ground_truth": {"a": 1}, "data_source": "math"}',
      ["field 'ground_truth' should be a string, a number or a list", "got dict"]),
     ('["not", "an", "object"]', ["expected a JSON object, got list"]),
@@ -305,8 +305,10 @@ def test_heldout_rows_split_the_train_file():
 
 def test_sources_are_the_readers_plus_arithmetic():
   from grpo_jax.data import sources
-  assert set(sources.FILE_SOURCES) == set(datasets.READERS)
-  assert set(data.SOURCES) == set(datasets.READERS) | {"arithmetic"}
+  from grpo_jax.data import tables
+  assert set(sources.FILE_SOURCES) == set(datasets.READERS) | set(tables.READERS)
+  assert set(data.SOURCES) == set(sources.FILE_SOURCES) | {"arithmetic"}
+  assert set(tables.READERS) == {"parquet", "hf_dataset"}
   with pytest.raises(ValueError, match="unknown data source 'csv'.*arithmetic"):
     data.load_rows(_data_config(train_source="csv"))
 

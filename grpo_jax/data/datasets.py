@@ -1,7 +1,8 @@
 """Dataset readers -> lists of row dicts, with file:line errors for bad rows.
 
 Every reader returns rows of the same shape:
-  prompt        str   the user message (templating happens in the pipeline)
+  prompt        str | list[dict]   the user message, or chat messages [{"role", "content"}]
+                (templating happens in the pipeline; `check_prompt` says what is accepted)
   ground_truth  str   what rewards compare against
   data_source   str   selects the scorer (gsm8k, summarization, qa, ...)
   extra_info    dict  every other field of the row, passed to rewards
@@ -54,6 +55,32 @@ def _read_records(path: str):
       yield lineno, rec
 
 
+def check_prompt(value, where: str, column: str = "prompt"):
+  """A prompt as rows hold it: a non-empty string, or a non-empty list of chat messages
+  {"role": str, "content": str} (other keys kept, null ones dropped) with some content.
+  `where` ("file:line", "file: row i") and `column` name the place in the error."""
+  if isinstance(value, str):
+    if not value.strip():
+      raise DataError(f"{where}: column '{column}' is an empty prompt. Fix: fill or drop the row")
+    return value
+  if isinstance(value, (list, tuple)) and value:
+    out = []
+    for j, m in enumerate(value):
+      if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+              and isinstance(m.get("content"), str)):
+        raise DataError(f"{where}: column '{column}' message {j} should be "
+                        f"{{'role': str, 'content': str}}, got {str(m)[:60]!r}. Fix: give each "
+                        "turn a role and a string content")
+      out.append({k: v for k, v in m.items() if v is not None})
+    if not any(m["content"].strip() for m in out):
+      raise DataError(f"{where}: column '{column}' is an empty prompt (every message's content "
+                      "is empty). Fix: fill or drop the row")
+    return out
+  got = "null" if value is None else f"{type(value).__name__} {str(value)[:40]!r}"
+  raise DataError(f"{where}: column '{column}' should be a string or a list of chat messages "
+                  f"[{{'role': ..., 'content': ...}}], got {got}")
+
+
 def _field(path, where, rec, name, types=(str,), what="a string"):
   if name not in rec:
     raise DataError(f"{path}:{where}: missing field '{name}' (expected {what}); the row has "
@@ -66,12 +93,13 @@ def _field(path, where, rec, name, types=(str,), what="a string"):
 
 
 def read_prompt_file(path: str, default_data_source: str = "") -> list[dict]:
-  """Generic JSON/JSONL prompt files: `prompt` (str), `ground_truth` (str, number, or list of
-  acceptable answers), `data_source` (str; may be omitted when a default is given), optional
-  `demonstration` (str); every other field goes to extra_info."""
+  """Generic JSON/JSONL prompt files: `prompt` (str, or chat messages), `ground_truth` (str,
+  number, or list of acceptable answers), `data_source` (str; may be omitted when a default is
+  given), optional `demonstration` (str); every other field goes to extra_info."""
   rows = []
   for where, rec in _read_records(path):
-    prompt = _field(path, where, rec, "prompt")
+    prompt = check_prompt(_field(path, where, rec, "prompt", (str, list),
+                                 "a string or a list of chat messages"), f"{path}:{where}")
     truth = _field(path, where, rec, "ground_truth", (str, int, float, list),
                    "a string, a number or a list of strings")
     if "data_source" in rec or not default_data_source:

@@ -55,7 +55,12 @@ class PromptData:
       raise ValueError("no rows to build prompts from")
     self.rows = rows
     self.tokenizer = tokenizer
-    self.texts = [render_prompt(r["prompt"], template, system_prompt, tokenizer) for r in rows]
+    self.texts = []
+    for i, r in enumerate(rows):
+      try:
+        self.texts.append(render_prompt(r["prompt"], template, system_prompt, tokenizer))
+      except ValueError as e:  # a row the template cannot render: refused at start-up
+        raise ValueError(f"prompt row {i} ({_short(r['prompt'])}): {e}") from None
     encoded = [tokenizer.encode(t) for t in self.texts]
     empty = [i for i, e in enumerate(encoded) if not e]
     if empty:
@@ -105,6 +110,12 @@ class PromptData:
     return dict(prompt_ids=self.ids[indices, cols], prompt_mask=self.mask[indices, cols],
                 rows=[self.rows[i] for i in indices], prompts=[self.texts[i] for i in indices],
                 indices=indices)
+
+
+def _short(prompt, n: int = 60) -> str:
+  text = prompt if isinstance(prompt, str) else " | ".join(
+      f"{m['role']}: {m['content']}" for m in prompt)
+  return repr(text[:n] + ("..." if len(text) > n else ""))
 
 
 def make_prompt_iterator(num_rows: int, *, batch_size: int, seed: int, shuffle: bool = True,

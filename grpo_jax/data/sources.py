@@ -1,14 +1,18 @@
 """Where rows come from: the names `config.data.{train,eval}_source` accepts, and the loader.
 
-A file source is a reader of `datasets.READERS` and needs `config.data.{split}_path`;
-"arithmetic" generates its rows from `config.data.arithmetic` and the seed. A reader added to
-READERS (in datasets.py) is a valid source here and in the config validator.
+A file source is a reader of `datasets.READERS` (JSON lines: gsm8k, jsonl, xsum) or of
+`tables.READERS` (parquet, hf_dataset: these also take `config.data.columns` and the split) and
+needs `config.data.{split}_path`; "arithmetic" generates its rows from `config.data.arithmetic`
+and the seed. A reader added to either READERS is a valid source here and in the config
+validator.
 """
 from grpo_jax.data import arithmetic
 from grpo_jax.data import datasets
+from grpo_jax.data import tables
 
 ARITHMETIC = "arithmetic"
-FILE_SOURCES = tuple(datasets.READERS)  # need data.{split}_path
+TABLE_SOURCES = tuple(tables.READERS)
+FILE_SOURCES = (*datasets.READERS, *TABLE_SOURCES)  # need data.{split}_path
 SOURCES = (*FILE_SOURCES, ARITHMETIC)
 
 
@@ -18,6 +22,8 @@ def _read(config, source: str, path: str, split: str) -> list[dict]:
     n = a.num_train if split == "train" else a.num_test
     return arithmetic.arithmetic_rows(n, split=split, seed=config.seed, digits=a.digits,
                                       num_ops=a.num_ops, ops=a.ops, style=a.demonstration)
+  if source in tables.READERS:
+    return tables.READERS[source](path, config.data.get("columns"), split)
   if source not in datasets.READERS:
     raise ValueError(f"unknown data source {source!r}; known: {', '.join(SOURCES)}")
   return datasets.READERS[source](path)

@@ -24,34 +24,50 @@ SYSTEM_PROMPTS = {"reasoning": REASONING_SYSTEM_PROMPT, "think": THINK_SYSTEM_PR
 TEMPLATES = ("chatml", "plain", "tokenizer")
 
 
-def render_prompt(user: str, template: str = "chatml", system_prompt: str = "",
-                  tokenizer=None) -> str:
-  """The text the model continues from.
+def messages_of(prompt, system_prompt: str = "") -> list[dict]:
+  """A row's prompt as chat turns: a string is one user turn; the config's system prompt goes
+  first unless the row's messages bring their own system turn (the row's wins)."""
+  messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+  if system_prompt and not any(m["role"] == "system" for m in messages):
+    messages.insert(0, {"role": "system", "content": system_prompt})
+  return messages
 
-  chatml: <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{user}<|im_end|>\\n
-          <|im_start|>assistant\\n   (the system turn only when a system prompt is given)
-  plain:  {system}\\n\\n{user}\\n  (or just {user} without a system prompt)
-  tokenizer: `tokenizer.chat_template` over [system (when given), user] messages plus the
-          generation prompt; the text may start with bos (the template decides), so encode it
-          without adding special tokens (as every Tokenizer here does).
+
+def render_prompt(prompt, template: str = "chatml", system_prompt: str = "",
+                  tokenizer=None) -> str:
+  """The text the model continues from. `prompt`: the user's text, or chat messages
+  [{"role", "content"}, ...] (a string is the same as [{"role": "user", "content": it}]).
+
+  chatml: <|im_start|>{role}\\n{content}<|im_end|>\\n per turn, then <|im_start|>assistant\\n
+          (a system turn first when a system prompt is given and the messages have none)
+  plain:  {system}\\n\\n{user}\\n  (or just {user} without a system prompt); only a system and
+          one user turn: other messages are refused (use chatml or tokenizer)
+  tokenizer: `tokenizer.chat_template` over the messages plus the generation prompt; the text
+          may start with bos (the template decides), so encode it without adding special tokens
+          (as every Tokenizer here does).
   """
+  messages = messages_of(prompt, system_prompt)
   if template == "tokenizer":
-    return _render_with_tokenizer(user, system_prompt, tokenizer)
+    return _render_with_tokenizer(messages, tokenizer)
   if template == "chatml":
-    text = f"<|im_start|>system\n{system_prompt}<|im_end|>\n" if system_prompt else ""
-    return text + f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+                   for m in messages) + "<|im_start|>assistant\n"
   if template == "plain":
-    return f"{system_prompt}\n\n{user}\n" if system_prompt else user
+    roles = [m["role"] for m in messages]
+    if roles not in (["user"], ["system", "user"]):
+      raise ValueError(f"data.template='plain' renders a system turn and one user turn; this "
+                       f"prompt has the turns {roles}. Fix: data.template=chatml, or tokenizer "
+                       "(the tokenizer folder's chat template)")
+    system, user = (messages[0]["content"] if len(messages) == 2 else ""), messages[-1]["content"]
+    return f"{system}\n\n{user}\n" if system else user
   raise ValueError(f"unknown template {template!r}; known: {', '.join(TEMPLATES)}")
 
 
-def _render_with_tokenizer(user: str, system_prompt: str, tokenizer) -> str:
+def _render_with_tokenizer(messages: list[dict], tokenizer) -> str:
   if tokenizer is None or tokenizer.chat_template is None:
     why, fix = missing_template(tokenizer.path if tokenizer else "")
     raise ValueError(f"data.template='tokenizer': {why}. Fix: {fix}")
   import jinja2
-  messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-  messages.append({"role": "user", "content": user})
   try:
     return chat_template.render(tokenizer.chat_template, messages, tokenizer.special_tokens)
   except jinja2.TemplateError as e:

@@ -98,6 +98,18 @@ def _one_line(text: str) -> str:
   return " ".join(str(text).split())
 
 
+def row_fields(rows: list[dict]) -> dict[str, list]:
+  """The keyword arguments reward functions get, one list entry per row: ground_truth,
+  data_source, extra_info, and every column a table source carries (rows[i]["columns"]:
+  parquet / hf_dataset pass their columns as TRL passes dataset columns). The three named
+  fields win over columns of the same name (they are the checked, normalized values)."""
+  fields = {k: [r.get(k) for r in rows] for k in ("ground_truth", "data_source", "extra_info")}
+  for k in rows[0].get("columns", ()) if rows else ():
+    if k not in fields and k not in ("prompts", "completions"):
+      fields[k] = [r.get("columns", {}).get(k) for r in rows]
+  return fields
+
+
 def _row_fields(fields, i):
   return {k: [f[i]] for k, f in fields.items()}
 
@@ -123,7 +135,7 @@ class RewardComputer:
 
   def __call__(self, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardResult:
     n = len(completions)
-    fields = {k: [r.get(k) for r in rows] for k in ("ground_truth", "data_source", "extra_info")}
+    fields = row_fields(rows)
     stop = self.on_error == "raise"
     per_fn, errors = {}, 0
     for name in self.specs:
@@ -148,7 +160,7 @@ class RewardComputer:
     if isinstance(truth, (list, tuple)):
       truth = truth[0] if truth else ""
     completion = "" if truth is None else str(truth)
-    fields = {k: [row.get(k)] for k in ("ground_truth", "data_source", "extra_info")}
+    fields = row_fields([row])
     scores = {}
     for name, (kind, arg) in self.specs.items():
       try:
@@ -157,6 +169,7 @@ class RewardComputer:
         out, failures = None, [str(e)]
       if failures:
         where = (f"reward.custom_file={arg}" if kind == "custom" else
+                 f"{arg[1]} in reward.custom_file={arg[0]}" if kind == "custom_trl" else
                  f"'{arg}' (or drop it from reward.functions; check the rows carry the "
                  "ground_truth/data_source it needs)")
         raise RewardError(_one_line(
@@ -442,10 +455,20 @@ class RewardComputer:
       pass
 
 
-def build_reward_computer(functions, weights, *, custom_file: str = "", custom_weight: float = 1.0,
-                          on_error: str = "raise", num_workers: int = 0,
-                          timeout_sec: float = 0.0) -> RewardComputer:
-  """From config values: named functions with weights, plus an optional user file."""
+def from_config(reward, **overrides) -> RewardComputer:
+  """build_reward_computer from config.reward (`overrides` replace its keyword values)."""
+  kwargs = dict(custom_file=reward.custom_file, custom_function=reward.get("custom_function", ""),
+                custom_weight=reward.custom_weight, on_error=reward.on_error,
+                num_workers=reward.num_workers, timeout_sec=reward.timeout_sec)
+  kwargs.update(overrides)
+  return build_reward_computer(reward.functions, reward.weights, **kwargs)
+
+
+def build_reward_computer(functions, weights, *, custom_file: str = "", custom_function: str = "",
+                          custom_weight: float = 1.0, on_error: str = "raise",
+                          num_workers: int = 0, timeout_sec: float = 0.0) -> RewardComputer:
+  """From config values: named functions with weights, plus an optional user file: verl's
+  `compute_score` in it, or (custom_function set) that TRL-style batch function."""
   functions, weights = tuple(functions), tuple(weights)
   if len(functions) != len(weights):
     raise ValueError(f"{len(weights)} reward weights for {len(functions)} functions")
@@ -453,9 +476,12 @@ def build_reward_computer(functions, weights, *, custom_file: str = "", custom_w
   w = dict(zip(functions, map(float, weights)))
   for name in functions:
     registry.get(name)  # unknown names fail here, with the list of known ones
+  if custom_function and not custom_file:
+    raise ValueError("reward.custom_function needs reward.custom_file (the .py defining it)")
   if custom_file:
-    scoring.load_custom_file(custom_file)  # fail at start-up, not mid-run
-    specs[CUSTOM] = ("custom", custom_file)
+    scoring.load_custom_file(custom_file, custom_function)  # fail at start-up, not mid-run
+    specs[CUSTOM] = (("custom_trl", (custom_file, custom_function)) if custom_function else
+                     ("custom", custom_file))
     w[CUSTOM] = float(custom_weight)
   if not specs:
     raise ValueError("no reward functions: set reward.functions or reward.custom_file")

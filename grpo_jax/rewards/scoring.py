@@ -12,7 +12,10 @@
   code, code_generation           : fraction of the test statements (ground_truth, or
                                     extra_info["tests"]) the program passes, sandboxed (code.py)
 A user file defining the same function (verl's interface) plugs in with
-`--config.reward.custom_file=path.py` (see `load_custom_file`).
+`--config.reward.custom_file=path.py` (see `load_custom_file`); a TRL-style batch function in
+it, `fn(prompts, completions, **columns)`, with `--config.reward.custom_function=fn`.
+data_source names with an organization ("openai/gsm8k", as verl's preprocessing writes them)
+are matched by their last part too.
 """
 import importlib.util
 import re
@@ -74,17 +77,19 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth,
   if (data_source or "").lower() in code_lib.DATA_SOURCES:  # tests may be in extra_info
     return code_lib.compute_score(data_source, solution_str, ground_truth, extra_info)
   del extra_info
-  ds = (data_source or "").lower()
-  for names, fn in _HANDLERS:
-    if any(ds == n or (n.endswith("_") and ds.startswith(n)) for n in names):
-      return fn(solution_str, ground_truth)
+  full = (data_source or "").lower()
+  for ds in dict.fromkeys((full, full.rsplit("/", 1)[-1])):  # "openai/gsm8k" is gsm8k
+    for names, fn in _HANDLERS:
+      if any(ds == n or (n.endswith("_") and ds.startswith(n)) for n in names):
+        return fn(solution_str, ground_truth)
   raise ValueError(f"no built-in scorer for data_source '{data_source}'; built-in: "
                    f"{', '.join(n for names, _ in _HANDLERS for n in names)}. Fix: give rows a "
                    "known data_source or set reward.custom_file to your compute_score")
 
 
-def load_custom_file(path: str):
-  """compute_score from a user .py file (verl's interface), with clear errors."""
+def load_custom_file(path: str, name: str = ""):
+  """compute_score from a user .py file (verl's interface), or the function `name` (a
+  TRL-style batch function), with clear errors."""
   if not paths.exists(path):
     raise FileNotFoundError(f"reward.custom_file={path!r} does not exist")
   spec = importlib.util.spec_from_file_location(f"grpo_user_reward_{abs(hash(path))}",
@@ -94,11 +99,29 @@ def load_custom_file(path: str):
     spec.loader.exec_module(module)
   except Exception as e:
     raise RuntimeError(f"{path}: importing the reward file failed: {type(e).__name__}: {e}") from e
+  if name:
+    fn = getattr(module, name, None)
+    if not callable(fn):
+      found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                     and getattr(v, "__module__", None) == module.__name__)
+      raise AttributeError(f"{path} defines no function {name!r} (reward.custom_function); it "
+                           f"defines {found}")
+    return fn
   fn = getattr(module, "compute_score", None)
   if not callable(fn):
     raise AttributeError(f"{path} must define compute_score(data_source, solution_str, "
                          "ground_truth, extra_info=None) -> float")
   return fn
+
+
+def as_trl_reward_fn(fn):
+  """A TRL-style reward function `fn(prompts, completions, **kwargs) -> list[float]` as TRL's
+  GRPOTrainer calls it: keywords prompts= and completions= (the rendered prompt texts and the
+  completion texts), plus ground_truth, data_source, extra_info and every column of a parquet /
+  hf_dataset row (rewards/computer.py row_fields), one list entry per completion."""
+  def reward(prompts, completions, **fields):
+    return fn(prompts=prompts, completions=completions, **fields)
+  return reward
 
 
 def as_reward_fn(compute_score):

@@ -20,20 +20,24 @@ _ALARM_REPEAT_SEC = 0.1
 
 
 def resolve(spec):
-  """A reward function from ("builtin", name) or ("custom", path): picklable across processes."""
+  """A reward function from ("builtin", name), ("custom", path) (verl's compute_score) or
+  ("custom_trl", (path, function name)) (a TRL-style batch function): picklable across
+  processes."""
   kind, arg = spec
   if kind == "builtin":
     return registry.get(arg)
+  if kind == "custom_trl":
+    return scoring.as_trl_reward_fn(_custom_cache(*arg))
   return scoring.as_reward_fn(_custom_cache(arg))
 
 
 _CUSTOM_FNS: dict = {}
 
 
-def _custom_cache(path):
-  if path not in _CUSTOM_FNS:
-    _CUSTOM_FNS[path] = scoring.load_custom_file(path)
-  return _CUSTOM_FNS[path]
+def _custom_cache(path, name: str = ""):
+  if (path, name) not in _CUSTOM_FNS:
+    _CUSTOM_FNS[path, name] = scoring.load_custom_file(path, name)
+  return _CUSTOM_FNS[path, name]
 
 
 # ------------------------------------------------------------------------ worker processes

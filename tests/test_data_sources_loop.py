@@ -1,0 +1,128 @@
+"""The loop on parquet (verl's layout) and Hugging Face datasets (TRL's): the same rows as the
+arithmetic task give the same run, through epochs and a stop + resume; a verl GSM8K parquet
+trains with the real tokenizer and no flag beyond its path; a bad row stops at start-up."""
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyarrow")
+pytest.importorskip("datasets")
+
+from grpo_jax import data as data_lib  # noqa: E402
+from grpo_jax import train  # noqa: E402
+from tests import tables_fixtures as fx  # noqa: E402
+from tests.test_train import checkpoint_state  # noqa: E402
+from tests.test_train import flat  # noqa: E402
+from tests.test_train import grpo_rows  # noqa: E402
+from tests.test_train import tiny_config  # noqa: E402
+
+ROOT = fx.ROOT
+# 16 rows, batches of 8: 2 steps per epoch, so 5 steps cross two epoch boundaries.
+SMALL = {"data.arithmetic.num_train": 16, "num_steps": 5}
+
+
+def table_overrides(tmp_path, kind: str) -> dict:
+  """The arithmetic config's train and eval rows, written as `kind` files: overrides that
+  read them instead of generating them."""
+  train_rows, eval_rows = data_lib.load_rows(tiny_config(**SMALL))
+  if kind == "parquet":  # verl: messages, reward_model.ground_truth, demonstration in extra_info
+    tr = fx.write_parquet(fx.verl_records_from_rows(train_rows), str(tmp_path / "v" / "train.parquet"))
+    ev = fx.write_parquet(fx.verl_records_from_rows(eval_rows, "test"),
+                          str(tmp_path / "v" / "test.parquet"))
+    return {"data.train_source": "parquet", "data.train_path": tr,
+            "data.eval_source": "parquet", "data.eval_path": ev,
+            "data.columns.demonstration": "extra_info.demonstration"}
+  # TRL: a save_to_disk DatasetDict, the answer in `solution`, the task name in `task`
+  path = fx.save_dataset(fx.trl_records_from_rows(train_rows), str(tmp_path / "trl"),
+                         test_records=fx.trl_records_from_rows(eval_rows))
+  return {"data.train_source": "hf_dataset", "data.train_path": path,
+          "data.eval_source": "hf_dataset", "data.eval_path": path,
+          "data.columns.ground_truth": "solution", "data.columns.data_source": "task",
+          "data.columns.demonstration": "target"}
+
+
+@pytest.fixture(scope="module")
+def arithmetic_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("arith") / "run")
+  train.run(tiny_config(**SMALL), workdir)
+  return workdir
+
+
+@pytest.mark.parametrize("kind", ["parquet", "hf_dataset"])
+def test_table_sources_train_exactly_like_the_same_rows_through_a_resume(tmp_path, kind,
+                                                                          arithmetic_run):
+  over = dict(SMALL, **table_overrides(tmp_path, kind))
+  rows_a, rows_b = (data_lib.load_rows(tiny_config(**o)) for o in (SMALL, over))
+  assert [r["ground_truth"] for r in rows_a[0]] == [r["ground_truth"] for r in rows_b[0]]
+  assert [r["demonstration"] for r in rows_a[0]] == [r["demonstration"] for r in rows_b[0]]
+
+  split = str(tmp_path / "split")
+  with pytest.raises(SystemExit) as e:  # stop after 3 steps (mid-epoch), then resume
+    train.run(tiny_config(max_steps_per_run=3, **over), split)
+  assert e.value.code == 0
+  assert train.run(tiny_config(max_steps_per_run=3, **over), split)["final_step"] == 5
+
+  a, b = grpo_rows(arithmetic_run), grpo_rows(split)
+  assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+  for ra, rb in zip(a, b):
+    for k in ("reward/total", "loss/policy_loss", "completions/mean_length", "loss/grad_norm"):
+      assert ra[k] == rb[k], (kind, ra["step"], k, ra[k], rb[k])
+  fa, fb = flat(checkpoint_state(arithmetic_run, 5)[1]["train"]), flat(
+      checkpoint_state(split, 5)[1]["train"])
+  for k in fa:
+    np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
+
+
+def test_verl_gsm8k_parquet_trains_with_only_its_path(tmp_path):
+  """verl's GSM8K parquet with the Qwen tokenizer (chatml, the reasoning system prompt, the
+  GSM8K rewards: the recipes' defaults) on the demo-sized model: two steps, nothing but the
+  source and the path set for the data."""
+  tr = fx.write_parquet(fx.verl_gsm8k_records("train", 32), str(tmp_path / "train.parquet"))
+  ev = fx.write_parquet(fx.verl_gsm8k_records("test", 8), str(tmp_path / "test.parquet"))
+  tok = os.path.join(os.path.dirname(fx.GSM8K), "qwen_tokenizer")
+  config = tiny_config(**{
+      "data.train_source": "parquet", "data.train_path": tr, "data.eval_source": "parquet",
+      "data.eval_path": ev, "tokenizer.kind": "hf", "tokenizer.path": tok,
+      "model.vocab_size": 151936, "data.template": "chatml", "data.system_prompt": "reasoning",
+      "max_prompt_length": 48, "max_completion_length": 8, "model.max_position_embeddings": 64,
+      "num_steps": 2, "eval.num_examples": 8, "eval.batch_size": 8,
+      "eval.generation_configs": ("greedy",),
+      "reward.functions": ("match_format_approximately", "check_answer"),
+      "reward.weights": (1.0, 1.0), "reward.custom_file": ""})
+  summary = train.run(config, str(tmp_path / "run"))
+  assert summary["final_step"] == 2
+  rows = grpo_rows(str(tmp_path / "run"))
+  assert [r["step"] for r in rows] == [1, 2]
+  assert all(np.isfinite(r["loss/total"]) for r in rows)
+  assert "reward/check_answer" in rows[-1]
+
+
+def test_an_error_after_start_up_keeps_the_last_checkpoint(tmp_path):
+  """A TRL-style reward that fails at step 3 (after step 2's checkpoint, written
+  asynchronously): the run stops with the error, the checkpoint is complete, and a relaunch
+  with a fixed reward resumes from it."""
+  over = dict(SMALL, **table_overrides(tmp_path, "hf_dataset"))
+  plugin = tmp_path / "flaky.py"
+  plugin.write_text(
+      "import os\n"
+      "calls = []\n"
+      "def digits(prompts, completions, solution, **kw):\n"
+      "  if len(completions) > 1:\n"
+      "    calls.append(1)\n"
+      "  if len(calls) >= 3 and os.environ.get('FLAKY_REWARD'):  # from step 3 on\n"
+      "    raise RuntimeError('the scorer service went away')\n"
+      "  return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]\n")
+  over.update({"reward.custom_file": str(plugin), "reward.custom_function": "digits",
+               "save_interval_steps": 2, "num_steps": 4})
+  workdir = str(tmp_path / "run")
+  os.environ["FLAKY_REWARD"] = "1"
+  try:
+    with pytest.raises(Exception, match="the scorer service went away"):
+      train.run(tiny_config(**over), workdir)
+  finally:
+    del os.environ["FLAKY_REWARD"]
+  step, _ = checkpoint_state(workdir)  # reads back: complete
+  assert step == 2
+  assert train.run(tiny_config(**over), workdir)["final_step"] == 4
+  assert [r["step"] for r in grpo_rows(workdir)] == [1, 2, 3, 4]
