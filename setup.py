@@ -11,6 +11,8 @@ Extras:
            bounds admit them (scripts/test_tpu_pins.sh runs the core tests on them).
   tpu      jax[tpu] (libtpu), for Cloud TPU hosts (launch/tpu_pod.sh, launch/xpk.sh).
   gcs      gcsfs, for gs:// workdirs.
+  data     Hugging Face datasets: data.train_source=hf_dataset (save_to_disk folders, datasets'
+           loaders). Parquet (verl's layout) needs only pyarrow, which the core installs.
 Tested versions are pinned in requirements/constraints.txt (the scripts install with it).
 """
 import setuptools
@@ -31,6 +33,7 @@ CORE = [
     "rouge-score",
     "matplotlib",  # grpo_jax.report (headless plots)
     "jinja2",  # chat templates from tokenizer folders (data.template=tokenizer)
+    "pyarrow",  # data.train_source=parquet (verl's data files)
     "numpy",
 ]
 # MaxText declares no dependencies of its own; these are what its model code imports
@@ -57,7 +60,9 @@ setuptools.setup(
     install_requires=CORE,
     extras_require={
         # gcsfs + an offline GCS emulator: the gs:// workdir test (tests/fake_gcs.py).
-        "test": ["pytest", "pytest-timeout", "gcsfs", "gcp-storage-emulator", "peft==0.21.2"],
+        # datasets: the hf_dataset source's tests (tests/test_data_tables.py).
+        "test": ["pytest", "pytest-timeout", "gcsfs", "gcp-storage-emulator", "peft==0.21.2",
+                 "datasets"],
         # The core tests alone (scripts/test_tpu_pins.sh --ci): no torch, maxtext or vllm.
         "test-core": ["pytest"],
         "parity": ["torch==2.13.0", "transformers>=5.16.1,<5.20"],
@@ -66,5 +71,6 @@ setuptools.setup(
         "vllm-tpu": VLLM_TPU,
         "tpu": ["jax[tpu]"],
         "gcs": ["gcsfs"],
+        "data": ["datasets"],
     },
 )

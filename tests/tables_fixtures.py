@@ -19,10 +19,20 @@ def gsm8k_source(split: str = "train", n: int = 64) -> list[dict]:
     return [json.loads(line) for _, line in zip(range(n), f)]
 
 
-def verl_gsm8k_records(split: str = "train", n: int = 64) -> list[dict]:
-  """GSM8K rows in verl's parquet layout, as its preprocessing script makes them."""
+def _ascii(text: str) -> str:
+  """GSM8K's few non-ASCII characters (curly quotes, accents) for the char tokenizer's alphabet."""
+  import unicodedata
+  text = text.translate({0x2019: "'", 0x2018: "'", 0x201c: '"', 0x201d: '"', 0x2013: "-"})
+  return unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+
+
+def verl_gsm8k_records(split: str = "train", n: int = 64, ascii_only: bool = False) -> list[dict]:
+  """GSM8K rows in verl's parquet layout, as its preprocessing script makes them (ascii_only:
+  the text made ASCII, for the CPU demo's char tokenizer)."""
   out = []
   for i, r in enumerate(gsm8k_source(split, n)):
+    if ascii_only:
+      r = {k: _ascii(v) for k, v in r.items()}
     solution = re.search(r"#### (\-?[0-9\.\,]+)", r["answer"]).group(1).replace(",", "")
     out.append(dict(
         data_source="openai/gsm8k",

@@ -195,3 +195,41 @@ def test_lora_two_processes_equal_one_through_a_resume(tmp_path, gcs):
   assert s1 == s2 and leaves and all("_lora_" in jax.tree_util.keystr(k) for k, _ in leaves)
   diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), p1, p2)
   assert max(jax.tree.leaves(diffs)) <= PARAM_TOL, diffs
+
+
+TABLE_ARGS = ["--config=configs/tiny.py", "--config.sft_steps=2", "--config.sft.stop_at_accuracy=0",
+              "--config.num_steps=2", "--config.batch_size=8", "--config.num_generations=4",
+              "--config.data.arithmetic.num_train=32", "--config.data.arithmetic.num_test=16",
+              "--config.eval.batch_size=16", "--config.log_interval_steps=1"]
+
+
+def test_two_processes_read_table_sources_like_one_reads_the_same_rows(tmp_path):
+  """verl's parquet (train) and a TRL-style datasets folder (eval) on 2 processes x 4 devices
+  == the arithmetic task's same rows generated in 1 process x 8: each process reads the whole
+  table and keeps its rows of every global batch (SFT demonstrations from a column, GRPO, eval)."""
+  pytest.importorskip("pyarrow")
+  pytest.importorskip("datasets")
+  from tests import tables_fixtures as fx
+  from tests.test_train import tiny_config
+  from grpo_jax import data as data_lib
+  train_rows, eval_rows = data_lib.load_rows(tiny_config(**{
+      "data.arithmetic.num_train": 32, "data.arithmetic.num_test": 16}))
+  tr = fx.write_parquet(fx.verl_records_from_rows(train_rows), str(tmp_path / "train.parquet"))
+  # One column map serves both splits: the eval folder names its fields as the defaults do.
+  ev = fx.save_dataset([dict(prompt=[{"role": "user", "content": r["prompt"]}],
+                             ground_truth=r["ground_truth"], data_source=r["data_source"])
+                        for r in eval_rows], str(tmp_path / "eval_ds"))
+  tables = ["--config.data.train_source=parquet", f"--config.data.train_path={tr}",
+            "--config.data.columns.demonstration=extra_info.demonstration",
+            "--config.data.eval_source=hf_dataset", f"--config.data.eval_path={ev}"]
+  single, pair = epath.Path(tmp_path / "single"), epath.Path(tmp_path / "pair")
+  _launch_single(single, base=TABLE_ARGS)
+  for rc, err in _launch_pair(pair, *tables, base=TABLE_ARGS):
+    assert rc == 0, err[-3000:]
+  ref, got = _logged(single), _logged(pair)
+  assert sorted(ref) == sorted(got)
+  assert sorted(s for what, s in ref if what == "grpo") == [1, 2]
+  assert sorted(s for what, s in ref if what == "sft") == [1, 2]
+  for step in ref:
+    for k, v in ref[step].items():
+      assert abs(v - got[step][k]) <= 1e-5 * max(1.0, abs(v)), (step, k, v, got[step][k])

@@ -66,12 +66,11 @@ def check_prompt(value, where: str, column: str = "prompt"):
   if isinstance(value, (list, tuple)) and value:
     out = []
     for j, m in enumerate(value):
-      if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-              and isinstance(m.get("content"), str)):
+      if not (type(m) is dict and type(m.get("role")) is str and type(m.get("content")) is str):
         raise DataError(f"{where}: column '{column}' message {j} should be "
                         f"{{'role': str, 'content': str}}, got {str(m)[:60]!r}. Fix: give each "
                         "turn a role and a string content")
-      out.append({k: v for k, v in m.items() if v is not None})
+      out.append(m if len(m) == 2 else {k: v for k, v in m.items() if v is not None})
     if not any(m["content"].strip() for m in out):
       raise DataError(f"{where}: column '{column}' is an empty prompt (every message's content "
                       "is empty). Fix: fill or drop the row")

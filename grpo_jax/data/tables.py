@@ -19,7 +19,8 @@ column ("reward_model.ground_truth"):
                                     else ground_truth; a string, a number or a list of strings
     data_source   "data_source"     absent column: "" (the built-in verl scorer then refuses)
     extra_info    "extra_info"      verl's per-row dict; absent: a dict of the other columns
-    demonstration ""                optional target completion for the SFT warm start
+    demonstration ""                optional target completion for the SFT warm start (train
+                                    rows; an eval table without the column is fine)
 Every column except the prompt also reaches the reward functions as a keyword argument, the
 way TRL passes dataset columns (`rows[i]["columns"]`, see rewards/computer.py).
 
@@ -98,28 +99,33 @@ def _walk(folder):
 # ------------------------------------------------------------------------------ rows
 
 
-def _get(rec: dict, name: str):
-  """rec[name], reaching into struct columns with dots; KeyError when absent."""
-  node = rec
-  for part in name.split("."):
-    if not isinstance(node, dict) or part not in node:
-      raise KeyError(name)
-    node = node[part]
-  return node
+_MISSING = object()
+
+
+def _getter(name: str):
+  """rec -> rec[name] (dots reach into struct columns), or _MISSING when absent."""
+  parts = tuple(name.split("."))
+  if len(parts) == 1:
+    return lambda rec: rec.get(name, _MISSING)
+
+  def get(rec):
+    node = rec
+    for part in parts:
+      if not isinstance(node, dict) or part not in node:
+        return _MISSING
+      node = node[part]
+    return node
+  return get
 
 
 def _has(rec: dict, name: str) -> bool:
-  try:
-    _get(rec, name)
-    return True
-  except KeyError:
-    return False
+  return _getter(name)(rec) is not _MISSING
 
 
 class _Converter:
   """Records of one file -> rows, with the column map resolved once against its columns."""
 
-  def __init__(self, where: str, first: dict, cols: dict):
+  def __init__(self, where: str, first: dict, cols: dict, split: str):
     self.where, self.cols = where, dict(cols)
     names = sorted(first)
     if not self.cols["ground_truth"]:
@@ -133,36 +139,42 @@ class _Converter:
                 "" if field == "prompt" else
                 " (or a nested one, e.g. reward_model.ground_truth)"))
     if self.cols["demonstration"] and not _has(first, self.cols["demonstration"]):
-      raise DataError(f"{where}: no column '{self.cols['demonstration']}' for "
-                      f"data.columns.demonstration (columns: {names})")
-    self.has_source = _has(first, self.cols["data_source"])
+      if split != "train":  # demonstrations serve the SFT warm start, on train rows only
+        self.cols["demonstration"] = ""
+      else:
+        raise DataError(f"{where}: no column '{self.cols['demonstration']}' for "
+                        f"data.columns.demonstration (columns: {names})")
+    self.get = {f: _getter(n) for f, n in self.cols.items() if n}
+    if not _has(first, self.cols["data_source"]):
+      self.get["data_source"] = lambda rec: ""
     self.has_extra = _has(first, self.cols["extra_info"])
     self.kw_columns = [c for c in names if c != self.cols["prompt"].split(".")[0]]
 
   def row(self, rec: dict, i: int) -> dict:
-    at = f"{self.where}: row {i}"
-    c = self.cols
-    prompt = check_prompt(_get(rec, c["prompt"]) if _has(rec, c["prompt"]) else None,
-                          at, c["prompt"])
-    truth = _ground_truth(_get(rec, c["ground_truth"]) if _has(rec, c["ground_truth"]) else
-                          None, at, c["ground_truth"])
-    data_source = _get(rec, c["data_source"]) if self.has_source else ""
-    if not isinstance(data_source, str):
+    c, get = self.cols, self.get
+    at = f"{self.where}: row {i}"  # (cheap next to the checks; only read on an error)
+    prompt = get["prompt"](rec)
+    prompt = check_prompt(None if prompt is _MISSING else prompt, at, c["prompt"])
+    truth = get["ground_truth"](rec)
+    truth = _ground_truth(None if truth is _MISSING else truth, at, c["ground_truth"])
+    data_source = get["data_source"](rec)
+    if type(data_source) is not str:
       raise DataError(f"{at}: column '{c['data_source']}' should be a string, got "
                       f"{type(data_source).__name__} {str(data_source)[:40]!r}")
+    columns = {k: rec[k] for k in self.kw_columns}
     if self.has_extra:
-      extra = _get(rec, c["extra_info"])
+      extra = get["extra_info"](rec)
       if extra is not None and not isinstance(extra, dict):
         raise DataError(f"{at}: column '{c['extra_info']}' should be a struct/dict, got "
                         f"{type(extra).__name__}. Fix: --config.data.columns.extra_info=<a "
                         "dict column>, or one that does not exist (the other columns then)")
       extra = extra or {}
     else:
-      extra = {k: rec[k] for k in self.kw_columns}
+      extra = columns
     out = dict(prompt=prompt, ground_truth=truth, data_source=data_source, extra_info=extra,
-               columns={k: rec[k] for k in self.kw_columns})
+               columns=columns)
     if c["demonstration"]:
-      demo = _get(rec, c["demonstration"])
+      demo = get["demonstration"](rec)
       if not isinstance(demo, str):
         raise DataError(f"{at}: column '{c['demonstration']}' should be a string, got "
                         f"{type(demo).__name__}")
@@ -171,6 +183,8 @@ class _Converter:
 
 
 def _ground_truth(v, at: str, column: str):
+  if type(v) is str:
+    return v
   if v is None:
     raise DataError(f"{at}: column '{column}' is empty (null). Fix: fill it or drop the row")
   if isinstance(v, bool) or not isinstance(v, (str, int, float, list, tuple)):
@@ -186,13 +200,13 @@ def _ground_truth(v, at: str, column: str):
   return str(v)
 
 
-def _convert(batches, where: str, cols: dict, rows: list) -> int:
+def _convert(batches, where: str, cols: dict, split: str, rows: list) -> int:
   """Appends the rows of `batches` (iterables of record dicts) of one file to `rows`."""
   conv, i = None, 0
   for records in batches:
     for rec in records:
       if conv is None:
-        conv = _Converter(where, rec, cols)
+        conv = _Converter(where, rec, cols, split)
       rows.append(conv.row(rec, i))
       i += 1
   return i
@@ -202,8 +216,8 @@ def _convert(batches, where: str, cols: dict, rows: list) -> int:
 
 
 def read_parquet(path: str, columns=None, split: str = "train") -> list[dict]:
-  """verl's parquet layout (or any parquet with data.columns) -> rows."""
-  del split  # one file / folder / glob per split, as verl's train_files / val_files
+  """verl's parquet layout (or any parquet with data.columns) -> rows. One file, folder or glob
+  per split, as verl's train_files / val_files."""
   pq = _need("pyarrow.parquet", "parquet")
   cols = column_map(columns)
   rows = []
@@ -211,7 +225,7 @@ def read_parquet(path: str, columns=None, split: str = "train") -> list[dict]:
     try:
       pf = pq.ParquetFile(f if not paths.is_remote(f) else paths.path(f).open("rb"))
       batches = (b.to_pylist() for b in pf.iter_batches(batch_size=_BATCH_ROWS))
-      n = _convert(batches, f, cols, rows)
+      n = _convert(batches, f, cols, split, rows)
     except DataError:
       raise
     except Exception as e:  # noqa: BLE001  pyarrow's many error types: not a parquet file
@@ -220,6 +234,7 @@ def read_parquet(path: str, columns=None, split: str = "train") -> list[dict]:
                       "preprocessing writes them with Dataset.to_parquet)") from None
     if n == 0:
       raise DataError(f"{f}: no rows")
+  _need("pyarrow", "parquet").default_memory_pool().release_unused()  # the batches' buffers
   return rows
 
 
@@ -277,7 +292,7 @@ def read_hf_dataset(path: str, columns=None, split: str = "train") -> list[dict]
       names = list(b)
       yield (dict(zip(names, vals)) for vals in zip(*(b[n] for n in names)))
 
-  if _convert(batches(), where, cols, rows) == 0:
+  if _convert(batches(), where, cols, split, rows) == 0:
     raise DataError(f"{where}: no rows")
   return rows
 
