@@ -226,3 +226,17 @@ def test_bad_tables_are_one_line_with_the_fix(tmp_path):
   with pytest.raises(DataError, match=r"ei.parquet: row 0: column 'extra_info' should be a "
                      r"struct/dict, got str"):
     tables.read_parquet(path)
+
+
+def test_parquet_on_gs_as_a_file_a_folder_and_a_glob(tmp_path, gcs):
+  """verl's files on cloud storage (the offline GCS emulator): read through the path layer."""
+  from grpo_jax import paths
+  records = fx.verl_records_from_rows(arithmetic_rows(12, split="train", seed=0))
+  for i, part in enumerate((records[:5], records[5:])):
+    local = fx.write_parquet(part, str(tmp_path / f"p{i}.parquet"))
+    paths.write_atomic(f"{gcs}/verl/train-{i}.parquet", open(local, "rb").read())
+  one = tables.read_parquet(f"{gcs}/verl/train-0.parquet")
+  folder = tables.read_parquet(f"{gcs}/verl")
+  globbed = tables.read_parquet(f"{gcs}/verl/train-*.parquet")
+  assert len(one) == 5 and folder == globbed and len(folder) == 12
+  assert [r["prompt"] for r in folder] == [r["prompt"] for r in records]

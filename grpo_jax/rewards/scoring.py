@@ -129,6 +129,7 @@ def as_reward_fn(compute_score):
   def reward(prompts, completions, ground_truth, data_source, extra_info=None, **_):
     del prompts
     extra_info = extra_info or [None] * len(completions)
-    return [compute_score(ds, c, gt, ei)
+    # Keywords, as verl's reward managers call it: a user's function may order them its way.
+    return [compute_score(data_source=ds, solution_str=c, ground_truth=gt, extra_info=ei)
             for c, gt, ds, ei in zip(completions, ground_truth, data_source, extra_info)]
   return reward
