@@ -49,19 +49,48 @@ def arithmetic_run(tmp_path_factory):
   return workdir
 
 
+# The same values as tests/data/digit_count_reward.py, as a TRL-style batch function that fails
+# from the third batch on while FLAKY_REWARD is set (a scorer dying mid-run).
+FLAKY = """import os
+calls = []
+def digits(prompts, completions, solution, task, **kwargs):
+  if len(completions) > 1:
+    calls.append(1)
+  if len(calls) >= 3 and os.environ.get("FLAKY_REWARD"):
+    raise RuntimeError("the scorer service went away")
+  return [sum(ch.isdigit() for ch in c) / len(c) if c else 0.0 for c in completions]
+"""
+
+
 @pytest.mark.parametrize("kind", ["parquet", "hf_dataset"])
 def test_table_sources_train_exactly_like_the_same_rows_through_a_resume(tmp_path, kind,
-                                                                          arithmetic_run):
+                                                                          arithmetic_run,
+                                                                          monkeypatch):
+  """5 steps over 16 rows in batches of 8 (two epoch boundaries) == the arithmetic task's run.
+  parquet: a clean stop after step 3 (mid-epoch), then the resume. hf_dataset: a TRL-style
+  reward fails at step 3, after step 2's checkpoint (written asynchronously): the run stops
+  with the error, the checkpoint is complete, and the relaunch resumes from it."""
   over = dict(SMALL, **table_overrides(tmp_path, kind))
   rows_a, rows_b = (data_lib.load_rows(tiny_config(**o)) for o in (SMALL, over))
   assert [r["ground_truth"] for r in rows_a[0]] == [r["ground_truth"] for r in rows_b[0]]
   assert [r["demonstration"] for r in rows_a[0]] == [r["demonstration"] for r in rows_b[0]]
 
   split = str(tmp_path / "split")
-  with pytest.raises(SystemExit) as e:  # stop after 3 steps (mid-epoch), then resume
-    train.run(tiny_config(max_steps_per_run=3, **over), split)
-  assert e.value.code == 0
-  assert train.run(tiny_config(max_steps_per_run=3, **over), split)["final_step"] == 5
+  if kind == "parquet":
+    with pytest.raises(SystemExit) as e:
+      train.run(tiny_config(max_steps_per_run=3, **over), split)
+    assert e.value.code == 0
+  else:
+    plugin = tmp_path / "flaky.py"
+    plugin.write_text(FLAKY)
+    over.update({"reward.custom_file": str(plugin), "reward.custom_function": "digits",
+                 "save_interval_steps": 2})
+    monkeypatch.setenv("FLAKY_REWARD", "1")
+    with pytest.raises(Exception, match="the scorer service went away"):
+      train.run(tiny_config(**over), split)
+    monkeypatch.delenv("FLAKY_REWARD")
+    assert checkpoint_state(split)[0] == 2  # reads back: complete
+  assert train.run(tiny_config(**over), split)["final_step"] == 5
 
   a, b = grpo_rows(arithmetic_run), grpo_rows(split)
   assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
@@ -112,32 +141,3 @@ def test_verl_gsm8k_parquet_trains_with_the_qwen_tokenizer(tmp_path):
   assert [r["step"] for r in rows] == [1, 2]
   assert all(np.isfinite(r["loss/total"]) for r in rows)
 
-
-def test_an_error_after_start_up_keeps_the_last_checkpoint(tmp_path):
-  """A TRL-style reward that fails at step 3 (after step 2's checkpoint, written
-  asynchronously): the run stops with the error, the checkpoint is complete, and a relaunch
-  with a fixed reward resumes from it."""
-  over = dict(SMALL, **table_overrides(tmp_path, "hf_dataset"))
-  plugin = tmp_path / "flaky.py"
-  plugin.write_text(
-      "import os\n"
-      "calls = []\n"
-      "def digits(prompts, completions, solution, **kw):\n"
-      "  if len(completions) > 1:\n"
-      "    calls.append(1)\n"
-      "  if len(calls) >= 3 and os.environ.get('FLAKY_REWARD'):  # from step 3 on\n"
-      "    raise RuntimeError('the scorer service went away')\n"
-      "  return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]\n")
-  over.update({"reward.custom_file": str(plugin), "reward.custom_function": "digits",
-               "save_interval_steps": 2, "num_steps": 4})
-  workdir = str(tmp_path / "run")
-  os.environ["FLAKY_REWARD"] = "1"
-  try:
-    with pytest.raises(Exception, match="the scorer service went away"):
-      train.run(tiny_config(**over), workdir)
-  finally:
-    del os.environ["FLAKY_REWARD"]
-  step, _ = checkpoint_state(workdir)  # reads back: complete
-  assert step == 2
-  assert train.run(tiny_config(**over), workdir)["final_step"] == 4
-  assert [r["step"] for r in grpo_rows(workdir)] == [1, 2, 3, 4]
