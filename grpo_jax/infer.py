@@ -56,8 +56,8 @@ def load_params(config, workdir, step, mesh):
     if step not in ckpt.all_steps():
       raise FileNotFoundError(f"--step={step}: not in {ckpt_dir} (have {ckpt.all_steps()})")
     if config.lora.rank:  # the adapters, and the base the checkpoint names
-      from grpo_jax.models import lora
-      policy.params = lora.restore_params(config, ckpt, step, policy, mesh)
+      from grpo_jax.models import lora_policy
+      policy.params = lora_policy.restore_params(config, ckpt, step, policy, mesh)
     else:
       policy.params = ckpt.restore_params(step, policy.params)
     logging.info("restored the policy from %s/%d", ckpt_dir, step)

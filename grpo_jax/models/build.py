@@ -89,7 +89,7 @@ def make_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy:
     return maxtext_adapter.maxtext_policy(config, mesh, abstract=abstract)
   if config.model.impl != "native":
     raise ValueError(f"model.impl={config.model.impl!r}: use one of {', '.join(IMPLS)}")
-  if config.lora.rank:  # adapters (and a quantized base) on the native decoder: models/lora.py
-    from grpo_jax.models import lora
-    return lora.lora_policy(config, mesh, abstract=abstract)
+  if config.lora.rank:  # adapters (and a quantized base) on the native decoder: lora_policy.py
+    from grpo_jax.models import lora_policy
+    return lora_policy.lora_policy(config, mesh, abstract=abstract)
   return policy_lib.native_policy(config, mesh, abstract=abstract)

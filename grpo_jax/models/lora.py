@@ -1,7 +1,7 @@
 """LoRA adapters on the native decoder, optionally over a quantized frozen base (QLoRA-style).
 
-    policy = lora.lora_policy(config, mesh)     # models.build.make_policy does this when
-                                                # config.lora.rank > 0
+    policy = lora_policy.lora_policy(config, mesh)  # models/lora_policy.py; make_policy
+                                                    # does this when config.lora.rank > 0
 
 What is stored. Each targeted projection weight W of a layer (`config.lora.target_modules`, a
 regex over the paths `candidate_paths` lists: layers/<i>/attn/{q,k,v,o}, layers/<i>/mlp/{gate,up,
@@ -320,88 +320,3 @@ def fold(params, graphdef):
   """After a full-parameter SFT warm start: the adapters' delta folded into the base (which is
   then the reference GRPO starts from) and B back to zeros, so the policy is unchanged."""
   return combine(split(zero_delta(params))[0], merged(params, graphdef))
-
-
-# ------------------------------------------------------------------------------ the policy
-
-
-def lora_policy(config, mesh, *, abstract: bool = False):
-  """The native policy with adapters (models.policy.Policy): params = base + adapters, the
-  optimizer trains `split(params)[0]`, the reference is `base_of(params)` run without adapters."""
-  from grpo_jax.models import hf
-  from grpo_jax.models import policy as policy_lib
-  from grpo_jax.models.logprobs import completion_logprobs
-  lc = config.lora
-  plain = policy_lib.native_policy(config, mesh, abstract=abstract)
-  model = nnx.merge(plain.graphdef, plain.params)
-  base_graphdef, graphdef = attach(model, lc, seed=config.seed, mesh=mesh, abstract=abstract)
-  params = nnx.state(model)
-
-  def logprobs(params, input_ids, attention_mask, completion_len, temperature=1.0):
-    gd = graphdef if has_adapters(params) else base_graphdef  # no adapters: the reference
-    return completion_logprobs(nnx.merge(gd, params), input_ids, attention_mask,
-                               completion_len, temperature)
-
-  merge_fn = jax.jit(lambda p: merged(p, graphdef))
-
-  def save(params, path):
-    hf.save_hf(nnx.merge(plain.graphdef, merge_fn(params)), path)
-
-  # vLLM (any engine but the native one) holds the plain decoder: its sync gets merged weights
-  # (rollout.vllm.lora_sync=merged) or the base once and then the adapters alone through
-  # vLLM's own LoRA (adapters; rollout/vllm_engine.py); its probe check uses the merged form.
-  if lc.merge_for_rollout or config.rollout.engine != "native":
-    # the sampler runs the plain decoder on merged weights
-    rollout = dict(rollout_params=lambda p: merged(p, graphdef), sampler_graphdef=plain.graphdef,
-                   sampler_is_trainer=False)
-  else:  # the sampler runs the trainer's own program (adapters applied per layer)
-    rollout = dict(rollout_params=lambda p: p, sampler_graphdef=graphdef,
-                   sampler_is_trainer=True)
-  return policy_lib.Policy(params=params, graphdef=graphdef, logprobs=logprobs,
-                           model_config=plain.model_config, save_hf=save, split=split,
-                           combine=combine, reference=base_of, **rollout)
-
-
-# ------------------------------------------------------------- the base across checkpoints
-# GRPO checkpoints hold the adapters and their optimizer state, and the meta item names where
-# the base comes from (meta["lora_base"]): model.hf_path, the seed's init, or WORKDIR/lora_base
-# (the SFT'd base, written once when SFT hands over to GRPO).
-
-BASE_DIR = "lora_base"
-
-
-def after_sft(config, session, policy, params, mesh, workdir):
-  """The params GRPO starts from: after an SFT warm start, the adapters folded into the base,
-  which is then written to WORKDIR/lora_base (all processes; Orbax). Records meta["lora_base"]."""
-  import orbax.checkpoint as ocp
-  from grpo_jax import paths
-  if not session.meta.get("sft_step"):
-    session.meta["lora_base"] = config.model.hf_path or f"init:seed={config.seed}"
-    return params
-  params = jax.jit(lambda p: fold(p, policy.graphdef),
-                   out_shardings=policy.param_shardings(mesh))(params)
-  where = paths.path(workdir) / BASE_DIR
-  with ocp.StandardCheckpointer() as ckpt:
-    ckpt.save(where, split(params)[1], force=True)
-  session.meta["lora_base"] = str(where)
-  return params
-
-
-def load_base(config, policy, mesh, where: str):
-  """The frozen base a checkpoint's adapters go with (`where`: its meta["lora_base"])."""
-  if where and not where.startswith("init:") and where != config.model.hf_path:
-    import orbax.checkpoint as ocp
-    target = sharding.abstract_with(split(policy.params)[1],
-                                    split(policy.param_shardings(mesh))[1])
-    with ocp.StandardCheckpointer() as ckpt:
-      return ckpt.restore(where, target)
-  return split(lora_policy(config, mesh).params)[1]  # model.hf_path or the seed's init again
-
-
-def restore_params(config, ckpt, step: int, policy, mesh):
-  """The full params (base + adapters) of checkpoint `step` (infer, export)."""
-  meta = ckpt.restore_meta(step)
-  if meta["phase"] == "sft":
-    return ckpt.restore_params(step, policy.params)
-  adapters = ckpt.restore_params(step, split(policy.params)[0])
-  return combine(adapters, load_base(config, policy, mesh, meta.get("lora_base", "")))
