@@ -280,7 +280,7 @@ def test_trimmed_prompt_columns_train_like_full_width(tmp_path, monkeypatch):
 def _nan_rewards_on(steps, monkeypatch):
   """Makes the rewards of the given (1-based) GRPO steps NaN after the reward computer's own
   finiteness checks, as a bad custom transform or an overflow would."""
-  real = train.rewards_lib.build_reward_computer
+  real = train.rewards_lib.from_config
   seen = {"n": 0}
 
   def build(*a, **kw):
@@ -296,7 +296,7 @@ def _nan_rewards_on(steps, monkeypatch):
     score.check = computer.check
     return score
 
-  monkeypatch.setattr(train.rewards_lib, "build_reward_computer", build)
+  monkeypatch.setattr(train.rewards_lib, "from_config", build)
 
 
 def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
