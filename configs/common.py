@@ -157,10 +157,15 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.temperature = 0.9
   c.rollout.top_k = 50  # 0 = no top-k truncation.
   c.rollout.top_p = 1.0
-  # The native sampler decodes in this many loops over a KV cache that grows between them
-  # (a step reads about the slots written so far; each loop compiles once; a growth holds the
-  # old and the new cache at once). 0 = auto: on CPU one per 32 new tokens, at most 4; on GPU
-  # one per 128, at most 4; on TPU 1.
+  # The native sampler's decode attention: "auto" = on GPU one Pallas (Triton) kernel per layer
+  # that reads only the cache slots written so far (models/decode_attention.py; no phases
+  # needed), elsewhere the XLA attention; "xla" = the XLA attention everywhere; "pallas" = the
+  # kernel everywhere (off GPU in Pallas's interpreter: slow, for tests).
+  c.rollout.decode_attention = "auto"
+  # With the XLA decode attention, the native sampler decodes in this many loops over a KV
+  # cache that grows between them (a step reads about the slots written so far; each loop
+  # compiles once; a growth holds the old and the new cache at once). 0 = auto: on CPU one per
+  # 32 new tokens, at most 4; on GPU one per 128, at most 4 (1 with the ragged kernel); on TPU 1.
   c.rollout.decode_phases = 0
   # Decode steps between two checks of "every row stopped": on GPU the check of a while loop
   # waits on the host each iteration, a block of steps of known count does not (at most

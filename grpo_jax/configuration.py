@@ -22,6 +22,7 @@ from grpo_jax.data import templates
 from grpo_jax.data import tokenizers
 from grpo_jax.models import build as model_build
 from grpo_jax.models import config as model_config
+from grpo_jax.models import decode_attention
 from grpo_jax.models import lora
 from grpo_jax.models import remat
 from grpo_jax.models import t5_config
@@ -223,6 +224,8 @@ def _check_rollout(c: _Checker, cfg):
             "0 = auto (rollout/sampler.py phase_ends)")
   c.require(r.get("decode_block", 0) >= 0, "rollout.decode_block", "must be >= 0",
             "0 = auto (rollout/sampler.py block_size)")
+  if "decode_attention" in r:
+    c.one_of("rollout.decode_attention", decode_attention.IMPLS, "decode attention")
   c.require(0 < r.top_p <= 1, "rollout.top_p", "must lie in (0, 1]", "1.0 disables top-p")
   c.one_of("rollout.placement", PLACEMENTS, "sampler placement")
   if r.get("placement", "colocated") == "disaggregated":

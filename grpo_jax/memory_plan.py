@@ -344,7 +344,7 @@ def _step_inputs(cfg, policy, fns, mesh) -> dict:
   scalar = _abstract((), jnp.float32, replicated)
   sampler = sampler_lib.Sampler(policy.sampler_graphdef, max_prompt_length=p,
                                 max_new_tokens=c, num_generations=g, eos_ids=(0,), mesh=mesh,
-                                decode_phases=cfg.rollout.get("decode_phases", 0))
+                                **sampler_lib.config_options(cfg))
   gen = GenerationConfig(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
   generate = sampler._fn(0 if gen.is_greedy else int(gen.top_k), gen.top_p < 1.0, gen.is_greedy)
   sampler_args = (_sampler_weights(policy, fns.abstract_state["params"]), prompt, prompt,

@@ -11,6 +11,8 @@ heads of 128), scanned and not. Per decode step of the sampler:
   (b) no sort over the vocabulary (top-k without sorting [rows, V])
   (c) no bf16 copy of a layer's KV cache size or more (the cache is updated in place, and no
       weight is re-laid out per token either)
+  (e) on the H100, attention by the ragged decode kernel (written slots only), no dot over a
+      layer's keys/values
 and (d) no [..., S, S] attention scores (f32, or bf16 as the GPU's forward keeps them) in the
 update, the log-prob pass (S = P + C) or the sampler's prefill (S = P) where the fused
 attention is on. Decode activations (MLP [rows, F] = 16 x 768, attention probabilities
@@ -18,6 +20,7 @@ attention is on. Decode activations (MLP [rows, F] = 16 x 768, attention probabi
 is no other dimension of the model.
 """
 import glob
+import math
 import os
 
 import pytest
@@ -142,3 +145,27 @@ def test_no_attention_scores_with_fused_attention(programs, program):
   kernel = FUSED_KERNEL[programs["platform"]]
   targets = hi.custom_call_targets(hlo)
   assert any(kernel in t for t in targets), f"no {kernel} custom call in {program}: {targets}"
+
+
+def test_gpu_decode_attention_reads_written_slots_only(programs):
+  """GPU: each decode step's attention is the ragged kernel (models/decode_attention.py: one
+  Triton call per layer, reading the prompt and the written cache slots), and no dot of the
+  step reads a layer's keys/values (the XLA attention's products over every slot, [rows * Hkv,
+  S, head_dim] or the prompt's [prompts * Hkv, P, head_dim]). TPU keeps the XLA attention."""
+  hlo = programs["hlo"]["sampler"]
+  within = decode_step(programs)
+  ops = [o for name, ops in hi.parse(hlo).items() if name in within for o in ops]
+  kernels = [o for o in ops if o.opcode == "custom-call:__gpu$xla.gpu.triton"
+             and "ragged_decode_attention" in o.line]
+  prompt_keys = programs["prompts"] * KV_HEADS * P * HEAD_DIM  # fewer than a layer's cache
+  kv_dots = [o for o in ops if o.opcode == "dot" for t in o.operands
+             if hi.dims(t)[1][-1:] == (HEAD_DIM,) and HIDDEN not in hi.dims(t)[1]
+             and math.prod(hi.dims(t)[1]) >= prompt_keys]
+  if programs["platform"] != "gpu":
+    assert not kernels, "TPU: the XLA decode attention (the ragged kernel is Triton's)"
+    return
+  assert len(kernels) >= 2, f"{len(kernels)} ragged decode kernels per decode step (2 layers)"
+  if kv_dots:
+    pytest.fail("dots over a layer's keys/values per decode step: " +
+                _show([f"{o.type} <- {', '.join(o.operands)} ({o.computation})"
+                       for o in kv_dots]))

@@ -153,6 +153,7 @@ def _owner_names():
   from grpo_jax.data import tokenizers
   from grpo_jax.models import build
   from grpo_jax.models import config as model_config
+  from grpo_jax.models import decode_attention
   from grpo_jax.models import remat
   from grpo_jax.rewards import computer
   from grpo_jax.rl import advantages
@@ -181,6 +182,7 @@ def _owner_names():
       ("loss.kl_kind", registry.KL_ESTIMATORS.names()),
       ("loss.loss_agg_mode", registry.LOSS_AGG_MODES.names()),
       ("rollout.engine", engine.ENGINES),
+      ("rollout.decode_attention", decode_attention.IMPLS),
       ("debug.transfer_guard", configuration.TRANSFER_GUARDS),
   ]
 

@@ -365,3 +365,59 @@ def test_decode_blocks_keep_tokens_logprobs_and_stops(model):
       np.testing.assert_allclose(r.raw_logprobs, runs[0].raw_logprobs, atol=1e-5)
     truncated = np.asarray(runs[0].truncated)
     assert truncated.all() if not eos else not truncated.all()
+
+
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 128])
+def test_ragged_decode_attention_equals_xla_attention(length):
+  """The Pallas decode kernel (Pallas's interpreter on CPU) == the XLA decode attention over a
+  shared, left-padded prompt and the first `length` cache slots (f32: 1e-5), reading no slot
+  past them (garbage there changes nothing); GQA groups of 2, 2 prompts x 4 rows."""
+  from grpo_jax.models import decode_attention
+  from grpo_jax.models import layers
+  b, g, hkv, r, kd, s, p = 2, 4, 2, 2, 32, 128, 64
+  ks = jax.random.split(jax.random.key(0), 6)
+  q = jax.random.normal(ks[0], (b * g, 1, hkv * r, kd))
+  k = jax.random.normal(ks[1], (b * g, hkv, s, kd))
+  v = jax.random.normal(ks[2], (b * g, hkv, s, kd))
+  pk = jax.random.normal(ks[3], (b, hkv, p, kd))
+  pv = jax.random.normal(ks[4], (b, hkv, p, kd))
+  p_valid = (jnp.arange(p)[None] >= jnp.array([[5], [40]])).astype(jnp.int32)
+  valid = jnp.broadcast_to(jnp.arange(s) < length, (b * g, s)).astype(jnp.int32)
+  want = layers.attention(q, k, v, jnp.full((b * g, 1), length - 1), valid, kv_head_major=True,
+                          prefix=(pk, pv, p_valid))
+  assert decode_attention.supports(q, k, pk)
+  got = decode_attention.ragged(q, k, v, length, (pk, pv, p_valid), interpret=True)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+  # Whole blocks past `length` are never read (the sampler's unwritten slots inside the last
+  # block read are zeros: masked out of the softmax).
+  unread = jnp.arange(s)[None, None, :, None] >= -(-length // 64) * 64
+  nan_k, nan_v = jnp.where(unread, jnp.nan, k), jnp.where(unread, jnp.nan, v)
+  again = decode_attention.ragged(q, nan_k, nan_v, length, (pk, pv, p_valid), interpret=True)
+  np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
+
+
+@pytest.mark.parametrize("block", [1, 8])
+def test_ragged_decode_sampler_equals_xla_sampler(block):
+  """The sampler with the ragged decode kernel (decode_attention="pallas": one phase, the
+  cache and the prompt padded to whole blocks) draws the XLA sampler's tokens and stops, with
+  the trainer's log-probs (f32: 1e-5), step by step and in GPU's blocks of 8 steps; "auto" on
+  CPU is the XLA attention, with its phases."""
+  model = build_model(CFG, seed=3)
+  ids, mask = prompts(CFG.vocab_size, seed=6)
+  graphdef, state = nnx.split(model)
+  out = {}
+  with pytest.raises(ValueError, match="decode_attention='flash'"):
+    Sampler(graphdef, max_prompt_length=7, max_new_tokens=8, decode_attention="flash")
+  for impl in ("xla", "pallas"):
+    s = Sampler(graphdef, max_prompt_length=7, max_new_tokens=24, num_generations=3,
+                eos_ids=(5,), decode_attention=impl, decode_block=block)
+    assert s.ragged == (impl == "pallas") and len(s.phase_ends) == 1
+    out[impl] = s(state, ids, mask, jax.random.key(4), GenerationConfig(temperature=1.0))
+  assert len(Sampler(graphdef, max_prompt_length=7, max_new_tokens=128).phase_ends) == 4
+  for name in ("tokens", "mask", "lengths", "truncated"):
+    np.testing.assert_array_equal(getattr(out["pallas"], name), getattr(out["xla"], name))
+  np.testing.assert_allclose(out["pallas"].raw_logprobs, out["xla"].raw_logprobs, atol=1e-5)
+  m = np.asarray(out["pallas"].mask) > 0
+  assert m.sum() > 3 * 24  # rows ran past the first block of 8 steps
+  train = np.asarray(trainer_logprobs(model, ids, mask, out["pallas"], 3))
+  assert np.abs(train - np.asarray(out["pallas"].raw_logprobs))[m].max() <= 1e-5

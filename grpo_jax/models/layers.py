@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from grpo_jax import sharding
+from grpo_jax.models import decode_attention
 from grpo_jax.models.config import ModelConfig
 
 
@@ -371,7 +372,8 @@ class Block(nnx.Module):
     written cache: (x, cache k, cache v) come back. Written first, the cache is updated in
     place; read first and written after, XLA copies the whole cache every decode step (the
     old buffer is still read when the update lands). `prefix`: a shared prompt's keys and
-    values for the cache paths (`attention`'s `prefix`)."""
+    values for the cache paths (`attention`'s `prefix`); with `write_slot` and a prefix, inside
+    `decode_attention.use(True)` (the sampler on GPU), one kernel reads the written slots only."""
     q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions_bt)
     if cache_kv is None and kv_valid_bs is None:  # real tokens first: fused causal kernel
       a = causal_attention(q, k, v)
@@ -381,7 +383,11 @@ class Block(nnx.Module):
       k, v = (jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype),
                                            (0, 0, write_slot, 0))
               for c, n in zip(cache_kv, (k, v)))
-      a = attention(q, k, v, q_slot_bt, kv_valid_bs, kv_head_major=True, prefix=prefix)
+      if (prefix is not None and decode_attention.active() and
+          decode_attention.supports(q, k, prefix[0])):  # the sampler's: written slots only
+        a = decode_attention.ragged(q, k, v, write_slot + 1, prefix)
+      else:
+        a = attention(q, k, v, q_slot_bt, kv_valid_bs, kv_head_major=True, prefix=prefix)
     else:
       a = attention(q, cache_kv[0], cache_kv[1], q_slot_bt, kv_valid_bs, extra_kv=(k, v),
                     kv_head_major=True, prefix=prefix)

@@ -251,18 +251,23 @@ def _write_kv(cache_kv, new_kv, slot):
                                       (0, 0, 0, slot, 0))
 
 
-def share_prompt(cache: dict, n: int, slots: int) -> dict:
+def share_prompt(cache: dict, n: int, slots: int, prefix_multiple: int = 1) -> dict:
   """A cache of B prompts prefilled to exactly its P slots (`init_cache(B, P)`) -> a decode
   cache for n samples per prompt (B*n rows, group-major) that keeps the prompts' keys/values
   once per prompt ("prefix_k", "prefix_v", "prefix_valid": read by every sample of the prompt)
   and has `slots` empty slots per row for the new tokens (slot j = completion token j;
   `grow_cache` adds more). Decode attends to the prefix and the written slots: the same
-  log-probs as `repeat_cache` + decode, and each prompt's keys are read once per group."""
+  log-probs as `repeat_cache` + decode, and each prompt's keys are read once per group.
+  `prefix_multiple`: the prefix padded at its end to a multiple of it (invalid slots: the
+  blocks `decode_attention.ragged` reads)."""
   def empty(x):
     shape = list(x.shape)
     shape[-4], shape[-2] = shape[-4] * n, slots
     return jnp.zeros(shape, x.dtype)
-  b = cache["valid"].shape[0]
+  b, p = cache["valid"].shape
+  extra = -p % prefix_multiple
+  if extra:
+    cache = grow_cache(cache, p + extra)
   return dict(prefix_k=cache["k"], prefix_v=cache["v"], prefix_valid=cache["valid"],
               k=jax.tree.map(empty, cache["k"]), v=jax.tree.map(empty, cache["v"]),
               valid=jnp.zeros((b * n, slots), jnp.int32), index=jnp.zeros((), jnp.int32),

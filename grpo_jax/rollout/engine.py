@@ -21,6 +21,7 @@ import jax
 
 from grpo_jax import multihost
 from grpo_jax.rollout.sampler import Sampler
+from grpo_jax.rollout.sampler import config_options
 from grpo_jax.rollout.seq2seq_sampler import Seq2SeqSampler
 from grpo_jax.rollout.types import Rollout
 
@@ -32,13 +33,13 @@ class NativeEngine:
 
   def __init__(self, policy, mesh, *, num_generations: int, max_prompt_length: int,
                max_new_tokens: int, eos_ids, pad_id: int, decode_phases: int = 0,
-               decode_block: int = 0):
+               decode_block: int = 0, decode_attention: str | None = None):
     self.mesh = mesh
     kw = dict(max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens,
               num_generations=num_generations, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
     if policy.decoder_start_id is None:
       self.sampler = Sampler(policy.sampler_graphdef, decode_phases=decode_phases,
-                             decode_block=decode_block, **kw)
+                             decode_block=decode_block, decode_attention=decode_attention, **kw)
     else:  # encoder-decoder: prompts are the encoder's input
       self.sampler = Seq2SeqSampler(policy.sampler_graphdef,
                                     decoder_start_id=policy.decoder_start_id, **kw)
@@ -103,6 +104,5 @@ def make_engine(config, policy, tokenizer, mesh, *, num_generations: int | None 
     raise ValueError(f"rollout.engine={kind!r}: use one of {', '.join(ENGINES)}")
   return NativeEngine(policy, mesh, num_generations=g, max_prompt_length=config.max_prompt_length,
                       max_new_tokens=c, eos_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-                      decode_phases=config.rollout.get("decode_phases", 0),
-                      decode_block=config.rollout.get("decode_block", 0))
+                      **config_options(config))
 

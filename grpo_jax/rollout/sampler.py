@@ -10,10 +10,13 @@
 2. Decode: `lax.while_loop`s over the [B*G, Hkv, S, K] caches of the new tokens; each step
    samples one token per row (sampling.py), records it and its log-probs, and stops when every
    row has emitted a stop token (or after C steps). Rows that stopped keep emitting `pad_id`.
-   Decode attention reads every cache slot each step, so the C steps run in `decode_phases`
-   loops over a cache that grows between them (S = C/phases, 2C/phases, ..., C slots): a step
-   reads about the slots written so far, not all C. Each phase is its own compiled loop
-   (compile time grows with the phases; 1 = one loop over C slots; see `phase_ends`).
+   On GPU (`decode_attention` auto) one kernel per layer attends over the prompt and the
+   slots written so far (models/decode_attention.py), in one loop over C slots. The XLA
+   attention (CPU, TPU) reads every cache slot each step, so there the C steps run in
+   `decode_phases` loops over a cache that grows between them (S = C/phases, 2C/phases, ...,
+   C slots): a step reads about the slots written so far, not all C. Each phase is its own
+   compiled loop (compile time grows with the phases; 1 = one loop over C slots; see
+   `phase_ends`).
 3. Everything is one jit per (shapes, static sampling path); new parameters, prompts, rng,
    temperature and top_p reuse the compiled program. Batch rows shard over (data, fsdp).
 
@@ -30,6 +33,7 @@ import numpy as np
 
 from grpo_jax import multihost
 from grpo_jax import sharding
+from grpo_jax.models import decode_attention as decode_attention_lib
 from grpo_jax.models.transformer import grow_cache
 from grpo_jax.models.transformer import sampling_copy
 from grpo_jax.models.transformer import share_prompt
@@ -44,7 +48,8 @@ class Sampler:
 
   def __init__(self, graphdef, *, max_prompt_length: int, max_new_tokens: int,
                num_generations: int = 1, eos_ids=(), pad_id: int = 0, mesh=None,
-               decode_phases: int = 0, decode_block: int = 0):
+               decode_phases: int = 0, decode_block: int = 0,
+               decode_attention: str | None = None):
     self.graphdef = graphdef
     self.max_prompt_length = max_prompt_length
     self.max_new_tokens = max_new_tokens
@@ -53,10 +58,14 @@ class Sampler:
     self.pad_id = int(pad_id)
     self.mesh = mesh
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    self.platform = platform
     # Decode steps per check of the loop's stop condition (see `block_size`); the loops then
     # run over `columns` >= max_new_tokens slots so each phase is a whole number of blocks.
     self.block = block_size(decode_block, platform)
-    ends = phase_ends(max_new_tokens, decode_phases, platform)
+    # The decode attention: one kernel over the written cache slots only (GPU by default), or
+    # the XLA form over all of them; the kernel needs no phases (auto: 1).
+    self.ragged = decode_attention_lib.choose(decode_attention, platform)
+    ends = phase_ends(max_new_tokens, decode_phases or (1 if self.ragged else 0), platform)
     self.phase_ends = tuple(sorted({1 + self.block * -(-(e - 1) // self.block) for e in ends}))
     self.columns = self.phase_ends[-1]
     self._compiled = {}
@@ -114,8 +123,18 @@ class Sampler:
           multihost.replicated(np.float32(v), self.mesh) for v in key)
     return self._device_scalars[key]
 
-  def _generate(self, state, prompt_ids, prompt_mask, rng, temperature, top_p, *, top_k,
-                use_top_p, greedy) -> Rollout:
+  def _generate(self, *args, **kw) -> Rollout:
+    with decode_attention_lib.use(self.ragged, self.platform):
+      return self._decode(*args, **kw)
+
+  def _slots(self, end: int) -> int:
+    """Cache slots for a phase ending at column `end`: its decodes write slots 0..end-2 (the
+    last column's token is drawn, never decoded); the ragged kernel reads whole blocks."""
+    block = decode_attention_lib.BLOCK
+    return -(-(end - 1) // block) * block if self.ragged else end
+
+  def _decode(self, state, prompt_ids, prompt_mask, rng, temperature, top_p, *, top_k,
+              use_top_p, greedy) -> Rollout:
     # The weights the loops read: compute dtype, per layer, made once here (sampling_copy).
     model = sampling_copy(nnx.merge(self.graphdef, state))
     g, c_len, cols = self.num_generations, self.max_new_tokens, self.columns
@@ -124,7 +143,9 @@ class Sampler:
     prompt_ids = sharding.constrain(prompt_ids, "batch", "length")
     cache = _constrain_cache(model.init_cache(b, p))
     logits, cache = model.prefill(prompt_ids, prompt_mask, cache)  # [B, V]
-    cache = _constrain_cache(share_prompt(cache, g, self.phase_ends[0]))
+    cache = _constrain_cache(share_prompt(
+        cache, g, self._slots(self.phase_ends[0]),
+        decode_attention_lib.BLOCK if self.ragged else 1))
     if g > 1:
       logits = jnp.repeat(logits, g, axis=0)
     stop_ids = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
@@ -167,7 +188,8 @@ class Sampler:
     final = record(init, init["t"], logits, init["done"])
     for i, end in enumerate(self.phase_ends):
       if i:
-        final = dict(final, cache=_constrain_cache(grow_cache(final["cache"], end)))
+        final = dict(final, cache=_constrain_cache(grow_cache(final["cache"],
+                                                              self._slots(end))))
       final = jax.lax.while_loop(functools.partial(cond, end=end), body, final)
     out = {k: final[k][:, :c_len] for k in ("tokens", "mask", "logprobs", "raw_logprobs")}
     return Rollout(**out, lengths=out["mask"].sum(-1), truncated=~final["done"])
@@ -202,18 +224,26 @@ def _constrain_cache(cache: dict) -> dict:
   return out
 
 
+def config_options(config) -> dict:
+  """The Sampler's decode knobs from config.rollout (the loop's engine, memory_plan)."""
+  r = config.rollout
+  return dict(decode_phases=r.get("decode_phases", 0), decode_block=r.get("decode_block", 0),
+              decode_attention=r.get("decode_attention", "auto"))
+
+
 def phase_ends(max_new_tokens: int, decode_phases: int = 0,
                platform: str = "cpu") -> tuple[int, ...]:
   """The completion lengths at which the decode loops end (the last is max_new_tokens).
 
-  decode_phases 0 = auto: on CPU one phase per 32 new tokens, at most 4 (compile time grows
-  with them); on GPU one per 128, at most 4 (the decode step reads each layer's cache at the
-  HBM rate: 4 phases read 5/8 of it on average; measured on an H200, Qwen3-0.6B, 256 rows x
-  256 new tokens: 52.0k -> 60.5k tok/s, the sampler's compile 24 -> 45 s; the qwen3_0p6b
-  recipe's step 2.17 -> 2.00 s, its first step 29 -> 69 s without a compilation cache); on TPU
-  1, since growing the cache holds the old and the new buffer at once (at the last growth 1.75x
-  the cache with 4 phases), which a TPU memory plan may not afford. Phases never get shorter
-  than 8 tokens."""
+  decode_phases 0 = auto (for the XLA decode attention; the Sampler asks for 1 with the ragged
+  kernel, GPU's default, which reads the written slots only): on CPU one phase per 32 new
+  tokens, at most 4 (compile time grows with them); on GPU one per 128, at most 4 (the XLA
+  decode step reads each layer's cache at the HBM rate: 4 phases read 5/8 of it on average;
+  measured on an H200, Qwen3-0.6B, 256 rows x 256 new tokens: 52.0k -> 60.5k tok/s, the
+  sampler's compile 24 -> 45 s; the qwen3_0p6b recipe's step 2.17 -> 2.00 s, its first step
+  29 -> 69 s without a compilation cache); on TPU 1, since growing the cache holds the old and
+  the new buffer at once (at the last growth 1.75x the cache with 4 phases), which a TPU
+  memory plan may not afford. Phases never get shorter than 8 tokens."""
   c = max_new_tokens
   if decode_phases < 0:
     raise ValueError(f"decode_phases={decode_phases}: use 0 (auto) or a count >= 1")

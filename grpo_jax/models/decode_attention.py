@@ -1,0 +1,184 @@
+"""Ragged decode attention: one kernel that reads only the cache slots written so far.
+
+The group sampler's decode step (rollout/sampler.py) attends each row's query to its prompt's
+keys/values, kept once per group of G rows (`transformer.share_prompt`: "prefix"), and to the
+row's own completion cache [N, Hkv, S, K], of which only slots 0..length-1 are written (every
+row writes slot t at step t). The XLA form (`layers.attention(prefix=...)`) reads all S slots
+of every layer each step and runs ~8 small kernels per layer (two score products, masks, a
+softmax, two value products, the prefix's sum and a transpose). `ragged` is one Pallas kernel
+per layer (Triton on GPU; Pallas's interpreter elsewhere, for tests): a program per (row, kv
+head) runs an online softmax over its prompt's valid slots and then over the first
+ceil(length / block) blocks of its cache, and writes the normalized output: the slots past
+`length` are never read, so the decode needs no phases (rollout.decode_phases) to avoid them.
+
+Layout requirements (the sampler meets them: its cache slots and `share_prompt(...,
+prefix_multiple=BLOCK)`): the cache's S and the prefix's P are multiples of BLOCK; the
+completion slots < length are all valid (the sampler's cache, not a padded one); q heads per
+kv head <= 16 (`supports`; else `layers.Block` keeps the XLA attention).
+
+Which attention a trace uses: `use(on, platform)` around the trace (the sampler's
+`_generate`), read by `layers.Block` through `active()`; `choose(impl, platform)` resolves the
+Sampler's `decode_attention` (None: DEFAULT). Measured on an H100 (benchmarks/README.md,
+"Ragged decode attention"): the recipe's loop step 2.24 -> 1.93 s, its first step 50 -> 31 s.
+"""
+import contextlib
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+
+from grpo_jax import sharding
+
+IMPLS = ("auto", "xla", "pallas")
+# The sampler's choice when it is given none (rollout.Sampler(decode_attention=None)); a
+# process-wide switch like layers.FUSE_GATE_UP (benchmarks/accelerator.py's loop_xla sets "xla").
+DEFAULT = "auto"
+BLOCK = 64  # cache slots per kernel step (the cache and the prompt are padded to a multiple)
+_ROWS = 16  # query rows per program: tensor-core dots need >= 16 (GQA groups are padded)
+
+_STATE = threading.local()
+
+
+def choose(impl: str | None, platform: str) -> bool:
+  """Whether the sampler's decode runs `ragged`: impl "pallas" always (off GPU in Pallas's
+  interpreter: slow, for tests), "xla" never, "auto" on GPU (Triton); None: DEFAULT."""
+  impl = DEFAULT if impl is None else impl
+  if impl not in IMPLS:
+    raise ValueError(f"decode_attention={impl!r}: use one of {', '.join(IMPLS)}")
+  return impl == "pallas" or (impl == "auto" and platform in ("gpu", "cuda", "rocm"))
+
+
+@contextlib.contextmanager
+def use(on: bool, platform: str = "gpu"):
+  """Traces inside decode with `ragged` (on) or the XLA attention, for `platform` (off GPU in
+  Pallas's interpreter); per thread (the loop's compile-ahead thread traces samplers while the
+  main thread runs)."""
+  saved = getattr(_STATE, "mode", None)
+  _STATE.mode = (bool(on), platform not in ("gpu", "cuda", "rocm"))
+  try:
+    yield
+  finally:
+    _STATE.mode = saved
+
+
+def active() -> bool:
+  mode = getattr(_STATE, "mode", None)
+  return mode is not None and mode[0]
+
+
+def supports(q_bthk, cache_k, prefix_k) -> bool:
+  """Shapes `ragged` takes: one query per row, GQA groups <= 16 rows, slots in whole blocks;
+  on GPU (Triton tiles) a power-of-two head_dim >= 16."""
+  b, t, h, kd = q_bthk.shape
+  hkv, s = cache_k.shape[1], cache_k.shape[2]
+  tiles = _interpret() or (kd >= 16 and kd & (kd - 1) == 0)
+  return (t == 1 and h % hkv == 0 and h // hkv <= _ROWS and s % BLOCK == 0 and tiles and
+          prefix_k.shape[2] % BLOCK == 0 and b % prefix_k.shape[0] == 0)
+
+
+def _interpret() -> bool:
+  mode = getattr(_STATE, "mode", None)
+  return jax.default_backend() not in ("gpu", "cuda", "rocm") if mode is None else mode[1]
+
+
+def ragged(q_bthk, k_nhsk, v_nhsk, length, prefix, *, interpret: bool | None = None):
+  """Decode attention of one query per row over its prompt (shared per group) and the first
+  `length` slots of its cache; the same values as `layers.attention(q, k, v, q_slot=length-1,
+  kv_valid=slots < length, kv_head_major=True, prefix=prefix)` (f32 softmax; on GPU the
+  probabilities meet V in the compute dtype, as there).
+
+  q [N, 1, H, K]; k, v [N, Hkv, S, K] (head-major cache, slots < length written); length: int32
+  scalar (1..S); prefix = (pk, pv, p_valid): [N/G, Hkv, P, K], [N/G, P]. -> [N, 1, H, K].
+  `interpret` None: as `use` says (Pallas's interpreter off GPU)."""
+  pk, pv, p_valid = prefix
+  n, _, h, kd = q_bthk.shape
+  hkv = k_nhsk.shape[1]
+  if interpret is None:
+    interpret = _interpret()
+  q = q_bthk.reshape(n, hkv, h // hkv, kd)
+  length = jnp.asarray(length, jnp.int32).reshape(1)
+  call = functools.partial(_call, groups=n // pk.shape[0], interpret=interpret)
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and set(sharding.MESH_AXES) <= set(mesh.axis_names):
+    qs = sharding.logical_to_spec(("batch", "kv_heads", "q_heads", "head_dim"), q.shape, mesh)
+    ks = sharding.logical_to_spec(("batch", "kv_heads", "length", "head_dim"), k_nhsk.shape, mesh)
+    ps = sharding.logical_to_spec(("batch", "kv_heads", "length", "head_dim"), pk.shape, mesh)
+    vs = sharding.logical_to_spec(("batch", "length"), p_valid.shape, mesh)
+    if qs[0] != ks[0] or qs[0] != ps[0] or qs[1] != ks[1] or ps[1] != ks[1]:
+      spec = jax.sharding.PartitionSpec  # rows or heads split unevenly: one shard does it all
+      qs, ks, ps, vs = spec(), spec(), spec(), spec()
+    qs = jax.sharding.PartitionSpec(qs[0], qs[1], None, None)
+    call = jax.shard_map(call, mesh=mesh, check_vma=False,
+                         in_specs=(qs, ks, ks, ps, ps, vs, jax.sharding.PartitionSpec()),
+                         out_specs=qs)
+  out = call(q, k_nhsk, v_nhsk, pk, pv, p_valid.astype(jnp.int32), length)
+  return out.reshape(n, 1, h, kd)
+
+
+def _call(q, k, v, pk, pv, p_valid, length, *, groups: int, interpret: bool):
+  from jax.experimental import pallas as pl
+  n, hkv, r, kd = q.shape
+  s, p = k.shape[2], pk.shape[2]
+  kernel = functools.partial(_kernel, rows=r, scale=kd**-0.5, prefix_blocks=p // BLOCK)
+  row = lambda i, j: (i, j, 0, 0)  # noqa: E731
+  prompt = lambda i, j: (i // groups, j, 0, 0)  # noqa: E731
+  kw = {}
+  if not interpret:
+    from jax.experimental.pallas import triton as plgpu
+    kw["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
+  return pl.pallas_call(
+      kernel,
+      grid=(n, hkv),
+      in_specs=[pl.BlockSpec((None, None, _ROWS, kd), row),
+                pl.BlockSpec((None, None, s, kd), row),
+                pl.BlockSpec((None, None, s, kd), row),
+                pl.BlockSpec((None, None, p, kd), prompt),
+                pl.BlockSpec((None, None, p, kd), prompt),
+                pl.BlockSpec((None, p), lambda i, j: (i // groups, 0)),
+                pl.BlockSpec((1,), lambda i, j: (0,))],
+      out_specs=pl.BlockSpec((None, None, _ROWS, kd), row),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      interpret=interpret, name="ragged_decode_attention", **kw,
+  )(q, k, v, pk, pv, p_valid, length)
+
+
+def _kernel(q_ref, k_ref, v_ref, pk_ref, pv_ref, pvalid_ref, len_ref, o_ref, *, rows: int,
+            scale: float, prefix_blocks: int):
+  """One (row, kv head): the online softmax (flash attention's) over the prompt's blocks, then
+  over the cache's written blocks; q rows past the GQA group (padding to _ROWS) are masked."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+  kd = q_ref.shape[-1]
+  row_ok = (jnp.arange(_ROWS) < rows)[:, None]
+  q = plgpu.load(q_ref, mask=row_ok, other=0)  # [R', K]
+  neg = jnp.finfo(jnp.float32).min
+
+  def update(carry, k_blk, v_blk, ok):  # [BLOCK, K] x2, ok [BLOCK]
+    acc, m, l = carry
+    sc = plgpu.dot(q, k_blk, trans_b=True).astype(jnp.float32) * scale  # [R', BLOCK]
+    sc = jnp.where(ok[None, :], sc, neg)
+    m_new = jnp.maximum(m, sc.max(axis=1))
+    corr = jnp.exp(m - m_new)
+    prob = jnp.where(ok[None, :], jnp.exp(sc - m_new[:, None]), 0.0)
+    l = l * corr + prob.sum(axis=1)
+    acc = acc * corr[:, None] + plgpu.dot(prob.astype(v_blk.dtype), v_blk).astype(jnp.float32)
+    return acc, m_new, l
+
+  def prompt_step(i, carry):
+    sl = pl.ds(pl.multiple_of(i * BLOCK, BLOCK), BLOCK)
+    return update(carry, pk_ref[sl, :], pv_ref[sl, :], pvalid_ref[sl] != 0)
+
+  length = len_ref[0]
+
+  def cache_step(i, carry):
+    sl = pl.ds(pl.multiple_of(i * BLOCK, BLOCK), BLOCK)
+    ok = i * BLOCK + jnp.arange(BLOCK) < length
+    return update(carry, k_ref[sl, :], v_ref[sl, :], ok)
+
+  carry = (jnp.zeros((_ROWS, kd), jnp.float32), jnp.full((_ROWS,), neg, jnp.float32),
+           jnp.zeros((_ROWS,), jnp.float32))
+  carry = jax.lax.fori_loop(0, prefix_blocks, prompt_step, carry)
+  carry = jax.lax.fori_loop(0, pl.cdiv(length, BLOCK), cache_step, carry)
+  acc, _, l = carry
+  plgpu.store(o_ref, (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok)
