@@ -9,6 +9,9 @@ Extras:
   vllm-tpu vLLM on Cloud TPU: vllm-tpu + tpu-inference 0.32.0 with the exact versions tpu-inference
            pins (jax/jaxlib 0.11.2, libtpu 0.0.48, flax 0.12.10, qwix 0.1.2); the core's lower
            bounds admit them (scripts/test_tpu_pins.sh runs the core tests on them).
+  tpu-maxtext  the seed's pairing on Cloud TPU: vllm-tpu + maxtext together on tpu-inference's
+           pins (a MaxText policy with vLLM rollouts; scripts/test_tpu_pins.sh runs the MaxText
+           tests on those pins).
   tpu      jax[tpu] (libtpu), for Cloud TPU hosts (launch/tpu_pod.sh, launch/xpk.sh).
   gcs      gcsfs, for gs:// workdirs.
   data     Hugging Face datasets: data.train_source=hf_dataset (save_to_disk folders, datasets'
@@ -51,6 +54,14 @@ VLLM_TPU = [
     "libtpu==0.0.48", "flax==0.12.10", "qwix==0.1.2",
 ]
 
+# A MaxText policy with vLLM-TPU rollouts, in one install. MaxText stays 0.2.5 on tpu-inference's
+# pins: 0.2.2-0.2.5 all import qwix modules that qwix 0.1.2 lacks (qwix._src.core.sparsity,
+# qwix.contrib.sparsity), used only for weight sparsity under fp8 quantization, and 0.2.0-0.2.1
+# need tensorflow to import at all; grpo_jax's adapter (models/maxtext_adapter.import_maxtext)
+# registers placeholders for those two modules where qwix lacks them, so the newest MaxText's
+# dense model code imports and runs on the pins (measured: tests/test_maxtext.py passes there).
+TPU_MAXTEXT = VLLM_TPU + MAXTEXT
+
 setuptools.setup(
     name="grpo_jax",
     version="0.1.0",
@@ -69,6 +80,7 @@ setuptools.setup(
         "maxtext": MAXTEXT,
         "vllm": ["vllm"],
         "vllm-tpu": VLLM_TPU,
+        "tpu-maxtext": TPU_MAXTEXT,
         "tpu": ["jax[tpu]"],
         "gcs": ["gcsfs"],
         "data": ["datasets"],

