@@ -62,7 +62,8 @@ def digits(prompts, completions, solution, task, **kwargs):
 """
 
 
-@pytest.mark.parametrize("kind", ["parquet", "hf_dataset"])
+# parquet: slow (suite time; the default suite trains on parquet in the GSM8K test below).
+@pytest.mark.parametrize("kind", [pytest.param("parquet", marks=pytest.mark.slow), "hf_dataset"])
 def test_table_sources_train_exactly_like_the_same_rows_through_a_resume(tmp_path, kind,
                                                                           arithmetic_run,
                                                                           monkeypatch):

@@ -203,6 +203,7 @@ TABLE_ARGS = ["--config=configs/tiny.py", "--config.sft_steps=2", "--config.sft.
               "--config.eval.batch_size=16", "--config.log_interval_steps=1"]
 
 
+@pytest.mark.slow  # ~35 s (suite time): the tables' rows enter the same pipeline as any source's
 def test_two_processes_read_table_sources_like_one_reads_the_same_rows(tmp_path):
   """verl's parquet (train) and a TRL-style datasets folder (eval) on 2 processes x 4 devices
   == the arithmetic task's same rows generated in 1 process x 8: each process reads the whole

@@ -396,7 +396,7 @@ def test_ragged_decode_attention_equals_xla_attention(length):
   np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
 
 
-@pytest.mark.parametrize("block", [1, 8])
+@pytest.mark.parametrize("block", [pytest.param(1, marks=pytest.mark.slow), 8])  # 8: GPU's default
 def test_ragged_decode_sampler_equals_xla_sampler(block):
   """The sampler with the ragged decode kernel (decode_attention="pallas": one phase, the
   cache and the prompt padded to whole blocks) draws the XLA sampler's tokens and stops, with
