@@ -17,7 +17,8 @@ from grpo_jax.models.transformer import share_prompt
 from grpo_jax.models import token_logprobs
 from grpo_jax.models.config import REMAT_POLICIES
 
-CFGS = {"qwen3": PRESETS["tiny-qwen3"], "llama3": PRESETS["tiny-llama3"]}
+CFGS = {"qwen3": PRESETS["tiny-qwen3"], "llama3": PRESETS["tiny-llama3"],
+        "gemma2": PRESETS["tiny-gemma2"], "gemma3": PRESETS["tiny-gemma3"]}
 
 
 def prompts_and_completions(vocab, seed=0):
@@ -63,7 +64,8 @@ def decode_logprobs(model, prompt, pmask, comp, repeat=1, shared=False):
 
 @pytest.mark.parametrize("arch,scan", [  # suite time: -m slow runs the other two
     ("qwen3", True), ("llama3", False), pytest.param("qwen3", False, marks=pytest.mark.slow),
-    pytest.param("llama3", True, marks=pytest.mark.slow)])
+    pytest.param("llama3", True, marks=pytest.mark.slow),
+    ("gemma3", True), pytest.param("gemma2", False, marks=pytest.mark.slow)])  # windows < rows
 def test_prefill_decode_equals_training_forward(arch, scan):
   model = build_model(CFGS[arch].replace(scan_layers=scan), seed=1)
   prompt, pmask, comp, cmask = prompts_and_completions(model.cfg.vocab_size)

@@ -47,7 +47,7 @@ def test_an_unknown_architecture_names_the_supported_ones(tmp_path):
       {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
   with pytest.raises(ValueError, match=r"config.json: unsupported architecture \(model_type="
                      r"'gpt2', architectures=\['GPT2LMHeadModel'\]\)\. Supported: decoder .*"
-                     r"model_type qwen3, llama; t5 .*model_type t5"):
+                     r"model_type qwen3, llama, gemma2, gemma3_text, gemma3; t5 .*model_type t5"):
     models.load_hf(str(tmp_path))
   # architectures alone pick the family when model_type is missing
   assert families.family_of({"architectures": ["T5ForConditionalGeneration"]}).name.startswith(

@@ -1,14 +1,24 @@
-"""ModelConfig: one dataclass for Qwen3 dense and Llama 3 / 3.1 decoders, plus named presets.
+"""ModelConfig: one dataclass for the decoder families (Qwen3 dense, Llama 3 / 3.1, Gemma 2,
+Gemma 3 text), plus named presets.
 
 Fields are plain values so `configs/common.py` can carry every one of them in `config.model`
 (Llama-3 RoPE scaling is flattened into `rope_scaling_*`; factor 0 means no scaling).
 Preset shapes are the published Hugging Face config.json values of each model.
+
+The architecture name fixes the layer's structure; the numbers stay fields:
+  qwen3, llama3   pre-norm layers, RMSNorm w * x, SwiGLU
+  gemma2, gemma3  RMSNorm (1 + w) * x in f32, a norm before and after attention and the MLP,
+                  GeGLU (tanh GELU), embeddings scaled by sqrt(hidden_size); with the fields
+                  query_pre_attn_scalar, attn/final_logit_softcap (Gemma 2), sliding_window +
+                  sliding_window_pattern (local layers interleaved with global ones),
+                  rope_local_theta (Gemma 3's local RoPE base), rope_linear_factor, qk_norm.
 """
 import dataclasses
 
 from grpo_jax.models import remat
 
-ARCHS = ("qwen3", "llama3")
+ARCHS = ("qwen3", "llama3", "gemma2", "gemma3")
+GEMMA = ("gemma2", "gemma3")
 # The names `remat.POLICIES` defines (a snapshot for importers; checks read POLICIES itself so
 # a policy registered later is accepted too).
 REMAT_POLICIES = tuple(remat.POLICIES)
@@ -19,7 +29,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 # on every backend (on CPU it is jax.nn.dot_product_attention's XLA form: for tests).
 ATTENTION_IMPLS = ("auto", "xla", "fused")
 
-_HF_ARCH = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama3": ("LlamaForCausalLM", "llama")}
+_HF_ARCH = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama3": ("LlamaForCausalLM", "llama"),
+            "gemma2": ("Gemma2ForCausalLM", "gemma2"), "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+# config.json model_type -> arch (Gemma 3's multimodal folders: their text_config is read).
+HF_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3", "gemma2": "gemma2", "gemma3_text": "gemma3",
+                  "gemma3": "gemma3"}
+HF_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama3",
+                    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                    "Gemma3ForConditionalGeneration": "gemma3"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +65,29 @@ class ModelConfig:
   remat_policy: str = "none"
   scan_layers: bool = False
   attention_impl: str = "auto"
+  # Gemma 2 / 3 (0 = off; any arch may set them, HF folders only carry them for Gemma):
+  query_pre_attn_scalar: float = 0.0  # attention scale = this ** -0.5 (0: head_dim)
+  attn_logit_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the softmax
+  final_logit_softcap: float = 0.0  # LM-head logits -> cap * tanh(logits / cap)
+  sliding_window: int = 0  # local layers attend to the last `sliding_window` positions only
+  sliding_window_pattern: int = 0  # layer i is global iff (i+1) % N == 0 (Gemma 2: 2, Gemma 3:
+  #                                  6); 0: every layer local (when sliding_window > 0)
+  rope_local_theta: float = 0.0  # the local layers' RoPE base (Gemma 3: 1e4); 0: rope_theta
+  rope_linear_factor: float = 1.0  # linear RoPE scaling of the global layers (Gemma 3 4B+: 8)
+
+  @property
+  def gemma(self) -> bool:
+    """Gemma's layer structure: (1 + w) norms, pre- and post-norms, GeGLU, scaled embeddings."""
+    return self.arch in GEMMA
+
+  def layer_is_local(self, i: int) -> bool:
+    """Whether layer i is a sliding-window (local) layer."""
+    n = self.sliding_window_pattern
+    return self.sliding_window > 0 and (n == 0 or (i + 1) % n != 0)
+
+  @property
+  def local_layers(self) -> tuple[bool, ...]:
+    return tuple(self.layer_is_local(i) for i in range(self.num_layers))
 
   def problems(self) -> list[tuple[str, str, str]]:
     """(field, why, fix) for every bad value; empty when the config is usable."""
@@ -75,6 +115,12 @@ class ModelConfig:
     if self.attention_impl not in ATTENTION_IMPLS:
       out.append(("attention_impl", "unknown attention implementation",
                   f"use one of {', '.join(ATTENTION_IMPLS)}"))
+    for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+              "sliding_window", "sliding_window_pattern", "rope_local_theta"):
+      if getattr(self, f) < 0:
+        out.append((f, "must be >= 0", "0 turns it off"))
+    if self.rope_linear_factor <= 0:
+      out.append(("rope_linear_factor", "must be > 0", "1.0 = no linear RoPE scaling"))
     if self.remat_policy not in remat.POLICIES:
       out.append(("remat_policy", "unknown remat policy",
                   f"use one of {', '.join(remat.POLICIES)}"))
@@ -95,64 +141,113 @@ class ModelConfig:
     d, f, h, k, hd, v = (self.hidden_size, self.intermediate_size, self.num_heads,
                          self.num_kv_heads, self.head_dim, self.vocab_size)
     attn = d * hd * (2 * h + 2 * k) + (2 * hd if self.qk_norm else 0)
-    layer = attn + 3 * d * f + 2 * d
+    layer = attn + 3 * d * f + (4 if self.gemma else 2) * d
     return self.num_layers * layer + v * d * (1 if self.tie_embeddings else 2) + d
 
   # ------------------------------------------------------------------ HF config.json
 
   @classmethod
   def from_hf_config(cls, hf: dict, **overrides) -> "ModelConfig":
-    """From a Hugging Face config.json dict (Qwen3ForCausalLM or LlamaForCausalLM)."""
+    """From a Hugging Face config.json dict (Qwen3ForCausalLM, LlamaForCausalLM,
+    Gemma2ForCausalLM, Gemma3ForCausalLM; a Gemma 3 multimodal folder's text_config)."""
+    if hf.get("text_config") and hf.get("model_type") == "gemma3":
+      hf = dict(hf["text_config"], model_type="gemma3_text")
     model_type = hf.get("model_type", "")
     archs = hf.get("architectures") or []
-    if model_type == "qwen3" or "Qwen3ForCausalLM" in archs:
-      arch = "qwen3"
-    elif model_type == "llama" or "LlamaForCausalLM" in archs:
-      arch = "llama3"
-    else:
+    arch = HF_MODEL_TYPES.get(model_type) or next(
+        (HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    if arch is None:
       raise ValueError(f"unsupported architecture: model_type={model_type!r}, architectures="
-                       f"{archs}; grpo_jax's native decoder loads Qwen3ForCausalLM and "
-                       "LlamaForCausalLM checkpoints")
+                       f"{archs}; grpo_jax's native decoder loads "
+                       f"{', '.join(sorted(HF_ARCHITECTURES))} checkpoints")
     if hf.get("mlp_bias"):
       raise ValueError("unsupported: mlp_bias=true (no Llama-3 / Qwen3 checkpoint uses it)")
     heads = hf["num_attention_heads"]
+    n_layers = hf["num_hidden_layers"]
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    local_scaling = {}
+    if "full_attention" in scaling:  # transformers 5: RoPE per layer type
+      scaling, local_scaling = scaling["full_attention"], scaling.get("sliding_attention", {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     theta = hf.get("rope_theta", scaling.get("rope_theta", 10000.0))
-    if rope_type not in ("default", "llama3"):
-      raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3)")
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-      if hf.get(key):  # Gemma-2 style; no Qwen3 / Llama checkpoint sets them
-        raise ValueError(f"unsupported: {key}={hf[key]} (logit soft-capping; the native "
-                         "Qwen3 / Llama decoder has none, so it would silently differ)")
+    local_theta = hf.get("rope_local_base_freq", local_scaling.get("rope_theta", 0.0))
+    if rope_type not in ("default", "llama3", "linear"):
+      raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3, linear)")
+    if local_scaling.get("rope_type", "default") != "default":
+      raise ValueError(f"unsupported: RoPE scaling {local_scaling['rope_type']!r} on the "
+                       "sliding-window layers (Gemma 3 scales only its global layers)")
+    softcaps = {k: float(hf.get(k) or 0.0)
+                for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    if arch not in GEMMA:
+      for key, cap in softcaps.items():
+        if cap:  # no Qwen3 / Llama checkpoint sets them
+          raise ValueError(f"unsupported: {key}={cap} on {arch} (logit soft-capping is read "
+                           "for Gemma folders only; otherwise it would silently differ)")
+    window = 0
+    if arch in GEMMA or hf.get("use_sliding_window"):
+      window = int(hf.get("sliding_window") or 0)
     if arch == "qwen3" and hf.get("use_sliding_window"):
       raise ValueError("unsupported: Qwen3 sliding-window attention (use_sliding_window=true)")
+    pattern = _window_pattern(hf, n_layers, window)
     kw = dict(
         arch=arch,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
+        num_layers=n_layers,
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         rope_theta=float(theta),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qk_norm=arch == "qwen3",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA)),
+        qk_norm=arch in ("qwen3", "gemma3"),
         attention_bias=bool(hf.get("attention_bias", False)),
         max_position_embeddings=hf.get("max_position_embeddings", 8192),
     )
+    if arch in GEMMA:
+      act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+      if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported: hidden_activation={act!r} for {arch} (the native "
+                         "Gemma MLP is GeGLU with the tanh GELU, gelu_pytorch_tanh)")
+      kw.update(query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 0.0),
+                attn_logit_softcap=softcaps["attn_logit_softcapping"],
+                final_logit_softcap=softcaps["final_logit_softcapping"],
+                sliding_window=window, sliding_window_pattern=pattern,
+                rope_local_theta=float(local_theta or 0.0))
     if rope_type == "llama3":
       kw.update(rope_scaling_factor=float(scaling["factor"]),
                 rope_low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
                 rope_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
                 rope_original_max_position=int(scaling.get("original_max_position_embeddings",
                                                            8192)))
+    elif rope_type == "linear":
+      kw.update(rope_linear_factor=float(scaling["factor"]))
     kw.update(overrides)
     return cls(**kw).validate()
 
+  def hf_problems(self) -> list[str]:
+    """Why a Hugging Face folder of this arch cannot hold this config (empty: it can)."""
+    out = []
+    if self.gemma and self.qk_norm != (self.arch == "gemma3"):
+      out.append(f"qk_norm={self.qk_norm}: HF's {self.arch} has {'no ' * (self.arch == 'gemma2')}"
+                 "q/k norms")
+    if not self.gemma:
+      out += [f"{f}={getattr(self, f)}: HF's {self.arch} has none" for f in (
+          "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+          "sliding_window", "rope_local_theta") if getattr(self, f)]
+      if self.rope_linear_factor != 1.0:
+        out.append(f"rope_linear_factor={self.rope_linear_factor}: HF's {self.arch} has none")
+    if self.arch == "gemma2" and (self.rope_local_theta or self.rope_linear_factor != 1.0):
+      out.append("rope_local_theta / rope_linear_factor: HF's gemma2 has one RoPE")
+    if self.gemma and self.rope_scaling_factor:
+      out.append("rope_scaling_factor (Llama-3 scaling): HF's Gemma has none")
+    return out
+
   def to_hf_config(self, torch_dtype: str = "float32") -> dict:
+    bad = self.hf_problems()
+    if bad:
+      raise ValueError("this model has no Hugging Face config.json: " + "; ".join(bad))
     hf_arch, model_type = _HF_ARCH[self.arch]
     hf = {
         "architectures": [hf_arch],
@@ -174,7 +269,22 @@ class ModelConfig:
         "torch_dtype": torch_dtype,
         "use_cache": True,
     }
-    if self.arch == "llama3":
+    if self.gemma:
+      hf.pop("hidden_act")
+      hf.update(hidden_activation="gelu_pytorch_tanh",
+                query_pre_attn_scalar=_int_if_whole(self.query_pre_attn_scalar or
+                                                    self.head_dim),
+                attn_logit_softcapping=self.attn_logit_softcap or None,
+                final_logit_softcapping=self.final_logit_softcap or None,
+                sliding_window=self.sliding_window or None,
+                layer_types=["sliding_attention" if local else "full_attention"
+                             for local in self.local_layers],
+                rope_scaling=None if self.rope_linear_factor == 1.0 else {
+                    "rope_type": "linear", "factor": self.rope_linear_factor})
+      if self.arch == "gemma3":
+        hf["rope_local_base_freq"] = self.rope_local_theta or self.rope_theta
+        hf["sliding_window_pattern"] = self.sliding_window_pattern
+    elif self.arch == "llama3":
       hf["mlp_bias"] = False
       hf["rope_scaling"] = None
       if self.rope_scaling_factor > 0:
@@ -188,6 +298,52 @@ class ModelConfig:
       hf["sliding_window"] = None
       hf["rope_scaling"] = None
     return hf
+
+
+def _int_if_whole(x: float):
+  return int(x) if float(x).is_integer() else x
+
+
+def _window_pattern(hf: dict, n_layers: int, window: int) -> int:
+  """sliding_window_pattern from config.json's layer_types (or its pattern fields)."""
+  types = hf.get("layer_types")
+  if not window:
+    if types and any(t != "full_attention" for t in types):
+      raise ValueError(f"config.json: layer_types {types} name sliding layers but "
+                       "sliding_window is unset")
+    return 0
+  if not types:
+    n = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern"))
+    if n is None and hf.get("model_type") == "gemma2":
+      n = 2
+    return int(n or 0)
+  local = [t == "sliding_attention" for t in types]
+  if len(local) != n_layers or not all(t in ("sliding_attention", "full_attention")
+                                       for t in types):
+    raise ValueError(f"config.json: layer_types must name {n_layers} layers, each "
+                     f"sliding_attention or full_attention (got {types})")
+  for n in range(n_layers + 2):
+    probe = ModelConfig(num_layers=n_layers, sliding_window=window, sliding_window_pattern=n)
+    if list(probe.local_layers) == local:
+      return n
+  raise ValueError(f"config.json: layer_types {types} is not a pattern of local layers with "
+                   "every N-th layer global (what the native decoder runs)")
+
+
+def _gemma2(**kw):
+  kw = dict(dict(vocab_size=256000, head_dim=256, rope_theta=10000.0, rms_norm_eps=1e-6,
+                 qk_norm=False, tie_embeddings=True, max_position_embeddings=8192,
+                 query_pre_attn_scalar=256.0, attn_logit_softcap=50.0,
+                 final_logit_softcap=30.0, sliding_window=4096, sliding_window_pattern=2), **kw)
+  return ModelConfig(arch="gemma2", **kw)
+
+
+def _gemma3(**kw):
+  kw = dict(dict(vocab_size=262208, head_dim=256, rope_theta=1e6, rope_local_theta=10000.0,
+                 rms_norm_eps=1e-6, qk_norm=True, tie_embeddings=True,
+                 max_position_embeddings=131072, query_pre_attn_scalar=256.0,
+                 sliding_window=1024, sliding_window_pattern=6), **kw)
+  return ModelConfig(arch="gemma3", **kw)
 
 
 def _qwen3(**kw):
@@ -223,4 +379,31 @@ PRESETS: dict[str, ModelConfig] = {
                                head_dim=8, rope_theta=500000.0, rope_scaling_factor=8.0,
                                rope_original_max_position=32, rms_norm_eps=1e-5,
                                tie_embeddings=True, qk_norm=False, max_position_embeddings=256),
+    # huggingface.co/google/gemma-2-{2b,9b}/blob/main/config.json
+    "gemma2-2b": _gemma2(hidden_size=2304, intermediate_size=9216, num_layers=26, num_heads=8,
+                         num_kv_heads=4),
+    "gemma2-9b": _gemma2(hidden_size=3584, intermediate_size=14336, num_layers=42,
+                         num_heads=16, num_kv_heads=8),
+    # huggingface.co/google/gemma-3-1b-it (Gemma3ForCausalLM) and the text towers of
+    # gemma-3-{4b,12b,27b}-it (Gemma3ForConditionalGeneration's text_config)
+    "gemma3-1b": _gemma3(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                         num_layers=26, num_heads=4, num_kv_heads=1, sliding_window=512,
+                         max_position_embeddings=32768),
+    "gemma3-4b": _gemma3(hidden_size=2560, intermediate_size=10240, num_layers=34, num_heads=8,
+                         num_kv_heads=4, rope_linear_factor=8.0),
+    "gemma3-12b": _gemma3(hidden_size=3840, intermediate_size=15360, num_layers=48,
+                          num_heads=16, num_kv_heads=8, rope_linear_factor=8.0),
+    "gemma3-27b": _gemma3(hidden_size=5376, intermediate_size=21504, num_layers=62,
+                          num_heads=32, num_kv_heads=16, head_dim=128,
+                          query_pre_attn_scalar=168.0, rope_linear_factor=8.0),
+    # Test shapes with every Gemma feature active at short lengths.
+    "tiny-gemma2": _gemma2(vocab_size=103, hidden_size=64, intermediate_size=96, num_layers=3,
+                           num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=5,
+                           query_pre_attn_scalar=12.0, attn_logit_softcap=5.0,
+                           final_logit_softcap=3.0, max_position_embeddings=256),
+    "tiny-gemma3": _gemma3(vocab_size=107, hidden_size=64, intermediate_size=96, num_layers=4,
+                           num_heads=4, num_kv_heads=1, head_dim=16, sliding_window=4,
+                           sliding_window_pattern=3, query_pre_attn_scalar=16.0,
+                           rope_theta=1e6, rope_linear_factor=2.0,
+                           max_position_embeddings=256),
 }

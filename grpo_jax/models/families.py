@@ -12,6 +12,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
+from grpo_jax.models import config as model_config
 from grpo_jax.models import hf
 from grpo_jax.models import t5_hf
 from grpo_jax.models.t5 import T5
@@ -28,8 +29,8 @@ class Family:
 
 
 FAMILIES = (
-    Family("decoder (Qwen3, Llama 3)", ("qwen3", "llama"),
-           ("Qwen3ForCausalLM", "LlamaForCausalLM"), hf.load_hf, hf.save_hf,
+    Family("decoder (Qwen3, Llama 3, Gemma 2, Gemma 3)", tuple(model_config.HF_MODEL_TYPES),
+           tuple(model_config.HF_ARCHITECTURES), hf.load_hf, hf.save_hf,
            lambda m: not isinstance(m, T5)),
     Family("t5 (T5 v1.1, flan-t5)", ("t5",), ("T5ForConditionalGeneration",),
            t5_hf.load_t5_hf, lambda m, path, **kw: t5_hf.save_t5_hf(m, None, path, **kw),

@@ -39,9 +39,11 @@ def _identity(x):
   return x
 
 
-def param_mapping(cfg: ModelConfig) -> list[Entry]:
+def param_mapping(cfg: ModelConfig, prefix: str = "model.") -> list[Entry]:
+  """The native <-> HF table; `prefix`: where the decoder's tensors live ("model."; a Gemma 3
+  multimodal folder's text tower: "model.language_model." or "language_model.model.")."""
   d, h, g, k = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  layer = "model.layers.{i}."
+  layer = prefix + "layers.{i}."
 
   def proj_in(n):  # HF Linear [n*K, D] <-> native [D, n, K]
     return (lambda w: w.T.reshape(d, n, k)), (lambda w: w.reshape(d, n * k).T)
@@ -52,10 +54,9 @@ def param_mapping(cfg: ModelConfig) -> list[Entry]:
   t = (lambda w: w.T), (lambda w: w.T)
   ident = _identity, _identity
   entries = [
-      Entry(("embed",), "model.embed_tokens.weight", *ident, False),
-      Entry(("final_norm", "scale"), "model.norm.weight", *ident, False),
+      Entry(("embed",), prefix + "embed_tokens.weight", *ident, False),
+      Entry(("final_norm", "scale"), prefix + "norm.weight", *ident, False),
       Entry(("attn_norm", "scale"), layer + "input_layernorm.weight", *ident, True),
-      Entry(("mlp_norm", "scale"), layer + "post_attention_layernorm.weight", *ident, True),
       Entry(("attn", "q"), layer + "self_attn.q_proj.weight", *proj_in(h), True),
       Entry(("attn", "k"), layer + "self_attn.k_proj.weight", *proj_in(g), True),
       Entry(("attn", "v"), layer + "self_attn.v_proj.weight", *proj_in(g), True),
@@ -65,6 +66,16 @@ def param_mapping(cfg: ModelConfig) -> list[Entry]:
       Entry(("mlp", "up"), layer + "mlp.up_proj.weight", *t, True),
       Entry(("mlp", "down"), layer + "mlp.down_proj.weight", *t, True),
   ]
+  if cfg.gemma:  # HF's post_attention_layernorm is Gemma's norm after attention
+    entries += [Entry(("post_attn_norm", "scale"), layer + "post_attention_layernorm.weight",
+                      *ident, True),
+                Entry(("mlp_norm", "scale"), layer + "pre_feedforward_layernorm.weight",
+                      *ident, True),
+                Entry(("post_mlp_norm", "scale"), layer + "post_feedforward_layernorm.weight",
+                      *ident, True)]
+  else:
+    entries.append(Entry(("mlp_norm", "scale"), layer + "post_attention_layernorm.weight",
+                         *ident, True))
   if cfg.qk_norm:
     entries += [Entry(("attn", "q_norm", "scale"), layer + "self_attn.q_norm.weight", *ident, True),
                 Entry(("attn", "k_norm", "scale"), layer + "self_attn.k_norm.weight", *ident, True)]
@@ -135,7 +146,8 @@ def read_hf_config(path: str) -> dict:
 
 def load_hf(path: str, dtype=jnp.float32, *, mesh=None, param_dtype=None, remat_policy="none",
             scan_layers=False, **overrides) -> Transformer:
-  """Loads a Qwen3 / Llama Hugging Face checkpoint folder into a native Transformer.
+  """Loads a Qwen3 / Llama / Gemma 2 / Gemma 3 (text) Hugging Face checkpoint folder into a
+  native Transformer (a Gemma 3 multimodal folder: its text tower).
 
   `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype.
   With `mesh`, parameters land directly in their shardings (one tensor or shard in host
@@ -150,6 +162,8 @@ def load_hf(path: str, dtype=jnp.float32, *, mesh=None, param_dtype=None, remat_
                                    remat_policy=remat_policy, scan_layers=scan_layers,
                                    **overrides)
   ckpt = _Checkpoint(path)
+  prefix = next((p for p in ("model.", "model.language_model.", "language_model.model.")
+                 if p + "embed_tokens.weight" in ckpt.files), "model.")
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)
   shardings = (sharding.state_shardings(abstract_state, mesh) if mesh is not None else None)
@@ -157,7 +171,7 @@ def load_hf(path: str, dtype=jnp.float32, *, mesh=None, param_dtype=None, remat_
   flat_shardings = ({p: v.get_value() for p, v in nnx.to_flat_state(shardings)}
                     if shardings is not None else {})
   values = {}
-  for e in param_mapping(cfg):
+  for e in param_mapping(cfg, prefix):
     pairs = _native_paths(cfg, e)
     native_path = pairs[0][0]
     var = flat[native_path]

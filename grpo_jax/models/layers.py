@@ -1,4 +1,6 @@
-"""Decoder building blocks: RMSNorm, RoPE (with Llama-3 scaling), GQA attention, SwiGLU MLP.
+"""Decoder building blocks: RMSNorm, RoPE (with Llama-3 scaling), GQA attention, SwiGLU MLP;
+for Gemma 2 / 3 ((1 + w) norms, post-norms, GeGLU, soft-capped scores, sliding windows) the
+same blocks with the ModelConfig fields that switch each feature on.
 
 Parameter layouts (logical axes in parentheses) keep heads as their own dimension:
   q  [D, H, K]    (embed, q_heads, head_dim)       k, v [D, Hkv, K] (embed, kv_heads, head_dim)
@@ -10,6 +12,12 @@ Activations are tagged with `checkpoint_name` so named remat policies can pick t
 
 One attention function serves every mode: queries at absolute slots `q_slot` attend to keys at
 slots 0..S-1 where `kv_valid` (padding never attended) and slot <= query slot (causal).
+
+Sliding windows count positions (real tokens), not slots: a local layer's query at position p
+attends to the keys at positions p - window + 1 .. p (Hugging Face's Gemma mask on an unpadded
+row), whatever padding the row holds. In the training forward the key positions are the
+queries' (self-attention); in the caches the real tokens of a row are contiguous from the
+first completion slot on (the sampler's layout), so slot distance is position distance there.
 """
 import contextlib
 import math
@@ -42,22 +50,41 @@ def _param(rngs, shape, axes, dtype, *, fan_in: int | None = None, init: str = "
 
 
 class RMSNorm(nnx.Module):
-  """RMSNorm computed in f32, scaled in the input dtype (as Hugging Face's Qwen3/Llama do)."""
+  """RMSNorm computed in f32, scaled in the input dtype (as Hugging Face's Qwen3/Llama do);
+  `plus_one` (Gemma): the scale is stored as w and applied as (1 + w) in f32 (init w = 0)."""
 
-  def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs,
+               plus_one: bool = False):
     self.eps = eps
-    self.scale = _param(rngs, (dim,), ("norm",), param_dtype, init="ones")
+    self.plus_one = plus_one
+    self.scale = _param(rngs, (dim,), ("norm",), param_dtype,
+                        init="zeros" if plus_one else "ones")
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    if self.plus_one:
+      return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
     return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-  """Inverse frequencies [K/2], with Llama-3 scaling of the long wavelengths when configured."""
+def norm(cfg: ModelConfig, dim: int, rngs: nnx.Rngs) -> RMSNorm:
+  return RMSNorm(dim, cfg.rms_norm_eps, param_dtype=_dtype(cfg.param_dtype), rngs=rngs,
+                 plus_one=cfg.gemma)
+
+
+def rope_inv_freq(cfg: ModelConfig, local=False) -> jax.Array:
+  """Inverse frequencies [K/2], with Llama-3 scaling of the long wavelengths when configured;
+  `local` (a bool or a traced one: the scanned layers): a sliding-window layer's, with
+  rope_local_theta and no scaling (Gemma 3), else rope_linear_factor divides them."""
+  if not isinstance(local, bool):
+    return jnp.where(local, rope_inv_freq(cfg, True), rope_inv_freq(cfg, False))
   k = cfg.head_dim
+  if local and cfg.rope_local_theta:
+    return 1.0 / (cfg.rope_local_theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
   inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+  if cfg.rope_linear_factor != 1.0 and not (local and cfg.rope_local_theta):
+    inv = inv / cfg.rope_linear_factor
   if cfg.rope_scaling_factor > 0:
     factor, lo, hi = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     old = cfg.rope_original_max_position
@@ -81,7 +108,8 @@ def apply_rope(x, positions, inv_freq):
 
 
 def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None,
-              kv_head_major=False, prefix=None):
+              kv_head_major=False, prefix=None, softcap=0.0, window=None, q_pos=None,
+              kv_pos=None):
   """Grouped-query attention with an explicit key validity mask; softmax in f32.
 
   q [B, T, H, K]; k, v [B, S, Hkv, K], or [B, Hkv, S, K] with `kv_head_major` (the KV cache's
@@ -93,7 +121,11 @@ def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None,
   is a shared prompt that every query also attends to (before the cache slots), one prompt
   per group of G = B / (B/G) consecutive rows: the group sampler's decode reads each prompt's
   keys once per group, not once per sample. Fully masked query rows (padding) get a uniform
-  softmax, never NaN.
+  softmax, never NaN. `softcap` > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2).
+  `window` (an int, a traced one, or None): keys whose position is >= window before the
+  query's are masked; distances are q_pos - kv_pos ([B, T], [B, S]) when given (the training
+  forward), else slot distances; the prefix's keys are at their prompt positions (from
+  p_valid) and q_pos (required with a window and a prefix) gives the queries'.
   """
   b, t, h, kd = q_bthk.shape
   kv = "bgsk" if kv_head_major else "bsgk"
@@ -101,10 +133,15 @@ def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None,
   s_len = k_bsgk.shape[2 if kv_head_major else 1]
   q = q_bthk.reshape(b, t, g, h // g, kd)
   scale = kd**-0.5
-  logits = jnp.einsum(f"btgrk,{kv}->bgrts", q, k_bsgk,
-                      preferred_element_type=jnp.float32) * scale  # [B, G, R, T, S]
+  cap = (lambda x: x) if not softcap else (lambda x: jnp.tanh(x / softcap) * softcap)  # noqa
+  logits = cap(jnp.einsum(f"btgrk,{kv}->bgrts", q, k_bsgk,
+                          preferred_element_type=jnp.float32) * scale)  # [B, G, R, T, S]
   slots = jnp.arange(s_len)
   allowed = (kv_valid_bs[:, None, :] != 0) & (slots[None, None, :] <= q_slot_bt[:, :, None])
+  if window is not None:
+    dist = (q_slot_bt[:, :, None] - slots[None, None, :] if kv_pos is None else
+            q_pos[:, :, None] - kv_pos[:, None, :])
+    allowed &= dist < window
   neg = jnp.finfo(jnp.float32).min
   logits = jnp.where(allowed[:, None, None], logits, neg)
   values = v_bsgk
@@ -114,14 +151,20 @@ def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None,
     bp, n_prefix = pk.shape[0], pk.shape[2]
     # The G samples of a prompt are one product against its keys: [G*R*T, K] x [K, P].
     qp = q.reshape(bp, b // bp, t, g, h // g, kd)
-    lp = jnp.einsum("bntgrk,bgpk->bgnrtp", qp, pk, preferred_element_type=jnp.float32) * scale
-    lp = jnp.where(p_valid[:, None, None, None, None, :] != 0, lp, neg)
+    lp = cap(jnp.einsum("bntgrk,bgpk->bgnrtp", qp, pk, preferred_element_type=jnp.float32) *
+             scale)
+    p_ok = p_valid[:, None, None, None, None, :] != 0
+    if window is not None:  # prompt positions of the prefix keys vs the queries' positions
+      p_pos = jnp.cumsum(p_valid != 0, axis=-1) - 1  # [B/G, P]
+      dist = q_pos.reshape(bp, b // bp, t)[..., None] - p_pos[:, None, None, :]  # [B/G, n, T, P]
+      p_ok = p_ok & (dist < window)[:, None, :, None]
+    lp = jnp.where(p_ok, lp, neg)
     lp = lp.transpose(0, 2, 1, 3, 4, 5).reshape(b, g, h // g, t, n_prefix)
     logits = jnp.concatenate([lp, logits], axis=-1)  # [B, G, R, T, P+S]
   if extra_kv is not None:
     k1, v1 = extra_kv
-    self_logits = jnp.einsum("btgrk,btgk->bgrt", q, k1,
-                             preferred_element_type=jnp.float32)[..., None] * scale
+    self_logits = cap(jnp.einsum("btgrk,btgk->bgrt", q, k1,
+                                 preferred_element_type=jnp.float32)[..., None] * scale)
     logits = jnp.concatenate([logits, self_logits], axis=-1)  # [B, G, R, T, S+1]
   probs = jax.nn.softmax(logits, axis=-1).astype(v_bsgk.dtype)
   if extra_kv is not None:
@@ -147,26 +190,37 @@ def fused_attention_for(cfg: ModelConfig) -> bool:
     platform = target_platform()
     if platform == "tpu":  # splash attention: any dtype, head_dim a multiple of 128 (lanes)
       return cfg.head_dim % 128 == 0
+    # cuDNN: no soft-capped scores (Gemma 2 keeps the XLA form); head_dim 256 (Gemma) too.
     return (platform == "gpu" and cfg.dtype in ("bfloat16", "float16") and
-            cfg.head_dim <= 128 and cfg.head_dim % 8 == 0)
+            cfg.head_dim <= 256 and cfg.head_dim % 8 == 0 and not cfg.attn_logit_softcap)
   return cfg.attention_impl == "fused"
 
 
-def causal_attention(q_bthk, k_btgk, v_btgk):
+def causal_attention(q_bthk, k_btgk, v_btgk, *, window: int | None = None,
+                     softcap: float = 0.0):
   """Causal self-attention over T slots that all hold real tokens (the callers move padding
   behind the real tokens first: transformer.compaction), as one fused kernel: no [.., T, T]
   score matrix in HBM. GPU: cuDNN's flash attention (jax.nn.dot_product_attention); other
   backends: its XLA form (same values; what the CPU tests check the layout against).
-  q [B, T, H, K], k, v [B, T, Hkv, K] (grouped-query: H a multiple of Hkv) -> [B, T, H, K]."""
+  q [B, T, H, K], k, v [B, T, Hkv, K] (grouped-query: H a multiple of Hkv) -> [B, T, H, K].
+  `window` (a static int): each query attends to its last `window` keys only (a local layer);
+  `softcap`: soft-capped scores (splash attention on TPU; elsewhere the masked form)."""
   platform = target_platform()
   if platform == "tpu":
-    return splash_attention(q_bthk, k_btgk, v_btgk)
+    return splash_attention(q_bthk, k_btgk, v_btgk, window=window, softcap=softcap)
+  if softcap:  # no fused kernel caps scores here: the masked form over the real tokens
+    b, t = q_bthk.shape[:2]
+    slots = jnp.broadcast_to(jnp.arange(t), (b, t))
+    return attention(q_bthk, k_btgk, v_btgk, slots, jnp.ones((b, t), jnp.int32),
+                     softcap=softcap, window=window)
   gpu = platform == "gpu" and q_bthk.dtype in (jnp.bfloat16, jnp.float16)
   return jax.nn.dot_product_attention(q_bthk, k_btgk, v_btgk, is_causal=True,
+                                      local_window_size=None if window is None else (window - 1, 0),
                                       implementation="cudnn" if gpu else "xla")
 
 
-def splash_attention(q_bthk, k_btgk, v_btgk, *, interpret: bool = False):
+def splash_attention(q_bthk, k_btgk, v_btgk, *, interpret: bool = False,
+                     window: int | None = None, softcap: float = 0.0):
   """`causal_attention` on TPU: the Pallas splash-attention kernel (flash attention tiled for
   the TPU's VMEM, grouped-query heads read in place), one kernel call per row, under a
   shard_map that keeps rows on (data, fsdp) and heads on tensor when a mesh is set. T is padded
@@ -181,12 +235,14 @@ def splash_attention(q_bthk, k_btgk, v_btgk, *, interpret: bool = False):
   q, k, v = pad(q_bthk * jnp.asarray(kd**-0.5, q_bthk.dtype)), pad(k_btgk), pad(v_btgk)
 
   def local(q, k, v):  # [b, h, T, K] this shard's rows and heads
-    mask = sm.MultiHeadMask([sm.CausalMask((tp, tp)) for _ in range(q.shape[1])])
+    one = (sm.CausalMask((tp, tp)) if window is None else
+           sm.LocalMask((tp, tp), window_size=(window - 1, 0), offset=0))
+    mask = sm.MultiHeadMask([one for _ in range(q.shape[1])])
     sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk,
                           block_kv_dkv=blk, block_kv_dkv_compute=blk, block_q_dq=blk,
                           block_kv_dq=blk)
     kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
-                                interpret=interpret)
+                                interpret=interpret, attn_logits_soft_cap=softcap or None)
     return jax.vmap(kernel)(q, k, v)
 
   mesh = jax.sharding.get_abstract_mesh()
@@ -217,11 +273,13 @@ class Attention(nnx.Module):
       self.v_bias = _param(rngs, (g, k), ("kv_heads", "head_dim"), pd, init="zeros")
       self.o_bias = _param(rngs, (d,), ("embed",), pd, init="zeros")
     if cfg.qk_norm:
-      self.q_norm = RMSNorm(k, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
-      self.k_norm = RMSNorm(k, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+      self.q_norm = norm(cfg, k, rngs)
+      self.k_norm = norm(cfg, k, rngs)
 
-  def project_qkv(self, x_btd, positions_bt):
-    """q [B, T, H, K], k and v [B, T, Hkv, K], RoPE applied."""
+  def project_qkv(self, x_btd, positions_bt, local=False):
+    """q [B, T, H, K], k and v [B, T, Hkv, K], RoPE applied (a local layer's with `local`);
+    q scaled by sqrt(head_dim / query_pre_attn_scalar) when that is set, so every attention
+    path's head_dim ** -0.5 makes the scale query_pre_attn_scalar ** -0.5."""
     dt = x_btd.dtype
     b, t, d = x_btd.shape
     x = x_btd.reshape(b * t, d)
@@ -235,8 +293,11 @@ class Attention(nnx.Module):
                  v + self.v_bias[...].astype(dt))
     if self.cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    inv_freq = rope_inv_freq(self.cfg)
+    inv_freq = rope_inv_freq(self.cfg, local)
     q = apply_rope(q, positions_bt, inv_freq)
+    qs = self.cfg.query_pre_attn_scalar
+    if qs and qs != self.cfg.head_dim:
+      q = q * jnp.asarray((self.cfg.head_dim / qs) ** 0.5, q.dtype)
     k = apply_rope(k, positions_bt, inv_freq)
     return checkpoint_name(q, "qkv_proj"), checkpoint_name(k, "qkv_proj"), checkpoint_name(
         v, "qkv_proj")
@@ -332,10 +393,12 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x)) (`swiglu`: a custom VJP)."""
+  """SwiGLU: down(silu(gate(x)) * up(x)) (`swiglu`: a custom VJP); Gemma's GeGLU:
+  down(gelu_tanh(gate(x)) * up(x))."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     pd = _dtype(cfg.param_dtype)
+    self.geglu = cfg.gemma
     d, f = cfg.hidden_size, cfg.intermediate_size
     self.gate = _param(rngs, (d, f), ("embed", "mlp"), pd, fan_in=d)
     self.up = _param(rngs, (d, f), ("embed", "mlp"), pd, fan_in=d)
@@ -345,24 +408,32 @@ class MLP(nnx.Module):
     dt = x_btd.dtype
     b, t, d = x_btd.shape
     x = x_btd.reshape(b * t, d)  # 2-D GEMMs: XLA:CPU's backward is ~30% faster than for 3-D
-    h = swiglu(x, self.gate[...].astype(dt), self.up[...].astype(dt))
+    if self.geglu:
+      g, u = _gate_up(x, self.gate[...].astype(dt), self.up[...].astype(dt))
+      h = jax.nn.gelu(g, approximate=True) * u
+    else:
+      h = swiglu(x, self.gate[...].astype(dt), self.up[...].astype(dt))
     h = checkpoint_name(h.reshape(b, t, -1), "mlp_hidden")
     y = h.reshape(b * t, -1) @ self.down[...].astype(dt)
     return checkpoint_name(y.reshape(b, t, d), "mlp_out")
 
 
 class Block(nnx.Module):
-  """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.))."""
+  """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)); Gemma's adds a norm
+  after each: x + post_attn_norm(attn(attn_norm(x))), then + post_mlp_norm(mlp(mlp_norm(.)))."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    pd = _dtype(cfg.param_dtype)
-    self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+    self.cfg = cfg
+    self.attn_norm = norm(cfg, cfg.hidden_size, rngs)
     self.attn = Attention(cfg, rngs=rngs)
-    self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+    self.mlp_norm = norm(cfg, cfg.hidden_size, rngs)
     self.mlp = MLP(cfg, rngs=rngs)
+    if cfg.gemma:
+      self.post_attn_norm = norm(cfg, cfg.hidden_size, rngs)
+      self.post_mlp_norm = norm(cfg, cfg.hidden_size, rngs)
 
   def __call__(self, x_btd, positions_bt, q_slot_bt, kv_valid_bs, cache_kv=None,
-               write_slot=None, prefix=None):
+               write_slot=None, prefix=None, local=False):
     """Without `cache_kv`, attends within x (training forward / prefill; `kv_valid_bs` None:
     every slot is a real token, in order, and the fused `causal_attention` runs). With
     `cache_kv=(k, v)`, the T new tokens attend to the cache plus themselves
@@ -373,24 +444,47 @@ class Block(nnx.Module):
     place; read first and written after, XLA copies the whole cache every decode step (the
     old buffer is still read when the update lands). `prefix`: a shared prompt's keys and
     values for the cache paths (`attention`'s `prefix`); with `write_slot` and a prefix, inside
-    `decode_attention.use(True)` (the sampler on GPU), one kernel reads the written slots only."""
-    q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions_bt)
+    `decode_attention.use(True)` (the sampler on GPU), one kernel reads the written slots only.
+    `local`: a sliding-window layer (a bool, or a traced one under the layer scan)."""
+    cfg = self.cfg
+    q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions_bt, local)
+    windowed = cfg.sliding_window > 0 and local is not False
+    window = None
+    if windowed:  # a traced `local`: global layers get a window no sequence reaches
+      window = cfg.sliding_window if local is True else jnp.where(local, cfg.sliding_window,
+                                                                  2**30)
+    kw = dict(softcap=cfg.attn_logit_softcap, window=window)
     if cache_kv is None and kv_valid_bs is None:  # real tokens first: fused causal kernel
-      a = causal_attention(q, k, v)
+      fused = lambda w: causal_attention(q, k, v, window=w, softcap=cfg.attn_logit_softcap)  # noqa
+      if not windowed:
+        a = fused(None)
+      elif local is True:
+        a = fused(cfg.sliding_window)
+      else:  # the kernel's mask is static: one branch per layer kind
+        a = jax.lax.cond(local, lambda: fused(cfg.sliding_window), lambda: fused(None))
     elif cache_kv is None:
-      a = attention(q, k, v, q_slot_bt, kv_valid_bs)
+      a = attention(q, k, v, q_slot_bt, kv_valid_bs, q_pos=positions_bt, kv_pos=positions_bt,
+                    **kw)
     elif write_slot is not None:
       k, v = (jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype),
                                            (0, 0, write_slot, 0))
               for c, n in zip(cache_kv, (k, v)))
-      if (prefix is not None and decode_attention.active() and
+      if (prefix is not None and decode_attention.active() and not windowed and
+          not cfg.attn_logit_softcap and
           decode_attention.supports(q, k, prefix[0])):  # the sampler's: written slots only
         a = decode_attention.ragged(q, k, v, write_slot + 1, prefix)
       else:
-        a = attention(q, k, v, q_slot_bt, kv_valid_bs, kv_head_major=True, prefix=prefix)
+        a = attention(q, k, v, q_slot_bt, kv_valid_bs, kv_head_major=True, prefix=prefix,
+                      q_pos=positions_bt, **kw)
     else:
       a = attention(q, cache_kv[0], cache_kv[1], q_slot_bt, kv_valid_bs, extra_kv=(k, v),
-                    kv_head_major=True, prefix=prefix)
-    x_btd = x_btd + self.attn.out(a)
-    x_btd = x_btd + self.mlp(self.mlp_norm(x_btd))
+                    kv_head_major=True, prefix=prefix, q_pos=positions_bt, **kw)
+    a = self.attn.out(a)
+    if cfg.gemma:
+      a = self.post_attn_norm(a)
+    x_btd = x_btd + a
+    m = self.mlp(self.mlp_norm(x_btd))
+    if cfg.gemma:
+      m = self.post_mlp_norm(m)
+    x_btd = x_btd + m
     return x_btd, k, v

@@ -61,11 +61,13 @@ head_logits.defvjp(_head_fwd, _head_bwd)
 
 def chunked_token_logprobs(hidden_btd: jax.Array, unembedding_dv: jax.Array,
                            tokens_bt: jax.Array, temperature: float = 1.0,
-                           chunk_size: int = 256, remat: bool = True) -> jax.Array:
+                           chunk_size: int = 256, remat: bool = True,
+                           softcap: float = 0.0) -> jax.Array:
   """token_logprobs(hidden @ unembedding, tokens) one sequence chunk at a time. -> [B, T].
 
   remat: recompute each chunk's logits in the backward pass (memory O(B * c * V)); False
-  keeps them (no second forward product; memory O(B * T * V))."""
+  keeps them (no second forward product; memory O(B * T * V)). softcap > 0: the logits are
+  soft-capped first, cap * tanh(logits / cap) (Gemma 2)."""
   b, t, d = hidden_btd.shape
   c = min(chunk_size, t)
   pad = -t % c
@@ -76,6 +78,8 @@ def chunked_token_logprobs(hidden_btd: jax.Array, unembedding_dv: jax.Array,
 
   def chunk(h_bcd, tok_bc):
     logits = head_logits(h_bcd, unembedding_dv)
+    if softcap:
+      logits = jnp.tanh(logits / softcap) * softcap
     return token_logprobs(logits, tok_bc, temperature)
 
   if remat:
@@ -104,4 +108,5 @@ def completion_logprobs(model, input_ids_bs: jax.Array, attention_mask_bs: jax.A
     remat = model.cfg.remat_policy != "none"
   h = model.hidden(input_ids_bs, attention_mask_bs)[:, s - completion_len - 1:s - 1]
   return chunked_token_logprobs(h, model.unembedding(), input_ids_bs[:, s - completion_len:],
-                                temperature, chunk_size, remat)
+                                temperature, chunk_size, remat,
+                                getattr(model.cfg, "final_logit_softcap", 0.0))

@@ -1,4 +1,4 @@
-"""The decoder: Qwen3 dense and Llama 3 in one Flax NNX module, in three modes.
+"""The decoder: Qwen3 dense, Llama 3, Gemma 2 and Gemma 3 in one Flax NNX module, in three modes.
 
 1. Training forward: `model(input_ids, attention_mask) -> logits [B, T, V]` (or
    `model.hidden(...)` -> final-norm hidden states [B, T, D] for memory-frugal log-probs).
@@ -26,7 +26,6 @@ from grpo_jax.models import lora
 from grpo_jax.models import remat as remat_lib
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.layers import Block
-from grpo_jax.models.layers import RMSNorm
 from grpo_jax.models.layers import _param
 
 
@@ -76,7 +75,7 @@ class Transformer(nnx.Module):
       _prepend_layers_axis(self.layers)
     else:
       self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-    self.final_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=pd, rngs=rngs)
+    self.final_norm = layers.norm(cfg, d, rngs)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), pd, fan_in=d)
 
@@ -92,11 +91,14 @@ class Transformer(nnx.Module):
     return w.astype(self.compute_dtype)
 
   def logits_from_hidden(self, h_btd: jax.Array) -> jax.Array:
-    return jnp.einsum("btd,dv->btv", h_btd, self.unembedding(),
-                      preferred_element_type=jnp.float32)
+    logits = jnp.einsum("btd,dv->btv", h_btd, self.unembedding(),
+                        preferred_element_type=jnp.float32)
+    return softcap(logits, self.cfg.final_logit_softcap)
 
   def _embed(self, tokens_bt):
     x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(self.compute_dtype)
+    if self.cfg.gemma:  # sqrt(D), rounded to the compute dtype first (as Hugging Face's Gemma)
+      x = x * jnp.asarray(self.cfg.hidden_size**0.5, self.compute_dtype)
     return sharding.constrain(x, "batch", "length", "act_embed")
 
   def _run_layers(self, x, positions, q_slot, kv_valid, cache_k=None, cache_v=None,
@@ -109,28 +111,34 @@ class Transformer(nnx.Module):
     prefix_k, prefix_v, prefix_valid = prefix if prefix is not None else (None, None, None)
     policy = remat_lib.policy(self.cfg.remat_policy)
 
-    def make_layer(graphdef):
-      def layer(block_state, x, cache_kv, prefix_kv):
+    kinds = self.cfg.local_layers
+    mixed = any(kinds) and not all(kinds)  # local and global layers: a per-layer flag
+
+    def make_layer(graphdef, local=False):
+      def layer(block_state, x, cache_kv, prefix_kv, local_flag=None):
         # lora.adapt: LoRA adapters / a quantized base become this layer's effective weights
         # here, one layer at a time (a no-op on a plain layer).
         block = lora.adapt(nnx.merge(graphdef, block_state))
         pre = None if prefix_kv is None else (*prefix_kv, prefix_valid)
-        return block(x, positions, q_slot, kv_valid, cache_kv, write_slot, pre)
+        return block(x, positions, q_slot, kv_valid, cache_kv, write_slot, pre,
+                     local if local_flag is None else local_flag)
       if policy is None:
         return layer
       return jax.checkpoint(layer, policy=policy, prevent_cse=not self.cfg.scan_layers)
 
     if self.cfg.scan_layers:
       graphdef, stacked = nnx.split(self.layers)
-      layer = make_layer(graphdef)
+      layer = make_layer(graphdef, all(kinds) and any(kinds))
+      flags = jnp.asarray(kinds) if mixed else None
 
       def body(x, xs):
-        state, ck, cv, pk, pv = xs
+        state, ck, cv, pk, pv, flag = xs
         x, k, v = layer(state, x, None if ck is None else (ck, cv),
-                        None if pk is None else (pk, pv))
+                        None if pk is None else (pk, pv), flag)
         return sharding.constrain(x, "batch", "length", "act_embed"), (k, v)
 
-      x, (ks, vs) = jax.lax.scan(body, x, (stacked, cache_k, cache_v, prefix_k, prefix_v))
+      x, (ks, vs) = jax.lax.scan(body, x, (stacked, cache_k, cache_v, prefix_k, prefix_v,
+                                           flags))
       return x, ks, vs
 
     ks, vs = [], []
@@ -138,7 +146,7 @@ class Transformer(nnx.Module):
       graphdef, state = nnx.split(blk)
       kv = None if cache_k is None else (cache_k[i], cache_v[i])
       pkv = None if prefix_k is None else (prefix_k[i], prefix_v[i])
-      x, k, v = make_layer(graphdef)(state, x, kv, pkv)
+      x, k, v = make_layer(graphdef, kinds[i])(state, x, kv, pkv)
       x = sharding.constrain(x, "batch", "length", "act_embed")
       ks.append(k)
       vs.append(v)
@@ -239,6 +247,11 @@ class Transformer(nnx.Module):
     logits = self.logits_from_hidden(self.final_norm(x))[:, 0]
     cache = dict(cache, k=ks, v=vs, valid=valid, index=index + 1, pos=cache["pos"] + 1)
     return logits, cache
+
+
+def softcap(logits, cap: float):
+  """cap * tanh(logits / cap) (Gemma 2's final-logit soft-capping); logits as they are at 0."""
+  return logits if not cap else jnp.tanh(logits / cap) * cap
 
 
 def _write_kv(cache_kv, new_kv, slot):

@@ -325,8 +325,7 @@ class Judge:
         if logits_bl.shape[-1] == 1:
           return jax.nn.sigmoid(logits_bl[:, 0])
         return jax.nn.softmax(logits_bl, axis=-1)[:, label_index]
-      logits_bv = jnp.einsum("bd,dv->bv", h_bd, judge.unembedding(),
-                             preferred_element_type=jnp.float32)
+      logits_bv = judge.logits_from_hidden(h_bd[:, None])[:, 0]
       if normalize == "yes_no":
         return jax.nn.sigmoid(logits_bv[:, yes_id] - logits_bv[:, no_id])
       return jnp.exp(logits_bv[:, yes_id] - jax.nn.logsumexp(logits_bv, axis=-1))

@@ -1,0 +1,165 @@
+"""Gemma 2 and Gemma 3 (text) on the native decoder: logits == transformers with soft-caps and
+sliding windows active, greedy == transformers' generate, the sampler's log-probs == the
+trainer's, HF folders read and written (Gemma 3's multimodal text tower too)."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_jax.models import PRESETS
+from grpo_jax.models import build_model
+from grpo_jax.models import load_hf
+from grpo_jax.models import save_hf
+from grpo_jax.models.config import ModelConfig
+from grpo_jax.rollout import sample
+from tests.test_sampler import prompts
+from tests.test_sampler import trainer_logprobs
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# Windows shorter than the rows, both soft-caps on (Gemma 2), local and global layers with two
+# RoPE bases and linear scaling (Gemma 3), q scales != head_dim, GQA and MQA.
+GEMMA2 = [
+    dict(sliding_window=5, query_pre_attn_scalar=12, attn_logit_softcapping=5.0,
+         final_logit_softcapping=3.0, num_hidden_layers=4),
+    dict(sliding_window=3, query_pre_attn_scalar=16, attn_logit_softcapping=2.0,
+         final_logit_softcapping=None, num_hidden_layers=3, num_key_value_heads=1),
+]
+GEMMA3 = [
+    dict(sliding_window=4, query_pre_attn_scalar=20, num_hidden_layers=4,
+         layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                      "sliding_attention"],
+         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                          "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                             "rope_theta": 1e6}}),
+    dict(sliding_window=6, query_pre_attn_scalar=16, num_hidden_layers=3,
+         num_key_value_heads=4,
+         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+]
+CASES = [("gemma2", k) for k in GEMMA2] + [("gemma3", k) for k in GEMMA3]
+
+
+def hf_model(kind, kw, seed=0):
+  torch.manual_seed(seed)
+  common = dict(hidden_size=64, intermediate_size=96, max_position_embeddings=256,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=103,
+                attn_implementation="eager")
+  if kind == "gemma2":
+    model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{**common, **kw}))
+  else:
+    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**{**common, **kw}))
+  with torch.no_grad():  # non-zero (1 + w) norm scales, so their mapping is tested
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.add_(0.3 * torch.randn_like(p))
+  return model.eval()
+
+
+def hf_logits(model, ids):
+  with torch.no_grad():
+    return model(torch.tensor(np.asarray(ids))).logits.float().numpy()
+
+
+@pytest.mark.parametrize("kind,kw", CASES)
+def test_logits_equal_transformers_with_windows_and_softcaps(kind, kw, tmp_path):
+  model = hf_model(kind, kw)
+  model.save_pretrained(tmp_path, safe_serialization=True)
+  ids = np.random.default_rng(1).integers(0, 103, (3, 14))  # 14 > every window
+  theirs = hf_logits(model, ids)
+  ours = load_hf(str(tmp_path))
+  assert ours.cfg.arch == kind and ours.cfg.sliding_window == kw["sliding_window"]
+  for variant in (dict(), dict(scan_layers=True), dict(attention_impl="fused"),
+                  dict(attention_impl="fused", scan_layers=True)):
+    got = np.asarray(load_hf(str(tmp_path), **variant)(jnp.asarray(ids)))
+    assert np.abs(got - theirs).max() <= 1e-5, (variant, np.abs(got - theirs).max())
+  # The windows and caps are live here: without them the logits differ.
+  off = load_hf(str(tmp_path), sliding_window=0)
+  assert np.abs(np.asarray(off(jnp.asarray(ids))) - theirs).max() > 1e-3
+
+
+@pytest.mark.parametrize("kind,kw", CASES[::2])
+def test_greedy_equals_transformers_generate(kind, kw, tmp_path):
+  model = hf_model(kind, kw, seed=2)
+  model.save_pretrained(tmp_path, safe_serialization=True)
+  ours = load_hf(str(tmp_path))
+  ids = np.random.default_rng(3).integers(1, 103, (2, 5))
+  with torch.no_grad():
+    want = model.generate(torch.tensor(ids), max_new_tokens=12, do_sample=False,
+                          min_new_tokens=12, pad_token_id=0).numpy()[:, 5:]
+  r = sample(ours, jnp.asarray(ids, jnp.int32), jnp.ones((2, 5), jnp.int32), num_generations=1,
+             max_new_tokens=12, rng=jax.random.key(0), generation="greedy", eos_ids=())
+  np.testing.assert_array_equal(np.asarray(r.tokens), want)  # 17 tokens > every window
+
+
+@pytest.mark.parametrize("preset,scan", [("tiny-gemma2", False), ("tiny-gemma3", True)])
+def test_sampler_logprobs_equal_the_trainers(preset, scan):
+  """Left-padded prompts, G samples sharing the prompt's keys, completions past the window."""
+  cfg = PRESETS[preset].replace(scan_layers=scan)
+  model = build_model(cfg, seed=4)
+  ids, mask = prompts(cfg.vocab_size, seed=5)
+  r = sample(model, ids, mask, num_generations=3, max_new_tokens=10, rng=jax.random.key(2),
+             generation="standard", eos_ids=(5,))
+  m = np.asarray(r.mask) > 0
+  assert m.sum(1).max() > cfg.sliding_window
+  train = np.asarray(trainer_logprobs(model, ids, mask, r, 3))
+  assert np.abs(train - np.asarray(r.raw_logprobs))[m].max() <= 1e-5
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma2", "tiny-gemma3"])
+def test_padding_does_not_move_the_window(preset):
+  """A row's logits are the same left-padded, right-padded or alone: windows count real
+  tokens, not slots."""
+  model = build_model(PRESETS[preset], seed=6)
+  ids = jnp.asarray(np.random.default_rng(7).integers(1, 100, (1, 11)))
+  alone = np.asarray(model(ids))[0]
+  pad = jnp.zeros((1, 4), ids.dtype)
+  left = model(jnp.concatenate([pad, ids], 1),
+               jnp.concatenate([jnp.zeros((1, 4)), jnp.ones((1, 11))], 1).astype(jnp.int32))
+  right = model(jnp.concatenate([ids, pad], 1),
+                jnp.concatenate([jnp.ones((1, 11)), jnp.zeros((1, 4))], 1).astype(jnp.int32))
+  np.testing.assert_allclose(np.asarray(left)[0, 4:], alone, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(right)[0, :11], alone, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma2", "tiny-gemma3"])
+def test_save_hf_loads_in_transformers_with_our_logits(preset, tmp_path):
+  model = build_model(PRESETS[preset], seed=8)
+  save_hf(model, str(tmp_path))
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path),
+                                                         attn_implementation="eager")
+  ids = np.random.default_rng(9).integers(0, model.cfg.vocab_size, (2, 12))
+  ours = np.asarray(model(jnp.asarray(ids)))
+  assert np.abs(ours - hf_logits(hf.eval(), ids)).max() <= 1e-5
+  back = load_hf(str(tmp_path))
+  assert back.cfg.replace(param_dtype="float32") == model.cfg
+
+
+def test_config_json_forms():
+  """Gemma 3 folders as they are published: the 1B's flat form (rope_local_base_freq,
+  sliding_window_pattern), a multimodal folder's text_config, and layer types that are no
+  N-th-layer pattern refused in one line."""
+  flat = dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=262144,
+              hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+              num_attention_heads=4, num_key_value_heads=1, head_dim=256, rope_theta=1e6,
+              rope_local_base_freq=10000.0, rope_scaling=None, sliding_window=512,
+              sliding_window_pattern=6, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
+              max_position_embeddings=32768, hidden_activation="gelu_pytorch_tanh",
+              final_logit_softcapping=None, attn_logit_softcapping=None)
+  assert ModelConfig.from_hf_config(flat) == PRESETS["gemma3-1b"]
+  text = {k: v for k, v in flat.items() if k not in ("architectures", "model_type")}
+  text.update(vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+              num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
+              sliding_window=1024, max_position_embeddings=131072,
+              rope_scaling={"rope_type": "linear", "factor": 8.0})
+  mm = dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"],
+            text_config=text, vision_config={})
+  assert ModelConfig.from_hf_config(mm) == PRESETS["gemma3-4b"]
+  odd = dict(flat, num_hidden_layers=3,
+             layer_types=["full_attention", "sliding_attention", "sliding_attention"])
+  with pytest.raises(ValueError, match="not a pattern"):
+    ModelConfig.from_hf_config(odd)
+  assert json.loads(json.dumps(PRESETS["gemma2-2b"].to_hf_config()))["layer_types"][:2] == [
+      "sliding_attention", "full_attention"]
