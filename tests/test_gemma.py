@@ -163,3 +163,23 @@ def test_config_json_forms():
     ModelConfig.from_hf_config(odd)
   assert json.loads(json.dumps(PRESETS["gemma2-2b"].to_hf_config()))["layer_types"][:2] == [
       "sliding_attention", "full_attention"]
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.scan_layers": True, "beta": 0.08},  # the reference's log-probs too
+    {"lora.rank": 4, "lora.alpha": 8.0},  # adapters on Gemma's projections
+])
+def test_loop_steps_with_a_gemma3_policy(tmp_path, overrides):
+  """configs/tiny_gemma3.py's policy in the loop: the windows (3 < the 13-token rows) and both
+  RoPE bases live; the first step's ratio is 1 (sampler == trainer) and the params move."""
+  from grpo_jax import train
+  from tests.test_train import grpo_rows
+  from tests.test_train import tiny_config
+  cfg = tiny_config(**{"model.arch": "gemma3", "model.sliding_window": 3,
+                       "model.sliding_window_pattern": 2, "model.rope_local_theta": 1e4,
+                       "model.query_pre_attn_scalar": 32.0, **overrides})
+  train.run(cfg, str(tmp_path))
+  rows = grpo_rows(str(tmp_path))
+  assert len(rows) == 3 and all(np.isfinite(r["loss/total"]) for r in rows)
+  assert abs(rows[0]["loss/ppo_kl"]) < 1e-6  # on-policy: the trainer re-scores the sample
+  assert max(abs(r["loss/policy_loss"]) for r in rows) > 0

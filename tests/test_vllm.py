@@ -207,7 +207,8 @@ def test_a_sync_past_its_timeout_stops_the_run(setup, monkeypatch):
     ("tiny", "merged", 0), pytest.param("tiny_maxtext", "merged", 0, marks=pytest.mark.slow),
     pytest.param("tiny_lora", "merged", 0, marks=pytest.mark.slow),  # suite time: -m slow
     pytest.param("tiny_lora", "adapters", 0, marks=pytest.mark.slow),
-    pytest.param("tiny", "merged", 1, marks=pytest.mark.slow)])
+    pytest.param("tiny", "merged", 1, marks=pytest.mark.slow),
+    pytest.param("tiny_gemma3", "merged", 0, marks=pytest.mark.slow)])  # windows < rows
 def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config, lora_sync, staleness):
   """Native policy, and a MaxText policy whose weights reach vLLM through the native layout;
   a LoRA policy with merged weights or with vLLM's own LoRA (adapters only cross); one step
