@@ -63,6 +63,7 @@ def _accelerator(tmp_path, *flags):
   return json.loads(out.read_text()), r.stdout
 
 
+@pytest.mark.slow  # suite time (~35 s): every section of a GPU benchmark on CPU
 def test_accelerator_benchmark_quick(tmp_path):
   """benchmarks/accelerator.py --quick: every section's code path on a tiny model (CPU)."""
   res, stdout = _accelerator(tmp_path, "--quick", "--compile_workers=2")

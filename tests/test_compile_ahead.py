@@ -56,7 +56,7 @@ def _alternate_widths(monkeypatch) -> set:
 
 
 @pytest.mark.parametrize("overrides", [
-    {"beta": 0.08},                                          # reference log-probs
+    pytest.param({"beta": 0.08}, marks=pytest.mark.slow),    # reference (also in the 3rd)
     {"num_steps": 4, "widths": "alternate"},                 # beta 0 (tiny.py); 2 widths
     {"kl_in_reward": True, "beta": 0.08, "num_iterations": 2, "loss.tis_cap": 2.0},  # fold_kl
     {"lora.rank": 4, "lora.alpha": 8.0, "beta": 0.08},       # reference = the LoRA base

@@ -62,8 +62,10 @@ def digits(prompts, completions, solution, task, **kwargs):
 """
 
 
-# parquet: slow (suite time; the default suite trains on parquet in the GSM8K test below).
-@pytest.mark.parametrize("kind", [pytest.param("parquet", marks=pytest.mark.slow), "hf_dataset"])
+# Both slow (suite time, ~35 s each): the default suite trains on parquet in the GSM8K test
+# below and reads hf_dataset folders in tests/test_data_tables.py.
+@pytest.mark.parametrize("kind", [pytest.param("parquet", marks=pytest.mark.slow),
+                                  pytest.param("hf_dataset", marks=pytest.mark.slow)])
 def test_table_sources_train_exactly_like_the_same_rows_through_a_resume(tmp_path, kind,
                                                                           arithmetic_run,
                                                                           monkeypatch):

@@ -94,7 +94,8 @@ def test_greedy_equals_transformers_generate(kind, kw, tmp_path):
   np.testing.assert_array_equal(np.asarray(r.tokens), want)  # 17 tokens > every window
 
 
-@pytest.mark.parametrize("preset,scan", [("tiny-gemma2", False), ("tiny-gemma3", True)])
+@pytest.mark.parametrize("preset,scan", [  # suite time: -m slow runs Gemma 2's
+    pytest.param("tiny-gemma2", False, marks=pytest.mark.slow), ("tiny-gemma3", True)])
 def test_sampler_logprobs_equal_the_trainers(preset, scan):
   """Left-padded prompts, G samples sharing the prompt's keys, completions past the window."""
   cfg = PRESETS[preset].replace(scan_layers=scan)
@@ -108,7 +109,8 @@ def test_sampler_logprobs_equal_the_trainers(preset, scan):
   assert np.abs(train - np.asarray(r.raw_logprobs))[m].max() <= 1e-5
 
 
-@pytest.mark.parametrize("preset", ["tiny-gemma2", "tiny-gemma3"])
+@pytest.mark.parametrize("preset", [pytest.param("tiny-gemma2", marks=pytest.mark.slow),
+                                    "tiny-gemma3"])
 def test_padding_does_not_move_the_window(preset):
   """A row's logits are the same left-padded, right-padded or alone: windows count real
   tokens, not slots."""
@@ -167,7 +169,8 @@ def test_config_json_forms():
 
 @pytest.mark.parametrize("overrides", [
     {"model.scan_layers": True, "beta": 0.08},  # the reference's log-probs too
-    {"lora.rank": 4, "lora.alpha": 8.0},  # adapters on Gemma's projections
+    pytest.param({"lora.rank": 4, "lora.alpha": 8.0},  # adapters on Gemma's projections
+                 marks=pytest.mark.slow),
 ])
 def test_loop_steps_with_a_gemma3_policy(tmp_path, overrides):
   """configs/tiny_gemma3.py's policy in the loop: the windows (3 < the 13-token rows) and both
