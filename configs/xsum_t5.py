@@ -3,7 +3,7 @@ r"""Summarization GRPO with an encoder-decoder policy: configs/xsum_rouge.py's t
     python -m grpo_jax.main --config=configs/xsum_t5.py --workdir=/tmp/xsum_t5
 
 The document is the encoder's input and the summary the decoder's output (model.family="t5",
-grpo_jax/models/t5.py); everything else is xsum_rouge.py's pipeline: the Qwen2 BPE tokenizer,
+grpo_jax/models/t5/model.py); everything else is xsum_rouge.py's pipeline: the Qwen2 BPE tokenizer,
 the 1000 XSum rows from ../shared/data (the last 100 held out), a supervised warm start on the
 reference summaries, then GRPO with ROUGE (mean of ROUGE-1/2/L F1) plus a length-similarity
 reward, evaluated with ROUGE-1/2/L on the held-out rows before SFT, before GRPO and after

@@ -21,11 +21,11 @@ from grpo_jax.data import tables
 from grpo_jax.data import templates
 from grpo_jax.data import tokenizers
 from grpo_jax.models import build as model_build
-from grpo_jax.models import config as model_config
-from grpo_jax.models import decode_attention
-from grpo_jax.models import lora
+from grpo_jax.models.decoder import config as model_config
+from grpo_jax.models.decoder import decode_attention
+from grpo_jax.models.lora import adapters as lora
 from grpo_jax.models import remat
-from grpo_jax.models import t5_config
+from grpo_jax.models.t5 import config as t5_config
 from grpo_jax.rewards import computer as reward_computer
 from grpo_jax.rewards import judge
 from grpo_jax.rewards import registry as reward_registry
@@ -128,7 +128,7 @@ def _check_model(c: _Checker, cfg):
   c.one_of("model.remat_policy", remat.POLICIES, "remat policy")
   c.one_of("model.attention_impl", model_config.ATTENTION_IMPLS, "attention implementation")
   if m.impl == "maxtext":
-    from grpo_jax.models import maxtext_adapter  # imports maxtext lazily itself
+    from grpo_jax.models.maxtext import adapter as maxtext_adapter  # imports maxtext lazily itself
     c.one_of("model.maxtext.attention", maxtext_adapter.ATTENTION_KERNELS,
              "MaxText attention kernel")
     c.require(m.arch == "qwen3" or bool(m.hf_path), "model.arch",
@@ -143,7 +143,7 @@ def _check_model(c: _Checker, cfg):
              ">= 3.12), or use --config.model.impl=native")
   if m.family == "t5":
     c.require(m.impl == "native", "model.impl", "model.family='t5' runs on the native T5 "
-              "(models/t5.py) only", "use --config.model.impl=native")
+              "(models/t5/model.py) only", "use --config.model.impl=native")
     c.require(cfg.rollout.engine == "native", "rollout.engine", "model.family='t5': the vLLM "
               "engine serves decoder-only policies", "use --config.rollout.engine=native")
     if not m.hf_path:

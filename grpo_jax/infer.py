@@ -56,7 +56,7 @@ def load_params(config, workdir, step, mesh):
     if step not in ckpt.all_steps():
       raise FileNotFoundError(f"--step={step}: not in {ckpt_dir} (have {ckpt.all_steps()})")
     if config.lora.rank:  # the adapters, and the base the checkpoint names
-      from grpo_jax.models import lora_policy
+      from grpo_jax.models.lora import policy as lora_policy
       policy.params = lora_policy.restore_params(config, ckpt, step, policy, mesh)
     else:
       policy.params = ckpt.restore_params(step, policy.params)
@@ -160,7 +160,7 @@ def main(argv):
     if not config.lora.rank:
       raise ValueError("--export_peft needs a LoRA run (config.lora.rank > 0)")
     from grpo_jax import paths
-    from grpo_jax.models import peft_export
+    from grpo_jax.models.lora import peft as peft_export
     base = config.model.hf_path
     if peft_export.needs_own_base(config):  # the SFT'd / initial / dequantized base beside it
       base = str(paths.path(_EXPORT_PEFT.value) / "base")

@@ -67,7 +67,7 @@ import jax.numpy as jnp
 from grpo_jax import configuration
 from grpo_jax import sharding
 from grpo_jax.models import build
-from grpo_jax.models import layers
+from grpo_jax.models.decoder import layers
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rollout import sampler as sampler_lib

@@ -46,7 +46,7 @@ from grpo_jax import sharding
 from grpo_jax.metrics import NonFiniteError  # noqa: F401  (raised by StepLog.flush)
 from grpo_jax.reference import Reference
 from grpo_jax.models import build
-from grpo_jax.models import lora_policy as lora_lib
+from grpo_jax.models.lora import policy as lora_lib
 from grpo_jax.rewards import judge as judge_lib
 from grpo_jax.rl import step as step_lib
 

@@ -58,7 +58,7 @@ if [ "$MODE" = ci ]; then
   TESTS+=(tests/test_train.py::test_entry_point_writes_events_checkpoint_and_summary
           tests/test_train.py::test_emulated_guard_catches_an_implicit_read
           "tests/test_train.py::test_steady_state_steps_touch_the_host_only_on_purpose[overrides1]")
-  # MaxText 0.2.5 on qwix 0.1.2 (models/maxtext_adapter.py's placeholders): its model code
+  # MaxText 0.2.5 on qwix 0.1.2 (models/maxtext/adapter.py's placeholders): its model code
   # imports, its parameters are exactly the mapped ones, its logits equal the native decoder's,
   # and the loop runs with it as the policy.
   TESTS+=(tests/test_maxtext.py::test_qwix_sparsity_modules_are_real_or_placeholders_that_say_why

@@ -92,12 +92,12 @@ def vllm_unusable() -> str:
 
 def maxtext_unusable() -> str:
   """Why the MaxText policy cannot be built here ("" when it can): maxtext absent, or installed
-  with its model code failing to import (grpo_jax/models/maxtext_adapter.py's import_maxtext,
+  with its model code failing to import (grpo_jax/models/maxtext/adapter.py's import_maxtext,
   which the policy itself uses)."""
   import importlib.util
   if importlib.util.find_spec("maxtext") is None:
     return "maxtext not installed (pip install -e '.[maxtext]', Python >= 3.12)"
-  from grpo_jax.models import maxtext_adapter
+  from grpo_jax.models.maxtext import adapter as maxtext_adapter
   try:
     maxtext_adapter.import_maxtext("maxtext.utils.model_creation_utils")
   except ImportError as e:

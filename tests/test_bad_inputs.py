@@ -17,11 +17,11 @@ from grpo_jax import session as session_lib
 from grpo_jax.data import datasets
 from grpo_jax.data import pipeline
 from grpo_jax.data import tokenizers
-from grpo_jax.models import hf
-from grpo_jax.models import maxtext_adapter
+from grpo_jax.models.decoder import hf
+from grpo_jax.models.maxtext import adapter as maxtext_adapter
 from grpo_jax.models import safetensors_io
-from grpo_jax.models.config import PRESETS
-from grpo_jax.models.transformer import Transformer
+from grpo_jax.models.decoder.config import PRESETS
+from grpo_jax.models.decoder.transformer import Transformer
 from grpo_jax.rewards import computer
 
 

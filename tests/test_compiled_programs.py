@@ -148,7 +148,7 @@ def test_no_attention_scores_with_fused_attention(programs, program):
 
 
 def test_gpu_decode_attention_reads_written_slots_only(programs):
-  """GPU: each decode step's attention is the ragged kernel (models/decode_attention.py: one
+  """GPU: each decode step's attention is the ragged kernel (models/decoder/decode_attention.py: one
   Triton call per layer, reading the prompt and the written cache slots), and no dot of the
   step reads a layer's keys/values (the XLA attention's products over every slot, [rows * Hkv,
   S, head_dim] or the prompt's [prompts * Hkv, P, head_dim]). TPU keeps the XLA attention."""

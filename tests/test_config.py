@@ -152,8 +152,8 @@ def _owner_names():
   from grpo_jax.data import templates
   from grpo_jax.data import tokenizers
   from grpo_jax.models import build
-  from grpo_jax.models import config as model_config
-  from grpo_jax.models import decode_attention
+  from grpo_jax.models.decoder import config as model_config
+  from grpo_jax.models.decoder import decode_attention
   from grpo_jax.models import remat
   from grpo_jax.rewards import computer
   from grpo_jax.rl import advantages

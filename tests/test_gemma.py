@@ -12,7 +12,7 @@ from grpo_jax.models import PRESETS
 from grpo_jax.models import build_model
 from grpo_jax.models import load_hf
 from grpo_jax.models import save_hf
-from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.rollout import sample
 from tests.test_sampler import prompts
 from tests.test_sampler import trainer_logprobs

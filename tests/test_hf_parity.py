@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from grpo_jax import sharding
-from grpo_jax.models import hf as hf_lib
+from grpo_jax.models.decoder import hf as hf_lib
 from grpo_jax.models import load_hf
 from grpo_jax.models import save_hf
 
@@ -162,7 +162,7 @@ def test_unsupported_architecture(tmp_path):
 
 def test_logit_softcapping_is_refused_not_ignored():
   """No supported family soft-caps logits; a config that asks for it is refused by name."""
-  from grpo_jax.models.config import ModelConfig
+  from grpo_jax.models.decoder.config import ModelConfig
   cfg = hf_model("qwen3", QWEN3[0]).config.to_dict()
   cfg["final_logit_softcapping"] = 30.0
   with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):

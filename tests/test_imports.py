@@ -82,4 +82,4 @@ def test_no_import_cycle_in_the_package():
 def test_the_cycle_finder_finds_one():
   graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
   assert cycles(graph) == [["a", "b", "c"]]
-  assert "grpo_jax.models.transformer" in import_graph()["grpo_jax.models.policy"]
+  assert "grpo_jax.models.decoder.transformer" in import_graph()["grpo_jax.models.policy"]

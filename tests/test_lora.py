@@ -1,4 +1,4 @@
-"""LoRA / QLoRA (grpo_jax/models/lora.py): adapters on a frozen (optionally int8/int4) base.
+"""LoRA / QLoRA (grpo_jax/models/lora/adapters.py): adapters on a frozen (optionally int8/int4) base.
 
 B = 0 is the base exactly; the adapted forward == the plain decoder on merged weights ==
 an independent NumPy merge; one update moves only the adapters (and the optimizer holds moments
@@ -22,7 +22,7 @@ from grpo_jax import configuration
 from grpo_jax import sharding
 from grpo_jax import train
 from grpo_jax.models import build
-from grpo_jax.models import lora
+from grpo_jax.models.lora import adapters as lora
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.rl import step as step_lib
 from tests.test_train import grpo_rows
@@ -204,8 +204,8 @@ def test_export_hf_merged_and_peft_adapters_load_with_our_logits(tmp_path):
   import torch
   import transformers
   import peft
-  from grpo_jax.models import hf
-  from grpo_jax.models import peft_export
+  from grpo_jax.models.decoder import hf
+  from grpo_jax.models.lora import peft as peft_export
   c = lora_config(**{"lora.init": "normal", "lora.target_modules":
                      r"layers/\d+/(attn/(q|v|o)|mlp/down)|layers/1/mlp/(gate|up)"})
   mesh = one_device_mesh()

@@ -1,4 +1,4 @@
-"""MaxText as the policy (models/maxtext_adapter.py): parity with the native decoder, the weight
+"""MaxText as the policy (models/maxtext/adapter.py): parity with the native decoder, the weight
 mapping, GRPO steps, checkpoints, and MaxText's random-init loss. Skips without maxtext."""
 import math
 import os
@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 from configs import tiny  # noqa: E402
 from grpo_jax import sharding  # noqa: E402
 from grpo_jax import train  # noqa: E402
-from grpo_jax.models import maxtext_adapter as mta  # noqa: E402
+from grpo_jax.models.maxtext import adapter as mta  # noqa: E402
 from grpo_jax.models import policy as policy_lib  # noqa: E402
 from grpo_jax.rl import step as step_lib  # noqa: E402
 
@@ -307,7 +307,7 @@ def test_qwen3_8b_builds_abstractly_with_the_published_shapes():
 def test_hf_checkpoint_loads_into_the_maxtext_policy(tmp_path):
   """model.hf_path with impl=maxtext: the HF weights, mapped into MaxText's layout, give the
   same log-probs as the native decoder loaded from the same folder; save_hf round trips."""
-  from grpo_jax.models import hf
+  from grpo_jax.models.decoder import hf
   config = tiny_qwen3(**{"model.scan_layers": True})
   mesh = mesh_1()
   src = policy_lib.native_policy(tiny_qwen3(seed=7), mesh)

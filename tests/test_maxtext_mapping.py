@@ -1,4 +1,4 @@
-"""The native <-> MaxText weight mapping (models/maxtext_mapping.py), run without MaxText.
+"""The native <-> MaxText weight mapping (models/maxtext/mapping.py), run without MaxText.
 
 The expected MaxText paths, shapes and HF names below are written out from MaxText's qwen3
 decoder block, not read from the module's tables, and values are matched through the HF name
@@ -15,10 +15,10 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_jax.models import hf
-from grpo_jax.models import maxtext_mapping as mm
-from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.transformer import build_model
+from grpo_jax.models.decoder import hf
+from grpo_jax.models.maxtext import mapping as mm
+from grpo_jax.models.decoder.config import ModelConfig
+from grpo_jax.models.decoder.transformer import build_model
 
 D, F, V, L, H, G, K = 32, 64, 61, 3, 4, 2, 8
 
@@ -182,8 +182,8 @@ def test_modules_import_without_maxtext():
   """The mapping, and the adapter's module level (ATTENTION_KERNELS for the config validator),
   must import on an install without the optional maxtext package."""
   code = ("import sys; sys.modules['maxtext'] = None; "
-          "import grpo_jax.models.maxtext_mapping; "
-          "from grpo_jax.models import maxtext_adapter as m; print(m.ATTENTION_KERNELS)")
+          "import grpo_jax.models.maxtext.mapping; "
+          "from grpo_jax.models.maxtext import adapter as m; print(m.ATTENTION_KERNELS)")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,

@@ -138,7 +138,7 @@ def test_dcn_data_2_needs_two_processes_here():
 
 def test_maxtext_layout_keeps_the_dcn_order():
   """impl=maxtext re-lays our mesh over MaxText's axes: same devices in the same data order."""
-  from grpo_jax.models import maxtext_adapter
+  from grpo_jax.models.maxtext import adapter as maxtext_adapter
   devices = np.asarray(jax.devices()[::-1]).reshape(4, 2, 1)  # any order: it must survive
   base = jax.sharding.Mesh(devices, sharding.MESH_AXES)
   mt = SimpleNamespace(mesh_axes=["data", "stage", "fsdp", "fsdp_transpose", "sequence",

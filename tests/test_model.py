@@ -10,12 +10,12 @@ from grpo_jax.models import PRESETS
 from grpo_jax.models import build_model
 from grpo_jax.models import chunked_token_logprobs
 from grpo_jax.models import completion_logprobs
-from grpo_jax.models import layers
+from grpo_jax.models.decoder import layers
 from grpo_jax.models import repeat_cache
-from grpo_jax.models.transformer import grow_cache
-from grpo_jax.models.transformer import share_prompt
+from grpo_jax.models.decoder.transformer import grow_cache
+from grpo_jax.models.decoder.transformer import share_prompt
 from grpo_jax.models import token_logprobs
-from grpo_jax.models.config import REMAT_POLICIES
+from grpo_jax.models.decoder.config import REMAT_POLICIES
 
 CFGS = {"qwen3": PRESETS["tiny-qwen3"], "llama3": PRESETS["tiny-llama3"],
         "gemma2": PRESETS["tiny-gemma2"], "gemma3": PRESETS["tiny-gemma3"]}

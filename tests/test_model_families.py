@@ -8,12 +8,12 @@ import pytest
 
 from grpo_jax import models
 from grpo_jax.models import families
-from grpo_jax.models.config import PRESETS
-from grpo_jax.models.t5 import T5
-from grpo_jax.models.t5 import build_t5
-from grpo_jax.models.t5_config import T5Config
-from grpo_jax.models.t5_hf import load_t5_hf
-from grpo_jax.models.transformer import Transformer
+from grpo_jax.models.decoder.config import PRESETS
+from grpo_jax.models.t5.model import T5
+from grpo_jax.models.t5.model import build_t5
+from grpo_jax.models.t5.config import T5Config
+from grpo_jax.models.t5.hf import load_t5_hf
+from grpo_jax.models.decoder.transformer import Transformer
 
 
 def test_load_hf_reads_a_t5_folder_as_t5(tmp_path):

@@ -372,8 +372,8 @@ def test_ragged_decode_attention_equals_xla_attention(length):
   """The Pallas decode kernel (Pallas's interpreter on CPU) == the XLA decode attention over a
   shared, left-padded prompt and the first `length` cache slots (f32: 1e-5), reading no slot
   past them (garbage there changes nothing); GQA groups of 2, 2 prompts x 4 rows."""
-  from grpo_jax.models import decode_attention
-  from grpo_jax.models import layers
+  from grpo_jax.models.decoder import decode_attention
+  from grpo_jax.models.decoder import layers
   b, g, hkv, r, kd, s, p = 2, 4, 2, 2, 32, 128, 64
   ks = jax.random.split(jax.random.key(0), 6)
   q = jax.random.normal(ks[0], (b * g, 1, hkv * r, kd))

@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.models.t5 import t5_logprobs
-from grpo_jax.models.t5_config import T5Config
-from grpo_jax.models.t5_hf import load_t5_hf
-from grpo_jax.models.t5_hf import save_t5_hf
+from grpo_jax.models.t5.model import t5_logprobs
+from grpo_jax.models.t5.config import T5Config
+from grpo_jax.models.t5.hf import load_t5_hf
+from grpo_jax.models.t5.hf import save_t5_hf
 from grpo_jax.rollout.seq2seq_sampler import Seq2SeqSampler
 from grpo_jax.rollout.seq2seq_sampler import sample_seq2seq
 from grpo_jax.rollout.types import GenerationConfig

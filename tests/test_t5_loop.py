@@ -15,7 +15,7 @@ from grpo_jax import multihost
 from grpo_jax import rollout
 from grpo_jax import train
 from grpo_jax.models import build
-from grpo_jax.models.t5 import t5_logprobs
+from grpo_jax.models.t5.model import t5_logprobs
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rollout.seq2seq_sampler import Seq2SeqSampler
 from grpo_jax.rollout.types import GenerationConfig

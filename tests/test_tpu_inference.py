@@ -25,9 +25,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from grpo_jax import sharding
-from grpo_jax.models import hf
-from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.transformer import build_model
+from grpo_jax.models.decoder import hf
+from grpo_jax.models.decoder.config import ModelConfig
+from grpo_jax.models.decoder.transformer import build_model
 from grpo_jax.rollout import tpu_inference_mapping as tim
 from grpo_jax.rollout import tpu_inference_sync as tis
 
@@ -130,7 +130,7 @@ def _loader_view(cfg, tp, q_layout, model=None):
   """{target name: array} built the way tpu-inference's checkpoint loaders build it from a
   Hugging Face export (weight_utils.get_default_maps / _load_and_shard_weight for Llama,
   JaxAutoWeightsLoader's reshape_dims/permute_dims for Qwen3): an independent route to the
-  same arrays, from the HF tensors (models/hf.py, tested against transformers) of `model`
+  same arrays, from the HF tensors (models/decoder/hf.py, tested against transformers) of `model`
   (default: a native model of `cfg`)."""
   model = build_model(cfg, seed=3) if model is None else model
   tensors = {n: p() for n, p in hf.hf_tensors(model)}

@@ -327,7 +327,7 @@ def test_consecutive_nonfinite_updates_stop_with_a_clear_error(tmp_path, monkeyp
 
 def test_infer_samples_and_exports_the_trained_policy(tmp_path, capsys):
   from grpo_jax import infer
-  from grpo_jax.models import hf
+  from grpo_jax.models.decoder import hf
   workdir = str(tmp_path / "run")
   config = tiny_config(num_steps=2, **{"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1})
   train.run(tiny_config(num_steps=2), workdir)

@@ -25,10 +25,10 @@ import optax  # noqa: E402
 
 from grpo_jax import compile_ahead  # noqa: E402
 from grpo_jax import sharding  # noqa: E402
-from grpo_jax.models import hf  # noqa: E402
-from grpo_jax.models.config import ModelConfig  # noqa: E402
+from grpo_jax.models.decoder import hf  # noqa: E402
+from grpo_jax.models.decoder.config import ModelConfig  # noqa: E402
 from grpo_jax.models.logprobs import completion_logprobs  # noqa: E402
-from grpo_jax.models.transformer import build_model  # noqa: E402
+from grpo_jax.models.decoder.transformer import build_model  # noqa: E402
 from grpo_jax.rl import step as step_lib  # noqa: E402
 from grpo_jax.rollout import Sampler  # noqa: E402
 from grpo_jax.rollout import vllm_engine  # noqa: E402
@@ -249,7 +249,7 @@ def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config, lora_sync, stalen
     assert x["rollout/weight_sync_probe_diff"] <= 1e-4  # vLLM holds the synced weights
   for x in steps:
     # vLLM samples what the trainer scores; MaxText's tied head is bf16-rounded (see
-    # models/maxtext_adapter.py), hence its looser bound.
+    # models/maxtext/adapter.py), hence its looser bound.
     tol = 2e-2 if config == "tiny_maxtext" else 1e-4
     assert x["rollout/logprob_abs_diff_max"] <= tol
     assert x["loss/grad_norm"] > 0
@@ -266,7 +266,7 @@ def test_lora_adapters_only_sync_serves_the_policy():
   SFT'd base) and the adapters; later ones the adapters alone (bytes counted). vLLM then
   samples what the trainer scores (probe and sampled tokens' log-probs within 1e-4)."""
   from grpo_jax.models import build
-  from grpo_jax.models import lora
+  from grpo_jax.models.lora import adapters as lora
   from tests.test_lora import lora_config
   from tests.test_lora import one_device_mesh
   config = lora_config(**{"rollout.engine": "vllm", "rollout.vllm.lora_sync": "adapters",

@@ -31,7 +31,7 @@ def make_mesh(config, devices=None):
   base = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
                             devices=devices, dcn_data=config.mesh.get("dcn_data", 1))
   if config.model.impl == "maxtext":
-    from grpo_jax.models import maxtext_adapter  # optional dependency
+    from grpo_jax.models.maxtext import adapter as maxtext_adapter  # optional dependency
     return maxtext_adapter.make_mesh(config, base)
   return base
 
@@ -85,11 +85,11 @@ def make_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy:
                        f"{config.model.impl!r}). Fix: --config.model.impl=native")
     return policy_lib.t5_policy(config, mesh, abstract=abstract)
   if config.model.impl == "maxtext":
-    from grpo_jax.models import maxtext_adapter  # optional dependency
+    from grpo_jax.models.maxtext import adapter as maxtext_adapter  # optional dependency
     return maxtext_adapter.maxtext_policy(config, mesh, abstract=abstract)
   if config.model.impl != "native":
     raise ValueError(f"model.impl={config.model.impl!r}: use one of {', '.join(IMPLS)}")
   if config.lora.rank:  # adapters (and a quantized base) on the native decoder: lora_policy.py
-    from grpo_jax.models import lora_policy
+    from grpo_jax.models.lora import policy as lora_policy
     return lora_policy.lora_policy(config, mesh, abstract=abstract)
   return policy_lib.native_policy(config, mesh, abstract=abstract)

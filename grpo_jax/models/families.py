@@ -12,10 +12,10 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from grpo_jax.models import config as model_config
-from grpo_jax.models import hf
-from grpo_jax.models import t5_hf
-from grpo_jax.models.t5 import T5
+from grpo_jax.models.decoder import config as model_config
+from grpo_jax.models.decoder import hf
+from grpo_jax.models.t5 import hf as t5_hf
+from grpo_jax.models.t5.model import T5
 
 
 @dataclasses.dataclass(frozen=True)

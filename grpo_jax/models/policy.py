@@ -5,7 +5,7 @@ holds `policy.params` (an nnx.State), trains them through `policy.logprobs(param
 attention_mask, completion_len)`, and the rollout engine turns them into the native decoder's
 weights with `policy.rollout_params(params)` for the jitted sampler (`policy.sampler_graphdef`).
 The native policy samples from the trained arrays themselves (`sampler_is_trainer`); the
-MaxText policy (models/maxtext_adapter.py) maps MaxText weights onto the native layout.
+MaxText policy (models/maxtext/adapter.py) maps MaxText weights onto the native layout.
 
 `t5_policy` (model.family="t5") is an encoder-decoder behind the same interface: each
 [left-padded prompt; completion] row is split at S - C into the encoder's input and the
@@ -20,16 +20,16 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax import sharding
-from grpo_jax.models import hf
-from grpo_jax.models.config import ModelConfig
-from grpo_jax.models import t5_hf
+from grpo_jax.models.decoder import hf
+from grpo_jax.models.decoder.config import ModelConfig
+from grpo_jax.models.t5 import hf as t5_hf
 from grpo_jax.models.logprobs import completion_logprobs
-from grpo_jax.models.t5 import T5
-from grpo_jax.models.t5 import build_t5
-from grpo_jax.models.t5 import t5_logprobs
-from grpo_jax.models.t5_config import T5Config
-from grpo_jax.models.transformer import Transformer
-from grpo_jax.models.transformer import build_model
+from grpo_jax.models.t5.model import T5
+from grpo_jax.models.t5.model import build_t5
+from grpo_jax.models.t5.model import t5_logprobs
+from grpo_jax.models.t5.config import T5Config
+from grpo_jax.models.decoder.transformer import Transformer
+from grpo_jax.models.decoder.transformer import build_model
 
 
 @dataclasses.dataclass
@@ -50,7 +50,7 @@ class Policy:
   # Encoder-decoder policies: the decoder's start token, and the native engine samples with
   # the seq2seq sampler (prompt -> encoder, completion <- decoder). None: a decoder-only policy.
   decoder_start_id: int | None = None
-  # LoRA (models/lora.py): params -> (trained, frozen) and back; the optimizer sees only the
+  # LoRA (models/lora/adapters.py): params -> (trained, frozen) and back; the optimizer sees only the
   # trained part. None: every parameter is trained.
   split: Callable | None = None
   combine: Callable | None = None

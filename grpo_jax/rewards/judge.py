@@ -39,11 +39,11 @@ import numpy as np
 from grpo_jax import multihost
 from grpo_jax import paths
 from grpo_jax import sharding
-from grpo_jax.models import hf
+from grpo_jax.models.decoder import hf
 from grpo_jax.models import safetensors_io
-from grpo_jax.models.config import DTYPES
-from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.transformer import Transformer
+from grpo_jax.models.decoder.config import DTYPES
+from grpo_jax.models.decoder.config import ModelConfig
+from grpo_jax.models.decoder.transformer import Transformer
 
 MODES = ("classifier", "yes_prob")
 NORMALIZE = ("yes_no", "vocab")

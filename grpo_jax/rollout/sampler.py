@@ -11,7 +11,7 @@
    samples one token per row (sampling.py), records it and its log-probs, and stops when every
    row has emitted a stop token (or after C steps). Rows that stopped keep emitting `pad_id`.
    On GPU (`decode_attention` auto) one kernel per layer attends over the prompt and the
-   slots written so far (models/decode_attention.py), in one loop over C slots. The XLA
+   slots written so far (models/decoder/decode_attention.py), in one loop over C slots. The XLA
    attention (CPU, TPU) reads every cache slot each step, so there the C steps run in
    `decode_phases` loops over a cache that grows between them (S = C/phases, 2C/phases, ...,
    C slots): a step reads about the slots written so far, not all C. Each phase is its own
@@ -33,10 +33,10 @@ import numpy as np
 
 from grpo_jax import multihost
 from grpo_jax import sharding
-from grpo_jax.models import decode_attention as decode_attention_lib
-from grpo_jax.models.transformer import grow_cache
-from grpo_jax.models.transformer import sampling_copy
-from grpo_jax.models.transformer import share_prompt
+from grpo_jax.models.decoder import decode_attention as decode_attention_lib
+from grpo_jax.models.decoder.transformer import grow_cache
+from grpo_jax.models.decoder.transformer import sampling_copy
+from grpo_jax.models.decoder.transformer import share_prompt
 from grpo_jax.rollout import sampling
 from grpo_jax.rollout.types import GenerationConfig
 from grpo_jax.rollout.types import Rollout

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax import sharding
-from grpo_jax.models.t5 import repeat_self_cache
+from grpo_jax.models.t5.model import repeat_self_cache
 from grpo_jax.rollout import sampling
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.rollout.types import Rollout

@@ -11,7 +11,7 @@ device's copy: device to device), and the engine's arrays are replaced in place 
 
 Names and layouts (read from tpu-inference 0.32.0; `rules`):
 
-  native (models/layers.py)           Qwen3ForCausalLM                       LlamaForCausalLM
+  native (models/decoder/layers.py)           Qwen3ForCausalLM                       LlamaForCausalLM
   embed          [V, D]               model.embed_tokens.weight [Vp, D]      model.embed.embedding
   final_norm.scale [D]                model.norm.weight                      model.norm.scale
   lm_head        [D, V] (untied)      lm_head.weight [D, Vp]                 model.lm_head
@@ -56,7 +56,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.decoder.config import ModelConfig
 
 TPU_INFERENCE_VERSION = "0.32.0"  # the tpu-inference release the names/layouts were read from
 ARCH_CLASSES = {"qwen3": "Qwen3ForCausalLM", "llama3": "LlamaForCausalLM"}

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import sharding
-from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.rollout.tpu_inference_mapping import Layout
 from grpo_jax.rollout.tpu_inference_mapping import Rule
 from grpo_jax.rollout.tpu_inference_mapping import TPU_INFERENCE_VERSION
@@ -168,7 +168,7 @@ def _replicated_on(x: jax.Array):
 
 def _abstract_state(cfg: ModelConfig):
   """The native nnx.State of `cfg`, shapes only (jax.ShapeDtypeStruct leaves)."""
-  from grpo_jax.models.transformer import Transformer
+  from grpo_jax.models.decoder.transformer import Transformer
   return nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
 
 

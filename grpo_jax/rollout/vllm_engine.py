@@ -15,7 +15,7 @@
 - LoRA policies (`rollout.vllm.lora_sync`): "merged" (the default) sends W + (alpha/r) A.B for every weight
   as above (the full model crosses per sync); "adapters" starts vLLM with its own LoRA
   (enable_lora) and per sync writes only the adapters, in PEFT's format
-  (models/peft_export.py), to a RAM folder that vLLM reloads in place (LoRARequest with
+  (models/lora/peft.py), to a RAM folder that vLLM reloads in place (LoRARequest with
   load_inplace); every request then names that adapter. The base vLLM holds is sent once, at
   the engine's first sync (the policy's weights with the adapters' delta at zero, dequantized:
   a resumed run's base may be the SFT'd one, not the one vLLM booted on); GRPO never changes
@@ -64,7 +64,7 @@ from flax import nnx
 
 from grpo_jax import multihost
 from grpo_jax import sharding
-from grpo_jax.models import hf
+from grpo_jax.models.decoder import hf
 from grpo_jax.models.logprobs import completion_logprobs
 from grpo_jax.rollout.types import Rollout
 from grpo_jax.rollout.types import generation_config
@@ -226,7 +226,7 @@ class VLLMEngine:
         **cls.extra_init_kwargs(config, policy, mesh))
     engine._to_rollout = to_rollout
     if lora_config is not None:
-      from grpo_jax.models import lora
+      from grpo_jax.models.lora import adapters as lora
       engine._to_base = jax.jit(lambda p: policy.rollout_params(lora.zero_delta(p)))
     if engine.verify_sync:
       engine.calibrate(to_rollout(params))
@@ -308,7 +308,7 @@ class VLLMEngine:
   def _sync_adapters_and_verify(self, params):
     from safetensors.numpy import save_file
     from vllm.lora.request import LoRARequest
-    from grpo_jax.models import peft_export
+    from grpo_jax.models.lora import peft as peft_export
     with jax.transfer_guard("allow"):
       t0 = time.time()
       moved = 0
@@ -398,7 +398,7 @@ class VLLMEngine:
           f"{'' if self.baseline_diff is None else f', {self.baseline_diff:.3g} at start-up'}), so "
           "vLLM would sample from other weights than the ones trained. Fix: look for a weight "
           "the sync did not load or loaded in the wrong layout (vLLM's log names tensors 'not "
-          "loaded'; models/hf.py maps the names), tied embeddings (model.tie_embeddings vs the "
+          "loaded'; models/decoder/hf.py maps the names), tied embeddings (model.tie_embeddings vs the "
           "checkpoint), or a dtype mismatch between model.dtype and vLLM; raise "
           "rollout.vllm.sync_tolerance only for a known numeric gap, or set "
           "rollout.vllm.verify_sync=False to skip the check.")

@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax import sharding
-from grpo_jax.models import layers
-from grpo_jax.models import lora
+from grpo_jax.models.decoder import layers
+from grpo_jax.models.lora import adapters as lora
 from grpo_jax.models import remat as remat_lib
-from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.layers import Block
-from grpo_jax.models.layers import _param
+from grpo_jax.models.decoder.config import ModelConfig
+from grpo_jax.models.decoder.layers import Block
+from grpo_jax.models.decoder.layers import _param
 
 
 def positions_from_mask(mask_bt: jax.Array) -> jax.Array:

@@ -1,7 +1,7 @@
 """T5 v1.1 / flan-t5 encoder-decoder in Flax NNX: training forward, encoder, cached decoding.
 
     model = T5(T5Config(...), rngs=nnx.Rngs(0))        # or t5_hf.load_t5_hf(path)
-    # T5Config: models/t5_config.py
+    # T5Config: models/t5/config.py
     logits_btv = model(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask)
 
 Numerics follow transformers' modeling_t5.py (tests/test_t5.py checks 1e-5 in f32):
@@ -32,12 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import sharding
-from grpo_jax.models import layers
+from grpo_jax.models.decoder import layers
 from grpo_jax.models import remat as remat_lib
-from grpo_jax.models.layers import RMSNorm
+from grpo_jax.models.decoder.layers import RMSNorm
 from grpo_jax.models.logprobs import chunked_token_logprobs
-from grpo_jax.models.t5_config import ACTIVATIONS
-from grpo_jax.models.t5_config import T5Config
+from grpo_jax.models.t5.config import ACTIVATIONS
+from grpo_jax.models.t5.config import T5Config
 
 
 # ------------------------------------------------------------------ relative position buckets

@@ -1,6 +1,6 @@
 """LoRA as a policy, and its base across checkpoints: what the loop, infer and build ask of LoRA.
 
-`lora_policy` wraps the native policy with adapters (models/lora.py holds the adapters
+`lora_policy` wraps the native policy with adapters (models/lora/adapters.py holds the adapters
 themselves: attach, split/combine, merge, fold); `after_sft` / `load_base` / `restore_params`
 keep the frozen base that a checkpoint's adapters go with. Split from lora.py so the decoder
 (transformer.py -> lora.py) and the policy/HF layer (policy.py, hf.py -> transformer.py) import
@@ -12,16 +12,16 @@ import orbax.checkpoint as ocp
 
 from grpo_jax import paths
 from grpo_jax import sharding
-from grpo_jax.models import hf
+from grpo_jax.models.decoder import hf
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.models.logprobs import completion_logprobs
-from grpo_jax.models.lora import attach
-from grpo_jax.models.lora import base_of
-from grpo_jax.models.lora import combine
-from grpo_jax.models.lora import fold
-from grpo_jax.models.lora import has_adapters
-from grpo_jax.models.lora import merged
-from grpo_jax.models.lora import split
+from grpo_jax.models.lora.adapters import attach
+from grpo_jax.models.lora.adapters import base_of
+from grpo_jax.models.lora.adapters import combine
+from grpo_jax.models.lora.adapters import fold
+from grpo_jax.models.lora.adapters import has_adapters
+from grpo_jax.models.lora.adapters import merged
+from grpo_jax.models.lora.adapters import split
 
 
 # ------------------------------------------------------------------------------ the policy

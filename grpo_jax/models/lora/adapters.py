@@ -1,6 +1,6 @@
 """LoRA adapters on the native decoder, optionally over a quantized frozen base (QLoRA-style).
 
-    policy = lora_policy.lora_policy(config, mesh)  # models/lora_policy.py; make_policy
+    policy = lora_policy.lora_policy(config, mesh)  # models/lora/policy.py; make_policy
                                                     # does this when config.lora.rank > 0
 
 What is stored. Each targeted projection weight W of a layer (`config.lora.target_modules`, a
@@ -14,7 +14,7 @@ rank axis is replicated. With `quantize_base` (int8 / int4, weight-only, through
 every projection weight of the base holds the integer values and a `QuantScale` beside it
 (`W_qscale`, per output channel).
 
-How it runs. `adapt(block)` (called by the decoder for every layer, models/transformer.py) turns
+How it runs. `adapt(block)` (called by the decoder for every layer, models/decoder/transformer.py) turns
 each weight into the one the layer should use, W_eff = dequantize(W) + (alpha / r) * A @ B, inside
 the layer (under scan and remat): one layer's effective weights exist at a time, never a float
 copy of the whole model. Costs of this merged form: the backward forms the full-size gradient of

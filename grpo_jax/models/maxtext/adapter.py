@@ -11,11 +11,11 @@ the usual Policy interface:
                                                never attends to left padding (segment 1 vs 0);
   rollout_params(params)                       the same weights in the native decoder's layout,
                                                for the jitted native sampler and the vLLM sync
-                                               (which then goes native -> HF names, models/hf.py);
+                                               (which then goes native -> HF names, models/decoder/hf.py);
   sampler_is_trainer=False                     the sampler runs the native decoder, not this
                                                program, so the loop measures the mismatch.
 
-The weight mapping (native <-> MaxText <-> HF, scanned or not) lives in models/maxtext_mapping.py,
+The weight mapping (native <-> MaxText <-> HF, scanned or not) lives in models/maxtext/mapping.py,
 which needs no MaxText; its names are re-exported here.
 
 Mesh. MaxText shards over its own many-axis mesh. `make_mesh(config, base_mesh)` (called by
@@ -43,7 +43,7 @@ MaxText policy's log-probs differ from the native sampler's (f32 head) by ~1e-3 
 rollout/logprob_abs_diff_*; ~7e-4 mean on configs/tiny_maxtext.py). Untied models (Qwen3-4B and
 up, e.g. qwen3-8b) match the native decoder to <= 1e-4 in f32.
 
-Loading: `model.hf_path` streams an HF checkpoint through the native loader (models/hf.py) and
+Loading: `model.hf_path` streams an HF checkpoint through the native loader (models/decoder/hf.py) and
 maps it on device into MaxText's layout (peak device memory: both copies, briefly);
 `model.maxtext_checkpoint` restores a MaxText Orbax checkpoint (`.../<step>/items`, the
 `{"params": {"params": ...}}` tree MaxText's trainer writes, scanned or unscanned, detected
@@ -78,19 +78,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import sharding
-from grpo_jax.models import hf
+from grpo_jax.models.decoder import hf
 from grpo_jax.models import policy as policy_lib
-from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.models.logprobs import token_logprobs
 # The mapping, re-exported: callers and tests use it as maxtext_adapter.<name>.
-from grpo_jax.models.maxtext_mapping import check_supported
-from grpo_jax.models.maxtext_mapping import GLOBAL_MAP  # noqa: F401
-from grpo_jax.models.maxtext_mapping import LAYER_MAP  # noqa: F401
-from grpo_jax.models.maxtext_mapping import maxtext_hf_names  # noqa: F401
-from grpo_jax.models.maxtext_mapping import maxtext_to_native
-from grpo_jax.models.maxtext_mapping import native_to_maxtext
-from grpo_jax.models.transformer import Transformer
-from grpo_jax.models.transformer import positions_from_mask
+from grpo_jax.models.maxtext.mapping import check_supported
+from grpo_jax.models.maxtext.mapping import GLOBAL_MAP  # noqa: F401
+from grpo_jax.models.maxtext.mapping import LAYER_MAP  # noqa: F401
+from grpo_jax.models.maxtext.mapping import maxtext_hf_names  # noqa: F401
+from grpo_jax.models.maxtext.mapping import maxtext_to_native
+from grpo_jax.models.maxtext.mapping import native_to_maxtext
+from grpo_jax.models.decoder.transformer import Transformer
+from grpo_jax.models.decoder.transformer import positions_from_mask
 
 # MaxText's `attention` kernels that model.maxtext.attention may name (configuration.py).
 ATTENTION_KERNELS = ("dot_product", "flash", "cudnn_flash_te", "autoselected")

@@ -21,8 +21,8 @@ import numpy as np
 from grpo_jax import paths
 from grpo_jax import sharding
 from grpo_jax.models import safetensors_io
-from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.transformer import Transformer
+from grpo_jax.models.decoder.config import ModelConfig
+from grpo_jax.models.decoder.transformer import Transformer
 
 
 @dataclasses.dataclass(frozen=True)

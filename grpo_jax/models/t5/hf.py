@@ -2,7 +2,7 @@
 
 `t5_param_mapping(cfg)` is the one table between native parameter paths and HF tensor names
 (HF Linear weights are [out, in]; native q/k/v are [D, H, K], o [H, K, D], MLP [in, out]).
-Loading streams one tensor at a time into its sharding (models/hf.py's machinery); saving
+Loading streams one tensor at a time into its sharding (models/decoder/hf.py's machinery); saving
 writes config.json + safetensors (sharded with an index above `max_shard_bytes`) that
 `transformers.T5ForConditionalGeneration.from_pretrained` loads with equal logits.
 
@@ -20,10 +20,10 @@ import numpy as np
 
 from grpo_jax import paths
 from grpo_jax import sharding
-from grpo_jax.models import hf
+from grpo_jax.models.decoder import hf
 from grpo_jax.models import safetensors_io
-from grpo_jax.models.t5 import T5
-from grpo_jax.models.t5_config import T5Config
+from grpo_jax.models.t5.model import T5
+from grpo_jax.models.t5.config import T5Config
 
 
 def t5_param_mapping(cfg: T5Config) -> list[hf.Entry]:

@@ -5,9 +5,9 @@
     #   PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "/tmp/adapter")
 
 Layouts. PEFT's LoRA on an HF Linear (weight [out, in]) adds (lora_alpha / r) * B @ A with
-lora_A.weight [r, in] and lora_B.weight [out, r]. Ours (models/lora.py) adds (alpha / r) *
+lora_A.weight [r, in] and lora_B.weight [out, r]. Ours (models/lora/adapters.py) adds (alpha / r) *
 A . B to the native weight with A [in..., r] and B [r, out...]; the native <-> HF weight
-mapping (models/hf.py) flattens q/k/v's (heads, head_dim) and o's input (heads, head_dim) in
+mapping (models/decoder/hf.py) flattens q/k/v's (heads, head_dim) and o's input (heads, head_dim) in
 row-major order, so lora_A = A.reshape(in, r).T and lora_B = B.reshape(r, out).T.
 """
 import json
@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax import paths
-from grpo_jax.models import hf
-from grpo_jax.models import lora
+from grpo_jax.models.decoder import hf
+from grpo_jax.models.lora import adapters as lora
 
 
 def peft_tensors(params, config) -> dict:

@@ -28,8 +28,8 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from grpo_jax import sharding
-from grpo_jax.models import decode_attention
-from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.decoder import decode_attention
+from grpo_jax.models.decoder.config import ModelConfig
 
 
 def _dtype(name: str):

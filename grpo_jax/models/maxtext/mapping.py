@@ -1,9 +1,9 @@
 """Native decoder <-> MaxText parameter mapping: pure dicts, exact both ways, no MaxText import.
 
-Kept apart from models/maxtext_adapter.py so the mapping (the part that silently corrupts a
+Kept apart from models/maxtext/adapter.py so the mapping (the part that silently corrupts a
 model when wrong) is unit-tested without MaxText installed (tests/test_maxtext_mapping.py).
 
-  native (models/transformer.py)      MaxText (decoder_block qwen3)            HF
+  native (models/decoder/transformer.py)      MaxText (decoder_block qwen3)            HF
   embed [V, D]                        token_embedder.embedding [V, D]          model.embed_tokens
   final_norm.scale                    decoder.decoder_norm.scale               model.norm
   lm_head [D, V] (untied only)        decoder.logits_dense.kernel [D, V]       lm_head (transposed)
@@ -25,8 +25,8 @@ has none).
 """
 import jax.numpy as jnp
 
-from grpo_jax.models import hf
-from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.decoder import hf
+from grpo_jax.models.decoder.config import ModelConfig
 
 # (native per-layer path, MaxText per-layer path); qk-norm entries only when cfg.qk_norm.
 LAYER_MAP = (

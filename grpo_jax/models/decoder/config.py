@@ -23,7 +23,7 @@ GEMMA = ("gemma2", "gemma3")
 # a policy registered later is accepted too).
 REMAT_POLICIES = tuple(remat.POLICIES)
 DTYPES = ("float32", "bfloat16", "float16")
-# How the training forward and the prefill attend (models/layers.py): "auto" = a fused
+# How the training forward and the prefill attend (models/decoder/layers.py): "auto" = a fused
 # (flash) kernel where the backend has one (GPU: cuDNN through jax.nn.dot_product_attention),
 # else "xla"; "xla" = the masked einsum with its [.., T, S] f32 scores; "fused" = the fused path
 # on every backend (on CPU it is jax.nn.dot_product_attention's XLA form: for tests).

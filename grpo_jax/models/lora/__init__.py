@@ -1,0 +1,1 @@
+"""LoRA on the native decoder: adapters (attach/adapt/merge), the loop's LoRA policy, PEFT export."""

@@ -1,0 +1,1 @@
+"""MaxText's decoder as the policy: the adapter (imports maxtext lazily) and the pure weight mapping."""
