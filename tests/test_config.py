@@ -9,7 +9,8 @@ import pytest
 from grpo_jax import configuration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ("tiny", "tiny_maxtext", "tiny_lora", "qwen3_0p6b", "qwen3_8b", "llama3_8b")
+CONFIGS = ("tiny", "tiny_maxtext", "tiny_lora", "tiny_gemma3", "qwen3_0p6b", "qwen3_8b", "llama3_8b",
+           "gemma3_1b")
 
 
 def load(name):
