@@ -163,17 +163,17 @@ def _host(stats: dict) -> int:
 
 def kv_cache_bytes(model_cfg, rows: int, length: int, mesh, *, prompts: int = 0,
                    prompt_len: int = 0) -> int:
-  """Per-device bytes of the sampler's decode cache (Transformer.init_cache's arrays under the
-  sampler's sharding constraints: rows over (data, fsdp), kv heads over tensor): `length`
-  slots per row, plus `prompt_len` slots per prompt for `prompts` prompts kept once per group
-  (transformer.share_prompt)."""
-  def one(n, s):
-    shape = (n, model_cfg.num_kv_heads, s, model_cfg.head_dim)
-    spec = sharding.logical_to_spec(("batch", "kv_heads", "length", "head_dim"), shape, mesh)
-    per_layer = math.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(shape))
-    kv = 2 * model_cfg.num_layers * per_layer * jnp.dtype(model_cfg.dtype).itemsize
+  """Per-device bytes of the sampler's cache (rows over (data, fsdp), kv heads over tensor):
+  `length` slots per row (a local layer's ring: its window), `prompt_len` per kept prompt."""
+  def one(n, s, ring):  # ring: a local layer's completion cache holds its window only
+    local = getattr(model_cfg, "local_layers", None) or [False] * model_cfg.num_layers
+    shapes = [(n, model_cfg.num_kv_heads, min(s, model_cfg.sliding_window) if ring and x else s,
+               model_cfg.head_dim) for x in local]
+    per_layer = [math.prod(jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(
+        ("batch", "kv_heads", "length", "head_dim"), x, mesh)).shard_shape(x)) for x in shapes]
+    kv = 2 * sum(per_layer) * jnp.dtype(model_cfg.dtype).itemsize
     return kv + shard_bytes(_abstract((n, s), jnp.int32, sharding.batch_sharding(mesh, 2)))
-  return one(rows, length) + (one(prompts, prompt_len) if prompts else 0)
+  return one(rows, length, True) + (one(prompts, prompt_len, False) if prompts else 0)
 
 
 def with_overrides(config, **fields):

@@ -186,3 +186,42 @@ def test_loop_steps_with_a_gemma3_policy(tmp_path, overrides):
   assert len(rows) == 3 and all(np.isfinite(r["loss/total"]) for r in rows)
   assert abs(rows[0]["loss/ppo_kl"]) < 1e-6  # on-policy: the trainer re-scores the sample
   assert max(abs(r["loss/policy_loss"]) for r in rows) > 0
+
+
+def test_local_layers_decode_over_a_window_sized_ring():
+  """The sampler keeps W completion slots for a local layer (a ring), all of them for a global
+  one; over 14 new tokens (the ring wraps three times), in 1 or 3 decode phases (the cache
+  grown between them), the tokens are the same and the log-probs are the trainer's."""
+  from flax import nnx
+  from grpo_jax.models.decoder.transformer import ring_sizes
+  from grpo_jax.models.decoder.transformer import share_prompt
+  from grpo_jax.rollout import GenerationConfig
+  from grpo_jax.rollout import Sampler
+  cfg = PRESETS["tiny-gemma3"]  # window 4; layers 0, 1, 3 local, 2 global
+  model = build_model(cfg, seed=11)
+  cache = share_prompt(model.init_cache(4, 7), 3, 14, 1, ring_sizes(cfg))
+  assert [k.shape[2] for k in cache["k"]] == [4, 4, 14, 4]
+  ids, mask = prompts(cfg.vocab_size, seed=12)
+  graphdef, state = nnx.split(model)
+  out = {}
+  for phases in (1, 3):
+    s = Sampler(graphdef, max_prompt_length=7, max_new_tokens=14, num_generations=3,
+                eos_ids=(), decode_phases=phases)
+    out[phases] = s(state, ids, mask, jax.random.key(13), GenerationConfig(temperature=1.0))
+  np.testing.assert_array_equal(out[1].tokens, out[3].tokens)
+  train = np.asarray(trainer_logprobs(model, ids, mask, out[3], 3))
+  assert np.abs(train - np.asarray(out[3].raw_logprobs)).max() <= 1e-5
+
+
+def test_the_hbm_plan_counts_window_sized_rings():
+  """memory_plan's KV-cache bytes for Gemma 3 1B at 8k tokens per row (bf16, one device): 4
+  global layers x 8192 slots + 22 local ones x 512, 1 KV head x 256 x (k, v) x 2 bytes each:
+  43 MiB, not the 208 MiB of every slot in every layer."""
+  from grpo_jax import memory_plan
+  from grpo_jax import sharding
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  cfg = PRESETS["gemma3-1b"].replace(dtype="bfloat16")
+  valid = 8192 * 4  # the row's slot-validity int32s
+  assert memory_plan.kv_cache_bytes(cfg, 1, 8192, mesh) == (4 * 8192 + 22 * 512) * 1024 + valid
+  assert memory_plan.kv_cache_bytes(cfg.replace(sliding_window=0), 1, 8192, mesh) == (
+      26 * 8192 * 1024 + valid)

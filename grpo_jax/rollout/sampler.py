@@ -35,6 +35,7 @@ from grpo_jax import multihost
 from grpo_jax import sharding
 from grpo_jax.models.decoder import decode_attention as decode_attention_lib
 from grpo_jax.models.decoder.transformer import grow_cache
+from grpo_jax.models.decoder.transformer import ring_sizes
 from grpo_jax.models.decoder.transformer import sampling_copy
 from grpo_jax.models.decoder.transformer import share_prompt
 from grpo_jax.rollout import sampling
@@ -143,9 +144,10 @@ class Sampler:
     prompt_ids = sharding.constrain(prompt_ids, "batch", "length")
     cache = _constrain_cache(model.init_cache(b, p))
     logits, cache = model.prefill(prompt_ids, prompt_mask, cache)  # [B, V]
+    rings = ring_sizes(model.cfg)  # local layers: window-sized completion caches
     cache = _constrain_cache(share_prompt(
         cache, g, self._slots(self.phase_ends[0]),
-        decode_attention_lib.BLOCK if self.ragged else 1))
+        decode_attention_lib.BLOCK if self.ragged else 1, rings))
     if g > 1:
       logits = jnp.repeat(logits, g, axis=0)
     stop_ids = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
@@ -189,7 +191,7 @@ class Sampler:
     for i, end in enumerate(self.phase_ends):
       if i:
         final = dict(final, cache=_constrain_cache(grow_cache(final["cache"],
-                                                              self._slots(end))))
+                                                              self._slots(end), rings)))
       final = jax.lax.while_loop(functools.partial(cond, end=end), body, final)
     out = {k: final[k][:, :c_len] for k in ("tokens", "mask", "logprobs", "raw_logprobs")}
     return Rollout(**out, lengths=out["mask"].sum(-1), truncated=~final["done"])

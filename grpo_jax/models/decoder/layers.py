@@ -109,7 +109,7 @@ def apply_rope(x, positions, inv_freq):
 
 def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None,
               kv_head_major=False, prefix=None, softcap=0.0, window=None, q_pos=None,
-              kv_pos=None):
+              kv_pos=None, kv_slot=None):
   """Grouped-query attention with an explicit key validity mask; softmax in f32.
 
   q [B, T, H, K]; k, v [B, S, Hkv, K], or [B, Hkv, S, K] with `kv_head_major` (the KV cache's
@@ -125,7 +125,8 @@ def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None,
   `window` (an int, a traced one, or None): keys whose position is >= window before the
   query's are masked; distances are q_pos - kv_pos ([B, T], [B, S]) when given (the training
   forward), else slot distances; the prefix's keys are at their prompt positions (from
-  p_valid) and q_pos (required with a window and a prefix) gives the queries'.
+  p_valid) and q_pos (required with a window and a prefix) gives the queries'. `kv_slot`
+  [S]: the absolute slot each cache entry holds (a local layer's ring), else 0..S-1.
   """
   b, t, h, kd = q_bthk.shape
   kv = "bgsk" if kv_head_major else "bsgk"
@@ -136,7 +137,7 @@ def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None,
   cap = (lambda x: x) if not softcap else (lambda x: jnp.tanh(x / softcap) * softcap)  # noqa
   logits = cap(jnp.einsum(f"btgrk,{kv}->bgrts", q, k_bsgk,
                           preferred_element_type=jnp.float32) * scale)  # [B, G, R, T, S]
-  slots = jnp.arange(s_len)
+  slots = jnp.arange(s_len) if kv_slot is None else kv_slot
   allowed = (kv_valid_bs[:, None, :] != 0) & (slots[None, None, :] <= q_slot_bt[:, :, None])
   if window is not None:
     dist = (q_slot_bt[:, :, None] - slots[None, None, :] if kv_pos is None else
@@ -466,9 +467,18 @@ class Block(nnx.Module):
       a = attention(q, k, v, q_slot_bt, kv_valid_bs, q_pos=positions_bt, kv_pos=positions_bt,
                     **kw)
     elif write_slot is not None:
-      k, v = (jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype),
-                                           (0, 0, write_slot, 0))
+      # A local layer's cache of exactly `sliding_window` slots is a ring (transformer
+      # .ring_sizes): slot r holds completion slot j = write_slot - (write_slot - r) mod W, the
+      # last W written (j < 0: not yet); while write_slot < W it is the plain layout.
+      s_len = cache_kv[0].shape[2]
+      ring = local is True and cfg.sliding_window == s_len
+      at = write_slot % s_len if ring else write_slot
+      k, v = (jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype), (0, 0, at, 0))
               for c, n in zip(cache_kv, (k, v)))
+      if ring:
+        kw["kv_slot"] = write_slot - (write_slot - jnp.arange(s_len)) % s_len
+        kv_valid_bs = jnp.broadcast_to((kw["kv_slot"] >= 0).astype(jnp.int32),
+                                       (q.shape[0], s_len))
       if (prefix is not None and decode_attention.active() and not windowed and
           not cfg.attn_logit_softcap and
           decode_attention.supports(q, k, prefix[0])):  # the sampler's: written slots only

@@ -264,7 +264,14 @@ def _write_kv(cache_kv, new_kv, slot):
                                       (0, 0, 0, slot, 0))
 
 
-def share_prompt(cache: dict, n: int, slots: int, prefix_multiple: int = 1) -> dict:
+def ring_sizes(cfg: ModelConfig) -> tuple:
+  """Per layer, the slots of its completion cache in the sampler's layout: a local layer's
+  `sliding_window` (a ring: it never attends further back), else None (every slot)."""
+  return tuple(cfg.sliding_window if local else None for local in cfg.local_layers)
+
+
+def share_prompt(cache: dict, n: int, slots: int, prefix_multiple: int = 1,
+                 rings: tuple | None = None) -> dict:
   """A cache of B prompts prefilled to exactly its P slots (`init_cache(B, P)`) -> a decode
   cache for n samples per prompt (B*n rows, group-major) that keeps the prompts' keys/values
   once per prompt ("prefix_k", "prefix_v", "prefix_valid": read by every sample of the prompt)
@@ -272,28 +279,40 @@ def share_prompt(cache: dict, n: int, slots: int, prefix_multiple: int = 1) -> d
   `grow_cache` adds more). Decode attends to the prefix and the written slots: the same
   log-probs as `repeat_cache` + decode, and each prompt's keys are read once per group.
   `prefix_multiple`: the prefix padded at its end to a multiple of it (invalid slots: the
-  blocks `decode_attention.ragged` reads)."""
-  def empty(x):
+  blocks `decode_attention.ragged` reads). `rings` (per-layer caches; `ring_sizes`): a local
+  layer's completion cache holds min(slots, its window) slots, used as a ring by the decode."""
+  def empty(x, ring=None):
     shape = list(x.shape)
-    shape[-4], shape[-2] = shape[-4] * n, slots
+    shape[-4], shape[-2] = shape[-4] * n, slots if ring is None else min(slots, ring)
     return jnp.zeros(shape, x.dtype)
+
+  def empties(kv):
+    if rings is None or not isinstance(kv, tuple):
+      return jax.tree.map(empty, kv)
+    return tuple(empty(x, r) for x, r in zip(kv, rings))
   b, p = cache["valid"].shape
   extra = -p % prefix_multiple
   if extra:
     cache = grow_cache(cache, p + extra)
   return dict(prefix_k=cache["k"], prefix_v=cache["v"], prefix_valid=cache["valid"],
-              k=jax.tree.map(empty, cache["k"]), v=jax.tree.map(empty, cache["v"]),
+              k=empties(cache["k"]), v=empties(cache["v"]),
               valid=jnp.zeros((b * n, slots), jnp.int32), index=jnp.zeros((), jnp.int32),
               pos=jnp.repeat(cache["pos"], n, axis=0))
 
 
-def grow_cache(cache: dict, slots: int) -> dict:
-  """The cache with `slots` slots per row (more than it has; the new ones empty)."""
-  def pad(x):
+def grow_cache(cache: dict, slots: int, rings: tuple | None = None) -> dict:
+  """The cache with `slots` slots per row (more than it has; the new ones empty); a ring
+  layer's (`rings`, as share_prompt) up to its window only."""
+  def pad(x, ring=None):
     widths = [(0, 0)] * x.ndim
-    widths[-2] = (0, slots - x.shape[-2])
+    widths[-2] = (0, (slots if ring is None else min(slots, ring)) - x.shape[-2])
     return jnp.pad(x, widths)
-  return dict(cache, k=jax.tree.map(pad, cache["k"]), v=jax.tree.map(pad, cache["v"]),
+
+  def grown(kv):
+    if rings is None or not isinstance(kv, tuple):
+      return jax.tree.map(pad, kv)
+    return tuple(pad(x, r) for x, r in zip(kv, rings))
+  return dict(cache, k=grown(cache["k"]), v=grown(cache["v"]),
               valid=jnp.pad(cache["valid"], ((0, 0), (0, slots - cache["valid"].shape[1]))))
 
 
