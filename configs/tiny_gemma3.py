@@ -1,7 +1,8 @@
 r"""The CPU demo (configs/tiny.py) with a Gemma 3-shaped policy: (1 + w) norms before and after
 attention and the MLP, GeGLU, scaled embeddings, q/k norms, and sliding-window layers (window 4,
 shorter than the 6 + 7 token rows) interleaved with a global one, each kind with its own RoPE
-base. Same task, reward, sizes and schedule as tiny.py.
+base. Same task, reward, sizes and schedule as tiny.py; it learns as much in about the same
+time (seeds 0-2: +57.4 points vs tiny.py's +56.0, 1.07x its wall time; benchmarks/README.md).
 
     python -m grpo_jax.main --config=configs/tiny_gemma3.py --workdir=/tmp/tiny_gemma3
 """
