@@ -10,22 +10,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-# One persistent compilation cache for the session's in-process tests (a fresh folder per run,
-# removed at exit): tests build the same tiny programs over and over, and a cache hit skips
-# XLA's compile (measured: test_lora + test_compile_ahead + test_model 318 -> 226 s on 2 cores).
-# Runs started as subprocesses keep their own setting (main.py: config.compilation_cache_dir).
-import atexit  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-
-import jax  # noqa: E402
-
-_CACHE = tempfile.mkdtemp(prefix="grpo_jax_test_jax_cache_")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
 SHARED_DATA = os.environ.get("GRPO_SHARED_DATA", os.path.join(ROOT, "..", "shared", "data"))
 
 
@@ -48,24 +32,6 @@ def gcs(monkeypatch):
   server.stop()
   gcsfs.GCSFileSystem.clear_instance_cache()
   backend.fsspec_backend._get_filesystem.cache_clear()
-
-
-# Programs compiled for TPU / GPU targets (memory_plan, the compiled-program tests) are read
-# for their HLO and memory figures: compiled fresh, never loaded from the cache.
-_NO_CACHE_MODULES = ("test_memory_plan", "test_compiled_programs")
-
-
-@pytest.fixture(autouse=True)
-def _no_compile_cache_for_aot(request):
-  if request.module.__name__.rsplit(".", 1)[-1] not in _NO_CACHE_MODULES:
-    yield
-    return
-  from jax.experimental.compilation_cache import compilation_cache
-  jax.config.update("jax_compilation_cache_dir", None)
-  compilation_cache.reset_cache()
-  yield
-  jax.config.update("jax_compilation_cache_dir", _CACHE)
-  compilation_cache.reset_cache()
 
 
 # ------------------------------------------------- optional packages installed but unusable
