@@ -226,6 +226,10 @@ def _intact_latest(ckpt_dir) -> int | None:
     listed = "; ".join(f"{s}: {w}" for s, w in damaged) or f"see {earlier}"
     raise ValueError(f"no intact checkpoint is left under {ckpt_dir} ({listed}). Fix: a new "
                      "--workdir to start over, or put back a copy of the checkpoints")
+  # Every process has looked before any checkpoint moves: a process that lists the folder
+  # after process 0 moved a damaged one aside would see no damage, skip the barrier below and
+  # fall out of step with the others (seen once on 2 processes after a hard kill).
+  multihost.barrier("inspected_checkpoints")
   if damaged:
     if jax.process_index() == 0:
       for s, why in damaged:
