@@ -72,10 +72,11 @@ setuptools.setup(
     extras_require={
         # gcsfs + an offline GCS emulator: the gs:// workdir test (tests/fake_gcs.py).
         # datasets: the hf_dataset source's tests (tests/test_data_tables.py).
-        "test": ["pytest", "pytest-timeout", "gcsfs", "gcp-storage-emulator", "peft==0.21.2",
+        # pytest-xdist: the scripts run the suite on GRPO_TEST_WORKERS processes (scripts/_env.sh).
+        "test": ["pytest", "pytest-xdist", "pytest-timeout", "gcsfs", "gcp-storage-emulator", "peft==0.21.2",
                  "datasets"],
         # The core tests alone (scripts/test_tpu_pins.sh --ci): no torch, maxtext or vllm.
-        "test-core": ["pytest"],
+        "test-core": ["pytest", "pytest-xdist"],
         "parity": ["torch==2.13.0", "transformers>=5.16.1,<5.20"],
         "maxtext": MAXTEXT,
         "vllm": ["vllm"],

@@ -57,3 +57,18 @@ if got != want:
 print(f"[grpo_jax] {sys.argv[2]}:", " ".join(f"{k}=={v}" for k, v in got.items()))
 PY
 }
+
+worker_args() {  # pytest-xdist's "-n N --dist load": GRPO_TEST_WORKERS processes (0 or 1: one
+  # process, no xdist). Default: one per core, at most 4 and one per 6 GiB of memory (each
+  # worker holds 8 fake CPU devices; the 2-process tests start 2 more). On 2 cores the default
+  # suite runs ~1.45x faster than in one process (tests/test_model+sampler+lora: 337 -> 232 s).
+  local n="${GRPO_TEST_WORKERS:-}"
+  if [ -z "$n" ]; then
+    local cores mem_gib
+    cores="$(nproc 2>/dev/null || echo 1)"
+    mem_gib="$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 6)"
+    n=$(( cores < 4 ? cores : 4 ))
+    if [ $(( mem_gib / 6 )) -lt "$n" ]; then n=$(( mem_gib / 6 )); fi
+  fi
+  if [ "$n" -gt 1 ]; then echo "-n $n --dist load"; fi
+}

@@ -6,11 +6,13 @@
 # to make, about 3 min to run on 2 cores). Extra arguments go to the main pytest run only and skip
 # that step, e.g. `scripts/test.sh -m slow` or `scripts/test.sh -k kl`. Exit code: the main
 # run's when it fails, else the compiled-program tests' (pytest's 5, nothing collected, fails).
+# GRPO_TEST_WORKERS=N: pytest processes (default one per core, see scripts/_env.sh; 1: serial).
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 bash "$ROOT/scripts/install.sh" test
 cd "$ROOT"
 set +e
-"$VENV/bin/python" -m pytest -q "$@"
+# shellcheck disable=SC2046  # worker_args: "-n N --dist load" or nothing
+"$VENV/bin/python" -m pytest -q $(worker_args) "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests: the suite is missing or every test was deselected." >&2

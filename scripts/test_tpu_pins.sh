@@ -69,7 +69,8 @@ else
   TESTS+=(tests/test_train.py tests/test_maxtext.py)
 fi
 set +e
-JAX_PLATFORMS=cpu "$VENV/bin/python" -m pytest -q -rs "${TESTS[@]}" "$@"
+# shellcheck disable=SC2046  # worker_args: "-n N --dist load" or nothing (scripts/_env.sh)
+JAX_PLATFORMS=cpu "$VENV/bin/python" -m pytest -q -rs $(worker_args) "${TESTS[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests: the suite is missing or every test was deselected." >&2
