@@ -131,8 +131,6 @@ def _check_model(c: _Checker, cfg):
     from grpo_jax.models.maxtext import adapter as maxtext_adapter  # imports maxtext lazily itself
     c.one_of("model.maxtext.attention", maxtext_adapter.ATTENTION_KERNELS,
              "MaxText attention kernel")
-    c.require(m.arch == "qwen3" or bool(m.hf_path), "model.arch",
-              "model.impl=maxtext supports qwen3 only", "use --config.model.impl=native")
     c.require(not m.maxtext_checkpoint or not m.hf_path, "model.maxtext_checkpoint",
               "both model.hf_path and model.maxtext_checkpoint are set",
               "give one source of weights")
@@ -153,8 +151,16 @@ def _check_model(c: _Checker, cfg):
   if not m.hf_path:
     fields = {k: v for k, v in m.items() if k not in (
         "preset", "impl", "hf_path", "maxtext_checkpoint", "maxtext", "family", "t5")}
-    for field, why, fix in model_config.ModelConfig(**fields).problems():
+    shape = model_config.ModelConfig(**fields)
+    for field, why, fix in shape.problems():
       c.fail(f"model.{field}", why, fix)
+    if m.impl == "maxtext" and not shape.problems():  # hf_path: checked when the folder loads
+      from grpo_jax.models.maxtext import mapping as maxtext_mapping  # no maxtext import
+      try:
+        maxtext_mapping.check_supported(shape)
+      except ValueError as e:
+        why, _, fix = str(e).removeprefix("model.impl=maxtext: ").partition("; ")
+        c.fail("model.arch", f"model.impl=maxtext: {why}", fix or "use --config.model.impl=native")
   total = cfg.max_prompt_length + cfg.max_completion_length
   if total > m.max_position_embeddings:
     c.fail("max_completion_length",

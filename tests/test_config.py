@@ -53,10 +53,21 @@ def test_qwen3_8b_validates_with_either_model_impl():
     assert errors_of(c) == [], impl
   c.model.maxtext.attention = "flashy"
   assert any("model.maxtext.attention='flashy'" in e for e in errors_of(c))
-  llama = load("llama3_8b")
+  llama = load("llama3_8b")  # Llama 3.1 8B: MaxText's llama2 block with Llama 3.1 RoPE
+  with llama.unlocked():
+    llama.data.train_path = llama.data.eval_path = __file__
+    llama.tokenizer.path = ROOT
   llama.model.impl = "maxtext"
-  assert any(e.startswith("model.arch='llama3'") and "qwen3 only" in e
-             for e in errors_of(llama))
+  assert [e for e in errors_of(llama) if e.startswith("model.")] == []
+  llama.model.rope_scaling_factor = 4.0  # not MaxText's hard-coded Llama 3.1 scaling
+  assert any(e.startswith("model.arch='llama3'") and "Llama RoPE scaling is Llama 3.1's" in e
+             and "Fix: use --config.model.impl=native" in e for e in errors_of(llama))
+  gemma = load("tiny_gemma3")  # its 1-in-3 global layers are not MaxText's fixed 1 in 6
+  gemma.model.impl = "maxtext"
+  assert any(e.startswith("model.arch='gemma3'") and "sliding_window_pattern=6" in e
+             for e in errors_of(gemma))
+  gemma.model.sliding_window_pattern = 6
+  assert [e for e in errors_of(gemma) if e.startswith("model.")] == []
 
 
 def test_qwen3_8b_has_the_recipe_values():

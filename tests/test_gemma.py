@@ -126,6 +126,19 @@ def test_padding_does_not_move_the_window(preset):
   np.testing.assert_allclose(np.asarray(right)[0, :11], alone, atol=1e-5)
 
 
+def test_local_layers_never_take_the_linear_rope_scaling():
+  """Gemma 3's local layers use their own RoPE base unscaled, also when rope_local_theta=0
+  means "the global base" (saved as rope_local_base_freq = rope_theta, which HF reads so): the
+  model equals the one with that base spelled out; the global layers do take the scaling."""
+  cfg = PRESETS["tiny-gemma3"].replace(rope_local_theta=PRESETS["tiny-gemma3"].rope_theta)
+  ids = jnp.asarray(np.random.default_rng(3).integers(1, 100, (2, 12)))
+  spelled = np.asarray(build_model(cfg, seed=4)(ids))
+  implied = np.asarray(build_model(cfg.replace(rope_local_theta=0.0), seed=4)(ids))
+  np.testing.assert_array_equal(implied, spelled)
+  unscaled = np.asarray(build_model(cfg.replace(rope_linear_factor=1.0), seed=4)(ids))
+  assert np.abs(unscaled - spelled).max() > 1e-3
+
+
 @pytest.mark.parametrize("preset", ["tiny-gemma2", "tiny-gemma3"])
 def test_save_hf_loads_in_transformers_with_our_logits(preset, tmp_path):
   model = build_model(PRESETS[preset], seed=8)

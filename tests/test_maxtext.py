@@ -111,6 +111,55 @@ def test_same_weights_same_logits_as_native(scan, tied):
   np.testing.assert_allclose(np.asarray(lp_mt)[real], np.asarray(lp_nat)[real], atol=tol)
 
 
+# Llama 3.1 (its RoPE scaling), Gemma 2 (pairs, attention soft-cap, query scale 12 != K) and
+# Gemma 3 (blocks of 6 + a remainder, local/global RoPE bases, linear scaling), windows of 4
+# over 20-token rows; the "off" overrides must change the native logits (the feature is live).
+FAMILIES = {
+    "llama3": ({"model.arch": "llama3", "model.qk_norm": False, "model.rope_theta": 5e5,
+                "model.rope_scaling_factor": 8.0, "model.num_layers": 2},
+               {"model.rope_scaling_factor": 0.0}),
+    "gemma2": ({"model.arch": "gemma2", "model.qk_norm": False, "model.num_layers": 4,
+                "model.sliding_window": 4, "model.sliding_window_pattern": 2,
+                "model.query_pre_attn_scalar": 12.0, "model.attn_logit_softcap": 5.0},
+               {"model.attn_logit_softcap": 0.0, "model.sliding_window": 64}),
+    "gemma3": ({"model.arch": "gemma3", "model.num_layers": 8, "model.sliding_window": 4,
+                "model.sliding_window_pattern": 6, "model.query_pre_attn_scalar": 24.0,
+                "model.rope_local_theta": 1e4, "model.rope_linear_factor": 2.0},
+               {"model.rope_linear_factor": 1.0, "model.sliding_window": 64}),
+}
+
+
+@pytest.mark.parametrize("family,scan", [  # suite time: -m slow runs llama3 and gemma2
+    pytest.param("llama3", True, marks=pytest.mark.slow),
+    pytest.param("gemma2", False, marks=pytest.mark.slow), ("gemma3", True)])
+def test_families_same_weights_same_logits_as_native(family, scan):
+  """MaxText's llama2 / gemma2 / gemma3 blocks on the mapped weights == the native decoder."""
+  on, off = FAMILIES[family]
+  config = tiny_qwen3(**on, **{"model.scan_layers": scan})
+  mesh = mesh_1()
+  mt = mta.maxtext_policy(config, mesh)
+  native = policy_lib.native_policy(config, mesh)
+  got = nnx.to_pure_dict(jax.jit(mt.rollout_params)(mt.params))
+  for (k, a), b in zip(jax.tree_util.tree_leaves_with_path(got),
+                       jax.tree.leaves(nnx.to_pure_dict(native.params))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7, err_msg=str(k))
+  ids, mask = left_padded(np.random.default_rng(0), 101, [20, 13, 7, 20], 20)
+  parts = mta.build_parts(config, mesh)
+  mt_logits = jax.jit(lambda p, i, m: mta.forward(parts.graphdef, p, parts.rest, i, m))(
+      mt.params, ids, mask)
+  nat_logits = nnx.merge(native.graphdef, native.params)(ids, mask)
+  m = np.asarray(mask, bool)
+  diff = np.abs(np.asarray(mt_logits) - np.asarray(nat_logits))[m]
+  assert diff.max() <= 1e-4, diff.max()
+  other = policy_lib.native_policy(tiny_qwen3(**{**on, **off, "model.scan_layers": scan}), mesh)
+  other_logits = nnx.merge(other.graphdef, native.params)(ids, mask)
+  assert np.abs(np.asarray(other_logits) - np.asarray(nat_logits))[m].max() > 1e-2
+  lp_mt = mt.logprobs(mt.params, ids, mask, 6)
+  lp_nat = native.logprobs(native.params, ids, mask, 6)
+  real = m[:, -6:] & m[:, -7:-1]
+  np.testing.assert_allclose(np.asarray(lp_mt)[real], np.asarray(lp_nat)[real], atol=1e-4)
+
+
 def test_padding_is_never_attended():
   """Changing the left-padding tokens must not change any real token's logits."""
   config = tiny_qwen3()
@@ -267,16 +316,23 @@ def test_loop_runs_with_tiny_maxtext_config(tmp_path):
   assert train.run(config, str(tmp_path / "run"))["final_step"] == 3
 
 
-def test_two_loop_steps_with_the_maxtext_policy(tmp_path):
+@pytest.mark.parametrize("family", [  # suite time: -m slow runs Llama 3.1 and Gemma 3
+    "qwen3", pytest.param("llama3", marks=pytest.mark.slow),
+    pytest.param("gemma3", marks=pytest.mark.slow)])
+def test_two_loop_steps_with_the_maxtext_policy(tmp_path, family):
   """train.run with model.impl=maxtext (scanned, untied as qwen3-8b, with a reference): two GRPO
   steps that move the policy, the native sampler drawing from the mapped weights with log-probs
-  the MaxText trainer reproduces (f32: within 1e-4), and a checkpoint."""
+  the MaxText trainer reproduces (f32: within 1e-4), and a checkpoint. Llama 3.1 and Gemma 3
+  (2 layers: MaxText's remainder block alone) as in FAMILIES."""
   from tests.test_train import grpo_rows
   from tests.test_train import tiny_config
+  family_fields = {} if family == "qwen3" else {**FAMILIES[family][0], "model.num_layers": 2}
+  if family == "gemma3":
+    family_fields["model.query_pre_attn_scalar"] = 0.0  # head_dim's
   config = tiny_config(**{"model.impl": "maxtext", "model.scan_layers": True,
                           "model.tie_embeddings": False, "model.maxtext.remat_policy": "full",
                           "model.maxtext.attention": "dot_product", "num_steps": 2,
-                          "beta": 0.04, "save_interval_steps": 2})
+                          "beta": 0.04, "save_interval_steps": 2, **family_fields})
   summary = train.run(config, str(tmp_path / "run"))
   assert summary["final_step"] == 2
   assert os.path.isdir(tmp_path / "run" / "checkpoints" / "2")

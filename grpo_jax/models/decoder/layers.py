@@ -76,14 +76,16 @@ def norm(cfg: ModelConfig, dim: int, rngs: nnx.Rngs) -> RMSNorm:
 def rope_inv_freq(cfg: ModelConfig, local=False) -> jax.Array:
   """Inverse frequencies [K/2], with Llama-3 scaling of the long wavelengths when configured;
   `local` (a bool or a traced one: the scanned layers): a sliding-window layer's, with
-  rope_local_theta and no scaling (Gemma 3), else rope_linear_factor divides them."""
+  rope_local_theta and no scaling (as HF's Gemma 3, also when rope_local_theta is 0 = the
+  global base); else rope_linear_factor divides them."""
   if not isinstance(local, bool):
     return jnp.where(local, rope_inv_freq(cfg, True), rope_inv_freq(cfg, False))
   k = cfg.head_dim
-  if local and cfg.rope_local_theta:
-    return 1.0 / (cfg.rope_local_theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+  if local:  # Gemma's sliding-window layers: their own base (0: rope_theta's), never scaled
+    theta = cfg.rope_local_theta or cfg.rope_theta
+    return 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
   inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
-  if cfg.rope_linear_factor != 1.0 and not (local and cfg.rope_local_theta):
+  if cfg.rope_linear_factor != 1.0:
     inv = inv / cfg.rope_linear_factor
   if cfg.rope_scaling_factor > 0:
     factor, lo, hi = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor

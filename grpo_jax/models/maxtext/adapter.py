@@ -49,7 +49,8 @@ maps it on device into MaxText's layout (peak device memory: both copies, briefl
 `{"params": {"params": ...}}` tree MaxText's trainer writes, scanned or unscanned, detected
 from the stored shapes) straight into the sharded parameters.
 
-Supported: Qwen3 dense (decoder_block qwen3); see maxtext_mapping.check_supported.
+Supported: Qwen3 dense, Llama 3 / 3.1, Gemma 2 and Gemma 3 (text), each as the MaxText decoder
+block of its family (family_kwargs); maxtext_mapping.check_supported names what each needs.
 MaxText is imported inside the functions that need it (through `import_maxtext`), so this module
 (and ATTENTION_KERNELS, which the config validator reads) imports without it.
 
@@ -178,7 +179,7 @@ def maxtext_config(config, cfg: ModelConfig, mesh):
   mx = config.model.maxtext
   base = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
   kw = dict(
-      model_name="qwen3-0.6b", override_model_config=True,  # the qwen3 block; shapes below
+      override_model_config=True,  # the family's block (family_kwargs); our shapes below
       base_emb_dim=cfg.hidden_size, base_num_query_heads=cfg.num_heads,
       base_num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
       base_mlp_dim=cfg.intermediate_size, base_num_decoder_layers=cfg.num_layers,
@@ -195,10 +196,34 @@ def maxtext_config(config, cfg: ModelConfig, mesh):
       skip_jax_distributed_system=True, run_name="grpo_jax", dataset_type="synthetic",
       base_output_directory="/tmp/grpo_jax_maxtext",
   )
+  kw.update(family_kwargs(cfg))
   if jax.default_backend() == "cpu":
     kw["hardware"] = "cpu"
   kw.update(_parse_overrides(mx.overrides))
   return pyconfig.initialize(["", base], **kw)
+
+
+def family_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+  """The pyconfig values that pick and shape MaxText's decoder block for cfg's family (see
+  models/maxtext/mapping.py for each block's layout; check_supported has refused the rest).
+  model_name picks the block's fixed choices: Llama 3.1's interleaved RoPE (by the name), Gemma
+  3's query scale (head_dim ** -0.5 for gemma3-4b, (D / H) ** -0.5 for gemma3-27b)."""
+  if cfg.arch == "qwen3":
+    return dict(model_name="qwen3-0.6b")
+  if cfg.arch == "llama3":
+    return dict(model_name="llama3.1-8b", rope_type="llama3.1",
+                rope_use_scale=bool(cfg.rope_scaling_factor))
+  gemma = dict(sliding_window_size=cfg.sliding_window, use_post_attn_norm=True,
+               normalize_embedding_logits=True,  # tied head / sqrt(D): see mapping.embed_scale
+               use_post_ffw_norm=True, mlp_activations=["gelu", "linear"],
+               attn_logits_soft_cap=cfg.attn_logit_softcap,
+               final_logits_soft_cap=cfg.final_logit_softcap)
+  if cfg.arch == "gemma2":  # one MaxText layer = a (local, global) pair
+    return dict(gemma, model_name="gemma2-2b", base_num_decoder_layers=cfg.num_layers // 2)
+  scale = cfg.query_pre_attn_scalar or cfg.head_dim
+  return dict(gemma, model_name="gemma3-4b" if scale == cfg.head_dim else "gemma3-27b",
+              local_rope_max_timescale=int(cfg.rope_local_theta or cfg.rope_theta),
+              rope_linear_scaling_factor=cfg.rope_linear_factor, use_qk_norm=True)
 
 
 def make_mesh(config, base_mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
