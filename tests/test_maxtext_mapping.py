@@ -292,6 +292,8 @@ def test_family_values_hold_what_maxtext_blocks_compute_with():
     ("gemma3", dict(query_pre_attn_scalar=12.0), "query_pre_attn_scalar in"),
     ("gemma3", dict(final_logit_softcap=30.0), "tie_embeddings=True with final_logit_softcap"),
     ("gemma3", dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-6"),
+    ("gemma3", dict(qk_norm=False), "qk_norm=True"),
+    ("gemma2", dict(qk_norm=True), "qk_norm=False"),
 ])
 def test_unsupported_models_are_refused_with_the_fix(arch, fields, match):
   layers = {"llama3": 3, "gemma2": 4, "gemma3": 6, "qwen3": L}[arch]

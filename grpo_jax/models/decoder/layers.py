@@ -76,17 +76,14 @@ def norm(cfg: ModelConfig, dim: int, rngs: nnx.Rngs) -> RMSNorm:
 def rope_inv_freq(cfg: ModelConfig, local=False) -> jax.Array:
   """Inverse frequencies [K/2], with Llama-3 scaling of the long wavelengths when configured;
   `local` (a bool or a traced one: the scanned layers): a sliding-window layer's, with
-  rope_local_theta and no scaling (as HF's Gemma 3, also when rope_local_theta is 0 = the
-  global base); else rope_linear_factor divides them."""
+  rope_local_theta (0: rope_theta) and never scaled, as HF's Gemma 3; else divided by
+  rope_linear_factor (Gemma 3's global layers; 1.0 elsewhere: exact)."""
   if not isinstance(local, bool):
     return jnp.where(local, rope_inv_freq(cfg, True), rope_inv_freq(cfg, False))
-  k = cfg.head_dim
+  exponent = jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim
   if local:  # Gemma's sliding-window layers: their own base (0: rope_theta's), never scaled
-    theta = cfg.rope_local_theta or cfg.rope_theta
-    return 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
-  inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
-  if cfg.rope_linear_factor != 1.0:
-    inv = inv / cfg.rope_linear_factor
+    return 1.0 / ((cfg.rope_local_theta or cfg.rope_theta) ** exponent)
+  inv = 1.0 / (cfg.rope_theta ** exponent) / cfg.rope_linear_factor
   if cfg.rope_scaling_factor > 0:
     factor, lo, hi = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     old = cfg.rope_original_max_position

@@ -224,6 +224,8 @@ def check_supported(cfg: ModelConfig):
       problems.append(f"query_pre_attn_scalar in {scalars} (got {cfg.query_pre_attn_scalar})")
     if cfg.rms_norm_eps != 1e-6:
       problems.append(f"rms_norm_eps=1e-6 (got {cfg.rms_norm_eps})")
+    if cfg.qk_norm != (cfg.arch == "gemma3"):
+      problems.append(f"qk_norm={cfg.arch == 'gemma3'} (got {cfg.qk_norm})")
     if cfg.final_logit_softcap and not cfg.tie_embeddings:
       problems.append("tie_embeddings=True with final_logit_softcap (MaxText caps the tied "
                       "head's logits only)")
