@@ -584,7 +584,7 @@ def _sampler(policy, mesh, config, *, prompt_len, new_tokens, generations, atten
 
 
 def _replicated_key(seed, mesh):
-  from grpo_jax import multihost
+  from grpo_jax.parallel import multihost
   return jax.random.wrap_key_data(multihost.replicated(
       jax.random.key_data(jax.random.key(seed)), mesh))
 
@@ -597,7 +597,7 @@ def _generations(config):
 
 
 def s_sampler(ctx, sec, out):
-  from grpo_jax import multihost
+  from grpo_jax.parallel import multihost
   w = ctx.workload
   b, g, p, c = w["prompts"], w["generations"], w["prompt_len"], w["new_tokens"]
   n = b * g
@@ -755,7 +755,7 @@ def s_sampler(ctx, sec, out):
 
 
 def s_exactness(ctx, sec, out):
-  from grpo_jax import multihost
+  from grpo_jax.parallel import multihost
   w = ctx.workload
   g, c = w["generations"], w["new_tokens"]
   ids_np, mask_np = ctx.prompts()
@@ -913,8 +913,8 @@ def update_settings(ctx):
 
 
 def s_update(ctx, sec, out):
-  from grpo_jax import multihost
-  from grpo_jax import sharding
+  from grpo_jax.parallel import multihost
+  from grpo_jax.parallel import sharding
   from grpo_jax.configuration import validate
   from grpo_jax.models import build
   from grpo_jax.rl import step as step_lib

@@ -60,7 +60,7 @@ Sweeps (--remat, --micro_batch, --generations; comma lists, every combination) b
 step per combination and take their steady steps in turn, so the rows of a sweep are measured
 under the same load. --trace writes one trace per workload (DIR/<workload>, the steady steps
 only; with a sweep, its combinations' steps alternate in it), named as the loop names its
-steps and phases (grpo_jax.profiling), for benchmarks/trace_analysis.py.
+steps and phases (grpo_jax.run.profiling), for benchmarks/trace_analysis.py.
 
 Tunix side by side (workload tunix): benchmarks/tunix_step.py runs Tunix's own GRPOLearner in
 a subprocess (Tunix needs its own environment: see that file), fed the same prompts and
@@ -87,16 +87,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import tiny as tiny_config  # noqa: E402
-from grpo_jax import compile_ahead  # noqa: E402
+from grpo_jax.run import compile_ahead  # noqa: E402
 from grpo_jax import data as data_lib  # noqa: E402
-from grpo_jax import metrics as metrics_lib  # noqa: E402
-from grpo_jax import multihost  # noqa: E402
-from grpo_jax import profiling  # noqa: E402
-from grpo_jax import prompts as prompts_lib  # noqa: E402
+from grpo_jax.run import metrics as metrics_lib  # noqa: E402
+from grpo_jax.parallel import multihost  # noqa: E402
+from grpo_jax.run import profiling  # noqa: E402
+from grpo_jax.data import prompts as prompts_lib  # noqa: E402
 from grpo_jax import rewards as rewards_lib  # noqa: E402
 from grpo_jax import rollout as rollout_lib  # noqa: E402
-from grpo_jax import sharding  # noqa: E402
-from grpo_jax import rollout_source as source_lib  # noqa: E402
+from grpo_jax.parallel import sharding  # noqa: E402
+from grpo_jax.rollout import source as source_lib  # noqa: E402
 from grpo_jax.configuration import validate  # noqa: E402
 from grpo_jax.models import build  # noqa: E402
 from grpo_jax.rl import advantages as adv_lib  # noqa: E402
@@ -168,7 +168,7 @@ _COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
                    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
                    "/jax/core/compile/backend_compile_duration": "xla"}
 _compile_secs = {k: 0.0 for k in _COMPILE_EVENTS.values()}
-_ahead_secs = [0.0]  # the same events on compile_ahead.py's worker thread
+_ahead_secs = [0.0]  # the same events on run/compile_ahead.py's worker thread
 
 
 def _on_event(event, secs, **_):

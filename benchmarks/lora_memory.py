@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from grpo_jax import sharding  # noqa: E402
+from grpo_jax.parallel import sharding  # noqa: E402
 from grpo_jax.models import build  # noqa: E402
 from grpo_jax.models import policy as policy_lib  # noqa: E402
 from grpo_jax.rl import step as step_lib  # noqa: E402

@@ -1,7 +1,7 @@
 """Steps around a new prompt width, with the sampler and step programs compiled ahead or not.
 
 With data.prompt_width=bucket (the default) a batch whose longest prompt falls in another
-bucket needs its own sampler, log-prob and update programs. compile_ahead.py compiles them on a
+bucket needs its own sampler, log-prob and update programs. run/compile_ahead.py compiles them on a
 worker thread from the moment the step before dispatches its rollout; this benchmark runs the
 loop itself (train.run, the tiny model) on a schedule of widths, batches 0-3 at --width_a
 columns and 4-7 at --width_b, with config.compile_ahead and without, each run a fresh process

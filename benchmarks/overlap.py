@@ -10,7 +10,7 @@ Layouts:
          each, each pinned to its own core with taskset. colocated: a data=2 mesh over both,
          rollout and update take turns on both cores. disaggregated: the trainer's mesh is
          process 0's device, the sampler's process 1's; the weights move after each update by
-         transfer.py's collective, the batches back the same way; max_staleness=1 samples step
+         parallel/transfer.py's collective, the batches back the same way; max_staleness=1 samples step
          s+1 while step s updates.
   single 1 process, 8 fake CPU devices (4 + 4 when disaggregated) on the machine's cores. Fake
          devices share one thread pool, so what overlaps here is whatever XLA:CPU runs at once.

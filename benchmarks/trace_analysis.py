@@ -6,9 +6,9 @@ r"""Where a GRPO step's time goes, read back from a profiler trace.
 Write the trace with `--config.profile.start_step=S --config.profile.num_steps=K` (profile a
 few steps after the first, which compiles). Prints Markdown and writes `analysis.json` beside
 the trace file:
-  - loop phases: the host spans train.py names (grpo_jax.profiling.PHASES), mean ms per step and
+  - loop phases: the host spans train.py names (grpo_jax.run.profiling.PHASES), mean ms per step and
     share of the step (the `grpo_step` span); phases that only dispatch device work end early,
-    the wait shows up in the phase that blocks ("update", "rollout"; grpo_jax/profiling.py);
+    the wait shows up in the phase that blocks ("update", "rollout"; grpo_jax/run/profiling.py);
   - device time by op category (matmul, attention, elementwise/fusion, collective,
     copy/transfer, other) and the idle gaps between ops, over the profiled steps;
   - the top 15 ops by time; per step, device busy time (the union of op intervals) and the
@@ -39,7 +39,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from grpo_jax import profiling  # noqa: E402
+from grpo_jax.run import profiling  # noqa: E402
 
 PHASE_PREFIX = profiling.PHASE_PREFIX  # profiling.phase(name) names its span "phase/<name>"
 OUTSIDE = "(outside the phases)"

@@ -1,4 +1,4 @@
-r"""Trainer -> sampler weight moves with grpo_jax.transfer.CrossMesh: GB/s of `move`.
+r"""Trainer -> sampler weight moves with grpo_jax.parallel.transfer.CrossMesh: GB/s of `move`.
 
     python benchmarks/weight_transfer.py                    # 128 MB f32 -> bf16, 8 devices 4/4
     python benchmarks/weight_transfer.py --mb=200 --devices=8
@@ -52,8 +52,8 @@ def main():
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from grpo_jax import sharding
-  from grpo_jax import transfer
+  from grpo_jax.parallel import sharding
+  from grpo_jax.parallel import transfer
 
   half = args.devices // 2
   devs = jax.devices()

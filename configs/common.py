@@ -76,7 +76,7 @@ def base() -> ml_collections.ConfigDict:
   # or gs://...; "" turns it off.
   c.compilation_cache_dir = "~/.cache/grpo_jax/jax_cache"
   # Compile each prompt width's sampler, update, log-prob and advantage programs in a
-  # background thread during the step before its first (grpo_jax/compile_ahead.py); False: at
+  # background thread during the step before its first (grpo_jax/run/compile_ahead.py); False: at
   # their first call.
   c.compile_ahead = True
   c.num_steps = 200  # GRPO steps; each takes `batch_size` prompts.
@@ -174,7 +174,7 @@ def base() -> ml_collections.ConfigDict:
   # Where the native sampler runs: "colocated" (the trainer's mesh; rollout and update take
   # turns) or "disaggregated" (rollout.num_devices of the global devices form the sampler's
   # mesh, the rest the trainer's; the weights move trainer -> sampler after each update by a
-  # JAX collective, grpo_jax/transfer.py). num_devices: a count, or a fraction in (0, 1) of
+  # JAX collective, grpo_jax/parallel/transfer.py). num_devices: a count, or a fraction in (0, 1) of
   # all devices; 0 = half.
   c.rollout.placement = "colocated"
   c.rollout.num_devices = 0.0

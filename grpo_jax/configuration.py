@@ -12,8 +12,8 @@ import os
 
 import jax
 
-from grpo_jax import paths
-from grpo_jax import sharding
+from grpo_jax.run import paths
+from grpo_jax.parallel import sharding
 from grpo_jax.data import arithmetic
 from grpo_jax.data import pipeline
 from grpo_jax.data import sources
@@ -434,7 +434,7 @@ def validate(config, *, num_devices: int | None = None,
     even = num_devices >= 2 and n == num_devices - n
     c.require(even, "rollout.num_devices",
               f"gives the sampler {n} of {num_devices} devices; each sampler device pairs with "
-              "a trainer device (grpo_jax/transfer.py), so the split must be even",
+              "a trainer device (grpo_jax/parallel/transfer.py), so the split must be even",
               f"--config.rollout.num_devices={num_devices // 2} (or 0 = half)" if
               num_devices >= 2 else "--config.rollout.placement=colocated (one device)")
     num_devices = num_devices - n if even else 0  # the trainer's mesh (none: no mesh checks)

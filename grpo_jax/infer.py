@@ -40,10 +40,10 @@ _EXPORT_PEFT = flags.DEFINE_string("export_peft", None, "LoRA runs: write the ad
 
 def load_params(config, workdir, step, mesh):
   """(policy, step or None): the policy with parameters from a checkpoint when there is one."""
-  from grpo_jax import checkpoint as ckpt_lib
+  from grpo_jax.run import checkpoint as ckpt_lib
   from grpo_jax.models import build
 
-  from grpo_jax import paths
+  from grpo_jax.run import paths
   ckpt_dir = paths.path(workdir) / "checkpoints" if workdir else None
   have = ckpt_dir is not None and ckpt_dir.is_dir()
   ckpt = ckpt_lib.Checkpointer(ckpt_dir, max_to_keep=None, async_save=False) if have else None
@@ -81,9 +81,9 @@ def generate_rows(config, policy, rows, mesh, *, generation="greedy", num_sample
   import numpy as np
 
   from grpo_jax import data as data_lib
-  from grpo_jax import multihost
+  from grpo_jax.parallel import multihost
   from grpo_jax import rollout
-  from grpo_jax import sharding
+  from grpo_jax.parallel import sharding
 
   tok = data_lib.build_tokenizer(config.tokenizer.kind,
                                  config.tokenizer.path or config.model.hf_path)
@@ -107,7 +107,7 @@ def show_heldout(config, policy, mesh, *, num_examples=4, generation="greedy", n
   """Samples `num_examples` rows of the eval split and prints prompt, completion, ground
   truth, reward and the task's verdict side by side; returns them as dicts."""
   from grpo_jax import data as data_lib
-  from grpo_jax import eval_tasks
+  from grpo_jax.eval import tasks as eval_tasks
   from grpo_jax import rewards as rewards_lib
 
   _, eval_rows = data_lib.load_rows(config)
@@ -159,7 +159,7 @@ def main(argv):
   if _EXPORT_PEFT.value:
     if not config.lora.rank:
       raise ValueError("--export_peft needs a LoRA run (config.lora.rank > 0)")
-    from grpo_jax import paths
+    from grpo_jax.run import paths
     from grpo_jax.models.lora import peft as peft_export
     base = config.model.hf_path
     if peft_export.needs_own_base(config):  # the SFT'd / initial / dequantized base beside it

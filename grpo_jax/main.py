@@ -31,7 +31,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in 
 _PEER_TIMEOUT = flags.DEFINE_float(
     "peer_timeout_seconds", 10.0, "Multi-process: when another process has sent no heartbeat "
     "for this long (killed, crashed), this one stops too, with one error line and exit status "
-    "75; relaunching every process resumes from the last checkpoint (grpo_jax/peers.py). 0: "
+    "75; relaunching every process resumes from the last checkpoint (grpo_jax/parallel/peers.py). 0: "
     "leave it to JAX (an abort after its 100 s heartbeat timeout).")
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "Print the resolved config (file + --config.* overrides) and exit.")
@@ -117,7 +117,7 @@ def main(argv):
     raise app.UsageError("--config is required, e.g. --config=configs/tiny.py")
   logging.get_absl_handler().addFilter(_QuietLibraries())
   _init_distributed()
-  from grpo_jax import peers
+  from grpo_jax.parallel import peers
   watchdog = peers.start(_PEER_TIMEOUT.value)
 
   from grpo_jax import configuration
@@ -136,7 +136,7 @@ def main(argv):
     logging.warning("config: %s", line)
 
   workdir = _WORKDIR.value or _default_workdir(flags.FLAGS["config"].config_filename)
-  from grpo_jax import paths
+  from grpo_jax.run import paths
   problem = paths.check_scheme(workdir)
   if problem:
     print(f"error: --workdir={workdir}: {problem[0]}. Fix: {problem[1]}.", file=sys.stderr)
@@ -200,9 +200,9 @@ def _one_line(e: BaseException, limit: int = 600) -> str:
 def _write_traceback(workdir: str) -> str:
   import traceback
   import jax
-  from grpo_jax import paths
+  from grpo_jax.run import paths
   text = traceback.format_exc()
-  from grpo_jax import peers
+  from grpo_jax.parallel import peers
   try:
     target = paths.path(workdir) / peers.error_log_name(jax.process_index())
     paths.write_atomic(target, text)

@@ -3,7 +3,7 @@ r"""HBM plan: the per-device memory of one GRPO step, from the compiler, without
     python -m grpo_jax.memory_plan --config=configs/qwen3_8b.py --topology=v5p-8 \
         --remat=none,full,save_dots,offload_dots --micro_batch=8,16 --json=/tmp/plan.json
     python -m grpo_jax.memory_plan --config=configs/qwen3_0p6b.py --topology=h100 \
-        --dump_hlo=/tmp/hlo          # + the optimized HLO of each program (hlo_inspect.py)
+        --dump_hlo=/tmp/hlo          # + the optimized HLO of each program (plan/hlo_inspect.py)
     python -m grpo_jax.memory_plan --config=configs/tiny.py          # this machine's devices
     python -m grpo_jax.memory_plan --config=configs/qwen3_8b.py --topology=v5p-16 \
         --config.rollout.placement=disaggregated   # trainer and sampler halves, each its own
@@ -65,28 +65,28 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax import configuration
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models import build
 from grpo_jax.models.decoder import layers
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rollout import sampler as sampler_lib
 from grpo_jax.rollout.types import GenerationConfig
-from grpo_jax.memory_plan_table import fit_text  # noqa: F401  (the tests read it here)
-from grpo_jax.memory_plan_table import header
-from grpo_jax.memory_plan_table import print_disaggregated
-from grpo_jax.memory_plan_table import step_summary
-from grpo_jax.memory_plan_table import table
-from grpo_jax.memory_plan_table import unit_of
-from grpo_jax.tpu_targets import GIB  # noqa: F401  (re-exported for the tests)
-from grpo_jax.tpu_targets import Target
-from grpo_jax.tpu_targets import _oom_figures  # noqa: F401  (re-exported for the tests)
-from grpo_jax.tpu_targets import compile_program
-from grpo_jax.tpu_targets import cuda_plugin_version
-from grpo_jax.tpu_targets import libtpu_compile_only_env
-from grpo_jax.tpu_targets import libtpu_version
-from grpo_jax.tpu_targets import make_target
-from grpo_jax.tpu_targets import parse_topology
+from grpo_jax.plan.table import fit_text  # noqa: F401  (the tests read it here)
+from grpo_jax.plan.table import header
+from grpo_jax.plan.table import print_disaggregated
+from grpo_jax.plan.table import step_summary
+from grpo_jax.plan.table import table
+from grpo_jax.plan.table import unit_of
+from grpo_jax.plan.tpu_targets import GIB  # noqa: F401  (re-exported for the tests)
+from grpo_jax.plan.tpu_targets import Target
+from grpo_jax.plan.tpu_targets import _oom_figures  # noqa: F401  (re-exported for the tests)
+from grpo_jax.plan.tpu_targets import compile_program
+from grpo_jax.plan.tpu_targets import cuda_plugin_version
+from grpo_jax.plan.tpu_targets import libtpu_compile_only_env
+from grpo_jax.plan.tpu_targets import libtpu_version
+from grpo_jax.plan.tpu_targets import make_target
+from grpo_jax.plan.tpu_targets import parse_topology
 
 FUNCTIONS = ("logprobs", "sampler", "update")
 

@@ -6,7 +6,7 @@ r"""Run report: PNG plots and report.md from one workdir, or several overlaid.
 Reads WORKDIR/metrics.jsonl (curves; the last value of a (step, key) wins), summary.json (the
 before/after table; absent while a run is in progress: then metrics.jsonl's evaluations) and
 config.json (differences from configs/common.py `base()`); any of them may be missing. Paths
-go through `grpo_jax.paths` (local or gs://); plots are matplotlib `Figure`s (Agg, no pyplot).
+go through `grpo_jax.run.paths` (local or gs://); plots are matplotlib `Figure`s (Agg, no pyplot).
 """
 import dataclasses
 import functools
@@ -21,7 +21,7 @@ import sys
 from absl import logging
 import numpy as np
 
-from grpo_jax import paths
+from grpo_jax.run import paths
 
 # One PNG per topic: (file, title, panels); a panel is the keys drawn on one axes.
 _TOPICS = (

@@ -15,9 +15,9 @@ import numpy as np
 import optax
 
 from grpo_jax import data as data_lib
-from grpo_jax import metrics as metrics_lib
-from grpo_jax import multihost
-from grpo_jax import sharding
+from grpo_jax.run import metrics as metrics_lib
+from grpo_jax.parallel import multihost
+from grpo_jax.parallel import sharding
 
 
 def run(config, session, policy, mesh, train_data, evaluator):

@@ -6,8 +6,8 @@
               the sampler's mesh (one mesh unless rollout.placement=disaggregated), data,
               policy, rollout engine, evaluator, rewards, the jitted update functions
   sft         the optional supervised warm start (config.sft_steps; sft.py owns that stage)
-  grpo        start (or restore) the update state, the reference (reference.py) and the
-              rollout source (rollout_source.py), evaluate, then per step: the source's scored
+  grpo        start (or restore) the update state, the reference (rl/reference.py) and the
+              rollout source (rollout/source.py), evaluate, then per step: the source's scored
               batch (prompts -> rollout -> rewards; on-policy or rollout.max_staleness steps
               ahead) -> advantages -> old/ref log-probs -> num_iterations updates -> the
               sampler's weights and the reference follow -> log / eval / checkpoint
@@ -19,7 +19,7 @@ length. Multi-host: every process runs this same function on its own rows of eac
 mesh. Only process 0 writes logs and summary.json (Orbax coordinates checkpoint writes).
 
 Host traffic is on purpose only: prompts and rewards go to the device, completions come back
-for scoring, and every other figure waits on the device until the log interval (metrics.py).
+for scoring, and every other figure waits on the device until the log interval (run/metrics.py).
 `config.debug.transfer_guard="disallow"` enforces that on every step after the first.
 """
 import functools
@@ -28,23 +28,23 @@ import time
 from absl import logging
 import jax
 
-from grpo_jax import checkpoint as ckpt_lib
-from grpo_jax import compile_ahead
+from grpo_jax.run import checkpoint as ckpt_lib
+from grpo_jax.run import compile_ahead
 from grpo_jax import data as data_lib
-from grpo_jax import eval_tasks
-from grpo_jax import evaluate as eval_lib
-from grpo_jax import metrics as metrics_lib
-from grpo_jax import profiling
-from grpo_jax import prompts as prompts_lib
-from grpo_jax import rollout_source as source_lib
+from grpo_jax.eval import tasks as eval_tasks
+from grpo_jax.eval import evaluate as eval_lib
+from grpo_jax.run import metrics as metrics_lib
+from grpo_jax.run import profiling
+from grpo_jax.data import prompts as prompts_lib
+from grpo_jax.rollout import source as source_lib
 from grpo_jax import report as report_lib
 from grpo_jax import rewards as rewards_lib
 from grpo_jax import rollout as rollout_lib
-from grpo_jax import session as session_lib
+from grpo_jax.run import session as session_lib
 from grpo_jax import sft as sft_lib
-from grpo_jax import sharding
-from grpo_jax.metrics import NonFiniteError  # noqa: F401  (raised by StepLog.flush)
-from grpo_jax.reference import Reference
+from grpo_jax.parallel import sharding
+from grpo_jax.run.metrics import NonFiniteError  # noqa: F401  (raised by StepLog.flush)
+from grpo_jax.rl.reference import Reference
 from grpo_jax.models import build
 from grpo_jax.models.lora import policy as lora_lib
 from grpo_jax.rewards import judge as judge_lib
@@ -54,7 +54,7 @@ from grpo_jax.rl import step as step_lib
 def run(config, workdir: str) -> dict:
   """Trains per `config`, writing everything under `workdir`; returns the summary dict.
 
-  A checkpoint whose arrays fail to restore is moved aside (session.py) and the run starts
+  A checkpoint whose arrays fail to restore is moved aside (run/session.py) and the run starts
   over from the previous one."""
   while True:
     try:
@@ -108,7 +108,7 @@ def _run(config, workdir: str) -> dict:
                                          advantage_clip=config.loss.advantage_clip),
                        out_shardings=sharding.replicated(mesh))
     # The first batch's sampler and step programs compile in the background from here on,
-    # during the evaluation and the first rollout (compile_ahead.py); later widths when
+    # during the evaluation and the first rollout (run/compile_ahead.py); later widths when
     # prefetched.
     ahead = session.closing(compile_ahead.CompileAhead(
         config, fns, stats_fn, policy, mesh, needs_old_logp=needs_old_logp,
@@ -201,7 +201,7 @@ def _run(config, workdir: str) -> dict:
         with phase("ref_refresh"):
           reference.after_update(step, state["params"])
 
-        # 7a. This step's figures stay where they are until the log interval (metrics.py).
+        # 7a. This step's figures stay where they are until the log interval (run/metrics.py).
         with phase("log"):
           host, lengths_n = batch.host, batch.host["mask"].sum(-1)
           mismatch = {} if engine.matches_trainer else dict(
@@ -280,7 +280,7 @@ def _epoch(train_iter, steps_per_epoch: int) -> float:
 
 
 def _evaluator(config, session, policy, tokenizer, mesh, eval_data, decode):
-  """The evaluation (evaluate.py) on its own native engines: greedy, and eval.num_samples."""
+  """The evaluation (eval/evaluate.py) on its own native engines: greedy, and eval.num_samples."""
   def engine(samples_per_prompt):
     return session.closing(rollout_lib.make_engine(
         config, policy, tokenizer, mesh, kind="native", num_generations=samples_per_prompt,

@@ -6,7 +6,7 @@
 # (JAX_PLATFORMS=cpu):
 #   tests/test_compiled_programs.py   the sampler / log-prob / update programs compiled for one
 #                                     H100 and for v5p-8, read as optimized HLO
-#                                     (grpo_jax/hlo_inspect.py)
+#                                     (grpo_jax/plan/hlo_inspect.py)
 #   tests/test_memory_plan.py         the planner, with its TPU and H100 compiles
 # scripts/test.sh runs it after the main suite. Extra arguments go to pytest (e.g. -k h100).
 # Exit code: pytest's (5, nothing collected, fails).

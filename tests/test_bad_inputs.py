@@ -13,7 +13,7 @@ import pytest
 
 from configs import tiny
 from grpo_jax import configuration
-from grpo_jax import session as session_lib
+from grpo_jax.run import session as session_lib
 from grpo_jax.data import datasets
 from grpo_jax.data import pipeline
 from grpo_jax.data import tokenizers

@@ -1,4 +1,4 @@
-"""compile_ahead.py: the sampler and step programs of every prompt width compile ahead (the
+"""run/compile_ahead.py: the sampler and step programs of every prompt width compile ahead (the
 worker thread, or `wait` before the rollout / step 4), so the loop's own calls find them
 compiled, for the loop's variants (reference or not, old log-probs + KL fold + TIS, LoRA,
 widths that change between steps); turned off, the main thread compiles them (the probe can
@@ -11,21 +11,21 @@ import traceback
 import jax
 import pytest
 
-from grpo_jax import compile_ahead
-from grpo_jax import multihost
+from grpo_jax.run import compile_ahead
+from grpo_jax.parallel import multihost
 from grpo_jax import train
 from grpo_jax.rollout.engine import NativeEngine
 from tests.test_train import grpo_rows
 from tests.test_train import tiny_config
 
-MODULE = os.path.join("grpo_jax", "compile_ahead.py")  # (not this test file)
+MODULE = os.path.join("grpo_jax", "run/compile_ahead.py")  # (not this test file)
 STEP_PROGRAMS = {"update", "logprobs", "assemble", "fold_kl", "rollout_stats", "_generate"}
 
 
 @contextlib.contextmanager
 def compiles():
   """-> a list that fills with (where, function name) of each XLA compile: where is "ahead"
-  when compile_ahead.py asked for it (its worker thread, or `wait` taking what the worker had
+  when run/compile_ahead.py asked for it (its worker thread, or `wait` taking what the worker had
   not started), else the thread's name."""
   seen = []
 

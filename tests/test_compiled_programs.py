@@ -1,6 +1,6 @@
 """What XLA builds for the accelerators: the loop's sampler, log-prob pass and update compiled
 for one H100 (XLA:GPU's deviceless compile, jax-cuda13-plugin) and for a v5p-8 (libtpu), through
-memory_plan's own path (plan(..., dump_hlo=...)), and read as optimized HLO (hlo_inspect.py).
+memory_plan's own path (plan(..., dump_hlo=...)), and read as optimized HLO (plan/hlo_inspect.py).
 Each target skips with one line when its compiler is not importable (scripts/test_aot.sh
 installs both into .venv-aot).
 
@@ -26,10 +26,10 @@ import os
 import pytest
 
 from configs import qwen3_0p6b
-from grpo_jax import hlo_inspect as hi
+from grpo_jax.plan import hlo_inspect as hi
 from grpo_jax import memory_plan as mp
 from grpo_jax.rollout import sampler as sampler_lib
-from grpo_jax import tpu_targets
+from grpo_jax.plan import tpu_targets
 
 B, G, P, C = 4, 4, 96, 48  # prompts, samples per prompt, prompt and completion lengths
 VOCAB, HIDDEN, KV_HEADS, HEAD_DIM = 151936, 256, 2, 128

@@ -314,7 +314,7 @@ def test_sources_are_the_readers_plus_arithmetic():
 
 
 def test_overlong_train_prompts_are_truncated_or_dropped_per_config():
-  from grpo_jax import prompts
+  from grpo_jax.data import prompts
   from tests.test_train import tiny_config
   tok = data.build_tokenizer("char")
   kept, _ = prompts.prompt_data(tiny_config(max_prompt_length=5), tok)
@@ -330,8 +330,8 @@ def test_next_prompts_prefetch_gives_the_same_batches_and_leaves_the_iterator_al
   those without a prefetch, and between a prefetch and the take (where the loop checkpoints)
   the data iterator's state is what it would be without one. A prefetch that no longer fits
   the iterator (restored from a checkpoint meanwhile) is dropped."""
-  from grpo_jax import sharding
-  from grpo_jax import prompts
+  from grpo_jax.parallel import sharding
+  from grpo_jax.data import prompts
   from tests.test_train import tiny_config
   config = tiny_config()
   tok = data.build_tokenizer("char")

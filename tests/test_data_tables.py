@@ -230,7 +230,7 @@ def test_bad_tables_are_one_line_with_the_fix(tmp_path):
 
 def test_parquet_on_gs_as_a_file_a_folder_and_a_glob(tmp_path, gcs):
   """verl's files on cloud storage (the offline GCS emulator): read through the path layer."""
-  from grpo_jax import paths
+  from grpo_jax.run import paths
   records = fx.verl_records_from_rows(arithmetic_rows(12, split="train", seed=0))
   for i, part in enumerate((records[:5], records[5:])):
     local = fx.write_parquet(part, str(tmp_path / f"p{i}.parquet"))

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from grpo_jax import data as data_lib
-from grpo_jax import multihost
+from grpo_jax.parallel import multihost
 from grpo_jax import rollout
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models import build
 from grpo_jax.models.logprobs import completion_logprobs
 from grpo_jax.rollout.types import GenerationConfig

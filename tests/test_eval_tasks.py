@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from grpo_jax import eval_tasks
+from grpo_jax.eval import tasks as eval_tasks
 from grpo_jax import train
 from grpo_jax.rewards import eval_flags
 from tests.test_train import tiny_config

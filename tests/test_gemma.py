@@ -231,7 +231,7 @@ def test_the_hbm_plan_counts_window_sized_rings():
   global layers x 8192 slots + 22 local ones x 512, 1 KV head x 256 x (k, v) x 2 bytes each:
   43 MiB, not the 208 MiB of every slot in every layer."""
   from grpo_jax import memory_plan
-  from grpo_jax import sharding
+  from grpo_jax.parallel import sharding
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   cfg = PRESETS["gemma3-1b"].replace(dtype="bfloat16")
   valid = 8192 * 4  # the row's slot-validity int32s

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import hf as hf_lib
 from grpo_jax.models import load_hf
 from grpo_jax.models import save_hf

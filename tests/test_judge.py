@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.rewards import judge as judge_lib
 from tests.conftest import SHARED_DATA
 

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from grpo_jax import configuration
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax import train
 from grpo_jax.models import build
 from grpo_jax.models.lora import adapters as lora

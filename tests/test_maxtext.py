@@ -15,7 +15,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from configs import tiny  # noqa: E402
-from grpo_jax import sharding  # noqa: E402
+from grpo_jax.parallel import sharding  # noqa: E402
 from grpo_jax import train  # noqa: E402
 from grpo_jax.models.maxtext import adapter as mta  # noqa: E402
 from grpo_jax.models import policy as policy_lib  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 
 from configs import tiny
 from grpo_jax import configuration
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,7 +214,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import tiny
-from grpo_jax import configuration, sharding
+from grpo_jax import configuration
+from grpo_jax.parallel import sharding
 from grpo_jax.models import build
 
 assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models import PRESETS
 from grpo_jax.models import build_model
 from grpo_jax.models import chunked_token_logprobs

@@ -1,4 +1,4 @@
-"""The path layer (grpo_jax/paths.py) on a local folder and on gs:// (an offline GCS emulator):
+"""The path layer (grpo_jax/run/paths.py) on a local folder and on gs:// (an offline GCS emulator):
 every reader and writer of user paths goes through it, so each is tried on both."""
 import json
 import os
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from grpo_jax import configuration
-from grpo_jax import paths
+from grpo_jax.run import paths
 from grpo_jax.data import datasets
 from grpo_jax.data import tokenizers
 from grpo_jax.models import safetensors_io
@@ -98,7 +98,7 @@ def test_cloud_scheme_without_its_package_is_one_clear_line(monkeypatch):
 
 
 def test_epath_is_what_orbax_gets(gcs):
-  from grpo_jax import checkpoint
+  from grpo_jax.run import checkpoint
   ckpt = checkpoint.Checkpointer(f"{gcs}/run/checkpoints", max_to_keep=1, async_save=False)
   assert ckpt.directory == f"{gcs}/run/checkpoints"
   ckpt.close()

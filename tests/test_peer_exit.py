@@ -1,7 +1,7 @@
 """When one process of a 2-process job dies, the other stops within seconds (not JAX's ~100 s
 heartbeat abort) with one line that says so and how to resume, exit status 75, and the details
 in WORKDIR/error.log; relaunching both resumes from the last checkpoint to the same numbers as
-a run never interrupted (grpo_jax/peers.py, the watchdog; main.py, the collective's error)."""
+a run never interrupted (grpo_jax/parallel/peers.py, the watchdog; main.py, the collective's error)."""
 import json
 import os
 import re
@@ -14,7 +14,7 @@ import time
 from etils import epath
 import pytest
 
-from grpo_jax import peers
+from grpo_jax.parallel import peers
 from tests import test_multihost as multihost_test
 
 # Well below JAX's own abort (heartbeat_timeout_seconds=100): the watchdog's 10 s, a 1 s poll,
@@ -99,7 +99,7 @@ def test_watchdog_judges_silent_peers_not_beating_or_done_ones(monkeypatch):
 
 _SILENT_PEER = """
 import sys, time
-from grpo_jax import peers
+from grpo_jax.parallel import peers
 from tests.test_peer_exit import _FakeClient
 peers.POLL_SECONDS = 0.05
 client = _FakeClient()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from grpo_jax import configuration
-from grpo_jax import dynamic_sampling as dyn
+from grpo_jax.rollout import dynamic_sampling as dyn
 from grpo_jax import train
 from grpo_jax.data import pipeline
 from grpo_jax.models import build
@@ -143,7 +143,7 @@ def test_advantage_clip_binds_and_is_counted(tiny_fns):
   unclipped = np.asarray(adv_lib.group_advantages(rewards, g))
   assert unclipped.max() > 1.7
   np.testing.assert_allclose(adv, np.clip(unclipped, -1, 1), atol=1e-6)
-  from grpo_jax import metrics
+  from grpo_jax.run import metrics
   stats = metrics.rollout_stats(jnp.asarray(rewards), jnp.asarray(adv), rollout.mask,
                                 group_size=g, advantage_clip=1.0)
   assert float(stats["advantages/clip_fraction"]) == pytest.approx(0.25)

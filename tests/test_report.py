@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from configs import tiny
-from grpo_jax import paths
+from grpo_jax.run import paths
 from grpo_jax import report
 from grpo_jax import train
 from tests.test_train import ROOT

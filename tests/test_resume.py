@@ -240,7 +240,7 @@ def test_a_failing_checkpoint_write_is_one_line_and_leaves_no_partial_checkpoint
   assert r.returncode != 0
   last = r.stderr.strip().splitlines()[-1]
   assert last.startswith("error: ") and "traceback:" in last, r.stderr[-3000:]
-  from grpo_jax import checkpoint
+  from grpo_jax.run import checkpoint
   steps = checkpoint.steps_in(workdir / "checkpoints")
   assert all(checkpoint.problem(workdir / "checkpoints", s) is None for s in steps)
   _finish(workdir)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models import PRESETS
 from grpo_jax.models import build_model
 from grpo_jax.models import completion_logprobs

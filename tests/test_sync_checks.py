@@ -8,7 +8,7 @@ import pytest
 
 from configs import common
 from grpo_jax import configuration
-from grpo_jax import metrics as metrics_lib
+from grpo_jax.run import metrics as metrics_lib
 from grpo_jax.rollout import vllm_engine
 
 GAP = "rollout/logprob_abs_diff_mean"

@@ -215,7 +215,7 @@ def test_encoder_runs_once_per_prompt_whatever_g(pair):
 def test_mesh_load_and_sampler_equal_single_device(pair, tmp_path):
   """Sharded load (data=2, fsdp=2, tensor=2) and the sampler on that mesh: same logits and
   tokens as on one device."""
-  from grpo_jax import sharding
+  from grpo_jax.parallel import sharding
   _, ours = pair
   save_t5_hf(ours, None, str(tmp_path))
   mesh = sharding.make_mesh(2, 2, 2)

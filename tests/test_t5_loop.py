@@ -11,7 +11,7 @@ import pytest
 
 from grpo_jax import configuration
 from grpo_jax import data as data_lib
-from grpo_jax import multihost
+from grpo_jax.parallel import multihost
 from grpo_jax import rollout
 from grpo_jax import train
 from grpo_jax.models import build

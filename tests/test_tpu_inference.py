@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import hf
 from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.models.decoder.transformer import build_model

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from grpo_jax import profiling
+from grpo_jax.run import profiling
 from grpo_jax import train
 from tests.test_train import ROOT
 from tests.test_train import tiny_config

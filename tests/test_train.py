@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax import train
 from grpo_jax.models import policy as policy_lib
 
@@ -438,8 +438,8 @@ def test_steady_state_steps_touch_the_host_only_on_purpose(tmp_path, device_read
 def test_error_path_tears_everything_down(tmp_path, monkeypatch):
   """A forced non-finite stop leaves no SIGTERM handler of ours installed, the reward worker
   pool closed, the metric writer closed and the checkpointer finished."""
-  from grpo_jax import checkpoint as ckpt_lib
-  from grpo_jax import metrics as metrics_lib
+  from grpo_jax.run import checkpoint as ckpt_lib
+  from grpo_jax.run import metrics as metrics_lib
   from grpo_jax.rewards import computer
   live = []  # strong references: a close() from __del__ must not count
   real_call = computer.RewardComputer.__call__
@@ -465,7 +465,7 @@ def test_error_path_tears_everything_down(tmp_path, monkeypatch):
 
 
 def test_memory_lines_and_profile_at_the_peak_step(tmp_path, monkeypatch):
-  from grpo_jax import profiling
+  from grpo_jax.run import profiling
   import types
   # Reads: 3 load stages, step 1 (+ the first-step line), step 2, step 3.
   peaks = iter([g << 30 for g in (1, 1, 1, 2, 2, 3, 3)])

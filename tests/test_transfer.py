@@ -1,4 +1,4 @@
-"""grpo_jax.transfer.CrossMesh: trees moved between two disjoint meshes, on one process (8 fake
+"""grpo_jax.parallel.transfer.CrossMesh: trees moved between two disjoint meshes, on one process (8 fake
 devices split 4/4) and on two (jax.distributed over 127.0.0.1): values, the cast, shardings,
 donated buffers reused, both directions."""
 import os
@@ -15,8 +15,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from grpo_jax import sharding
-from grpo_jax import transfer
+from grpo_jax.parallel import sharding
+from grpo_jax.parallel import transfer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,7 +162,8 @@ jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid)
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from grpo_jax import sharding, transfer
+from grpo_jax.parallel import transfer
+from grpo_jax.parallel import sharding
 
 d = sorted(jax.devices(), key=lambda x: (x.process_index, x.id))  # [p0 a, p0 b, p1 a, p1 b]
 if layout == "split":  # process 0 holds the whole src mesh, process 1 the whole dst mesh

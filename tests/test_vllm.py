@@ -23,8 +23,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 import optax  # noqa: E402
 
-from grpo_jax import compile_ahead  # noqa: E402
-from grpo_jax import sharding  # noqa: E402
+from grpo_jax.run import compile_ahead  # noqa: E402
+from grpo_jax.parallel import sharding  # noqa: E402
 from grpo_jax.models.decoder import hf  # noqa: E402
 from grpo_jax.models.decoder.config import ModelConfig  # noqa: E402
 from grpo_jax.models.logprobs import completion_logprobs  # noqa: E402
@@ -81,7 +81,7 @@ def test_greedy_matches_native_sampler(setup):
 
 
 def test_both_engines_return_the_rollout_spec(setup):
-  """Rollout.spec, which compile_ahead.py lowers the step's programs on, is what the vLLM
+  """Rollout.spec, which run/compile_ahead.py lowers the step's programs on, is what the vLLM
   engine and the native sampler return (shapes, dtypes, shardings)."""
   s = setup
   spec = Rollout.spec(s["ids"].shape[0] * G, L, s["mesh"])

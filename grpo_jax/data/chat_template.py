@@ -17,7 +17,7 @@ from datetime import datetime
 import functools
 import json
 
-from grpo_jax import paths
+from grpo_jax.run import paths
 
 TEMPLATE_FILE = "chat_template.jinja"
 

@@ -10,7 +10,7 @@ Every reader returns rows of the same shape:
 """
 import json
 
-from grpo_jax import paths
+from grpo_jax.run import paths
 from grpo_jax.rewards import parsing
 
 

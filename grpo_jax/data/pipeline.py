@@ -7,7 +7,7 @@
 
 The iterator yields row indices of global batches (each JAX process keeps the rows its devices
 hold, so the data a step sees does not depend on the process count); its state is a few integers: `it.get_state()` / `it.set_state(s)` continue with exactly the
-next batch, and Orbax saves it with grain's handler (grpo_jax/checkpoint.py). Each epoch is
+next batch, and Orbax saves it with grain's handler (grpo_jax/run/checkpoint.py). Each epoch is
 reshuffled (grain's epoch-aware shuffle).
 
 Prompts longer than P are LEFT-truncated (the end of a chat prompt holds the question and the

@@ -32,7 +32,7 @@ the column, with the fix.
 import fnmatch
 import os
 
-from grpo_jax import paths
+from grpo_jax.run import paths
 from grpo_jax.data.datasets import DataError
 from grpo_jax.data.datasets import check_prompt
 

@@ -10,7 +10,7 @@ and the chat template a folder ships (`chat_template`, `special_tokens`; data/ch
 import json
 from typing import Protocol, Sequence
 
-from grpo_jax import paths
+from grpo_jax.run import paths
 from grpo_jax.data import chat_template as chat_template_lib
 
 

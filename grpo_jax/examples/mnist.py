@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from grpo_jax import paths
+from grpo_jax.run import paths
 from grpo_jax import rl
 
 NUM_CLASSES = 10

@@ -13,7 +13,7 @@ loop, the sampler and the policy then share one mesh object and PartitionSpecs o
 """
 import jax
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models import policy as policy_lib
 
 IMPLS = ("native", "maxtext")
@@ -40,7 +40,7 @@ def make_meshes(config):
   """(trainer mesh, sampler mesh). rollout.placement=colocated: one mesh, twice. disaggregated:
   the last rollout.num_devices of the global devices (a count, a fraction of all, 0 = half)
   form the sampler's mesh (config.mesh sizes, -1 filling), the others the trainer's (so
-  process 0 always holds trainer devices). The two must be equal in size (transfer.py)."""
+  process 0 always holds trainer devices). The two must be equal in size (parallel/transfer.py)."""
   if config.rollout.get("placement", "colocated") != "disaggregated":
     mesh = make_mesh(config)
     return mesh, mesh
@@ -68,7 +68,7 @@ def sampler_devices(num_devices: float, total: int) -> int:
   if n != total - n:
     raise ValueError(
         f"rollout.placement=disaggregated: rollout.num_devices={num_devices} gives the sampler "
-        f"{n} of {total} devices; the weight transfer (grpo_jax/transfer.py) pairs each sampler "
+        f"{n} of {total} devices; the weight transfer (grpo_jax/parallel/transfer.py) pairs each sampler "
         f"device with a trainer device, so the split must be even. Fix: "
         f"--config.rollout.num_devices={total // 2} (or 0 = half)")
   return n

@@ -19,7 +19,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import hf
 from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.models.t5 import hf as t5_hf

@@ -5,7 +5,7 @@ The format is an 8-byte little-endian header length, a JSON header
 np.memmap means a tensor's pages are read only when sliced, so loading a model one tensor (or
 one shard) at a time never holds more than that in host memory. bfloat16 comes from ml_dtypes
 (a JAX dependency), which the `safetensors` numpy API lacks. On cloud storage (gs://) each
-tensor is one ranged read instead (grpo_jax/paths.py).
+tensor is one ranged read instead (grpo_jax/run/paths.py).
 """
 import json
 import struct
@@ -13,7 +13,7 @@ import struct
 import ml_dtypes
 import numpy as np
 
-from grpo_jax import paths
+from grpo_jax.run import paths
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,

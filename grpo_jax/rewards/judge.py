@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from grpo_jax import multihost
-from grpo_jax import paths
-from grpo_jax import sharding
+from grpo_jax.parallel import multihost
+from grpo_jax.run import paths
+from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import hf
 from grpo_jax.models import safetensors_io
 from grpo_jax.models.decoder.config import DTYPES

@@ -21,7 +21,7 @@ import importlib.util
 import re
 import string
 
-from grpo_jax import paths
+from grpo_jax.run import paths
 from grpo_jax.rewards import code as code_lib
 from grpo_jax.rewards import parsing
 from grpo_jax.rewards import rouge

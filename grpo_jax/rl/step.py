@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.rl import advantages as adv_lib
 from grpo_jax.rl import losses
 

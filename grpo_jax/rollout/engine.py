@@ -19,7 +19,7 @@ tpu-inference's JAX model on device).
 """
 import jax
 
-from grpo_jax import multihost
+from grpo_jax.parallel import multihost
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.rollout.sampler import config_options
 from grpo_jax.rollout.seq2seq_sampler import Seq2SeqSampler
@@ -60,7 +60,7 @@ class NativeEngine:
 
   def program(self, params, prompt: dict, rng, generation):
     """The sampler program `generate(params, ...)` runs for global prompt arrays shaped like
-    prompt["ids"] / ["mask"], for compiling it ahead (compile_ahead.py): -> (an object with
+    prompt["ids"] / ["mask"], for compiling it ahead (run/compile_ahead.py): -> (an object with
     .lower(*args), args), or None while the rollout weights' shardings are unknown (a policy
     whose sampler weights are mapped from the trained ones, before its first generate)."""
     if self._to_rollout is None:

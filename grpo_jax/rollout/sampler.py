@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import multihost
-from grpo_jax import sharding
+from grpo_jax.parallel import multihost
+from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import decode_attention as decode_attention_lib
 from grpo_jax.models.decoder.transformer import grow_cache
 from grpo_jax.models.decoder.transformer import ring_sizes

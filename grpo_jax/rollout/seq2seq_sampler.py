@@ -22,7 +22,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models.t5.model import repeat_self_cache
 from grpo_jax.rollout import sampling
 from grpo_jax.rollout.sampler import Sampler

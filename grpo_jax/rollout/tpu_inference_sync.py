@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.rollout.tpu_inference_mapping import Layout
 from grpo_jax.rollout.tpu_inference_mapping import Rule

@@ -4,7 +4,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Rollout:
   @classmethod
   def spec(cls, rows: int, completion_len: int, mesh) -> "Rollout":
     """What every engine returns for `rows` completions on `mesh`, as ShapeDtypeStructs: the
-    dtypes above, rows sharded over (data, fsdp) (compile_ahead.py lowers on it)."""
+    dtypes above, rows sharded over (data, fsdp) (run/compile_ahead.py lowers on it)."""
     def sds(dtype, *shape):
       return jax.ShapeDtypeStruct(shape, dtype,
                                   sharding=sharding.batch_sharding(mesh, len(shape)))

@@ -62,8 +62,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax import multihost
-from grpo_jax import sharding
+from grpo_jax.parallel import multihost
+from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import hf
 from grpo_jax.models.logprobs import completion_logprobs
 from grpo_jax.rollout.types import Rollout

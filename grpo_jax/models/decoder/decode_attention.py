@@ -28,7 +28,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 
 IMPLS = ("auto", "xla", "pallas")
 # The sampler's choice when it is given none (rollout.Sampler(decode_attention=None)); a

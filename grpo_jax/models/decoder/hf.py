@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import paths
-from grpo_jax import sharding
+from grpo_jax.run import paths
+from grpo_jax.parallel import sharding
 from grpo_jax.models import safetensors_io
 from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.models.decoder.transformer import Transformer

@@ -27,7 +27,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import decode_attention
 from grpo_jax.models.decoder.config import ModelConfig
 

@@ -20,7 +20,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import layers
 from grpo_jax.models.lora import adapters as lora
 from grpo_jax.models import remat as remat_lib

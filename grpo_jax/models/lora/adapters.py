@@ -42,7 +42,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 
 # Projection weights that can carry adapters, with how many leading dims are W's input dims.
 PROJECTIONS = {("attn", "q"): 1, ("attn", "k"): 1, ("attn", "v"): 1, ("attn", "o"): 2,

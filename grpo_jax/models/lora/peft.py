@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax import paths
+from grpo_jax.run import paths
 from grpo_jax.models.decoder import hf
 from grpo_jax.models.lora import adapters as lora
 

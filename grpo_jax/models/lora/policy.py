@@ -10,8 +10,8 @@ from flax import nnx
 import jax
 import orbax.checkpoint as ocp
 
-from grpo_jax import paths
-from grpo_jax import sharding
+from grpo_jax.run import paths
+from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import hf
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.models.logprobs import completion_logprobs

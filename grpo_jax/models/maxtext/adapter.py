@@ -78,7 +78,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import hf
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.models.decoder.config import ModelConfig
@@ -414,7 +414,7 @@ def load_maxtext_checkpoint(path: str, parts: MaxTextParts) -> nnx.State:
   layers loads into an unscanned model (and vice versa) by restacking on the host."""
   import orbax.checkpoint as ocp
 
-  from grpo_jax import paths
+  from grpo_jax.run import paths
   if (paths.path(path) / "items").is_dir():
     path = os.fspath(paths.path(path) / "items")
   if not paths.isdir(path):

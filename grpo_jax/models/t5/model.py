@@ -31,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import layers
 from grpo_jax.models import remat as remat_lib
 from grpo_jax.models.decoder.layers import RMSNorm

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from grpo_jax import paths
+from grpo_jax.run import paths
 
 
 def _local_to_a_process(x) -> bool:

@@ -9,7 +9,7 @@ from absl import logging
 import numpy as np
 
 from grpo_jax import data as data_lib
-from grpo_jax import multihost
+from grpo_jax.parallel import multihost
 
 
 def prompt_data(config, tokenizer):

@@ -147,7 +147,7 @@ class Watchdog:
     workdir may hang)."""
     if self.workdir is None:
       return None
-    from grpo_jax import paths
+    from grpo_jax.run import paths
     target = paths.path(self.workdir) / error_log_name(self.process_id)
     done = []
 

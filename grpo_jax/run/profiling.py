@@ -16,7 +16,7 @@ import tempfile
 from absl import logging
 import jax
 
-from grpo_jax import paths
+from grpo_jax.run import paths
 
 
 # The named spans of one GRPO step, in loop order (train.py). "log" is the step's bookkeeping.

@@ -237,7 +237,7 @@ def logical_to_spec(logical_axes: Sequence[str | None] | None, shape=None,
   for i, name in enumerate(logical_axes):
     axes = LOGICAL_RULES.get(name) if name is not None else None
     if name is not None and name not in LOGICAL_RULES:
-      raise ValueError(f"logical axis '{name}' has no rule in grpo_jax.sharding.LOGICAL_RULES")
+      raise ValueError(f"logical axis '{name}' has no rule in grpo_jax.parallel.sharding.LOGICAL_RULES")
     axes_t = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
     if used & set(axes_t):  # a mesh axis shards at most one dimension: first one wins
       axes_t = ()

@@ -2,7 +2,7 @@
 fit lines and the header, in GiB (MiB for tiny configs)."""
 import json
 
-from grpo_jax.tpu_targets import GIB
+from grpo_jax.plan.tpu_targets import GIB
 
 
 def unit_of(rows: list) -> tuple[str, int]:

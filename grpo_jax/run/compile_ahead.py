@@ -33,7 +33,7 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 from grpo_jax.rollout.types import Rollout
 
 
@@ -98,7 +98,7 @@ class CompileAhead:
     """engine, generation, key: the rollout engine, the train generation config and a step's
     RNG key (its shape and sharding): the sampler's program is compiled ahead too when the
     engine has one to give (`engine.program`: the native engine; vLLM's compiles its own).
-    off_policy: the old log-probs are the sampler's (rollout_source.py), no trainer pass."""
+    off_policy: the old log-probs are the sampler's (rollout/source.py), no trainer pass."""
     self.config, self.fns, self.stats_fn, self.policy, self.mesh = (
         config, fns, stats_fn, policy, mesh)
     self.needs_old_logp, self.matches_trainer = needs_old_logp, matches_trainer

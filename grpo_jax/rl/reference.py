@@ -16,8 +16,8 @@ no copy, nothing saved).
 from absl import logging
 import jax
 
-from grpo_jax import profiling
-from grpo_jax import sharding
+from grpo_jax.run import profiling
+from grpo_jax.parallel import sharding
 from grpo_jax.models import policy as policy_lib
 
 

@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import dynamic_sampling as dyn_lib
-from grpo_jax import multihost
-from grpo_jax import profiling
-from grpo_jax import sharding
-from grpo_jax import transfer
+from grpo_jax.rollout import dynamic_sampling as dyn_lib
+from grpo_jax.parallel import multihost
+from grpo_jax.run import profiling
+from grpo_jax.parallel import sharding
+from grpo_jax.parallel import transfer
 from grpo_jax.rl import advantages as adv_lib
 from grpo_jax.rollout.types import GenerationConfig
 from grpo_jax.rollout.types import Rollout
@@ -187,7 +187,7 @@ class RolloutSource:
 
   def saved(self) -> dict:
     """The in-flight rollouts' arrays for the checkpoint ({} on-policy), on the trainer's mesh
-    (checkpoint.py writes arrays local to some processes from process 0, a trainer's)."""
+    (run/checkpoint.py writes arrays local to some processes from process 0, a trainer's)."""
     if not self._pending:
       return {}
     pending = [dataclasses.asdict(d.rollout) for d in self._pending]

@@ -9,7 +9,7 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
-from grpo_jax import sharding
+from grpo_jax.parallel import sharding
 
 
 def owns(mesh) -> bool:

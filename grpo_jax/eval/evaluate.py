@@ -1,7 +1,7 @@
 """Held-out evaluation with named generation configs (greedy / standard / liberal).
 
 Every prompt of the eval split gets one greedy completion, and `eval.num_samples` (n) samples
-under each sampling config; each completion is scored by its row's task (eval_tasks.py: math
+under each sampling config; each completion is scored by its row's task (eval/tasks.py: math
 accuracy/partial/format, ROUGE for summarization, code pass rate, exact match), and with n > 1
 the sampling configs also report pass@k (unbiased, k in `eval.pass_k`). Each process scores
 its own rows; sums are combined over processes, so the figures are over the whole split.
@@ -12,16 +12,16 @@ from absl import logging
 import jax
 import numpy as np
 
-from grpo_jax import eval_tasks
-from grpo_jax import multihost
-from grpo_jax import sharding
+from grpo_jax.eval import tasks as eval_tasks
+from grpo_jax.parallel import multihost
+from grpo_jax.parallel import sharding
 from grpo_jax.data import pipeline
 
 
 def evaluate(engines, params, data: pipeline.PromptData, *, generation_configs,
              batch_size: int, rng, decode, rows=None, ks=(),
              mesh=None) -> dict[str, dict[str, float]]:
-  """-> {generation config: {metric: value, ..., "num_examples"}} (metrics: eval_tasks.py).
+  """-> {generation config: {metric: value, ..., "num_examples"}} (metrics: eval/tasks.py).
 
   `engines(name) -> (rollout engine, samples per prompt)` for a generation config;
   `decode(token_ids, mask) -> str`. `batch_size` is the global batch of prompts (a multiple

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import multihost
-from grpo_jax import paths
+from grpo_jax.parallel import multihost
+from grpo_jax.run import paths
 
 
 class NonFiniteError(RuntimeError):

@@ -26,11 +26,11 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 
-from grpo_jax import checkpoint as ckpt_lib
-from grpo_jax import metrics as metrics_lib
-from grpo_jax import multihost
-from grpo_jax import paths
-from grpo_jax import sharding
+from grpo_jax.run import checkpoint as ckpt_lib
+from grpo_jax.run import metrics as metrics_lib
+from grpo_jax.parallel import multihost
+from grpo_jax.run import paths
+from grpo_jax.parallel import sharding
 
 _PROCESS_START = time.time()
 

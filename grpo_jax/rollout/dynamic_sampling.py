@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import multihost
+from grpo_jax.parallel import multihost
 
 
 def has_signal(rewards_n: np.ndarray, group_size: int) -> np.ndarray:
