@@ -59,7 +59,7 @@ VLLM_TPU = [
 # qwix.contrib.sparsity), used only for weight sparsity under fp8 quantization, and 0.2.0-0.2.1
 # need tensorflow to import at all; grpo_jax's adapter (models/maxtext_adapter.import_maxtext)
 # registers placeholders for those two modules where qwix lacks them, so the newest MaxText's
-# dense model code imports and runs on the pins (measured: tests/test_maxtext.py passes there).
+# dense model code imports and runs on the pins (measured: tests/models/test_maxtext.py passes there).
 TPU_MAXTEXT = VLLM_TPU + MAXTEXT
 
 setuptools.setup(
@@ -71,7 +71,7 @@ setuptools.setup(
     install_requires=CORE,
     extras_require={
         # gcsfs + an offline GCS emulator: the gs:// workdir test (tests/fake_gcs.py).
-        # datasets: the hf_dataset source's tests (tests/test_data_tables.py).
+        # datasets: the hf_dataset source's tests (tests/data/test_data_tables.py).
         # pytest-xdist: the scripts run the suite on GRPO_TEST_WORKERS processes (scripts/_env.sh).
         "test": ["pytest", "pytest-xdist", "pytest-timeout", "gcsfs", "gcp-storage-emulator", "peft==0.21.2",
                  "datasets"],

@@ -800,7 +800,7 @@ def s_exactness(ctx, sec, out):
              note=("f32 masters, bf16 compute: the sampler (prefill + cached decode) and the "
                    "trainer (one forward over the row) round differently; expect differences "
                    "of bf16 size (~1e-2 mean), not exact equality (in f32 they agree to ~1e-5, "
-                   "tests/test_sampler.py)"))
+                   "tests/rollout/test_sampler.py)"))
     say(f"  sampler raw log-probs vs trainer (policy.logprobs), {rows} rows x {c}: max "
         f"|diff| {r['max_abs_diff']:.4f}, mean {r['mean_abs_diff']:.5f}, p99 "
         f"{r['p99_abs_diff']:.4f} (mean log-prob {r['mean_logprob']:.2f})")

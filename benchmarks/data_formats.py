@@ -70,7 +70,7 @@ def _child(kind: str, path: str, repeats: int):
 
 
 def _records(n: int) -> list[dict]:
-  from tests import tables_fixtures as fx
+  from tests.data import tables_fixtures as fx
   base = fx.verl_gsm8k_records("train", 7473)
   return [dict(base[i % len(base)], extra_info=dict(base[i % len(base)]["extra_info"], index=i))
           for i in range(n)]
@@ -87,7 +87,7 @@ def main():
     return _child(*args.child, args.repeats)
 
   import datasets
-  from tests import tables_fixtures as fx
+  from tests.data import tables_fixtures as fx
   folder = args.dir or tempfile.mkdtemp(prefix="grpo_data_formats_")
   os.makedirs(folder, exist_ok=True)
   records = _records(args.rows)

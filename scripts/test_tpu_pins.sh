@@ -50,8 +50,8 @@ else
 fi
 check_pins "$PINS" "tpu-inference's pins"
 cd "$ROOT"
-TESTS=(tests/test_rl_*.py tests/test_model.py tests/test_sampler.py tests/test_step.py
-       tests/test_tpu_inference.py tests/test_maxtext_mapping.py)
+TESTS=(tests/rl/test_rl_*.py tests/models/test_model.py tests/rollout/test_sampler.py tests/rl/test_step.py
+       tests/rollout/test_tpu_inference.py tests/models/test_maxtext_mapping.py)
 if [ "$MODE" = ci ]; then
   # The loop on the pins: main end to end (eval, checkpoint, summary), and the steady-state
   # step with every optional path under the transfer guard (JAX-internal hooks).
@@ -61,12 +61,12 @@ if [ "$MODE" = ci ]; then
   # MaxText 0.2.5 on qwix 0.1.2 (models/maxtext/adapter.py's placeholders): its model code
   # imports, its parameters are exactly the mapped ones, its logits equal the native decoder's,
   # and the loop runs with it as the policy.
-  TESTS+=(tests/test_maxtext.py::test_qwix_sparsity_modules_are_real_or_placeholders_that_say_why
-          tests/test_maxtext.py::test_weight_mapping_round_trips_exactly
-          tests/test_maxtext.py::test_same_weights_same_logits_as_native
-          tests/test_maxtext.py::test_two_loop_steps_with_the_maxtext_policy)
+  TESTS+=(tests/models/test_maxtext.py::test_qwix_sparsity_modules_are_real_or_placeholders_that_say_why
+          tests/models/test_maxtext.py::test_weight_mapping_round_trips_exactly
+          tests/models/test_maxtext.py::test_same_weights_same_logits_as_native
+          tests/models/test_maxtext.py::test_two_loop_steps_with_the_maxtext_policy)
 else
-  TESTS+=(tests/test_train.py tests/test_maxtext.py)
+  TESTS+=(tests/test_train.py tests/models/test_maxtext.py)
 fi
 set +e
 # shellcheck disable=SC2046  # worker_args: "-n N --dist load" or nothing (scripts/_env.sh)

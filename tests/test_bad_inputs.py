@@ -1,7 +1,7 @@
 """Bad input, one clear line each: a table of what new users get wrong (config values, data
 rows, tokenizer files, HF and MaxText checkpoints, reward plug-ins, the filesystem). Every case
 fails where the bad thing is read, with ONE line that names the file / line / field and says
-how to fix it; grpo_jax.main prints exactly that line (tests/test_resume.py shows the path)."""
+how to fix it; grpo_jax.main prints exactly that line (tests/run/test_resume.py shows the path)."""
 import json
 import os
 import re

@@ -226,7 +226,7 @@ def test_three_steps_with_every_knob_on(tmp_path):
   moved, the clip binds, every batch is full of signal groups although half the prompts (even
   answers: tests/data/parity_reward.py) give every completion the same reward from the plug-in,
   and the judge's score enters the total with its weight."""
-  test_judge = pytest.importorskip("tests.test_judge")
+  test_judge = pytest.importorskip("tests.rewards.test_judge")
   if not os.path.isdir(test_judge.QWEN_TOK):  # the judge folder takes the Qwen tokenizer
     pytest.skip(f"the Qwen tokenizer files are not at {test_judge.QWEN_TOK}")
   torch = test_judge.torch

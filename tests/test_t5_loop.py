@@ -189,9 +189,9 @@ def test_export_of_the_trained_checkpoint_loads_in_transformers(straight, tmp_pa
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   from grpo_jax import infer
-  from tests.test_t5 import batch
-  from tests.test_t5 import hf_logits
-  from tests.test_t5 import max_diff
+  from tests.models.test_t5 import batch
+  from tests.models.test_t5 import hf_logits
+  from tests.models.test_t5 import max_diff
   workdir, _ = straight
   config = t5_config()
   mesh = build.make_mesh(config)

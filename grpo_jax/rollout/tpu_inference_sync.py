@@ -11,7 +11,7 @@ parameter is written exactly once with its shape unchanged).
 The engine (`TPUInferenceEngine`) is rollout/vllm_engine.py's VLLMEngine with this sync in place
 of the torch `reload_weights` path; generation, the probe fingerprint check (trainer vs vLLM
 log-probs of a fixed sequence after every sync), the timeout and stats are VLLMEngine's. It
-needs a TPU and is not exercised by the CPU tests (tests/test_tpu_inference.py tests the
+needs a TPU and is not exercised by the CPU tests (tests/rollout/test_tpu_inference.py tests the
 mapping against tpu-inference's own model classes instantiated abstractly and against its own
 checkpoint loaders fed our HF export, and the push into a sharded target state on CPU devices
 with host transfers disallowed).

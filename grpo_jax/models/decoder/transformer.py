@@ -5,7 +5,7 @@
    Left padding is allowed: positions are `cumsum(mask) - 1`, padding is never attended.
 2. Prefill: `model.prefill(tokens, mask, cache)` runs the prompt and fills the KV cache.
 3. Decode: `model.decode(token_b, cache)` runs one new token per row against the cache.
-All three give the same log-probs for the same tokens (tests/test_model.py checks 1e-5 in f32).
+All three give the same log-probs for the same tokens (tests/models/test_model.py checks 1e-5 in f32).
 
 The KV cache is a plain pytree (a dict of arrays, see `init_cache`), passed in and out, so it
 can be a `lax.while_loop` carry. Cache slot j holds the token at sequence index j of

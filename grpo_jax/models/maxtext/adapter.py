@@ -30,7 +30,7 @@ as in qwen3-0.6b.yml), projects the final RMS-normalized hidden state on that sa
 init the residual stream is dominated by the input token's own embedding e (|e|^2 ~ D), so the
 logit of "repeat the input token" is about sqrt(D) * |e| ~ D while the others are ~N(0, D): the
 model is confidently wrong and the cross-entropy is ~0.7 * D rather than log(V) (44.6 for D=64,
-V=256; see tests/test_maxtext.py, which measures it). That is MaxText's choice for pretraining
+V=256; see tests/models/test_maxtext.py, which measures it). That is MaxText's choice for pretraining
 from scratch and irrelevant when loading a checkpoint; for a random-init GRPO run it makes the
 first steps meaningless, so this adapter initializes with the native decoder's fan-in init
 (embedding std 1/sqrt(D)) mapped into MaxText's layout: for the same seed both impls start from

@@ -1,7 +1,7 @@
 """Native decoder <-> MaxText parameter mapping: pure dicts, exact both ways, no MaxText import.
 
 Kept apart from models/maxtext/adapter.py so the mapping (the part that silently corrupts a
-model when wrong) is unit-tested without MaxText installed (tests/test_maxtext_mapping.py).
+model when wrong) is unit-tested without MaxText installed (tests/models/test_maxtext_mapping.py).
 
   native (models/decoder/transformer.py)  MaxText (decoder_block qwen3 / llama2)     HF
   embed [V, D]                        token_embedder.embedding [V, D]          model.embed_tokens

@@ -4,7 +4,7 @@
     # T5Config: models/t5/config.py
     logits_btv = model(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask)
 
-Numerics follow transformers' modeling_t5.py (tests/test_t5.py checks 1e-5 in f32):
+Numerics follow transformers' modeling_t5.py (tests/models/test_t5.py checks 1e-5 in f32):
 - no 1/sqrt(K) scaling of q.k (T5 folds it into the q initialization); instead a learned
   relative position bias [buckets, H], held by the first layer of each stack and added to the
   self-attention logits of every layer of that stack (none in cross-attention);

@@ -8,7 +8,7 @@ and the test process (the "trainer") unaffected. Each sandbox case runs under th
               network and mount namespaces, else skipped)
   audit_only  no namespaces: rlimits (+ uid drop as root) + audit hook (the fallback path)
 
-Timings are printed (`pytest -s tests/test_code_reward.py` shows them)."""
+Timings are printed (`pytest -s tests/rewards/test_code_reward.py` shows them)."""
 import json
 import os
 import resource

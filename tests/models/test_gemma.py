@@ -14,8 +14,8 @@ from grpo_jax.models import load_hf
 from grpo_jax.models import save_hf
 from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.rollout import sample
-from tests.test_sampler import prompts
-from tests.test_sampler import trainer_logprobs
+from tests.rollout.test_sampler import prompts
+from tests.rollout.test_sampler import trainer_logprobs
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -35,7 +35,7 @@ from grpo_jax.rollout import vllm_engine  # noqa: E402
 from grpo_jax.rollout.types import GenerationConfig  # noqa: E402
 from grpo_jax.rollout.types import Rollout  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 P, L, G, V = 8, 10, 2, 128
 EOS = 1
 
@@ -267,8 +267,8 @@ def test_lora_adapters_only_sync_serves_the_policy():
   samples what the trainer scores (probe and sampled tokens' log-probs within 1e-4)."""
   from grpo_jax.models import build
   from grpo_jax.models.lora import adapters as lora
-  from tests.test_lora import lora_config
-  from tests.test_lora import one_device_mesh
+  from tests.models.test_lora import lora_config
+  from tests.models.test_lora import one_device_mesh
   config = lora_config(**{"rollout.engine": "vllm", "rollout.vllm.lora_sync": "adapters",
                           "lora.rank": 8, "lora.alpha": 16.0})
   mesh = one_device_mesh()

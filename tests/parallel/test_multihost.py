@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SFT_STEPS, NUM_STEPS = 10, 6
 ARGS = ["--config=configs/tiny.py", f"--config.sft_steps={SFT_STEPS}",
         "--config.sft.stop_at_accuracy=0", f"--config.num_steps={NUM_STEPS}",
@@ -210,7 +210,7 @@ def test_two_processes_read_table_sources_like_one_reads_the_same_rows(tmp_path)
   table and keeps its rows of every global batch (SFT demonstrations from a column, GRPO, eval)."""
   pytest.importorskip("pyarrow")
   pytest.importorskip("datasets")
-  from tests import tables_fixtures as fx
+  from tests.data import tables_fixtures as fx
   from tests.test_train import tiny_config
   from grpo_jax import data as data_lib
   train_rows, eval_rows = data_lib.load_rows(tiny_config(**{

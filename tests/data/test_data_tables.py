@@ -17,7 +17,7 @@ from grpo_jax.data.arithmetic import arithmetic_rows  # noqa: E402
 from grpo_jax.rewards import computer  # noqa: E402
 from grpo_jax.rewards import parsing  # noqa: E402
 from grpo_jax.rewards import scoring  # noqa: E402
-from tests import tables_fixtures as fx  # noqa: E402
+from tests.data import tables_fixtures as fx  # noqa: E402
 
 DataError = data_readers.DataError
 

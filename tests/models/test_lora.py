@@ -28,7 +28,7 @@ from grpo_jax.rl import step as step_lib
 from tests.test_train import grpo_rows
 from tests.test_train import tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def lora_config(**overrides):

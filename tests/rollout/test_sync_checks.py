@@ -1,6 +1,6 @@
 """Checks around the rollout engine's weights that need no vLLM: the sampler/trainer log-prob
 gap stop in StepLog (rollout.max_logprob_gap), the vLLM sync settings' validation, and the
-probe/tolerance helpers of rollout/vllm_engine.py (tests/test_vllm.py runs the real sync)."""
+probe/tolerance helpers of rollout/vllm_engine.py (tests/rollout/test_vllm.py runs the real sync)."""
 import logging
 
 import numpy as np

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from grpo_jax.parallel import sharding
 from grpo_jax.parallel import transfer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _meshes(src_shape=(1, 4, 1), dst_shape=(1, 4, 1)):

@@ -84,7 +84,7 @@ def test_disaggregated_two_processes_equal_one_through_a_resume(tmp_path):
   process holds one role only), one step off, stopped after 2 steps and relaunched == 1
   process x 8 devices run straight: the weights and batches cross processes only by the
   collectives of parallel/transfer.py."""
-  from tests import test_multihost as mh
+  from tests.parallel import test_multihost as mh
   single, pair = tmp_path / "single", tmp_path / "pair"
   mh._launch_single(str(single), base=PAIR_ARGS)
   for _ in range(2):
@@ -131,8 +131,8 @@ def test_disaggregated_kill_9_of_the_sampler_process_then_relaunch_resumes_exact
   import signal
   from etils import epath
   from grpo_jax.parallel import peers
-  from tests import test_multihost as mh
-  from tests import test_peer_exit as pe
+  from tests.parallel import test_multihost as mh
+  from tests.parallel import test_peer_exit as pe
   args = [*PAIR_ARGS, "--config.num_steps=6", "--config.sft_steps=4"]
   ref, run = epath.Path(tmp_path / "ref"), epath.Path(tmp_path / "run")
   for rc, err in mh._launch_pair(ref, base=args):

@@ -255,7 +255,7 @@ def test_trainer_mesh_leaves_vllm_its_chips():
   import os
   from grpo_jax import configuration
   from grpo_jax.models import build
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   spec = iu.spec_from_file_location("cfg_tiny", os.path.join(root, "configs", "tiny.py"))
   module = iu.module_from_spec(spec)
   spec.loader.exec_module(module)

@@ -15,7 +15,7 @@ from etils import epath
 import pytest
 
 from grpo_jax.parallel import peers
-from tests import test_multihost as multihost_test
+from tests.parallel import test_multihost as multihost_test
 
 # Well below JAX's own abort (heartbeat_timeout_seconds=100): the watchdog's 10 s, a 1 s poll,
 # and slack for 2 busy CPU cores.
@@ -100,7 +100,7 @@ def test_watchdog_judges_silent_peers_not_beating_or_done_ones(monkeypatch):
 _SILENT_PEER = """
 import sys, time
 from grpo_jax.parallel import peers
-from tests.test_peer_exit import _FakeClient
+from tests.parallel.test_peer_exit import _FakeClient
 peers.POLL_SECONDS = 0.05
 client = _FakeClient()
 client.key_value_set("grpo_jax/peers/0", "3")  # process 0 beat thrice, then went silent

@@ -14,7 +14,7 @@ from grpo_jax.models import build
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.rl import step as step_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _config(name, **overrides):

@@ -8,7 +8,7 @@ import json
 import os
 import re
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED = os.environ.get("GRPO_SHARED_DATA", os.path.join(ROOT, "..", "shared", "data"))
 # The full GSM8K where ../shared/data has it; else the first 64 train / 16 test rows kept in the
 # repository (tests/data/gsm8k_sample, MIT licence as GSM8K's), enough for every test here.

@@ -11,7 +11,7 @@ pytest.importorskip("datasets")
 
 from grpo_jax import data as data_lib  # noqa: E402
 from grpo_jax import train  # noqa: E402
-from tests import tables_fixtures as fx  # noqa: E402
+from tests.data import tables_fixtures as fx  # noqa: E402
 from tests.test_train import checkpoint_state  # noqa: E402
 from tests.test_train import flat  # noqa: E402
 from tests.test_train import grpo_rows  # noqa: E402
@@ -63,7 +63,7 @@ def digits(prompts, completions, solution, task, **kwargs):
 
 
 # Both slow (suite time, ~35 s each): the default suite trains on parquet in the GSM8K test
-# below and reads hf_dataset folders in tests/test_data_tables.py.
+# below and reads hf_dataset folders in tests/data/test_data_tables.py.
 @pytest.mark.parametrize("kind", [pytest.param("parquet", marks=pytest.mark.slow),
                                   pytest.param("hf_dataset", marks=pytest.mark.slow)])
 def test_table_sources_train_exactly_like_the_same_rows_through_a_resume(tmp_path, kind,

@@ -17,7 +17,7 @@ from grpo_jax.models.logprobs import completion_logprobs
 from grpo_jax.rollout.types import GenerationConfig
 from tests.conftest import vllm_unusable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NO_VLLM = vllm_unusable()  # "" when the vLLM engine runs here, else why not
 KINDS = ["native", pytest.param("vllm", marks=pytest.mark.skipif(bool(NO_VLLM), reason=NO_VLLM))]
 B, G = 8, 4
@@ -74,7 +74,7 @@ def test_engine_contract(setup, kind):
     assert (lengths[truncated] == c).all()
     assert (logp[mask == 0] == 0).all() and (logp[mask == 1] <= 0).all()
     # The sampled tokens' log-probs are the trainer's: exactly when the engine runs the
-    # trainer's program, within the cross-engine tolerance of tests/test_vllm.py otherwise.
+    # trainer's program, within the cross-engine tolerance of tests/rollout/test_vllm.py otherwise.
     ids = np.concatenate([np.repeat(s["batch"]["prompt_ids"], G, 0), tokens], 1)
     am = np.concatenate([np.repeat(s["batch"]["prompt_mask"], G, 0), mask], 1)
     trainer = np.asarray(completion_logprobs(nnx.merge(policy.graphdef, policy.params), ids,

@@ -312,7 +312,7 @@ def test_modules_import_without_maxtext():
   code = ("import sys; sys.modules['maxtext'] = None; "
           "import grpo_jax.models.maxtext.mapping; "
           "from grpo_jax.models.maxtext import adapter as m; print(m.ATTENTION_KERNELS)")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                        text=True, timeout=300)

@@ -16,7 +16,7 @@ from grpo_jax import configuration
 from grpo_jax.parallel import sharding
 from grpo_jax.models import build
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _config(**mesh):
