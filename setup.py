@@ -73,8 +73,9 @@ setuptools.setup(
         # gcsfs + an offline GCS emulator: the gs:// workdir test (tests/fake_gcs.py).
         # datasets: the hf_dataset source's tests (tests/data/test_data_tables.py).
         # pytest-xdist: the scripts run the suite on GRPO_TEST_WORKERS processes (scripts/_env.sh).
+        # pyink: the formatter whose check .ci/run runs (scripts/format.sh, pyproject.toml).
         "test": ["pytest", "pytest-xdist", "pytest-timeout", "gcsfs", "gcp-storage-emulator", "peft==0.21.2",
-                 "datasets"],
+                 "datasets", "pyink"],
         # The core tests alone (scripts/test_tpu_pins.sh --ci): no torch, maxtext or vllm.
         "test-core": ["pytest", "pytest-xdist"],
         "parity": ["torch==2.13.0", "transformers>=5.16.1,<5.20"],

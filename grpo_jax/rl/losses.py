@@ -5,7 +5,7 @@ are [B] (one per sequence, broadcast over tokens) or [B, T]. Positions where `ma
 anything, NaN included: every input is passed through `jnp.where(mask, x, 0)` first, so masked
 garbage never reaches a loss value or a gradient.
 
-Definitions (../shared/DESIGN.md):
+Definitions (docs/design.md):
   ratio = exp(logp - old)
   PPO-clip token loss = -min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A)
   k1 = logp - ref;  k2 = 0.5*(logp - ref)^2;  k3 = exp(ref - logp) - (ref - logp) - 1
@@ -160,7 +160,7 @@ def _seq_mean_token_sum_norm(lm, m, max_len):
 
 def aggregate(loss_bt: jax.Array, mask_bt: jax.Array, mode: str = "seq-mean-token-mean",
               max_completion_length: int | None = None) -> jax.Array:
-  """Reduces a [B, T] token loss to a scalar (DESIGN.md's definitions).
+  """Reduces a [B, T] token loss to a scalar (docs/design.md's definitions).
 
   token-mean               sum(l*m) / sum(m)
   seq-mean-token-mean      mean_b( sum_t(l*m) / sum_t(m) )

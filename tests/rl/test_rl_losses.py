@@ -1,7 +1,7 @@
 """KL estimators, PPO-clip / GSPO / TIS policy losses and aggregation vs NumPy references.
 
 The references below are written independently (float64 NumPy, loops where clearer) from the
-definitions in ../shared/DESIGN.md and the cited papers; they never call grpo_jax code.
+definitions in docs/design.md and the cited papers; they never call grpo_jax code.
 """
 import itertools
 

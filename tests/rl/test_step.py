@@ -55,7 +55,7 @@ def test_micro_batches_give_the_whole_batch_gradient(mode, beta):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for k in ref_grads:
       np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, err_msg=k)
-  # The whole-batch loss is the definition in DESIGN.md (policy_loss on all rows at once).
+  # The whole-batch loss is the definition in docs/design.md (policy_loss on all rows at once).
   direct, _ = losses.policy_loss(
       _logprob_fn(params, batch["input_ids"], batch["attention_mask"]), batch["old_logp"],
       batch.get("ref_logp"), batch["advantages"], batch["completion_mask"], clip_eps=0.2,
