@@ -14,10 +14,13 @@ if [ ! -x "$PYINK" ]; then
 fi
 mapfile -t files < <(git ls-files '*.py')
 if [ "${1:-}" = "--check" ]; then
-  "$PYINK" --check --quiet "${files[@]}" || {
+  rc=0
+  out="$("$PYINK" --check "${files[@]}" 2>&1)" || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "$out" | grep -v "^Oh no\|^All done" >&2
     echo "error: the files above are not formatted. Fix: bash scripts/format.sh" >&2
     exit 1
-  }
+  fi
   echo "[grpo_jax] format check: ${#files[@]} files formatted"
 else
   "$PYINK" --quiet "${files[@]}"
