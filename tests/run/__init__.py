@@ -1,0 +1,1 @@
+"""Tests of grpo_jax/run/."""
