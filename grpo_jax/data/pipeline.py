@@ -149,9 +149,10 @@ def make_prompt_iterator(num_rows: int, *, batch_size: int, seed: int, shuffle: 
     return out if take is None else out[take]
 
   ds = grain.MapDataset.range(max(per_epoch, 1)).repeat(num_epochs).map_with_index(batch)
-  # No prefetch threads: a batch of indices costs ~1 ms to compute, the loop prepares the next
-  # one itself while the device runs the update (prompts.NextPrompts), and it peeks by
-  # get_state/set_state, which with grain's default 16 threads restarts them (~65 ms).
+  # No prefetch threads: a batch of indices is cheap to compute, the loop prepares the next one
+  # itself while the device runs the update (prompts.NextPrompts), and it peeks by
+  # get_state/set_state, which with grain's default 16 threads restarts them (the costs:
+  # benchmarks/README.md, "Figures behind design choices").
   return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
 
 

@@ -52,7 +52,8 @@ def _union_spec(spec: P, ndim: int) -> P:
 
 def _send(x):
   """x's src block to the dst device in the same position. Floats cross as unsigned ints of
-  their width: XLA:CPU widens a bf16 collective-permute to f32 (2x the bytes, 8x the time)."""
+  their width: XLA:CPU widens a bf16 collective-permute to f32 (the cost: benchmarks/README.md,
+  "Figures behind design choices")."""
   if not jnp.issubdtype(x.dtype, jnp.floating):
     return jax.lax.ppermute(x, ROLE, [(1, 0)])
   bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")

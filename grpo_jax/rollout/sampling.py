@@ -26,11 +26,11 @@ def categorical(key: jax.Array, logits_nv: jax.Array, block: int = 256) -> jax.A
   """One draw per row from softmax(logits) by inverse-CDF sampling: token i with probability
   p_i / sum(p) (up to float32 rounding of the cumulative sums, ~1e-7 relative).
 
-  `jax.random.categorical` draws V Gumbel variates per row; on CPU the threefry bits for a
-  [128, 32000] batch cost ~85 ms, several times the whole decode step. Here one uniform per row
-  is compared against cumulative probabilities, two-level (block sums, then within the chosen
-  block) so the scan is over V / block + block values: ~20x faster at V = 32k. A token of
-  probability 0 (masked to -inf or to the float32 minimum) is never drawn.
+  `jax.random.categorical` draws V Gumbel variates per row, whose random bits cost more than the
+  whole decode step on CPU. Here one uniform per row is compared against cumulative
+  probabilities, two-level (block sums, then within the chosen block) so the scan is over
+  V / block + block values (measured: benchmarks/README.md, "Figures behind design choices"). A
+  token of probability 0 (masked to -inf or to the float32 minimum) is never drawn.
   """
   return categorical_lse(key, logits_nv, block=block)[0]
 
