@@ -2,18 +2,20 @@
 
 configs/common.py declares every field with its default, so a `.get(key, default)` read of the
 config or of one of its blocks is dead code and a second copy of the truth that can drift from
-it. This test parses every module of grpo_jax/ and fails on such a read, whatever the name the
-config goes by: `config`, `cfg`, a parameter annotated ConfigDict, an attribute chain rooted at
-one (`config.rollout.get`), a local alias (`r = config.rollout; r.get(...)`), an attribute of
-`self` assigned from one, or a parameter that some call in grpo_jax/ passes a config (block) to
-(`rewards.from_config(config.reward)` makes `from_config`'s `reward` a config). Reads of plain
-dicts (HF config.json, rows, metas, summaries) are not config reads and pass.
+it. This test parses every module of grpo_jax/ (and benchmarks/) and fails on such a read,
+whatever the name the config goes by: `config`, `cfg`, a parameter annotated ConfigDict, an
+attribute chain rooted at one (`config.rollout.get`), a local alias (`r = config.rollout;
+r.get(...)`), an attribute of `self` assigned from one, or a parameter that some call passes a
+config (block) to (`rewards.from_config(config.reward)` makes `from_config`'s `reward` a
+config). Reads of plain dicts (HF config.json, rows, metas, summaries) are not config reads and
+pass.
 """
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGE = os.path.join(ROOT, "grpo_jax")
+# The package, and the benchmarks that drive its real programs with the shipped configs.
+FOLDERS = ("grpo_jax", "benchmarks")
 
 CONFIG_NAMES = ("config", "cfg")  # parameters by these names hold the config unless annotated
 CONFIG_TYPES = ("ConfigDict", "FrozenConfigDict")
@@ -47,6 +49,7 @@ def _root(node):
 
 
 def _annotation_name(ann) -> str | None:
+  """The last dotted part of an annotation or callee (`ml_collections.ConfigDict`: ConfigDict)."""
   if ann is None:
     return None
   if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
@@ -108,9 +111,9 @@ def _is_method(fn, tree) -> bool:
 
 
 class Checker:
-  """Finds `.get(` calls on the config in a set of modules (name -> source)."""
+  """Finds `.get(` calls on the config in a set of modules: dotted name -> (path, source)."""
 
-  def __init__(self, sources: dict[str, str]):
+  def __init__(self, sources: dict[str, tuple[str, str]]):
     self.modules = {name: _Module(name, path, src)
                     for name, (path, src) in sources.items()}
     self.flags = set().union(*(m.flags for m in self.modules.values()))
@@ -270,7 +273,7 @@ class Checker:
 
 def _package_sources() -> dict[str, tuple[str, str]]:
   out = {}
-  for folder, _, files in os.walk(PACKAGE):
+  for folder, _, files in (w for top in FOLDERS for w in os.walk(os.path.join(ROOT, top))):
     for f in files:
       if f.endswith(".py"):
         path = os.path.join(folder, f)
