@@ -580,7 +580,7 @@ def _sampler(policy, mesh, config, *, prompt_len, new_tokens, generations, atten
   return Sampler(policy.sampler_graphdef, max_prompt_length=prompt_len,
                  max_new_tokens=new_tokens, num_generations=generations, eos_ids=(), pad_id=0,
                  mesh=mesh, decode_phases=config.rollout.decode_phases,
-                 decode_block=config.rollout.get("decode_block", 0), decode_attention=attention)
+                 decode_block=config.rollout.decode_block, decode_attention=attention)
 
 
 def _replicated_key(seed, mesh):

@@ -92,7 +92,8 @@ def base() -> ml_collections.ConfigDict:
   c.kl_in_reward = False
   c.num_iterations = 1  # Optimization passes over each rollout batch (mu in the GRPO paper).
   c.batch_size = 8  # Prompts per GRPO step, over all hosts; the step trains on batch_size * G.
-  c.micro_batch_size = 0  # Sequences per gradient-accumulation micro-batch; 0 (or >= B * G) = all at once.
+  # Sequences per gradient-accumulation micro-batch; 0 (or >= B * G) = all at once.
+  c.micro_batch_size = 0
   c.max_prompt_length = 256  # Prompts are left-padded/left-truncated to this many tokens.
   c.max_completion_length = 1024  # Tokens generated per completion (TOTAL_GENERATION_STEPS).
   c.save_interval_steps = 500

@@ -226,24 +226,23 @@ def _check_rollout(c: _Checker, cfg):
   c.require(r.temperature > 0, "rollout.temperature", "must be > 0",
             "use e.g. 0.9 (greedy evaluation has its own generation config)")
   c.require(r.top_k >= 0, "rollout.top_k", "must be >= 0", "0 disables top-k")
-  c.require(r.get("decode_phases", 0) >= 0, "rollout.decode_phases", "must be >= 0",
+  c.require(r.decode_phases >= 0, "rollout.decode_phases", "must be >= 0",
             "0 = auto (rollout/sampler.py phase_ends)")
-  c.require(r.get("decode_block", 0) >= 0, "rollout.decode_block", "must be >= 0",
+  c.require(r.decode_block >= 0, "rollout.decode_block", "must be >= 0",
             "0 = auto (rollout/sampler.py block_size)")
-  if "decode_attention" in r:
-    c.one_of("rollout.decode_attention", decode_attention.IMPLS, "decode attention")
+  c.one_of("rollout.decode_attention", decode_attention.IMPLS, "decode attention")
   c.require(0 < r.top_p <= 1, "rollout.top_p", "must lie in (0, 1]", "1.0 disables top-p")
   c.one_of("rollout.placement", PLACEMENTS, "sampler placement")
-  if r.get("placement", "colocated") == "disaggregated":
+  if r.placement == "disaggregated":
     c.require(r.engine == "native", "rollout.placement", "disaggregated places the native "
               "sampler; vLLM has its own devices", "rollout.vllm.num_devices for vLLM on TPU, "
               "or --config.rollout.placement=colocated")
     c.require(not cfg.reward.judge.path, "rollout.placement", "disaggregated: the reward judge "
               "(reward.judge.path) runs on the trainer's mesh and is not supported yet",
               "--config.rollout.placement=colocated")
-  c.require(r.get("max_staleness", 0) >= 0, "rollout.max_staleness", "must be >= 0",
+  c.require(r.max_staleness >= 0, "rollout.max_staleness", "must be >= 0",
             "0 = on-policy; 1 = the next step's rollout overlaps this step's update")
-  c.require(0 <= r.get("num_devices", 0), "rollout.num_devices", "must be >= 0",
+  c.require(0 <= r.num_devices, "rollout.num_devices", "must be >= 0",
             "a device count, a fraction in (0, 1) of all devices, or 0 = half")
   c.require(r.max_logprob_gap >= 0, "rollout.max_logprob_gap", "must be >= 0",
             "0 disables the stop; e.g. 0.05")
@@ -347,7 +346,7 @@ def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
   sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   for name, size in zip(("mesh.data", "mesh.fsdp", "mesh.tensor"), sizes):
     c.require(size == -1 or size >= 1, name, "must be -1 (fill) or >= 1", "use -1 or a size")
-  dcn = cfg.mesh.get("dcn_data", 1)
+  dcn = cfg.mesh.dcn_data
   count, unit = sharding.num_granules(num_processes) if dcn != 1 else (1, "slice")
   bad = sharding.dcn_problem(dcn, None, count, unit)
   if bad:
@@ -429,7 +428,7 @@ def validate(config, *, num_devices: int | None = None,
     c.require(num_devices >= 1, "rollout.vllm.num_devices",
               f"leaves the trainer no device of {num_devices + vllm_own} per host",
               "use fewer chips for vLLM, or 0 to share them")
-  if config.rollout.get("placement", "colocated") == "disaggregated":
+  if config.rollout.placement == "disaggregated":
     n = model_build.sampler_count(config.rollout.num_devices, num_devices)
     even = num_devices >= 2 and n == num_devices - n
     c.require(even, "rollout.num_devices",

@@ -23,7 +23,7 @@ def _read(config, source: str, path: str, split: str) -> list[dict]:
     return arithmetic.arithmetic_rows(n, split=split, seed=config.seed, digits=a.digits,
                                       num_ops=a.num_ops, ops=a.ops, style=a.demonstration)
   if source in tables.READERS:
-    return tables.READERS[source](path, config.data.get("columns"), split)
+    return tables.READERS[source](path, config.data.columns, split)
   if source not in datasets.READERS:
     raise ValueError(f"unknown data source {source!r}; known: {', '.join(SOURCES)}")
   return datasets.READERS[source](path)

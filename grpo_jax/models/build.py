@@ -27,9 +27,9 @@ def make_mesh(config, devices=None):
   dcn_data times longer, one block per slice (sharding.make_mesh)."""
   if devices is None and config.rollout.engine == "vllm":
     # rollout.vllm.num_devices > 0: vLLM-TPU's own chips (each host's last N) stay off the mesh.
-    devices, _ = sharding.split_off_local(config.rollout.vllm.get("num_devices", 0))
+    devices, _ = sharding.split_off_local(config.rollout.vllm.num_devices)
   base = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
-                            devices=devices, dcn_data=config.mesh.get("dcn_data", 1))
+                            devices=devices, dcn_data=config.mesh.dcn_data)
   if config.model.impl == "maxtext":
     from grpo_jax.models.maxtext import adapter as maxtext_adapter  # optional dependency
     return maxtext_adapter.make_mesh(config, base)
@@ -41,7 +41,7 @@ def make_meshes(config):
   the last rollout.num_devices of the global devices (a count, a fraction of all, 0 = half)
   form the sampler's mesh (config.mesh sizes, -1 filling), the others the trainer's (so
   process 0 always holds trainer devices). The two must be equal in size (parallel/transfer.py)."""
-  if config.rollout.get("placement", "colocated") != "disaggregated":
+  if config.rollout.placement != "disaggregated":
     mesh = make_mesh(config)
     return mesh, mesh
   devices = jax.devices()

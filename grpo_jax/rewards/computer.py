@@ -457,7 +457,7 @@ class RewardComputer:
 
 def from_config(reward, **overrides) -> RewardComputer:
   """build_reward_computer from config.reward (`overrides` replace its keyword values)."""
-  kwargs = dict(custom_file=reward.custom_file, custom_function=reward.get("custom_function", ""),
+  kwargs = dict(custom_file=reward.custom_file, custom_function=reward.custom_function,
                 custom_weight=reward.custom_weight, on_error=reward.on_error,
                 num_workers=reward.num_workers, timeout_sec=reward.timeout_sec)
   kwargs.update(overrides)

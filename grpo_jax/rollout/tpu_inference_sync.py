@@ -255,7 +255,7 @@ def make_engine_class():
 
     @classmethod
     def extra_init_kwargs(cls, config, policy, mesh) -> dict:
-      n = int(config.rollout.vllm.get("num_devices", 0))
+      n = int(config.rollout.vllm.num_devices)
       return dict(model_config=policy.model_config, devices=vllm_local_devices(n))
 
     def _sync_and_verify(self, rollout_state):

@@ -210,8 +210,8 @@ class VLLMEngine:
       params = build.make_policy(config, mesh).params
     hf.save_hf(nnx.merge(policy.sampler_graphdef, to_rollout(params)), model_dir)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.rollout.vllm.kv_cache_space_gib))
-    lora_sync = config.rollout.vllm.get("lora_sync", "merged")
-    lora_config = (config if config.get("lora") and config.lora.rank > 0 and
+    lora_sync = config.rollout.vllm.lora_sync
+    lora_config = (config if config.lora.rank > 0 and
                    lora_sync == "adapters" else None)
     engine = cls(
         model_dir, graphdef=policy.sampler_graphdef,
