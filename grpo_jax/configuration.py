@@ -445,7 +445,8 @@ def validate(config, *, num_devices: int | None = None,
 
 # bf16 keeps 8 significant bits: a weight w moves only when its update exceeds half an ulp,
 # about |w| * 2^-9. AdamW's step is ~lr per weight, so at lr 3e-6 only weights below ~1.5e-3
-# ever change (measured: 3.9% of a N(0, 0.02) matrix in 10 steps). Below this learning rate
+# ever change (tests/models/test_master_weights.py shows it; the figure: benchmarks/README.md,
+# "Figures behind design choices"). Below this learning rate
 # most weights of typical magnitude (~0.02) stay frozen in bf16 storage.
 BF16_MIN_LEARNING_RATE = 1e-4
 
