@@ -233,7 +233,7 @@ def test_sharded_mesh_matches_single_device(tmp_path, monkeypatch):
   train.run(tiny_config(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}), sharded)
 
   real = sharding.make_mesh
-  monkeypatch.setattr(train.sharding, "make_mesh",
+  monkeypatch.setattr(sharding, "make_mesh",
                       lambda *a, **kw: real(1, 1, 1, devices=jax.devices()[:1]))
   single = str(tmp_path / "single")
   train.run(tiny_config(**{"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1}), single)
