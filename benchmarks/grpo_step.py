@@ -70,7 +70,6 @@ from the best steps, and paired (median over i of Tunix's step i / our step i).
 """
 import argparse
 import contextlib
-import functools
 import itertools
 import json
 import os
@@ -89,18 +88,17 @@ import numpy as np  # noqa: E402
 from configs import tiny as tiny_config  # noqa: E402
 from grpo_jax.run import compile_ahead  # noqa: E402
 from grpo_jax import data as data_lib  # noqa: E402
-from grpo_jax.run import metrics as metrics_lib  # noqa: E402
 from grpo_jax.parallel import multihost  # noqa: E402
 from grpo_jax.run import profiling  # noqa: E402
 from grpo_jax.data import prompts as prompts_lib  # noqa: E402
 from grpo_jax import rewards as rewards_lib  # noqa: E402
 from grpo_jax import rollout as rollout_lib  # noqa: E402
-from grpo_jax.parallel import sharding  # noqa: E402
 from grpo_jax.rollout import source as source_lib  # noqa: E402
 from grpo_jax.configuration import validate  # noqa: E402
 from grpo_jax.models import build  # noqa: E402
 from grpo_jax.rl import advantages as adv_lib  # noqa: E402
 from grpo_jax.rl import step as step_lib  # noqa: E402
+from grpo_jax.rl.reference import Reference  # noqa: E402
 
 # The small/tunix reward: this file's compute_score, loaded as the loop loads a user plug-in.
 _SUM_REWARD = {"reward.functions": (), "reward.weights": (),
@@ -200,21 +198,20 @@ class LoopStep:
         r.functions, r.weights, custom_file=r.custom_file, custom_weight=r.custom_weight)
     self.fns = step_lib.build(c, self.policy, self.mesh)
     self.state = self.fns.init(self.policy.params)
-    self.ref_params = jax.tree.map(jnp.copy, self.state["params"]) if c.beta > 0 else None
+    self.reference = Reference(c, self.policy, self.fns, self.mesh)  # beta 0: disabled
+    self.reference.start(self.state["params"])
     self.iter = data_lib.make_prompt_iterator(len(self.data), batch_size=c.batch_size,
                                               seed=c.seed)
     self.rng = jax.random.wrap_key_data(multihost.replicated(
         jax.random.key_data(jax.random.key(c.seed)), self.mesh))
     self.gen = rollout_lib.GenerationConfig(c.rollout.temperature, c.rollout.top_k,
                                             c.rollout.top_p)
-    self.stats_fn = jax.jit(functools.partial(metrics_lib.rollout_stats,
-                                              group_size=c.num_generations),
-                            out_shardings=sharding.replicated(self.mesh))
-    self.needs_old_logp = (c.num_iterations > 1 or c.loss.tis_cap > 0 or
-                           not self.engine.matches_trainer)
+    self.grpo = step_lib.GrpoStep(c, self.fns, self.reference, self.mesh,
+                                  matches_trainer=self.engine.matches_trainer)
+    self.stats_fn = self.grpo.stats_fn
+    self.needs_old_logp = self.grpo.old_logp == "trainer"
     self.ahead = compile_ahead.CompileAhead(
-        c, self.fns, self.stats_fn, self.policy, self.mesh, needs_old_logp=self.needs_old_logp,
-        matches_trainer=self.engine.matches_trainer, engine=self.engine, generation=self.gen,
+        c, self.grpo, engine=self.engine, generation=self.gen,
         key=source_lib.step_key(self.rng, 0, self.mesh)) if c.compile_ahead else None
     self.generated, self.compile, self.widths = 0, {}, []
 
@@ -225,10 +222,10 @@ class LoopStep:
 
     @contextlib.contextmanager
     def timed(name):
-      t0, c0 = time.perf_counter(), compile_seconds()
-      with profiling.phase(name):
+      c0 = compile_seconds()
+      with profiling.phase(name) as span:  # the loop's own clock of a phase
         yield
-      times[name] = time.perf_counter() - t0
+      times[name] = span.sec
       self.compile[name] = compile_seconds() - c0
 
     t_step = time.perf_counter()
@@ -239,8 +236,7 @@ class LoopStep:
         self.widths.append(prompt_ids.shape[1])  # data.prompt_width: P of this step
         prompt_mask = multihost.to_global(batch["prompt_mask"], self.mesh)
         if self.ahead:  # as train.py: a new width's step programs compile in the background
-          self.ahead.submit({"ids": prompt_ids, "mask": prompt_mask}, self.state,
-                            self.ref_params)
+          self.ahead.submit({"ids": prompt_ids, "mask": prompt_mask}, self.state)
       with timed("rollout"):
         if self.ahead:
           self.ahead.wait(prompt_ids.shape[1], only="sampler")
@@ -265,10 +261,10 @@ class LoopStep:
         with timed("old_logprobs"):
           upd["old_logp"] = jax.block_until_ready(self.fns.logprobs(
               self.state["params"], upd["input_ids"], upd["attention_mask"]))
-      if self.ref_params is not None:
+      if self.reference.enabled:
         with timed("ref_logprobs"):
-          upd["ref_logp"] = jax.block_until_ready(self.fns.logprobs(
-              self.ref_params, upd["input_ids"], upd["attention_mask"]))
+          upd["ref_logp"] = jax.block_until_ready(self.reference.logprobs(
+              self.state["params"], upd["input_ids"], upd["attention_mask"]))
       with timed("update"):
         for _ in range(c.num_iterations):
           self.state, upd_metrics = self.fns.update(self.state, upd)

@@ -1,17 +1,24 @@
-"""The GRPO training loop: one function, read top to bottom.
+"""The GRPO training loop: setup -> loop -> finish, the loop read top to bottom.
 
     run(config, workdir)
 
-  setup       session (checkpoints, metrics, preemption, one teardown), the trainer's and
-              the sampler's mesh (one mesh unless rollout.placement=disaggregated), data,
-              policy, rollout engine, evaluator, rewards, the jitted update functions
-  sft         the optional supervised warm start (config.sft_steps; sft.py owns that stage)
-  grpo        start (or restore) the update state, the reference (rl/reference.py) and the
-              rollout source (rollout/source.py), evaluate, then per step: the source's scored
-              batch (prompts -> rollout -> rewards; on-policy or rollout.max_staleness steps
-              ahead) -> advantages -> old/ref log-probs -> num_iterations updates -> the
-              sampler's weights and the reference follow -> log / eval / checkpoint
+  setup       (`_setup` -> Parts, one value) session (checkpoints, metrics, preemption, one
+              teardown), the trainer's and the sampler's mesh (one mesh unless
+              rollout.placement=disaggregated), data, policy, rollout engine, evaluator,
+              rewards, the jitted update functions; the optional supervised warm start
+              (config.sft_steps; sft.py owns that stage); the reference (rl/reference.py),
+              GRPO steps 4-6 (rl/step.py's GrpoStep), the rollout source (rollout/source.py,
+              which submits each prompt width to run/compile_ahead.py), the update state
+              started or restored, the evaluation before GRPO
+  loop        per step, DESIGN.md's numbered steps: the source's scored batch (1-3: prompts ->
+              rollout -> rewards; on-policy or rollout.max_staleness steps ahead) -> advantages
+              and old/ref log-probs (4-5) -> num_iterations updates, the sampler's weights and
+              the reference follow (6) -> the step's figures (7a) -> log / eval / checkpoint /
+              stop every N steps (7b)
   finish      evaluation after training, DIR/summary.json
+
+Timing: each region is a profiling.phase span (run/profiling.py), which marks it in the trace
+and times it; the step's perf/* figures are those spans' seconds.
 
 Shapes: B prompts per step, G samples per prompt, N = B*G rows, P prompt length, C completion
 length. Multi-host: every process runs this same function on its own rows of each batch
@@ -22,11 +29,12 @@ Host traffic is on purpose only: prompts and rewards go to the device, completio
 for scoring, and every other figure waits on the device until the log interval (run/metrics.py).
 `config.debug.transfer_guard="disallow"` enforces that on every step after the first.
 """
-import functools
-import time
+import dataclasses
+from typing import Any
 
 from absl import logging
 import jax
+import ml_collections
 
 from grpo_jax.run import checkpoint as ckpt_lib
 from grpo_jax.run import compile_ahead
@@ -42,7 +50,6 @@ from grpo_jax import rewards as rewards_lib
 from grpo_jax import rollout as rollout_lib
 from grpo_jax.run import session as session_lib
 from grpo_jax import sft as sft_lib
-from grpo_jax.parallel import sharding
 from grpo_jax.run.metrics import NonFiniteError  # noqa: F401  (raised by StepLog.flush)
 from grpo_jax.rl.reference import Reference
 from grpo_jax.models import build
@@ -67,192 +74,220 @@ def _run(config, workdir: str) -> dict:
   mesh, sampler_mesh = build.make_meshes(config)  # the same mesh unless disaggregated
   with session_lib.open_session(config, workdir, mesh) as session:
     # ------------------------------------------------------------------------------ setup
-    logging.info("mesh %s over %d devices, %d process(es)%s", dict(mesh.shape), mesh.size,
-                 jax.process_count(), "" if sampler_mesh is mesh else
-                 f"; the sampler's {dict(sampler_mesh.shape)} over {sampler_mesh.size} more")
-    tokenizer = data_lib.build_tokenizer(config.tokenizer.kind,
-                                         config.tokenizer.path or config.model.hf_path)
-    train_data, eval_data = prompts_lib.prompt_data(config, tokenizer)
-    config = _run_length(config, len(train_data))
-    decode = source_lib.decoder(tokenizer)
-    policy = build.make_policy(config, mesh, abstract=session.resume_step is not None)
-    logging.info("policy: %s (%s), %.2fM parameters", config.model.impl, config.model.preset,
-                 sum(x.size for x in jax.tree.leaves(policy.params)) / 1e6)
-    profiling.log_memory("loading the policy")
-    engine = session.closing(rollout_lib.make_engine(config, policy, tokenizer, sampler_mesh))
-    evaluator = _evaluator(config, session, policy, tokenizer, mesh, eval_data, decode)
-    reward_fn = session.closing(rewards_lib.from_config(config.reward))
-    reward_fn.check(train_data.rows[0])  # a broken plug-in fails now, not after SFT
-    judge = session.closing(judge_lib.build_judge(config, mesh))  # None: reward.judge.path ""
-    fns = step_lib.build(config, policy, mesh)
-
-    # --------------------------------------------------------- SFT warm start (sft.py)
-    params = sft_lib.run(config, session, policy, mesh, train_data, evaluator)
-    if config.lora.rank and session.resume_phase != "grpo":  # the base GRPO's adapters go on
-      params = lora_lib.after_sft(config, session, policy, params, mesh, workdir)
-
-    # ---------------------------------------------------------- GRPO: start or resume
-    # Global batches of row indices (each process takes its rows: prompts.NextPrompts).
-    train_iter = data_lib.make_prompt_iterator(len(train_data), batch_size=config.batch_size,
-                                               seed=config.seed)
-    meta, rng, G = session.meta, session.rng, config.num_generations
-    prompts = prompts_lib.NextPrompts(config, train_data, train_iter, sampler_mesh)
-    # Old-policy log-probs: for the PPO ratio over several passes, for TIS, and whenever the
-    # sampler is another program than the trainer (its log-probs are then only close).
-    # Off-policy (rollout.max_staleness > 0) they are the sampler's: the behaviour policy's.
-    off_policy = config.rollout.max_staleness > 0
-    needs_old_logp = not off_policy and (
-        config.num_iterations > 1 or config.loss.tis_cap > 0 or config.kl_in_reward or
-        not engine.matches_trainer)
-    stats_fn = jax.jit(functools.partial(metrics_lib.rollout_stats, group_size=G,
-                                         advantage_clip=config.loss.advantage_clip),
-                       out_shardings=sharding.replicated(mesh))
-    # The first batch's sampler and step programs compile in the background from here on,
-    # during the evaluation and the first rollout (run/compile_ahead.py); later widths when
-    # prefetched.
-    ahead = session.closing(compile_ahead.CompileAhead(
-        config, fns, stats_fn, policy, mesh, needs_old_logp=needs_old_logp,
-        matches_trainer=engine.matches_trainer, engine=engine if sampler_mesh is mesh else None,
-        generation=source_lib.generation(config), key=source_lib.step_key(rng, 0, mesh),
-        off_policy=off_policy)) if config.compile_ahead else None
-
-    def look_ahead():  # the next batch's width compiles while the device runs this step
-      if meta["grpo_step"] + 1 < config.num_steps:
-        prompts.prefetch()
-        ahead.submit(source.as_trainer(prompts.peek()), state, reference.params)
-    source = source_lib.RolloutSource(
-        config, engine=engine, prompts=prompts, reward_fn=reward_fn, judge=judge, decode=decode,
-        mesh=mesh, rng=rng, sampler_mesh=sampler_mesh, policy=policy, ahead=ahead,
-        look_ahead=look_ahead if ahead else None)
-    reference = Reference(config, policy, fns, mesh)
-    state = _start_grpo(config, session, fns, policy, mesh, params, train_iter, reference,
-                        source)
-    if ahead and meta["grpo_step"] < config.num_steps:
-      prompts.prefetch()
-      ahead.submit(source.as_trainer(prompts.peek()), state, reference.params)
-    if meta["eval_before"] is None:
-      meta["eval_before"] = evaluator(state["params"], config.sft_steps,
-                                      source_lib.step_key(rng, 2 << 20, mesh))
-      eval_lib.log_results("before GRPO", meta["eval_before"])
-    profiler = session.closing(profiling.StepProfiler(
-        workdir, config.profile.start_step, config.profile.num_steps,
-        python_tracer=config.profile.get("python_tracer", False)))
-    memory_profile = profiling.MemoryProfile(workdir, config.profile.memory_profile)
-    log = metrics_lib.StepLog(session.writer, metrics_lib.Progress(
-        config.num_steps, meta["grpo_step"], "grpo"), num_rows=config.batch_size * G,
-        max_consecutive_nonfinite=config.max_consecutive_nonfinite,
-        max_logprob_gap=config.rollout.max_logprob_gap, step_offset=config.sft_steps, mesh=mesh)
-    steps_per_epoch = data_lib.batches_per_epoch(len(train_data), config.batch_size)
-    first_step, ckpt_base = meta["grpo_step"], config.sft_steps
-
-    def saved_state():  # LoRA: the adapters and their moments; the base is named in meta
-      meta["rollout_pending"] = source.pending_meta()  # off-policy: the rollouts in flight
-      train = dict(state, params=policy.split(state["params"])[0]) if policy.split else state
-      return {"train": train, **reference.saved(), **source.saved()}
+    parts, state = _setup(config, session, mesh, sampler_mesh)
+    config, meta = parts.config, session.meta
 
     # ------------------------------------------------------------------ GRPO: steps
     while meta["grpo_step"] < config.num_steps:
       step = meta["grpo_step"]
-      profiler.step_begin(step)
-      t_step = time.time()
-      phase = profiling.phase
-      with jax.transfer_guard(config.debug.transfer_guard if step > first_step else "allow"), \
-          profiling.step_span(step):
+      parts.profiler.step_begin(step)
+      guard = config.debug.transfer_guard if step > parts.first_step else "allow"  # 1st: setup
+      with jax.transfer_guard(guard), profiling.step_span(step) as span:
         # 1-3. Prompts, rollout (G completions per prompt; on-policy or max_staleness steps
         # behind), rewards on the host (+ DAPO's overlong penalty; dynamic sampling's rounds).
-        batch = source.next(state["params"], step)
-        rollout = batch.rollout
+        batch = parts.source.next(state, step)
 
-        # 4. Advantages per group, and the [prompt; completion] rows to train on.
-        t0 = time.time()
-        with phase("advantages"):
-          if ahead:  # the first step of a prompt width: its programs compiled meanwhile
-            ahead.wait(batch.prompt["ids"].shape[1])
-          upd = fns.assemble(batch.prompt["ids"], batch.prompt["mask"], rollout, batch.rewards)
-
-        # 5. Log-probs: old policy (the sampler's when off-policy) and reference (beta > 0).
-        if off_policy:
-          upd["old_logp"] = batch.behaviour_logp
-        elif needs_old_logp:
-          with phase("old_logprobs"):
-            upd["old_logp"] = fns.logprobs(state["params"], upd["input_ids"],
-                                           upd["attention_mask"])
-        if reference.enabled:
-          with phase("ref_logprobs"):
-            upd["ref_logp"] = reference.logprobs(state["params"], upd["input_ids"],
-                                                 upd["attention_mask"])
-        kl_rewards_n = None
-        if config.kl_in_reward:  # rewards - beta * sum_t KL_t, then the advantages again
-          with phase("kl_in_reward"):
-            upd, kl_rewards_n = fns.fold_kl(upd, batch.rewards)
+        # 4-5. Advantages per group and the [prompt; completion] rows to train on; log-probs:
+        # the old policy's (the sampler's when off-policy) and the reference's (beta > 0).
+        upd, kl_rewards_n = parts.grpo.inputs(state, batch)
 
         # 6. num_iterations optimizer updates over the whole rollout batch; meanwhile the host
         # prepares the next step's prompts. Then the sampler's weights and the reference follow.
-        with phase("update"):
-          for _ in range(config.num_iterations):
-            state, upd_metrics = fns.update(state, upd)
-        t_prefetch = time.time()
-        source.while_updating(step)
-        t_prefetch = time.time() - t_prefetch
-        with phase("update"):
-          jax.block_until_ready(state)  # a wait, not a read: timing only
+        state, upd_metrics = parts.grpo.update(state, upd)
+        parts.source.while_updating(step)
+        parts.grpo.wait(state)
         meta["grpo_step"] = step = step + 1
-        source.after_update(state["params"])
-        with phase("ref_refresh"):
-          reference.after_update(step, state["params"])
+        parts.source.after_update(state["params"])
+        parts.reference.after_update(step, state["params"])
 
         # 7a. This step's figures stay where they are until the log interval (run/metrics.py).
-        with phase("log"):
-          host, lengths_n = batch.host, batch.host["mask"].sum(-1)
-          mismatch = {} if engine.matches_trainer else dict(
-              sampler_logp_nc=rollout.logprobs, trainer_logp_nc=upd["old_logp"])
-          if kl_rewards_n is not None:
-            mismatch["kl_rewards_n"] = kl_rewards_n
-          log.add(step, means={"reward/total": host["rewards"].sum(),
-                               **{f"reward/{k}": v.sum() for k, v in host["per_function"].items()},
-                               "completions/mean_length": lengths_n.sum(),
-                               "completions/truncated_fraction": host["truncated"].sum()},
-                  totals={"reward/errors": host["errors"], "completions/tokens": lengths_n.sum()},
-                  host={"perf/update_sec": time.time() - t0 - t_prefetch,
-                        "perf/step_time_sec": time.time() - t_step,
-                        "data/epoch": _epoch(train_iter, steps_per_epoch), **batch.figures},
-                  device={**stats_fn(batch.rewards, upd["advantages"], rollout.mask, **mismatch),
-                          **upd_metrics})
-      profiler.step_end(step - 1, block_on=state["params"])
-      memory_profile.step_end(step)
-      if step == first_step + 1:
-        profiling.log_memory("the first step (sampler cache, update)")
+        with profiling.phase("log"):
+          device = {**parts.grpo.figures(batch, upd, kl_rewards_n), **upd_metrics}
+          _log_step(parts, step, batch, span, device)
 
       # 7b. Every N steps: log, evaluate, checkpoint; stop on SIGTERM or the step budget.
-      budget_spent = bool(config.max_steps_per_run) and step < config.num_steps and (
-          step - first_step >= config.max_steps_per_run)
-      if step % config.log_interval_steps == 0 or step == config.num_steps or budget_spent:
-        log.flush()
-      if config.eval_interval_steps and step % config.eval_interval_steps == 0 and (
-          step < config.num_steps):
-        meta["history"].append({"step": step, "eval": evaluator(
-            state["params"], ckpt_base + step, source_lib.step_key(rng, step - 1, mesh))})
-      if step % config.save_interval_steps == 0 or step == config.num_steps:
-        log.flush()  # the checkpoint records how many metric rows precede it
-        session.save(ckpt_base + step, saved_state(), train_iter)
-      if session.stop_requested(budget_spent=budget_spent):
-        log.flush()
-        session.stop(ckpt_base + step, saved_state(), train_iter)
+      _every_n_steps(parts, step, state)
 
     # ------------------------------------------------------------------------- finish
-    eval_after = evaluator(state["params"], ckpt_base + config.num_steps,
-                           source_lib.step_key(rng, 3 << 20, mesh))
-    eval_lib.log_results("after GRPO", eval_after)
-    session.ckpt.wait()
-    summary = {"final_step": meta["grpo_step"], "wall_time_sec": round(session.wall_time(), 2),
-               "sft_steps": meta["sft_step"], "eval_initial": meta["eval_initial"],
-               "eval_before": meta["eval_before"], "eval_after": eval_after,
-               "eval_history": meta["history"]}
-    session.write_summary(summary)
-    _log_summary(summary, workdir)
-    if config.report_at_end and session.is_main:
-      _write_report(session, workdir)
-    return summary
+    return _finish(parts, state)
+
+
+# ======================================================================== setup
+
+
+@dataclasses.dataclass
+class Parts:
+  """What setup builds for the GRPO loop, one value. first_step: the GRPO step this run starts
+  at (0, or the checkpoint's); steps_per_epoch: batches of prompts per pass over the data."""
+  config: ml_collections.ConfigDict  # num_epochs: num_steps resolved (_run_length)
+  session: session_lib.Session
+  mesh: jax.sharding.Mesh  # the trainer's
+  sampler_mesh: jax.sharding.Mesh  # the same mesh unless rollout.placement=disaggregated
+  policy: Any
+  engine: Any  # the rollout engine
+  fns: step_lib.TrainFunctions
+  grpo: step_lib.GrpoStep
+  reference: Reference
+  source: source_lib.RolloutSource
+  evaluator: eval_lib.Evaluator
+  log: metrics_lib.StepLog
+  profiler: profiling.StepProfiler
+  memory_profile: profiling.MemoryProfile
+  train_iter: Any
+  first_step: int
+  steps_per_epoch: int
+
+
+def _setup(config, session, mesh, sampler_mesh) -> tuple[Parts, dict]:
+  """-> (the run's parts, the update state GRPO starts from: after the SFT warm start, or the
+  checkpoint's), the evaluation before GRPO done."""
+  logging.info("mesh %s over %d devices, %d process(es)%s", dict(mesh.shape), mesh.size,
+               jax.process_count(), "" if sampler_mesh is mesh else
+               f"; the sampler's {dict(sampler_mesh.shape)} over {sampler_mesh.size} more")
+  tokenizer = data_lib.build_tokenizer(config.tokenizer.kind,
+                                       config.tokenizer.path or config.model.hf_path)
+  train_data, eval_data = prompts_lib.prompt_data(config, tokenizer)
+  config = _run_length(config, len(train_data))
+  decode = source_lib.decoder(tokenizer)
+  policy = build.make_policy(config, mesh, abstract=session.resume_step is not None)
+  logging.info("policy: %s (%s), %.2fM parameters", config.model.impl, config.model.preset,
+               sum(x.size for x in jax.tree.leaves(policy.params)) / 1e6)
+  profiling.log_memory("loading the policy")
+  engine = session.closing(rollout_lib.make_engine(config, policy, tokenizer, sampler_mesh))
+  evaluator = _evaluator(config, session, policy, tokenizer, mesh, eval_data, decode)
+  reward_fn = session.closing(rewards_lib.from_config(config.reward))
+  reward_fn.check(train_data.rows[0])  # a broken plug-in fails now, not after SFT
+  judge = session.closing(judge_lib.build_judge(config, mesh))  # None: reward.judge.path ""
+  scorer = source_lib.Scorer(config, reward_fn, decode, judge)
+  fns = step_lib.build(config, policy, mesh)
+
+  # SFT warm start (sft.py); LoRA: the base GRPO's adapters go on.
+  params = sft_lib.run(config, session, policy, mesh, train_data, evaluator)
+  if config.lora.rank and session.resume_phase != "grpo":
+    params = lora_lib.after_sft(config, session, policy, params, mesh, session.workdir)
+
+  # GRPO: the reference, steps 4-6, the rollout source (global batches of row indices, each
+  # process takes its rows: prompts.NextPrompts), then the state: started or restored.
+  train_iter = data_lib.make_prompt_iterator(len(train_data), batch_size=config.batch_size,
+                                             seed=config.seed)
+  reference = Reference(config, policy, fns, mesh)
+  grpo = step_lib.GrpoStep(config, fns, reference, mesh, matches_trainer=engine.matches_trainer)
+  prompts = prompts_lib.NextPrompts(config, train_data, train_iter, sampler_mesh)
+  ahead = _compile_ahead(config, session, grpo, engine, sampler_mesh)
+  source = source_lib.RolloutSource(
+      config, engine=engine, prompts=prompts, scorer=scorer, mesh=mesh, rng=session.rng,
+      sampler_mesh=sampler_mesh, policy=policy, ahead=ahead)
+  state = _start_grpo(config, session, fns, policy, mesh, params, train_iter, reference,
+                      source)
+  first_step = session.meta["grpo_step"]
+  source.start(state, first_step)  # the first batch's programs compile from here on
+  _evaluate_before(config, session, evaluator, state, mesh)
+  log = metrics_lib.StepLog(session.writer, metrics_lib.Progress(
+      config.num_steps, first_step, "grpo"), num_rows=config.batch_size * config.num_generations,
+      max_consecutive_nonfinite=config.max_consecutive_nonfinite,
+      max_logprob_gap=config.rollout.max_logprob_gap, step_offset=config.sft_steps, mesh=mesh)
+  profiler = session.closing(profiling.StepProfiler(
+      session.workdir, config.profile.start_step, config.profile.num_steps,
+      python_tracer=config.profile.python_tracer))
+  return Parts(
+      config=config, session=session, mesh=mesh, sampler_mesh=sampler_mesh, policy=policy,
+      engine=engine, fns=fns, grpo=grpo, reference=reference, source=source, evaluator=evaluator,
+      log=log, profiler=profiler, memory_profile=profiling.MemoryProfile(
+          session.workdir, config.profile.memory_profile), train_iter=train_iter,
+      first_step=first_step, steps_per_epoch=data_lib.batches_per_epoch(
+          len(train_data), config.batch_size)), state
+
+
+def _compile_ahead(config, session, grpo, engine, sampler_mesh):
+  """config.compile_ahead: the step programs of each prompt width compile in the background
+  (run/compile_ahead.py), the first width's during the evaluation before GRPO and the first
+  rollout; the sampler's too when colocated. The rollout source submits the widths."""
+  if not config.compile_ahead:
+    return None
+  mesh = grpo.mesh
+  return session.closing(compile_ahead.CompileAhead(
+      config, grpo, engine=engine if sampler_mesh is mesh else None,
+      generation=source_lib.generation(config), key=source_lib.step_key(session.rng, 0, mesh)))
+
+
+def _evaluate_before(config, session, evaluator, state, mesh):
+  meta = session.meta
+  if meta["eval_before"] is None:
+    meta["eval_before"] = evaluator(state["params"], config.sft_steps,
+                                    source_lib.step_key(session.rng, 2 << 20, mesh))
+    eval_lib.log_results("before GRPO", meta["eval_before"])
+
+
+# ======================================================================== the loop's steps
+
+
+def _log_step(parts: Parts, step: int, batch, span, device: dict):
+  """7a. The step's figures (run/metrics.py's StepLog reads them at the log interval): host
+  sums over this process's rows, the phases' seconds (span: the step's, run/profiling.py), and
+  `device`: jax scalars where they were computed."""
+  host, lengths_n = batch.host, batch.host["mask"].sum(-1)
+  parts.log.add(
+      step, means={"reward/total": host["rewards"].sum(),
+                   **{f"reward/{k}": v.sum() for k, v in host["per_function"].items()},
+                   "completions/mean_length": lengths_n.sum(),
+                   "completions/truncated_fraction": host["truncated"].sum()},
+      totals={"reward/errors": host["errors"], "completions/tokens": lengths_n.sum()},
+      host={"perf/update_sec": span.seconds(profiling.UPDATE_PHASES),
+            "perf/step_time_sec": span.elapsed(),
+            "data/epoch": _epoch(parts.train_iter, parts.steps_per_epoch), **batch.figures},
+      device=device)
+
+
+def _every_n_steps(parts: Parts, step: int, state: dict):
+  """7b. The trace window and the memory profile; every N steps: log, evaluate, checkpoint;
+  the stop on SIGTERM or at the step budget (max_steps_per_run). `step`: updates done."""
+  config, session, log = parts.config, parts.session, parts.log
+  parts.profiler.step_end(step - 1, block_on=state["params"])
+  parts.memory_profile.step_end(step)
+  if step == parts.first_step + 1:
+    profiling.log_memory("the first step (sampler cache, update)")
+  ckpt_step = config.sft_steps + step  # checkpoints and TensorBoard count the SFT steps too
+  budget_spent = bool(config.max_steps_per_run) and step < config.num_steps and (
+      step - parts.first_step >= config.max_steps_per_run)
+  if step % config.log_interval_steps == 0 or step == config.num_steps or budget_spent:
+    log.flush()
+  if config.eval_interval_steps and step % config.eval_interval_steps == 0 and (
+      step < config.num_steps):
+    session.meta["history"].append({"step": step, "eval": parts.evaluator(
+        state["params"], ckpt_step, source_lib.step_key(session.rng, step - 1, parts.mesh))})
+  if step % config.save_interval_steps == 0 or step == config.num_steps:
+    log.flush()  # the checkpoint records how many metric rows precede it
+    session.save(ckpt_step, _saved(parts, state), parts.train_iter)
+  if session.stop_requested(budget_spent=budget_spent):
+    log.flush()
+    session.stop(ckpt_step, _saved(parts, state), parts.train_iter)
+
+
+def _saved(parts: Parts, state: dict) -> dict:
+  """The checkpoint's arrays: the update state (LoRA: the adapters and their moments; the base
+  is named in meta), the reference's copy, the in-flight rollouts (named in meta too)."""
+  parts.session.meta["rollout_pending"] = parts.source.pending_meta()
+  split = parts.policy.split
+  train = dict(state, params=split(state["params"])[0]) if split else state
+  return {"train": train, **parts.reference.saved(), **parts.source.saved()}
+
+
+def _finish(parts: Parts, state: dict) -> dict:
+  """The evaluation after training and DIR/summary.json (and the report) -> the summary."""
+  config, session, meta = parts.config, parts.session, parts.session.meta
+  eval_after = parts.evaluator(state["params"], config.sft_steps + config.num_steps,
+                               source_lib.step_key(session.rng, 3 << 20, parts.mesh))
+  eval_lib.log_results("after GRPO", eval_after)
+  session.ckpt.wait()
+  summary = {"final_step": meta["grpo_step"], "wall_time_sec": round(session.wall_time(), 2),
+             "sft_steps": meta["sft_step"], "eval_initial": meta["eval_initial"],
+             "eval_before": meta["eval_before"], "eval_after": eval_after,
+             "eval_history": meta["history"]}
+  session.write_summary(summary)
+  _log_summary(summary, session.workdir)
+  if config.report_at_end and session.is_main:
+    _write_report(session, session.workdir)
+  return summary
 
 
 # ======================================================================== loop helpers

@@ -110,6 +110,10 @@ def test_entry_point_writes_events_checkpoint_and_summary(tmp_path):
                "completions/truncated_fraction", "perf/rollout_tokens_per_sec",
                "perf/step_time_sec"):
     assert name in rows[-1], name
+  for r in rows:  # the phases' own clocks: disjoint regions inside the step (profiling.Span)
+    inside = r["perf/rollout_sec"] + r["perf/reward_sec"] + r["perf/update_sec"]
+    assert min(r["perf/rollout_sec"], r["perf/update_sec"]) > 0
+    assert inside <= r["perf/step_time_sec"], r
   evals = [r for r in read_metrics(workdir) if "eval/accuracy/greedy" in r]
   assert [r["step"] for r in evals] == [0, 2]
 
@@ -233,7 +237,7 @@ def test_sharded_mesh_matches_single_device(tmp_path, monkeypatch):
   train.run(tiny_config(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}), sharded)
 
   real = sharding.make_mesh
-  monkeypatch.setattr(train.sharding, "make_mesh",
+  monkeypatch.setattr(sharding, "make_mesh",
                       lambda *a, **kw: real(1, 1, 1, devices=jax.devices()[:1]))
   single = str(tmp_path / "single")
   train.run(tiny_config(**{"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1}), single)

@@ -68,8 +68,9 @@ class Reference:
   def after_update(self, step: int, params):
     """reference.refresh_every_steps: at every such step the copy becomes a copy (or an EMA)
     of the policy."""
-    if self.own_copy and self.refresh_every and step % self.refresh_every == 0:
-      self._keep(self.fns.refresh(self.on_device(), params))
+    with profiling.phase("ref_refresh"):
+      if self.own_copy and self.refresh_every and step % self.refresh_every == 0:
+        self._keep(self.fns.refresh(self.on_device(), params))
 
   def _keep(self, params):
     self.params = _to_memory_kind(params, "pinned_host") if self.offload else params

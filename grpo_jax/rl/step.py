@@ -10,8 +10,12 @@ whole batch, not a mean of per-micro-batch losses. Each micro-batch's aggregated
 weighted by its share of the denominator of the batch-level aggregation (its token count for
 `token-mean`, its row count otherwise), so gradients do not depend on `micro_batch_size` or on
 how rows are laid out over the mesh.
+
+`GrpoStep` (at the end) is the loop's steps 4-6 over these functions: advantages, the old and
+reference log-probs, the updates, each in its named phase (run/profiling.py).
 """
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -21,6 +25,8 @@ import optax
 from grpo_jax.parallel import sharding
 from grpo_jax.rl import advantages as adv_lib
 from grpo_jax.rl import losses
+from grpo_jax.run import metrics as metrics_lib
+from grpo_jax.run import profiling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +47,8 @@ class LossSettings:
   def from_config(cls, config) -> "LossSettings":
     l = config.loss
     # kl_in_reward: the KL is folded into the rewards (TrainFunctions.fold_kl), not the loss.
-    return cls(beta=0.0 if config.get("kl_in_reward") else float(config.beta), clip_eps=l.clip_eps, clip_eps_high=l.clip_eps_high,
+    return cls(beta=0.0 if config.kl_in_reward else float(config.beta), clip_eps=l.clip_eps,
+               clip_eps_high=l.clip_eps_high,
                clip_ratio_c=l.clip_ratio_c, kl_kind=l.kl_kind, kl_clamp=l.kl_clamp,
                loss_agg_mode=l.loss_agg_mode, policy_loss=l.policy_loss,
                max_completion_length=config.max_completion_length, tis_cap=l.tis_cap)
@@ -295,3 +302,84 @@ def build(config, policy, mesh) -> TrainFunctions:
       fold_kl=jax.jit(fold_kl, out_shardings=sharding.batch_sharding(mesh, 1)),
       refresh=jax.jit(refresh, donate_argnums=0, out_shardings=param_shardings),
       abstract_state=sharding.abstract_with(abstract, shardings))
+
+
+# ------------------------------------------------------------------- the loop's steps 4-6
+
+
+def old_logprobs_source(config, matches_trainer: bool) -> str:
+  """Where the update's old-policy log-probs come from: "sampler" off-policy
+  (rollout.max_staleness > 0: the behaviour policy's); "trainer" (a log-prob pass) for the PPO
+  ratio over several passes, for TIS, for kl_in_reward, and whenever the sampler is another
+  program than the trainer (its log-probs are then only close); else "" (none: ratio 1)."""
+  if config.rollout.max_staleness > 0:
+    return "sampler"
+  if (config.num_iterations > 1 or config.loss.tis_cap > 0 or config.kl_in_reward or
+      not matches_trainer):
+    return "trainer"
+  return ""
+
+
+class GrpoStep:
+  """GRPO steps 4-6 over one scored batch (rollout/source.py's Scored), each in its phase
+  (run/profiling.py):
+
+    upd, kl_rewards_n = grpo.inputs(state, batch)   # 4-5: advantages, rows, log-probs
+    state, metrics = grpo.update(state, upd)        # 6: num_iterations updates, dispatched
+    grpo.wait(state)                                # after the host's work meanwhile
+    device = grpo.figures(batch, upd, kl_rewards_n)  # the step's device scalars (replicated)
+  """
+
+  def __init__(self, config, fns: TrainFunctions, reference, mesh, *, matches_trainer: bool):
+    """reference: rl/reference.py's Reference (disabled when beta = 0). matches_trainer: the
+    sampler is the trainer's own program (no sampler/trainer gap to log)."""
+    self.config, self.fns, self.reference, self.mesh = config, fns, reference, mesh
+    self.matches_trainer = matches_trainer
+    self.old_logp = old_logprobs_source(config, matches_trainer)
+    self.stats_fn = jax.jit(functools.partial(
+        metrics_lib.rollout_stats, group_size=config.num_generations,
+        advantage_clip=config.loss.advantage_clip), out_shardings=sharding.replicated(mesh))
+
+  def inputs(self, state: dict, batch) -> tuple[dict, jax.Array | None]:
+    """4. Advantages per group and the [prompt; completion] rows to train on; 5. the old and
+    reference log-probs. -> (the update's batch, the rewards after the KL penalty [N] when
+    kl_in_reward, else None)."""
+    with profiling.phase("advantages"):
+      upd = self.fns.assemble(batch.prompt["ids"], batch.prompt["mask"], batch.rollout,
+                              batch.rewards)
+    if self.old_logp == "sampler":
+      upd["old_logp"] = batch.behaviour_logp
+    elif self.old_logp == "trainer":
+      with profiling.phase("old_logprobs"):
+        upd["old_logp"] = self.fns.logprobs(state["params"], upd["input_ids"],
+                                            upd["attention_mask"])
+    if self.reference.enabled:
+      with profiling.phase("ref_logprobs"):
+        upd["ref_logp"] = self.reference.logprobs(state["params"], upd["input_ids"],
+                                                  upd["attention_mask"])
+    if not self.config.kl_in_reward:
+      return upd, None
+    with profiling.phase("kl_in_reward"):  # rewards - beta * sum_t KL_t, the advantages again
+      return self.fns.fold_kl(upd, batch.rewards)
+
+  def update(self, state: dict, upd: dict) -> tuple[dict, dict]:
+    """6. num_iterations optimizer updates over the whole batch, dispatched (`state` donated).
+    -> (the new state, the last update's metrics)."""
+    with profiling.phase("update"):
+      for _ in range(self.config.num_iterations):
+        state, metrics = self.fns.update(state, upd)
+    return state, metrics
+
+  def wait(self, state: dict):
+    """Returns once the update is done (a wait, not a read: its time is the update's)."""
+    with profiling.phase("update"):
+      jax.block_until_ready(state)
+
+  def figures(self, batch, upd: dict, kl_rewards_n) -> dict:
+    """The batch's scalars where its arrays live (metrics.rollout_stats; with the sampler/trainer
+    log-prob gap when the sampler is another program, and the KL penalty when kl_in_reward)."""
+    mismatch = {} if self.matches_trainer else dict(sampler_logp_nc=batch.rollout.logprobs,
+                                                    trainer_logp_nc=upd["old_logp"])
+    if kl_rewards_n is not None:
+      mismatch["kl_rewards_n"] = kl_rewards_n
+    return self.stats_fn(batch.rewards, upd["advantages"], batch.rollout.mask, **mismatch)

@@ -1,9 +1,10 @@
 """The loop's rollout source: GRPO steps 1-3 (prompts, rollout, rewards) behind one call.
 
-    source = RolloutSource(config, engine=..., prompts=..., reward_fn=..., judge=..., ...)
-    scored = source.next(state["params"], step)   # the step's scored batch (Scored)
-    source.while_updating(step)                    # host work while the device updates
-    source.after_update(state["params"])           # the sampler's weights follow the update
+    source = RolloutSource(config, engine=..., prompts=..., scorer=Scorer(config, ...), ...)
+    source.start(state, step)                # before the loop: the first width compiles ahead
+    scored = source.next(state, step)        # the step's scored batch (Scored)
+    source.while_updating(step)              # host work while the device updates
+    source.after_update(state["params"])     # the sampler's weights follow the update
 
 The loop asks it for "the next scored batch" and does not care how it was made:
 - on-policy (rollout.max_staleness = 0): sampled now, from the weights of this step;
@@ -15,6 +16,11 @@ The loop asks it for "the next scored batch" and does not care how it was made:
 - DAPO dynamic sampling's extra rounds (loss.dynamic_sampling) happen inside: on fresh prompts,
   from the current weights, until the step holds batch_size groups with signal.
 
+Compiling ahead (run/compile_ahead.py, `ahead`): the source knows each batch's prompt width
+first, so it submits it: the first before the loop (`start`), each next one while the device
+samples the current step; it waits for the sampler's program before a rollout, and for the step
+programs before it hands the batch over.
+
 Checkpoints: the in-flight rollouts are saved with the step (`saved()`: their arrays; meta
 "rollout_pending": the data iterator's position before each of their prompt batches) and put
 back by `restore()`, so a resumed run trains on exactly the rollouts an uninterrupted one does.
@@ -25,7 +31,6 @@ Multi-host: each process scores its own rows of the batch (multihost.local_rows)
 import collections
 import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -71,14 +76,16 @@ class _Drawn:
 
 class RolloutSource:
 
-  def __init__(self, config, *, engine, prompts, reward_fn, judge, decode, mesh, rng,
-               sampler_mesh=None, policy=None, ahead=None, look_ahead=None):
-    """mesh: the trainer's. sampler_mesh (placement=disaggregated; `engine` and `prompts` on
-    it, `policy` for LoRA's split/combine): the sampler's, else the trainer's. The engine maps
-    the moved weights for its sampler itself (policy.rollout_params, on the sampler's mesh)."""
+  def __init__(self, config, *, engine, prompts, scorer, mesh, rng, sampler_mesh=None,
+               policy=None, ahead=None):
+    """scorer: Scorer (step 3, on the host). mesh: the trainer's. sampler_mesh
+    (placement=disaggregated; `engine` and `prompts` on it, `policy` for LoRA's split/combine):
+    the sampler's, else the trainer's. The engine maps the moved weights for its sampler itself
+    (policy.rollout_params, on the sampler's mesh). ahead: run/compile_ahead.py's CompileAhead
+    (config.compile_ahead), else None."""
     self.config, self.engine, self.prompts, self.mesh = config, engine, prompts, mesh
-    self.reward_fn, self.judge, self.decode = reward_fn, judge, decode
-    self.ahead, self.look_ahead = ahead, look_ahead
+    self.scorer = scorer
+    self.ahead = ahead
     self.depth = config.rollout.max_staleness
     self.generation = generation(config)
     self.dynamic = config.loss.dynamic_sampling and config.loss.max_resample_rounds > 0
@@ -100,17 +107,22 @@ class RolloutSource:
 
   # --------------------------------------------------------------------------- the loop
 
-  def next(self, params, step: int) -> Scored:
-    """The scored batch of `step`; `params`: the trainer's weights now (after `step` updates).
-    Off-policy, the rollouts of the next steps are dispatched before this returns."""
+  def start(self, state: dict, step: int):
+    """Before the first step (`step`: of a fresh or a resumed run): disaggregated, the weights
+    move to the sampler; the first batch's programs start compiling ahead."""
+    if self.disaggregated:
+      self.after_update(state["params"])
+    self._look_ahead(state, step)
+
+  def next(self, state: dict, step: int) -> Scored:
+    """The scored batch of `step`; `state`: the trainer's update state now (after `step`
+    updates). Off-policy, the rollouts of the next steps are dispatched before this returns."""
     timing = {"rollout": 0.0, "rewards": 0.0}
-    if self.disaggregated and self._weights is None:  # the run's start (or resume)
-      self.after_update(params)
-    weights = params
+    weights = state["params"]
     if self.disaggregated:
       weights = self._combine(self._weights, self._base) if self._split else self._weights
     if not self._pending:
-      self._pending.append(self._dispatch(weights, step, step, timing))
+      self._pending.append(self._dispatch(weights, state, step, step, timing))
     drawn = self._pending.popleft()
     first = drawn.scored or self._score(drawn, timing)
     for k, v in drawn.timing.items():  # what scoring it ahead cost
@@ -118,22 +130,26 @@ class RolloutSource:
     figures, mesh = {}, self.sampler_mesh
     if self.dynamic:  # extra rounds on fresh prompts, from the current weights
       key = step_key(self.rng, step, mesh)
-      draw = lambda k: self._score(self._dispatch(weights, step, step, timing, key=k), timing)
+      draw = lambda k: self._score(self._dispatch(weights, state, step, step, timing, key=k),
+                                   timing)
       prompt, rollout, host, figures = dyn_lib.choose(self.config, first, draw, key, mesh,
                                                       self._take_groups)
     else:
       prompt, rollout, host = first
     rewards = multihost.to_global(host["rewards"], mesh, len(drawn.rollout.lengths))
     if self.disaggregated:  # to the trainer's devices, before the next rollouts start
-      t0 = time.time()
-      with profiling.phase("to_trainer"):
+      with profiling.phase("to_trainer") as span:
         prompt, rollout, rewards = self._to_trainer.move(
             (prompt, rollout, rewards), jax.tree.map(
                 lambda x: sharding.batch_sharding(self.mesh, x.ndim), (prompt, rollout, rewards)))
-      figures["perf/batch_transfer_sec"] = time.time() - t0
+      figures["perf/batch_transfer_sec"] = span.sec
     while len(self._pending) < self.depth and (
         step + 1 + len(self._pending) < self.config.num_steps):
-      self._pending.append(self._dispatch(weights, step + 1 + len(self._pending), step, timing))
+      self._pending.append(self._dispatch(weights, state, step + 1 + len(self._pending), step,
+                                          timing))
+    if self.ahead:  # a width's first step: its step programs compiled meanwhile (the wait is
+      with profiling.phase("advantages"):  # step 4's, as their first calls' compiles would be)
+        self.ahead.wait(prompt["ids"].shape[1])
     figures.update({"perf/rollout_sec": timing["rollout"], "perf/reward_sec": timing["rewards"],
                     "rollout/staleness": step - drawn.version, **self._sync_figures,
                     **self.engine.stats()})
@@ -149,7 +165,7 @@ class RolloutSource:
       drawn.scored = self._score(drawn, drawn.timing)
     if step + 1 + len(self._pending) < self.config.num_steps:
       with profiling.phase("prompts"):
-        self.prompts.prefetch()  # (done already when compiling ahead: look_ahead)
+        self.prompts.prefetch()  # (done already when compiling ahead: _look_ahead)
 
   def after_update(self, params):
     """The trainer's weights changed. Colocated, the sampler reads them as they are;
@@ -226,49 +242,69 @@ class RolloutSource:
 
   # ------------------------------------------------------------------------- internals
 
-  def _dispatch(self, params, step: int, version: int, timing: dict, key=None) -> _Drawn:
-    """Takes the next prompts and dispatches their rollout (not waited for)."""
+  def _dispatch(self, params, state: dict, step: int, version: int, timing: dict,
+                key=None) -> _Drawn:
+    """Takes the next prompts and dispatches their rollout (not waited for); `params`: the
+    sampler's weights, `state`: the trainer's (after `version` updates)."""
     with profiling.phase("prompts"):
       before = self.prompts.it.get_state()
       batch, prompt = self.prompts.take()
-    t0 = time.time()
-    with profiling.phase("rollout"):
+    with profiling.phase("rollout") as span:
       if self.ahead:  # a width's first rollout: its sampler compiled meanwhile
         self.ahead.wait(prompt["ids"].shape[1], only="sampler")
       key = step_key(self.rng, step, self.sampler_mesh) if key is None else key
       rollout = self.engine.generate(params, batch, key, self.generation)
-      if self.look_ahead:  # host work while the device samples
-        self.look_ahead()
-    timing["rollout"] += time.time() - t0
+      self._look_ahead(state, version + 1)  # host work while the device samples
+    timing["rollout"] += span.sec
     return _Drawn(batch, prompt, rollout, version, before)
+
+  def _look_ahead(self, state: dict, step: int):
+    """Compiling ahead: the prompts of `step` are taken early, and the programs of their width
+    start compiling unless compiled before."""
+    if self.ahead and step < self.config.num_steps:
+      self.prompts.prefetch()
+      self.ahead.submit(self.as_trainer(self.prompts.peek()), state)
 
   def _score(self, drawn: _Drawn, timing: dict):
     """Waits for a dispatched rollout and scores this process's rows of it. -> (prompt,
     rollout, host rows: tokens, mask, truncated, rewards (f32, + DAPO's overlong penalty),
     per_function, errors)."""
-    c, G, batch = self.config, self.config.num_generations, drawn.batch
-    t0 = time.time()
-    with profiling.phase("rollout"):  # this process's rows, on the host (one transfer)
+    with profiling.phase("rollout") as span:  # this process's rows, on the host (one transfer)
       tokens_nc, mask_nc, truncated_n = multihost.local_rows(
           (drawn.rollout.tokens, drawn.rollout.mask, drawn.rollout.truncated))
-    timing["rollout"] += time.time() - t0
-    t0 = time.time()
-    with profiling.phase("rewards"):
-      prompts_n = [p for p in batch["prompts"] for _ in range(G)]
-      completions_n = self.decode.rows(tokens_nc, mask_nc)
-      rows_n = [r for r in batch["rows"] for _ in range(G)]
-      scored = self.reward_fn(prompts_n, completions_n, rows_n)
-      per_function, total = dict(scored.per_function), scored.total
-      if self.judge is not None:  # collective: every process, its own rows
-        per_function["judge"] = self.judge(prompts_n, completions_n)
-        total = total + c.reward.judge.weight * per_function["judge"]
-      rewards_n = total + adv_lib.overlong_penalty(
-          mask_nc.sum(-1), c.max_completion_length, c.loss.overlong_buffer,
-          c.loss.overlong_factor)
-    timing["rewards"] += time.time() - t0
+    timing["rollout"] += span.sec
+    with profiling.phase("rewards") as span:
+      rewards_n, per_function, errors = self.scorer(drawn.batch, tokens_nc, mask_nc)
+    timing["rewards"] += span.sec
     return drawn.prompt, drawn.rollout, dict(
-        tokens=tokens_nc, mask=mask_nc, truncated=truncated_n, rewards=rewards_n.astype(np.float32),
-        per_function=per_function, errors=scored.errors)
+        tokens=tokens_nc, mask=mask_nc, truncated=truncated_n, rewards=rewards_n,
+        per_function=per_function, errors=errors)
+
+
+class Scorer:
+  """GRPO step 3 on the host: this process's completions decoded and scored by the reward
+  functions (a weighted sum), the judge (reward.judge) and DAPO's overlong penalty."""
+
+  def __init__(self, config, reward_fn, decode, judge=None):
+    """reward_fn: rewards.from_config's computer; decode: `decoder(tokenizer)`; judge:
+    rewards/judge.py's model judge, or None."""
+    self.config, self.reward_fn, self.decode, self.judge = config, reward_fn, decode, judge
+
+  def __call__(self, batch: dict, tokens_nc, mask_nc):
+    """batch: the host prompt batch (prompts, rows) of B prompts; tokens_nc, mask_nc: its
+    N = B*G completions (this process's rows). -> (rewards f32 [N], per_function, errors)."""
+    c, G = self.config, self.config.num_generations
+    prompts_n = [p for p in batch["prompts"] for _ in range(G)]
+    completions_n = self.decode.rows(tokens_nc, mask_nc)
+    rows_n = [r for r in batch["rows"] for _ in range(G)]
+    scored = self.reward_fn(prompts_n, completions_n, rows_n)
+    per_function, total = dict(scored.per_function), scored.total
+    if self.judge is not None:  # collective: every process, its own rows
+      per_function["judge"] = self.judge(prompts_n, completions_n)
+      total = total + c.reward.judge.weight * per_function["judge"]
+    rewards_n = total + adv_lib.overlong_penalty(
+        mask_nc.sum(-1), c.max_completion_length, c.loss.overlong_buffer, c.loss.overlong_factor)
+    return rewards_n.astype(np.float32), per_function, scored.errors
 
 
 def generation(config) -> GenerationConfig:

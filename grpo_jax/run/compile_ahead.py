@@ -1,8 +1,7 @@
 """Compiling a GRPO step's programs in the background, before their first call.
 
-    ahead = CompileAhead(config, fns, stats_fn, policy, mesh, needs_old_logp=...,
-                         engine=engine, generation=train_gen, key=a_step_key)
-    ahead.submit(prompt, state, ref_params)  # as soon as a batch's prompt width is known
+    ahead = CompileAhead(config, grpo, engine=engine, generation=train_gen, key=a_step_key)
+    ahead.submit(prompt, state)              # as soon as a batch's prompt width is known
     ahead.wait(width, only="sampler")        # before the rollout: the sampler is compiled
     ...                                      # rollout, rewards: the main thread goes on
     ahead.wait(width)                        # before step 4: its programs are compiled
@@ -13,13 +12,14 @@ the step's statistics. Their input shapes follow from the config and the width a
 can be lowered on abstract inputs (`jax.ShapeDtypeStruct` with the shardings the loop's arrays
 will carry) and compiled in a worker thread while the main thread runs the evaluation or the
 step before (when the main thread needs them, `wait` compiles in it those the worker has not
-started yet); jit's own caches then serve the real calls. The loop submits the first batch's
-width before the evaluation that precedes GRPO, and each later new width when it prefetches the
-next step's prompts, so a new width compiles while the device runs the current step. XLA
-compiles with the GIL released: the compiles (and the device) overlap.
+started yet); jit's own caches then serve the real calls. The rollout source (rollout/source.py)
+submits the first batch's width before the evaluation that precedes GRPO, and each later new
+width when it prefetches the next step's prompts, so a new width compiles while the device runs
+the current step. XLA compiles with the GIL released: the compiles (and the device) overlap.
 
 The abstract inputs are made by the same jitted functions the loop calls (`jax.eval_shape` of
-each, chained as in train.py's steps 4-6), starting from the engine-independent `Rollout.spec`,
+each, chained as in rl/step.py's GrpoStep: steps 4-6), starting from the engine-independent
+`Rollout.spec`,
 so they carry the out_shardings the real arrays get; the sampler's come from the engine
 (`NativeEngine.program`). Where they still differ from a real call (e.g. DAPO's combined
 rounds), that call compiles at its first use as it would without this; a failure here is
@@ -92,26 +92,21 @@ class CompileAhead:
   """A worker thread that compiles the step programs of each new prompt width once; the main
   thread, when it needs them (`wait`), compiles those the worker has not started yet."""
 
-  def __init__(self, config, fns, stats_fn, policy, mesh, *, needs_old_logp: bool,
-               matches_trainer: bool, engine=None, generation=None, key=None,
-               off_policy: bool = False):
-    """engine, generation, key: the rollout engine, the train generation config and a step's
-    RNG key (its shape and sharding): the sampler's program is compiled ahead too when the
-    engine has one to give (`engine.program`: the native engine; vLLM's compiles its own).
-    off_policy: the old log-probs are the sampler's (rollout/source.py), no trainer pass."""
-    self.config, self.fns, self.stats_fn, self.policy, self.mesh = (
-        config, fns, stats_fn, policy, mesh)
-    self.needs_old_logp, self.matches_trainer = needs_old_logp, matches_trainer
-    self.off_policy = off_policy
+  def __init__(self, config, grpo, *, engine=None, generation=None, key=None):
+    """grpo: rl/step.py's GrpoStep, whose programs (and the reference's) these are. engine,
+    generation, key: the rollout engine, the train generation config and a step's RNG key (its
+    shape and sharding): the sampler's program is compiled ahead too when the engine has one to
+    give (`engine.program`: the native engine; vLLM's compiles its own)."""
+    self.config, self.grpo = config, grpo
     self.engine, self.generation, self.key = engine, generation, key
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile_ahead")
     self._widths: dict[int, _Width] = {}
     self._lock = threading.Lock()
 
-  def submit(self, prompt: dict, state: dict, ref_params) -> bool:
+  def submit(self, prompt: dict, state: dict) -> bool:
     """Starts compiling for the width of `prompt` ({"ids", "mask"}: global [B, P] arrays)
     unless that width was submitted before. -> whether it started."""
-    width = prompt["ids"].shape[1]
+    width, ref_params = prompt["ids"].shape[1], self.grpo.reference.params
     with self._lock:
       if width in self._widths:
         return False
@@ -171,22 +166,23 @@ class CompileAhead:
 
   def _programs(self, ids, mask, state, ref):
     """[(name, jitted fn, abstract args)]: the update first (it compiles longest, so the worker
-    starts on it), then train.py's order (what the main thread will take when it waits)."""
-    c, fns, mesh = self.config, self.fns, self.mesh
+    starts on it), then the loop's order (what the main thread will take when it waits)."""
+    c, grpo, fns, mesh = self.config, self.grpo, self.grpo.fns, self.grpo.mesh
     rows = ids.shape[0] * c.num_generations
     rollout = Rollout.spec(rows, c.max_completion_length, mesh)
     rewards = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=sharding.batch_sharding(mesh, 1))
     assemble = ("assemble", fns.assemble, (ids, mask, rollout, rewards))
     upd = jax.eval_shape(fns.assemble, *assemble[2])
     programs = [assemble]
-    if self.off_policy:
+    if grpo.old_logp == "sampler":
       upd["old_logp"] = rollout.logprobs
-    elif self.needs_old_logp:
+    elif grpo.old_logp == "trainer":
       programs.append(("old logprobs", fns.logprobs,
                        (state["params"], upd["input_ids"], upd["attention_mask"])))
       upd["old_logp"] = jax.eval_shape(fns.logprobs, *programs[-1][2])
     if c.beta > 0:  # LoRA: the base of the state's own params; else the stored reference
-      ref = self.policy.reference(state["params"]) if self.policy.reference else ref
+      policy = grpo.reference.policy
+      ref = policy.reference(state["params"]) if policy.reference else ref
       programs.append(("ref logprobs", fns.logprobs,
                        (ref, upd["input_ids"], upd["attention_mask"])))
       upd["ref_logp"] = jax.eval_shape(fns.logprobs, *programs[-1][2])
@@ -195,11 +191,11 @@ class CompileAhead:
       programs.append(("fold_kl", fns.fold_kl, (upd, rewards)))
       upd, kl_rewards = jax.eval_shape(fns.fold_kl, upd, rewards)
     update = ("update", fns.update, (state, upd))
-    mismatch = {} if self.matches_trainer else dict(sampler_logp_nc=rollout.logprobs,
+    mismatch = {} if grpo.matches_trainer else dict(sampler_logp_nc=rollout.logprobs,
                                                    trainer_logp_nc=upd["old_logp"])
     if kl_rewards is not None:
       mismatch["kl_rewards_n"] = kl_rewards
-    stats = ("statistics", _with_kwargs(self.stats_fn, mismatch),
+    stats = ("statistics", _with_kwargs(grpo.stats_fn, mismatch),
              (rewards, upd["advantages"], rollout.mask))
     return [update, *programs, stats]
 

@@ -6,12 +6,18 @@ benchmarks/trace_analysis.py reads them back. Spans are host time: a phase that 
 dispatches device work ends before that work does; the wait is in the phase that blocks
 ("update" blocks on the new state, "rollout" on the completions it copies to the host).
 
+A span is also the one clock of its region: `phase(name).sec` once it ends, and the open step
+span (`step_span`) adds up its phases' seconds by name, which the loop logs as perf/* figures
+(perf/update_sec: UPDATE_PHASES; perf/step_time_sec: the step span so far).
+
 With a cloud workdir (gs://) the trace is written to a local temporary folder and copied to
 WORKDIR/profile when the window closes.
 """
+import collections
 import os
 import shutil
 import tempfile
+import time
 
 from absl import logging
 import jax
@@ -24,6 +30,10 @@ PHASES = ("prompts", "rollout", "rewards", "advantages", "old_logprobs", "ref_lo
           "kl_in_reward", "update", "ref_refresh", "log")
 # Phases only some configs have (kl_in_reward, reference.refresh_every_steps).
 OPTIONAL_PHASES = ("kl_in_reward", "ref_refresh")
+# perf/update_sec: GRPO steps 4-6, the advantages to the weights following the update (the
+# host's work for the next step meanwhile, source.while_updating, is not in it).
+UPDATE_PHASES = ("advantages", "old_logprobs", "ref_logprobs", "kl_in_reward", "update",
+                 "weight_sync", "ref_refresh")
 STEP_SPAN = "grpo_step"
 PHASE_PREFIX = "phase/"
 
@@ -71,13 +81,65 @@ class MemoryProfile:
                    self.path)
 
 
-def phase(name: str):
-  """A named span in the trace (nearly free when no trace is being written)."""
-  return jax.profiler.TraceAnnotation(PHASE_PREFIX + name)
+class Span:
+  """A named region: an annotation in the trace (nearly free when no trace is being written)
+  and its host seconds, `sec` once it ends, added to the open step span's `phases`."""
+
+  def __init__(self, name: str):
+    self.name, self.sec = name, 0.0
+
+  def __enter__(self):
+    self._annotation = jax.profiler.TraceAnnotation(PHASE_PREFIX + self.name)
+    self._annotation.__enter__()
+    self._t0 = time.perf_counter()
+    return self
+
+  def __exit__(self, *exc):
+    self.sec = time.perf_counter() - self._t0
+    self._annotation.__exit__(*exc)
+    if _open_steps:
+      _open_steps[-1].phases[self.name] += self.sec
 
 
-def step_span(step: int):
-  return jax.profiler.StepTraceAnnotation(STEP_SPAN, step_num=step)
+class StepSpan:
+  """One GRPO step in the trace (`grpo_step`, with its number) and the seconds of the phases
+  run inside it, by name (`phases`; a phase entered twice counts twice)."""
+
+  def __init__(self, step: int):
+    self.step = step
+    self.phases = collections.Counter()
+
+  def __enter__(self):
+    self._annotation = jax.profiler.StepTraceAnnotation(STEP_SPAN, step_num=self.step)
+    self._annotation.__enter__()
+    self._t0 = time.perf_counter()
+    _open_steps.append(self)
+    return self
+
+  def __exit__(self, *exc):
+    _open_steps.remove(self)
+    self._annotation.__exit__(*exc)
+
+  def elapsed(self) -> float:
+    """Host seconds since the step began."""
+    return time.perf_counter() - self._t0
+
+  def seconds(self, names) -> float:
+    """The seconds of the phases `names` so far in this step."""
+    return sum(self.phases[name] for name in names)
+
+
+_open_steps: list[StepSpan] = []  # the step span phases add to (the main thread's)
+
+
+def phase(name: str) -> Span:
+  """`with phase("update"):` a named span in the trace that times itself (Span)."""
+  return Span(name)
+
+
+def step_span(step: int) -> StepSpan:
+  """`with step_span(step) as span:` the step in the trace; span.phases: its phases' seconds."""
+  return StepSpan(step)
 
 
 def trace_options(python_tracer: bool = False) -> jax.profiler.ProfileOptions:

@@ -184,7 +184,7 @@ def resume_fields(config) -> dict:
       continue
     node = config
     for part in name.split("."):
-      node = node.get(part) if hasattr(node, "get") else None
+      node = getattr(node, part)
     out[name] = node
   return out
 
@@ -195,8 +195,7 @@ def check_resumable(saved: dict | None, config, step: int, workdir: str):
   if not saved:
     return
   now = resume_fields(config)
-  allowed = {f.strip() for f in config.checkpoint.get("allow_changes", "").split(",")
-             if f.strip()}
+  allowed = {f.strip() for f in config.checkpoint.allow_changes.split(",") if f.strip()}
   changed = [k for k in now if k in saved and saved[k] != now[k] and k not in allowed]
   if not changed:
     return

@@ -93,8 +93,8 @@ def test_the_next_width_is_submitted_while_the_device_samples(tmp_path, monkeypa
     events.append("generate")
     return generate(self, params, batch, rng, generation)
 
-  def on_submit(self, prompt, state, ref_params):
-    started = submit(self, prompt, state, ref_params)
+  def on_submit(self, prompt, state):
+    started = submit(self, prompt, state)
     if started:
       events.append(f"submit {prompt['ids'].shape[1]}")
     return started
