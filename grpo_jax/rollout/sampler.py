@@ -76,7 +76,7 @@ class Sampler:
   def _fn(self, top_k: int, use_top_p: bool, greedy: bool):
     key = (top_k, use_top_p, greedy)
     if key not in self._compiled:
-      fn = functools.partial(self._decode, top_k=top_k, use_top_p=use_top_p, greedy=greedy)
+      fn = functools.partial(self._generate, top_k=top_k, use_top_p=use_top_p, greedy=greedy)
       kw = {}
       if self.mesh is not None:
         rows = sharding.batch_sharding(self.mesh, 2)
@@ -131,7 +131,7 @@ class Sampler:
     block = decode_attention_lib.BLOCK
     return -(-(end - 1) // block) * block if self.ragged else end
 
-  def _decode(self, state, prompt_ids, prompt_mask, rng, temperature, top_p, *, top_k,
+  def _generate(self, state, prompt_ids, prompt_mask, rng, temperature, top_p, *, top_k,
               use_top_p, greedy) -> Rollout:
     model = nnx.merge(self.graphdef, state)
     # The kernels of this sampler's platform and decode attention, for every trace of it.
