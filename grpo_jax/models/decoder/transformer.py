@@ -236,7 +236,9 @@ class Transformer(nnx.Module):
 
     Each layer writes the token's key/value into its cache, then attends to the written cache
     and to the prompt's shared keys/values where the cache has them (cache.share_prompt; a
-    plain cache attends to an empty prefix)."""
+    plain cache attends to an empty prefix). Per-layer caches update in place; a stacked one
+    (scan_layers) comes back from the layer scan as a new array, a copy per step: the sampler
+    decodes its per-layer copy of the model (cache.sampling_copy)."""
     b = token_b.shape[0]
     index = cache["index"]
     positions = cache["pos"][:, None]
