@@ -1093,9 +1093,11 @@ def s_decode_kernel(ctx, sec, out):
 
       def attend(q, name=name):
         if name == "xla":
-          return layers.attention(q, k, v, jnp.full((n, 1), length - 1), valid,
-                                  kv_head_major=True, prefix=(pk, pv, p_valid))
-        return da.ragged(q, k, v, length, (pk, pv, p_valid), interpret=ctx.quick or None)
+          allowed = layers.slot_mask(jnp.full((n, 1), length - 1), jnp.arange(w["s"]), valid)
+          return layers.cache_attention(q, k, v, allowed, (pk, pv, p_valid),
+                                        layers.prefix_mask(p_valid, jnp.zeros((n, 1), jnp.int32)))
+        interpret = ctx.quick or jax.default_backend() not in ("gpu", "cuda", "rocm")
+        return da.ragged(q, k, v, length, (pk, pv, p_valid), interpret=interpret)
 
       def run_one(attend=attend):
         f = jax.jit(lambda q: functools.reduce(lambda x, _: attend(x), range(calls), q))

@@ -67,7 +67,6 @@ import jax.numpy as jnp
 from grpo_jax import configuration
 from grpo_jax.parallel import sharding
 from grpo_jax.models import build
-from grpo_jax.models.decoder import layers
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rollout import sampler as sampler_lib
@@ -222,8 +221,9 @@ def plan(config, target: Target, *, remat_policies=None, micro_batches=None,
     os.makedirs(dump_hlo, exist_ok=True)
   compile_ = functools.partial(measure, platform=target.devices[0].platform, dump_hlo=dump_hlo,
                                log=log)
-  with layers.gate_up_fused_for(target.devices[0].platform):
-    return _plan(config, target, remat_policies, micro_batches, functions, log, compile_)
+  # The policies are built on `target`'s devices, so their kernels are the chip's
+  # (Kernels.for_mesh), whatever the host that traces them.
+  return _plan(config, target, remat_policies, micro_batches, functions, log, compile_)
 
 
 def plan_disaggregated(config, target: Target, *, log=print, **kw):

@@ -5,7 +5,6 @@ from grpo_jax.models.decoder.config import PRESETS
 from grpo_jax.models.decoder.transformer import Transformer
 from grpo_jax.models.decoder.transformer import build_model
 from grpo_jax.models.decoder.transformer import positions_from_mask
-from grpo_jax.models.decoder.transformer import repeat_cache
 from grpo_jax.models.decoder.hf import hf_tensors
 from grpo_jax.models.families import load_hf
 from grpo_jax.models.families import save_hf

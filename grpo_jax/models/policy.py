@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import hf
 from grpo_jax.models.decoder.config import ModelConfig
+from grpo_jax.models.decoder.kernels import Kernels
 from grpo_jax.models.t5 import hf as t5_hf
 from grpo_jax.models.logprobs import completion_logprobs
 from grpo_jax.models.t5.model import T5
@@ -106,7 +107,9 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
                                        scan_layers=m.scan_layers,
                                        attention_impl=m.attention_impl)
     if abstract:
-      model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=config.seed)))
+      kernels = Kernels.for_mesh(cfg, mesh)  # the mesh's platform: a memory plan's target chip
+      model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=config.seed),
+                                                 kernels=kernels))
     else:
       model = build_model(cfg, seed=config.seed, mesh=mesh)
   graphdef, params = nnx.split(model)

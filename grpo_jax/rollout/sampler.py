@@ -34,10 +34,11 @@ import numpy as np
 from grpo_jax.parallel import multihost
 from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import decode_attention as decode_attention_lib
-from grpo_jax.models.decoder.transformer import grow_cache
-from grpo_jax.models.decoder.transformer import ring_sizes
-from grpo_jax.models.decoder.transformer import sampling_copy
-from grpo_jax.models.decoder.transformer import share_prompt
+from grpo_jax.models.decoder.cache import grow_cache
+from grpo_jax.models.decoder.cache import ring_sizes
+from grpo_jax.models.decoder.cache import sampling_copy
+from grpo_jax.models.decoder.cache import share_prompt
+from grpo_jax.models.decoder.kernels import Kernels
 from grpo_jax.rollout import sampling
 from grpo_jax.rollout.types import GenerationConfig
 from grpo_jax.rollout.types import Rollout
@@ -124,20 +125,19 @@ class Sampler:
           multihost.replicated(np.float32(v), self.mesh) for v in key)
     return self._device_scalars[key]
 
-  def _generate(self, *args, **kw) -> Rollout:
-    with decode_attention_lib.use(self.ragged, self.platform):
-      return self._decode(*args, **kw)
-
   def _slots(self, end: int) -> int:
     """Cache slots for a phase ending at column `end`: its decodes write slots 0..end-2 (the
     last column's token is drawn, never decoded); the ragged kernel reads whole blocks."""
     block = decode_attention_lib.BLOCK
     return -(-(end - 1) // block) * block if self.ragged else end
 
-  def _decode(self, state, prompt_ids, prompt_mask, rng, temperature, top_p, *, top_k,
+  def _generate(self, state, prompt_ids, prompt_mask, rng, temperature, top_p, *, top_k,
               use_top_p, greedy) -> Rollout:
+    model = nnx.merge(self.graphdef, state)
+    # The kernels of this sampler's platform and decode attention, for every trace of it.
+    model.kernels = Kernels.resolve(model.cfg, self.platform, ragged_decode=self.ragged)
     # The weights the loops read: compute dtype, per layer, made once here (sampling_copy).
-    model = sampling_copy(nnx.merge(self.graphdef, state))
+    model = sampling_copy(model)
     g, c_len, cols = self.num_generations, self.max_new_tokens, self.columns
     b, p = prompt_ids.shape
     n = b * g
@@ -229,8 +229,8 @@ def _constrain_cache(cache: dict) -> dict:
 def config_options(config) -> dict:
   """The Sampler's decode knobs from config.rollout (the loop's engine, memory_plan)."""
   r = config.rollout
-  return dict(decode_phases=r.get("decode_phases", 0), decode_block=r.get("decode_block", 0),
-              decode_attention=r.get("decode_attention", "auto"))
+  return dict(decode_phases=r.decode_phases, decode_block=r.decode_block,
+              decode_attention=r.decode_attention)
 
 
 def phase_ends(max_new_tokens: int, decode_phases: int = 0,
@@ -241,9 +241,8 @@ def phase_ends(max_new_tokens: int, decode_phases: int = 0,
   kernel, GPU's default, which reads the written slots only): on CPU one phase per 32 new
   tokens, at most 4 (compile time grows with them); on GPU one per 128, at most 4 (the XLA
   decode step reads each layer's cache at the HBM rate: 4 phases read 5/8 of it on average;
-  measured on an H200, Qwen3-0.6B, 256 rows x 256 new tokens: 52.0k -> 60.5k tok/s, the
-  sampler's compile 24 -> 45 s; the qwen3_0p6b recipe's step 2.17 -> 2.00 s, its first step
-  29 -> 69 s without a compilation cache); on TPU 1, since growing the cache holds the old and
+  measured: benchmarks/README.md, section "Accelerator: the recipe's step on one GPU", item 6
+  "Decode phases on GPU"); on TPU 1, since growing the cache holds the old and
   the new buffer at once (at the last growth 1.75x the cache with 4 phases), which a TPU
   memory plan may not afford. Phases never get shorter than 8 tokens."""
   c = max_new_tokens

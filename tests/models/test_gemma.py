@@ -206,8 +206,8 @@ def test_local_layers_decode_over_a_window_sized_ring():
   one; over 14 new tokens (the ring wraps three times), in 1 or 3 decode phases (the cache
   grown between them), the tokens are the same and the log-probs are the trainer's."""
   from flax import nnx
-  from grpo_jax.models.decoder.transformer import ring_sizes
-  from grpo_jax.models.decoder.transformer import share_prompt
+  from grpo_jax.models.decoder.cache import ring_sizes
+  from grpo_jax.models.decoder.cache import share_prompt
   from grpo_jax.rollout import GenerationConfig
   from grpo_jax.rollout import Sampler
   cfg = PRESETS["tiny-gemma3"]  # window 4; layers 0, 1, 3 local, 2 global

@@ -11,9 +11,10 @@ from grpo_jax.models import build_model
 from grpo_jax.models import chunked_token_logprobs
 from grpo_jax.models import completion_logprobs
 from grpo_jax.models.decoder import layers
-from grpo_jax.models import repeat_cache
-from grpo_jax.models.decoder.transformer import grow_cache
-from grpo_jax.models.decoder.transformer import share_prompt
+from grpo_jax.models.decoder.cache import grow_cache
+from grpo_jax.models.decoder.cache import share_prompt
+from grpo_jax.models.decoder.kernels import Kernels
+from grpo_jax.models.decoder.transformer import _write_kv as write_kv
 from grpo_jax.models import token_logprobs
 from grpo_jax.models.decoder.config import REMAT_POLICIES
 
@@ -36,15 +37,72 @@ def prompts_and_completions(vocab, seed=0):
   return [jnp.asarray(x) for x in (prompt, pmask, comp, cmask)]
 
 
-def decode_logprobs(model, prompt, pmask, comp, repeat=1, shared=False):
+def repeat_cache(cache: dict, n: int) -> dict:
+  """Each row's cache repeated n times, group-major (row i -> rows i*n .. i*n+n-1): the plain
+  layout of a group's caches, the reference for share_prompt's."""
+  rep = lambda x: jnp.repeat(x, n, axis=x.ndim - 4)  # noqa: E731  (the batch axis)
+  return dict(k=jax.tree.map(rep, cache["k"]), v=jax.tree.map(rep, cache["v"]),
+              valid=jnp.repeat(cache["valid"], n, axis=0), index=cache["index"],
+              pos=jnp.repeat(cache["pos"], n, axis=0))
+
+
+def reference_attention(q_bthk, cache_k, cache_v, k1, v1, q_slot_bt, valid_bs, window, softcap):
+  """The decode step's attention read-then-append: the cache [B, Hkv, S, K] as it was before
+  the step (its valid slots at or before the query's), then the token's own key/value
+  appended ([B, 1, Hkv, K]) instead of written first; f32 softmax (the reference for
+  Block.decode, which writes first and reads the written cache)."""
+  b, t, h, kd = q_bthk.shape
+  g, s = cache_k.shape[1:3]
+  q = q_bthk.reshape(b, t, g, h // g, kd)
+
+  def cap(x):
+    return jnp.tanh(x / softcap) * softcap if softcap else x
+  logits = cap(jnp.einsum("btgrk,bgsk->bgrts", q, cache_k, preferred_element_type=jnp.float32) *
+               kd**-0.5)
+  allowed = layers.slot_mask(q_slot_bt, jnp.arange(s), valid_bs, window)
+  logits = jnp.where(allowed[:, None, None], logits, jnp.finfo(jnp.float32).min)
+  own = cap(jnp.einsum("btgrk,btgk->bgrt", q, k1, preferred_element_type=jnp.float32)[..., None] *
+            kd**-0.5)
+  probs = jax.nn.softmax(jnp.concatenate([logits, own], axis=-1), axis=-1).astype(cache_v.dtype)
+  out = jnp.einsum("bgrts,bgsk->bgrtk", probs[..., :-1], cache_v)
+  out = out + jnp.einsum("bgrt,btgk->bgrtk", probs[..., -1], v1)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, kd)
+
+
+def reference_decode(model, token_b, cache):
+  """`model.decode` on a plain cache (no shared prompt), each layer reading its cache and
+  appending the token's key/value (`reference_attention`); the cache written after all layers."""
+  index = cache["index"]
+  positions = cache["pos"][:, None]
+  q_slot = jnp.full(positions.shape, index)
+
+  def step(block, x, cache_kv, local):
+    q, k, v = block.attn.project_qkv(block.attn_norm(x), positions, local)
+    a = reference_attention(q, *cache_kv, k, v, q_slot, cache["valid"], block._window(local),
+                            block.cfg.attn_logit_softcap)
+    return block._residual(x, a, model.kernels), (k, v)
+  x, (ks, vs) = model._run_layers(step, model._embed(token_b[:, None]), (cache["k"], cache["v"]))
+  logits = model.logits_from_hidden(model.final_norm(x))[:, 0]
+  valid = jax.lax.dynamic_update_slice(cache["valid"], jnp.ones_like(cache["valid"][:, :1]),
+                                       (0, index))
+  cache = dict(cache, k=write_kv(cache["k"], ks, index), v=write_kv(cache["v"], vs, index),
+               valid=valid, index=index + 1, pos=cache["pos"] + 1)
+  return logits, cache
+
+
+def decode_logprobs(model, prompt, pmask, comp, repeat=1, shared=False, reference=False):
   """Prefill + teacher-forced decode (each step jitted); log-prob of each completion token.
   `shared`: the sampler's layout (share_prompt: one copy of the prompt's keys per group, the
-  new tokens' cache starting at 2 slots and grown to the completion length after 2 steps)."""
+  new tokens' cache starting at 2 slots and grown to the completion length after 2 steps).
+  `reference`: `reference_decode` instead of model.decode (a plain cache)."""
   b, p = prompt.shape
   l = comp.shape[1]
   graphdef, state = nnx.split(model)
   prefill = jax.jit(lambda s, *a: nnx.merge(graphdef, s).prefill(*a))
-  decode = jax.jit(lambda s, *a: nnx.merge(graphdef, s).decode(*a))
+  if reference:
+    decode = jax.jit(lambda s, *a: reference_decode(nnx.merge(graphdef, s), *a))
+  else:
+    decode = jax.jit(lambda s, *a: nnx.merge(graphdef, s).decode(*a))
   cache = model.init_cache(b, p if shared else p + l)
   logits, cache = prefill(state, prompt, pmask, cache)
   if shared:
@@ -72,7 +130,9 @@ def test_prefill_decode_equals_training_forward(arch, scan):
   ids = jnp.concatenate([prompt, comp], 1)
   mask = jnp.concatenate([pmask, cmask], 1)
   train = nnx.jit(completion_logprobs, static_argnums=3)(model, ids, mask, comp.shape[1])
-  dec = decode_logprobs(model, prompt, pmask, comp)
+  # The reference decode: a scanned model's stacked cache read-then-append (reference_decode:
+  # how its decode ran before every layer wrote first), an unscanned model's own decode.
+  dec = decode_logprobs(model, prompt, pmask, comp, reference=scan)
   diff = np.abs(np.asarray(train - dec))[np.asarray(cmask) > 0]
   assert diff.max() <= 1e-5, diff.max()
   # Repeating the cache G times (group sampling) gives each copy the same log-probs.
@@ -85,6 +145,61 @@ def test_prefill_decode_equals_training_forward(arch, scan):
     np.testing.assert_allclose(shared[j::3], dec, atol=1e-6)
   shared1 = decode_logprobs(model, prompt, pmask, comp, shared=True)
   np.testing.assert_allclose(shared1, dec, atol=1e-6)
+
+
+def read_then_append(q, cache_k, cache_v, k1, v1, q_slot, valid, prefix, softcap):
+  """NumPy reference of a decode step's attention, the cache read before the new token's key
+  is written: each query attends to its group's valid prompt keys, the cache's valid slots at
+  or before its own, and its own key/value appended. q, k1, v1 [B, 1, H or Hkv, K]; cache
+  [B, Hkv, S, K]; q_slot [B]; valid [B, S]; prefix (pk, pv, p_valid) [B/G, Hkv, P, K], [B/G, P]."""
+  q, cache_k, cache_v, k1, v1 = (np.asarray(a, np.float64) for a in (q, cache_k, cache_v, k1, v1))
+  pk, pv, p_valid = (np.asarray(a) for a in prefix)
+  b, _, h, kd = q.shape
+  hkv, s = cache_k.shape[1:3]
+  group = b // pk.shape[0]
+  out = np.zeros_like(q)
+  for i in range(b):
+    for j in range(h):
+      g = j // (h // hkv)
+      seen = (valid[i] != 0) & (np.arange(s) <= q_slot[i])
+      p_ok = p_valid[i // group] != 0
+      keys = np.concatenate([pk[i // group, g][p_ok], cache_k[i, g][seen], k1[i, :, g]])
+      values = np.concatenate([pv[i // group, g][p_ok], cache_v[i, g][seen], v1[i, :, g]])
+      scores = keys @ q[i, 0, j] / np.sqrt(kd)
+      if softcap:
+        scores = np.tanh(scores / softcap) * softcap
+      probs = np.exp(scores - scores.max())
+      out[i, 0, j] = probs @ values / probs.sum()
+  return out
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_decode_writes_then_reads_like_read_then_append(softcap):
+  """Block.decode's attention (the token's key/value written into the cache first, then the
+  written cache read: the cache updates in place) equals reading the cache and appending the
+  token's own key/value (f32: 1e-6), over a shared prompt per group of 2 rows, GQA groups of 2,
+  rows with different slots written."""
+  b, g, hkv, r, kd, s, p = 4, 2, 2, 2, 16, 8, 5
+  ks = jax.random.split(jax.random.key(0), 7)
+  q = jax.random.normal(ks[0], (b, 1, hkv * r, kd))
+  cache_k = jax.random.normal(ks[1], (b, hkv, s, kd))
+  cache_v = jax.random.normal(ks[2], (b, hkv, s, kd))
+  k1, v1 = (jax.random.normal(kk, (b, 1, hkv, kd)) for kk in ks[3:5])
+  prefix = (jax.random.normal(ks[5], (b // g, hkv, p, kd)),
+            jax.random.normal(ks[6], (b // g, hkv, p, kd)),
+            jnp.asarray([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], jnp.int32))
+  slot = 5
+  valid = np.ones((b, s), np.int32)
+  valid[1, :3] = 0  # slots a row has not written
+  valid[:, slot:] = 0
+  want = read_then_append(q, cache_k, cache_v, k1, v1, np.full(b, slot), valid, prefix, softcap)
+  written_k, written_v = (c.at[:, :, slot].set(n[:, 0]) for c, n in ((cache_k, k1), (cache_v, v1)))
+  valid[:, slot] = 1
+  q_slot = jnp.full((b, 1), slot)
+  got = layers.cache_attention(q, written_k, written_v,
+                               layers.slot_mask(q_slot, jnp.arange(s), jnp.asarray(valid)),
+                               prefix, layers.prefix_mask(prefix[2], q_slot), softcap=softcap)
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
 
 
 def test_jitted_decode_as_while_loop_carry():
@@ -240,23 +355,24 @@ def test_padding_tokens_do_not_change_real_logits():
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_swiglu_custom_vjp_matches_autodiff(fused, monkeypatch):
+def test_swiglu_custom_vjp_matches_autodiff(fused):
   """The hand-written SwiGLU backward (gate/up as one GEMM or two) equals autodiff of
   silu(x @ w_gate) * (x @ w_up), f32 to ~1e-6 relative; bf16 inputs give bf16 gradients."""
-  monkeypatch.setattr(layers, "FUSE_GATE_UP", fused)
+  def swiglu(*a):
+    return layers.swiglu(*a, fused)
   k = jax.random.split(jax.random.key(0), 4)
   x = jax.random.normal(k[0], (48, 32))
   wg, wu = (jax.random.normal(kk, (32, 80)) * 0.2 for kk in k[1:3])
   dh = jax.random.normal(k[3], (48, 80))
-  ours = jax.grad(lambda *a: jnp.sum(layers.swiglu(*a) * dh), argnums=(0, 1, 2))(x, wg, wu)
+  ours = jax.grad(lambda *a: jnp.sum(swiglu(*a) * dh), argnums=(0, 1, 2))(x, wg, wu)
   ref = jax.grad(lambda x, wg, wu: jnp.sum(jax.nn.silu(x @ wg) * (x @ wu) * dh),
                  argnums=(0, 1, 2))(x, wg, wu)
-  np.testing.assert_allclose(layers.swiglu(x, wg, wu), jax.nn.silu(x @ wg) * (x @ wu),
+  np.testing.assert_allclose(swiglu(x, wg, wu), jax.nn.silu(x @ wg) * (x @ wu),
                              rtol=1e-6, atol=1e-6)
   for a, b in zip(ours, ref):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
   bf = [a.astype(jnp.bfloat16) for a in (x, wg, wu)]
-  grads = jax.grad(lambda *a: jnp.sum(layers.swiglu(*a).astype(jnp.float32)),
+  grads = jax.grad(lambda *a: jnp.sum(swiglu(*a).astype(jnp.float32)),
                    argnums=(0, 1, 2))(*bf)
   assert all(g.dtype == jnp.bfloat16 for g in grads)
 
@@ -270,7 +386,7 @@ def test_fused_attention_path_equals_masked_attention(scan):
   masked = build_model(cfg, seed=2)
   graphdef, state = nnx.split(build_model(cfg.replace(attention_impl="fused"), seed=2))
   fused = nnx.merge(graphdef, nnx.state(masked))
-  assert layers.fused_attention_for(fused.cfg) and not layers.fused_attention_for(masked.cfg)
+  assert fused.kernels.fused_attention and not masked.kernels.fused_attention
   rng = np.random.default_rng(0)
   ids = jnp.asarray(rng.integers(1, cfg.vocab_size, (4, 12)), jnp.int32)
   mask = np.ones((4, 12), np.int32)
@@ -303,14 +419,15 @@ def test_fused_attention_path_equals_masked_attention(scan):
 
 def test_attention_impl_auto_picks_the_fused_kernel_on_gpu_only():
   cfg = CFGS["qwen3"].replace(dtype="bfloat16", head_dim=64)
-  with layers.gate_up_fused_for("cuda"):
-    assert layers.fused_attention_for(cfg)
-    assert not layers.fused_attention_for(cfg.replace(dtype="float32"))  # cuDNN: bf16/f16
-    assert not layers.fused_attention_for(cfg.replace(attention_impl="xla"))
+  assert Kernels.resolve(cfg, "cuda").fused_attention
+  assert not Kernels.resolve(cfg.replace(dtype="float32"), "cuda").fused_attention  # cuDNN: bf16
+  assert not Kernels.resolve(cfg.replace(attention_impl="xla"), "cuda").fused_attention
   for platform in ("cpu", "tpu"):
-    with layers.gate_up_fused_for(platform):
-      assert not layers.fused_attention_for(cfg)
-      assert layers.fused_attention_for(cfg.replace(attention_impl="fused"))
+    assert not Kernels.resolve(cfg, platform).fused_attention
+    assert Kernels.resolve(cfg.replace(attention_impl="fused"), platform).fused_attention
+  # The gate/up GEMM fusion is an XLA:CPU tuning only.
+  assert [Kernels.resolve(cfg, p).fuse_gate_up for p in ("cpu", "gpu", "tpu")] == [
+      True, False, False]
 
 
 def test_splash_attention_equals_causal_attention_under_a_mesh():

@@ -383,9 +383,10 @@ def test_ragged_decode_attention_equals_xla_attention(length):
   pv = jax.random.normal(ks[4], (b, hkv, p, kd))
   p_valid = (jnp.arange(p)[None] >= jnp.array([[5], [40]])).astype(jnp.int32)
   valid = jnp.broadcast_to(jnp.arange(s) < length, (b * g, s)).astype(jnp.int32)
-  want = layers.attention(q, k, v, jnp.full((b * g, 1), length - 1), valid, kv_head_major=True,
-                          prefix=(pk, pv, p_valid))
-  assert decode_attention.supports(q, k, pk)
+  allowed = layers.slot_mask(jnp.full((b * g, 1), length - 1), jnp.arange(s), valid)
+  want = layers.cache_attention(q, k, v, allowed, (pk, pv, p_valid), layers.prefix_mask(
+      p_valid, jnp.zeros((b * g, 1), jnp.int32)))
+  assert decode_attention.supports(q, k, pk, interpret=True)
   got = decode_attention.ragged(q, k, v, length, (pk, pv, p_valid), interpret=True)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
   # Whole blocks past `length` are never read (the sampler's unwritten slots inside the last

@@ -1,9 +1,9 @@
 """Ragged decode attention: one kernel that reads only the cache slots written so far.
 
 The group sampler's decode step (rollout/sampler.py) attends each row's query to its prompt's
-keys/values, kept once per group of G rows (`transformer.share_prompt`: "prefix"), and to the
+keys/values, kept once per group of G rows (`cache.share_prompt`: "prefix"), and to the
 row's own completion cache [N, Hkv, S, K], of which only slots 0..length-1 are written (every
-row writes slot t at step t). The XLA form (`layers.attention(prefix=...)`) reads all S slots
+row writes slot t at step t). The XLA form (`layers.cache_attention`) reads all S slots
 of every layer each step and runs ~8 small kernels per layer (two score products, masks, a
 softmax, two value products, the prefix's sum and a transpose). `ragged` is one Pallas kernel
 per layer (Triton on GPU; Pallas's interpreter elsewhere, for tests): a program per (row, kv
@@ -14,16 +14,14 @@ ceil(length / block) blocks of its cache, and writes the normalized output: the 
 Layout requirements (the sampler meets them: its cache slots and `share_prompt(...,
 prefix_multiple=BLOCK)`): the cache's S and the prefix's P are multiples of BLOCK; the
 completion slots < length are all valid (the sampler's cache, not a padded one); q heads per
-kv head <= 16 (`supports`; else `layers.Block` keeps the XLA attention).
+kv head <= 16 (`supports`; else `layers.Block.decode` keeps the XLA attention).
 
-Which attention a trace uses: `use(on, platform)` around the trace (the sampler's
-`_generate`), read by `layers.Block` through `active()`; `choose(impl, platform)` resolves the
-Sampler's `decode_attention` (None: DEFAULT). Measured on an H100 (benchmarks/README.md,
-"Ragged decode attention"): the recipe's loop step 2.24 -> 1.93 s, its first step 50 -> 31 s.
+Which attention a trace uses: `Kernels.ragged_decode` (kernels.py), read by
+`layers.Block.decode`; `choose(impl, platform)` resolves the Sampler's `decode_attention` (None:
+DEFAULT) into it.
+Measured: benchmarks/README.md, "Ragged decode attention".
 """
-import contextlib
 import functools
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -31,13 +29,11 @@ import jax.numpy as jnp
 from grpo_jax.parallel import sharding
 
 IMPLS = ("auto", "xla", "pallas")
-# The sampler's choice when it is given none (rollout.Sampler(decode_attention=None)); a
-# process-wide switch like layers.FUSE_GATE_UP (benchmarks/accelerator.py's loop_xla sets "xla").
+# The sampler's choice when it is given none (rollout.Sampler(decode_attention=None)), a
+# process-wide default (benchmarks/accelerator.py's loop_xla sets "xla" in its child process).
 DEFAULT = "auto"
 BLOCK = 64  # cache slots per kernel step (the cache and the prompt are padded to a multiple)
 _ROWS = 16  # query rows per program: tensor-core dots need >= 16 (GQA groups are padded)
-
-_STATE = threading.local()
 
 
 def choose(impl: str | None, platform: str) -> bool:
@@ -49,53 +45,28 @@ def choose(impl: str | None, platform: str) -> bool:
   return impl == "pallas" or (impl == "auto" and platform in ("gpu", "cuda", "rocm"))
 
 
-@contextlib.contextmanager
-def use(on: bool, platform: str = "gpu"):
-  """Traces inside decode with `ragged` (on) or the XLA attention, for `platform` (off GPU in
-  Pallas's interpreter); per thread (the loop's compile-ahead thread traces samplers while the
-  main thread runs)."""
-  saved = getattr(_STATE, "mode", None)
-  _STATE.mode = (bool(on), platform not in ("gpu", "cuda", "rocm"))
-  try:
-    yield
-  finally:
-    _STATE.mode = saved
-
-
-def active() -> bool:
-  mode = getattr(_STATE, "mode", None)
-  return mode is not None and mode[0]
-
-
-def supports(q_bthk, cache_k, prefix_k) -> bool:
+def supports(q_bthk, cache_k, prefix_k, *, interpret: bool = False) -> bool:
   """Shapes `ragged` takes: one query per row, GQA groups <= 16 rows, slots in whole blocks;
-  on GPU (Triton tiles) a power-of-two head_dim >= 16."""
+  compiled for GPU (not `interpret`: Triton tiles) a power-of-two head_dim >= 16."""
   b, t, h, kd = q_bthk.shape
   hkv, s = cache_k.shape[1], cache_k.shape[2]
-  tiles = _interpret() or (kd >= 16 and kd & (kd - 1) == 0)
+  tiles = interpret or (kd >= 16 and kd & (kd - 1) == 0)
   return (t == 1 and h % hkv == 0 and h // hkv <= _ROWS and s % BLOCK == 0 and tiles and
           prefix_k.shape[2] % BLOCK == 0 and b % prefix_k.shape[0] == 0)
 
 
-def _interpret() -> bool:
-  mode = getattr(_STATE, "mode", None)
-  return jax.default_backend() not in ("gpu", "cuda", "rocm") if mode is None else mode[1]
-
-
-def ragged(q_bthk, k_nhsk, v_nhsk, length, prefix, *, interpret: bool | None = None):
+def ragged(q_bthk, k_nhsk, v_nhsk, length, prefix, *, interpret: bool = False):
   """Decode attention of one query per row over its prompt (shared per group) and the first
-  `length` slots of its cache; the same values as `layers.attention(q, k, v, q_slot=length-1,
-  kv_valid=slots < length, kv_head_major=True, prefix=prefix)` (f32 softmax; on GPU the
+  `length` slots of its cache; the same values as `layers.cache_attention` with the query at slot
+  length - 1 and slots < length valid (f32 softmax; on GPU the
   probabilities meet V in the compute dtype, as there).
 
   q [N, 1, H, K]; k, v [N, Hkv, S, K] (head-major cache, slots < length written); length: int32
   scalar (1..S); prefix = (pk, pv, p_valid): [N/G, Hkv, P, K], [N/G, P]. -> [N, 1, H, K].
-  `interpret` None: as `use` says (Pallas's interpreter off GPU)."""
+  `interpret`: Pallas's interpreter (off GPU: Kernels.interpret), else Triton."""
   pk, pv, p_valid = prefix
   n, _, h, kd = q_bthk.shape
   hkv = k_nhsk.shape[1]
-  if interpret is None:
-    interpret = _interpret()
   q = q_bthk.reshape(n, hkv, h // hkv, kd)
   length = jnp.asarray(length, jnp.int32).reshape(1)
   call = functools.partial(_call, groups=n // pk.shape[0], interpret=interpret)

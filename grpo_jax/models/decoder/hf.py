@@ -22,6 +22,7 @@ from grpo_jax.run import paths
 from grpo_jax.parallel import sharding
 from grpo_jax.models import safetensors_io
 from grpo_jax.models.decoder.config import ModelConfig
+from grpo_jax.models.decoder.kernels import Kernels
 from grpo_jax.models.decoder.transformer import Transformer
 
 
@@ -164,7 +165,8 @@ def load_hf(path: str, dtype=jnp.float32, *, mesh=None, param_dtype=None, remat_
   ckpt = _Checkpoint(path)
   prefix = next((p for p in ("model.", "model.language_model.", "language_model.model.")
                  if p + "embed_tokens.weight" in ckpt.files), "model.")
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  kernels = Kernels.for_mesh(cfg, mesh)
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), kernels=kernels))
   graphdef, abstract_state = nnx.split(abstract)
   shardings = (sharding.state_shardings(abstract_state, mesh) if mesh is not None else None)
   flat = dict(nnx.to_flat_state(abstract_state))

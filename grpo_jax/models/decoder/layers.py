@@ -10,8 +10,13 @@ Activations are tagged with `checkpoint_name` so named remat policies can pick t
   "qkv_proj" (q, k, v after RoPE), "attn_out" (o-projection output), "mlp_hidden" (gated
   activation before the down projection), "mlp_out".
 
-One attention function serves every mode: queries at absolute slots `q_slot` attend to keys at
-slots 0..S-1 where `kv_valid` (padding never attended) and slot <= query slot (causal).
+A Block has one method per mode: `forward` (the training forward and the prefill: the tokens
+attend among themselves) and `decode` (the sampler's step: one token per row written into the
+layer's cache, then attending to the shared prompt and the cache). Which kernels they run is one
+value, `Kernels` (kernels.py), resolved when the model is built and passed down. The masked
+attentions (`attention`, and `cache_attention` for the decode) take an explicit mask
+(`slot_mask`, `prefix_mask`): queries at absolute slots attend to keys at slots <= theirs
+(causal) that hold real tokens (padding is never attended).
 
 Sliding windows count positions (real tokens), not slots: a local layer's query at position p
 attends to the keys at positions p - window + 1 .. p (Hugging Face's Gemma mask on an unpadded
@@ -19,7 +24,7 @@ row), whatever padding the row holds. In the training forward the key positions 
 queries' (self-attention); in the caches the real tokens of a row are contiguous from the
 first completion slot on (the sampler's layout), so slot distance is position distance there.
 """
-import contextlib
+import functools
 import math
 
 from flax import nnx
@@ -30,6 +35,7 @@ import jax.numpy as jnp
 from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import decode_attention
 from grpo_jax.models.decoder.config import ModelConfig
+from grpo_jax.models.decoder.kernels import Kernels
 
 
 def _dtype(name: str):
@@ -106,113 +112,109 @@ def apply_rope(x, positions, inv_freq):
   return x * cos + rotated * sin
 
 
-def attention(q_bthk, k_bsgk, v_bsgk, q_slot_bt, kv_valid_bs, *, extra_kv=None,
-              kv_head_major=False, prefix=None, softcap=0.0, window=None, q_pos=None,
-              kv_pos=None, kv_slot=None):
-  """Grouped-query attention with an explicit key validity mask; softmax in f32.
+def _capped(logits, softcap: float):
+  """softcap > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2); else as they are."""
+  return jnp.tanh(logits / softcap) * softcap if softcap else logits
 
-  q [B, T, H, K]; k, v [B, S, Hkv, K], or [B, Hkv, S, K] with `kv_head_major` (the KV cache's
-  layout: batch and head lead, so the decode step's batched products read the cache as it lies,
-  with no per-step transpose of the whole cache); q_slot [B, T] absolute slot of each query; kv_valid
-  [B, S] (nonzero = a real token). `extra_kv=(k1, v1)` ([B, T, Hkv, K]) appends each query's
-  own key/value (decode: the token being generated attends to itself) without writing it
-  into the cache first. `prefix=(pk, pv, p_valid)` (head-major [B/G, Hkv, P, K], [B/G, P])
-  is a shared prompt that every query also attends to (before the cache slots), one prompt
-  per group of G = B / (B/G) consecutive rows: the group sampler's decode reads each prompt's
-  keys once per group, not once per sample. Fully masked query rows (padding) get a uniform
-  softmax, never NaN. `softcap` > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2).
-  `window` (an int, a traced one, or None): keys whose position is >= window before the
-  query's are masked; distances are q_pos - kv_pos ([B, T], [B, S]) when given (the training
-  forward), else slot distances; the prefix's keys are at their prompt positions (from
-  p_valid) and q_pos (required with a window and a prefix) gives the queries'. `kv_slot`
-  [S]: the absolute slot each cache entry holds (a local layer's ring), else 0..S-1.
-  """
-  b, t, h, kd = q_bthk.shape
-  kv = "bgsk" if kv_head_major else "bsgk"
-  g = k_bsgk.shape[1 if kv_head_major else 2]
-  s_len = k_bsgk.shape[2 if kv_head_major else 1]
-  q = q_bthk.reshape(b, t, g, h // g, kd)
-  scale = kd**-0.5
-  cap = (lambda x: x) if not softcap else (lambda x: jnp.tanh(x / softcap) * softcap)  # noqa
-  logits = cap(jnp.einsum(f"btgrk,{kv}->bgrts", q, k_bsgk,
-                          preferred_element_type=jnp.float32) * scale)  # [B, G, R, T, S]
-  slots = jnp.arange(s_len) if kv_slot is None else kv_slot
-  allowed = (kv_valid_bs[:, None, :] != 0) & (slots[None, None, :] <= q_slot_bt[:, :, None])
+
+def slot_mask(q_slot_bt, kv_slot_s, kv_valid_bs, window=None) -> jax.Array:
+  """[B, T, S]: which keys each query attends to, by slot: a real key (`kv_valid` nonzero) at
+  a slot <= the query's (causal) and, with a `window` (an int or a traced one), fewer than
+  `window` slots before it. q_slot [B, T] absolute slots; kv_slot [S] the slot each key holds
+  (0..S-1, or a ring's: `Block.decode`)."""
+  allowed = (kv_valid_bs[:, None, :] != 0) & (kv_slot_s[None, None, :] <= q_slot_bt[:, :, None])
   if window is not None:
-    dist = (q_slot_bt[:, :, None] - slots[None, None, :] if kv_pos is None else
-            q_pos[:, :, None] - kv_pos[:, None, :])
-    allowed &= dist < window
-  neg = jnp.finfo(jnp.float32).min
-  logits = jnp.where(allowed[:, None, None], logits, neg)
-  values = v_bsgk
-  n_prefix = 0
-  if prefix is not None:
-    pk, pv, p_valid = prefix
-    bp, n_prefix = pk.shape[0], pk.shape[2]
-    # The G samples of a prompt are one product against its keys: [G*R*T, K] x [K, P].
-    qp = q.reshape(bp, b // bp, t, g, h // g, kd)
-    lp = cap(jnp.einsum("bntgrk,bgpk->bgnrtp", qp, pk, preferred_element_type=jnp.float32) *
-             scale)
-    p_ok = p_valid[:, None, None, None, None, :] != 0
-    if window is not None:  # prompt positions of the prefix keys vs the queries' positions
-      p_pos = jnp.cumsum(p_valid != 0, axis=-1) - 1  # [B/G, P]
-      dist = q_pos.reshape(bp, b // bp, t)[..., None] - p_pos[:, None, None, :]  # [B/G, n, T, P]
-      p_ok = p_ok & (dist < window)[:, None, :, None]
-    lp = jnp.where(p_ok, lp, neg)
-    lp = lp.transpose(0, 2, 1, 3, 4, 5).reshape(b, g, h // g, t, n_prefix)
-    logits = jnp.concatenate([lp, logits], axis=-1)  # [B, G, R, T, P+S]
-  if extra_kv is not None:
-    k1, v1 = extra_kv
-    self_logits = cap(jnp.einsum("btgrk,btgk->bgrt", q, k1,
-                                 preferred_element_type=jnp.float32)[..., None] * scale)
-    logits = jnp.concatenate([logits, self_logits], axis=-1)  # [B, G, R, T, S+1]
-  probs = jax.nn.softmax(logits, axis=-1).astype(v_bsgk.dtype)
-  if extra_kv is not None:
-    out = jnp.einsum(f"bgrts,{kv}->bgrtk", probs[..., n_prefix:-1], values)
-    out = out + jnp.einsum("bgrt,btgk->bgrtk", probs[..., -1], extra_kv[1])
-  else:
-    out = jnp.einsum(f"bgrts,{kv}->bgrtk", probs[..., n_prefix:], values)
-  if prefix is not None:
-    pp = probs[..., :n_prefix].reshape(bp, b // bp, g, h // g, t, n_prefix)
-    op = jnp.einsum("bngrtp,bgpk->bgnrtk", pp, pv)
-    out = out + op.transpose(0, 2, 1, 3, 4, 5).reshape(b, g, h // g, t, kd)
+    allowed &= q_slot_bt[:, :, None] - kv_slot_s[None, None, :] < window
+  return allowed
+
+
+def prefix_mask(p_valid_bp, q_pos_bt, window=None) -> jax.Array:
+  """[B/G, G, T, P] (or broadcastable to it): which keys of its group's shared prompt each of
+  the B = (B/G) * G queries' rows attends to: the prompt's real tokens, and with a `window`
+  those fewer than `window` positions before the query's (q_pos [B, T]; the prompt's keys are
+  at their positions within the left-padded prompt)."""
+  bp = p_valid_bp.shape[0]
+  allowed = (p_valid_bp != 0)[:, None, None, :]
+  if window is not None:
+    p_pos = jnp.cumsum(p_valid_bp != 0, axis=-1) - 1  # [B/G, P]
+    b, t = q_pos_bt.shape
+    dist = q_pos_bt.reshape(bp, b // bp, t)[..., None] - p_pos[:, None, None, :]
+    allowed = allowed & (dist < window)
+  return allowed
+
+
+def attention(q_bthk, k_bsgk, v_bsgk, allowed_bts, *, softcap: float = 0.0):
+  """Grouped-query attention under an explicit mask; softmax in f32.
+
+  q [B, T, H, K]; k, v [B, S, Hkv, K] (H a multiple of Hkv); allowed [B, T, S] (`slot_mask`).
+  Fully masked query rows (padding) get a uniform softmax, never NaN. -> [B, T, H, K]."""
+  b, t, h, kd = q_bthk.shape
+  g = k_bsgk.shape[2]
+  q = q_bthk.reshape(b, t, g, h // g, kd)
+  logits = _capped(jnp.einsum("btgrk,bsgk->bgrts", q, k_bsgk,
+                              preferred_element_type=jnp.float32) * kd**-0.5, softcap)
+  logits = jnp.where(allowed_bts[:, None, None], logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v_bsgk.dtype)  # [B, G, R, T, S]
+  out = jnp.einsum("bgrts,bsgk->bgrtk", probs, v_bsgk)
   # Batch dims first in the product's output, then a transpose of the (small) result: XLA:CPU
   # runs "bgrts,bgsk->btgrk" ~17x slower than "->bgrtk" at decode shapes.
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, kd)
 
 
-def fused_attention_for(cfg: ModelConfig) -> bool:
-  """Whether the training forward and the prefill use `causal_attention` (cfg.attention_impl:
-  "auto" = where the target platform has a fused kernel for this shape: cuDNN flash attention
-  on GPU (bf16/f16, head_dim a multiple of 8 up to 128), Pallas splash attention on TPU
-  (head_dim a multiple of 128))."""
-  if cfg.attention_impl == "auto":
-    platform = target_platform()
-    if platform == "tpu":  # splash attention: any dtype, head_dim a multiple of 128 (lanes)
-      return cfg.head_dim % 128 == 0
-    # cuDNN: no soft-capped scores (Gemma 2 keeps the XLA form); head_dim 256 (Gemma) too.
-    return (platform == "gpu" and cfg.dtype in ("bfloat16", "float16") and
-            cfg.head_dim <= 256 and cfg.head_dim % 8 == 0 and not cfg.attn_logit_softcap)
-  return cfg.attention_impl == "fused"
+def cache_attention(q_bthk, k_bgsk, v_bgsk, allowed_bts, prefix, prefix_allowed, *,
+                    softcap: float = 0.0):
+  """The decode step's attention: each query attends to its group's shared prompt and to its
+  row's cache; softmax in f32 over both.
+
+  q [B, T, H, K]; k, v the head-major cache [B, Hkv, S, K] (batch and head lead, so the batched
+  products read the cache as it lies, with no per-step transpose of the whole cache); allowed
+  [B, T, S] (`slot_mask`). prefix = (pk, pv, p_valid): the shared prompts' keys and values,
+  head-major [B/G, Hkv, P, K], and their validity [B/G, P], one prompt per group of G = B / (B/G)
+  consecutive rows, read once per group (P may be 0: no prompt); prefix_allowed [B/G, G, T, P]
+  or broadcastable (`prefix_mask`). -> [B, T, H, K]."""
+  b, t, h, kd = q_bthk.shape
+  g = k_bgsk.shape[1]
+  pk, pv, _ = prefix
+  bp, n_prefix = pk.shape[0], pk.shape[2]
+  neg = jnp.finfo(jnp.float32).min
+  scale = kd**-0.5
+  q = q_bthk.reshape(b, t, g, h // g, kd)
+  logits = _capped(jnp.einsum("btgrk,bgsk->bgrts", q, k_bgsk,
+                              preferred_element_type=jnp.float32) * scale, softcap)
+  logits = jnp.where(allowed_bts[:, None, None], logits, neg)  # [B, G, R, T, S]
+  # The G samples of a prompt are one product against its keys: [G*R*T, K] x [K, P].
+  qp = q.reshape(bp, b // bp, t, g, h // g, kd)
+  lp = _capped(jnp.einsum("bntgrk,bgpk->bgnrtp", qp, pk, preferred_element_type=jnp.float32) *
+               scale, softcap)
+  lp = jnp.where(prefix_allowed[:, None, :, None], lp, neg)
+  lp = lp.transpose(0, 2, 1, 3, 4, 5).reshape(b, g, h // g, t, n_prefix)
+  logits = jnp.concatenate([lp, logits], axis=-1)  # [B, G, R, T, P+S]
+  probs = jax.nn.softmax(logits, axis=-1).astype(v_bgsk.dtype)
+  out = jnp.einsum("bgrts,bgsk->bgrtk", probs[..., n_prefix:], v_bgsk)
+  pp = probs[..., :n_prefix].reshape(bp, b // bp, g, h // g, t, n_prefix)
+  op = jnp.einsum("bngrtp,bgpk->bgnrtk", pp, pv)
+  out = out + op.transpose(0, 2, 1, 3, 4, 5).reshape(b, g, h // g, t, kd)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, kd)
 
 
-def causal_attention(q_bthk, k_btgk, v_btgk, *, window: int | None = None,
+def causal_attention(q_bthk, k_btgk, v_btgk, *, platform: str, window: int | None = None,
                      softcap: float = 0.0):
   """Causal self-attention over T slots that all hold real tokens (the callers move padding
   behind the real tokens first: transformer.compaction), as one fused kernel: no [.., T, T]
-  score matrix in HBM. GPU: cuDNN's flash attention (jax.nn.dot_product_attention); other
-  backends: its XLA form (same values; what the CPU tests check the layout against).
+  score matrix in HBM. `platform` (Kernels.platform) picks it: GPU: cuDNN's flash attention
+  (jax.nn.dot_product_attention); TPU: `splash_attention`; CPU: its XLA form (same values;
+  what the CPU tests check the layout against).
   q [B, T, H, K], k, v [B, T, Hkv, K] (grouped-query: H a multiple of Hkv) -> [B, T, H, K].
   `window` (a static int): each query attends to its last `window` keys only (a local layer);
   `softcap`: soft-capped scores (splash attention on TPU; elsewhere the masked form)."""
-  platform = target_platform()
   if platform == "tpu":
     return splash_attention(q_bthk, k_btgk, v_btgk, window=window, softcap=softcap)
   if softcap:  # no fused kernel caps scores here: the masked form over the real tokens
     b, t = q_bthk.shape[:2]
-    slots = jnp.broadcast_to(jnp.arange(t), (b, t))
-    return attention(q_bthk, k_btgk, v_btgk, slots, jnp.ones((b, t), jnp.int32),
-                     softcap=softcap, window=window)
+    slots = jnp.arange(t)
+    allowed = slot_mask(jnp.broadcast_to(slots, (b, t)), slots, jnp.ones((b, t), jnp.int32),
+                        window)
+    return attention(q_bthk, k_btgk, v_btgk, allowed, softcap=softcap)
   gpu = platform == "gpu" and q_bthk.dtype in (jnp.bfloat16, jnp.float16)
   return jax.nn.dot_product_attention(q_bthk, k_btgk, v_btgk, is_causal=True,
                                       local_window_size=None if window is None else (window - 1, 0),
@@ -311,73 +313,42 @@ class Attention(nnx.Module):
     return checkpoint_name(y, "attn_out")
 
 
-# The platform the program is traced for: None = jax.default_backend(). memory_plan traces for
-# TPU / GPU chips from a CPU host (`gate_up_fused_for`), and the choices below follow it.
-TARGET_PLATFORM: str | None = None
-
-# gate and up as one [D, 2F] GEMM (forward and backward): True / False, or None = on the CPU
-# backend only. On XLA:CPU one wide GEMM beats two narrow ones; on TPU/GPU the weights are
-# sharded over F (mlp axis) and a concatenation would reshard them, so it stays off there.
-FUSE_GATE_UP: bool | None = None
-
-
-def target_platform() -> str:
-  """"cpu", "gpu" or "tpu": the backend the program being traced will run on."""
-  p = TARGET_PLATFORM or jax.default_backend()
-  return "gpu" if p in ("gpu", "cuda", "rocm") else p
-
-
-def _fuse_gate_up() -> bool:
-  return target_platform() == "cpu" if FUSE_GATE_UP is None else FUSE_GATE_UP
-
-
-@contextlib.contextmanager
-def gate_up_fused_for(platform: str):
-  """Traces inside compile for `platform` (e.g. "tpu" from a CPU host: memory_plan): the
-  gate/up fusion and the attention kernel are chosen for it."""
-  global TARGET_PLATFORM
-  saved, TARGET_PLATFORM = TARGET_PLATFORM, platform
-  try:
-    yield
-  finally:
-    TARGET_PLATFORM = saved
-
-
-def _gate_up(x_nd, w_gate_df, w_up_df):
-  """(x @ w_gate, x @ w_up), as one GEMM where _fuse_gate_up()."""
-  if not _fuse_gate_up():
+def _gate_up(x_nd, w_gate_df, w_up_df, fused: bool):
+  """(x @ w_gate, x @ w_up), as one GEMM when `fused` (Kernels.fuse_gate_up: XLA:CPU)."""
+  if not fused:
     return x_nd @ w_gate_df, x_nd @ w_up_df
   f = w_gate_df.shape[1]
   gu = x_nd @ jnp.concatenate([w_gate_df, w_up_df], axis=1)
   return gu[:, :f], gu[:, f:]
 
 
-@jax.custom_vjp
-def swiglu(x_nd, w_gate_df, w_up_df):
-  """silu(x @ w_gate) * (x @ w_up), [N, F], with a hand-written backward.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def swiglu(x_nd, w_gate_df, w_up_df, fused: bool = False):
+  """silu(x @ w_gate) * (x @ w_up), [N, F], with a hand-written backward; `fused`
+  (Kernels.fuse_gate_up, static): gate and up as one GEMM.
 
   Autodiff of this expression saves silu's intermediates and runs several unfused elementwise
   passes over [N, F] (jvp of silu's division); the custom rule saves only the two
   pre-activations and forms both input gradients in one elementwise expression (in f32), and
   dx as one GEMM against the stacked weights where gate/up are fused. Same values as autodiff
   (f32: ~1e-7 relative)."""
-  g, u = _gate_up(x_nd, w_gate_df, w_up_df)
+  g, u = _gate_up(x_nd, w_gate_df, w_up_df, fused)
   return jax.nn.silu(g) * u
 
 
-def _swiglu_fwd(x_nd, w_gate_df, w_up_df):
-  g, u = _gate_up(x_nd, w_gate_df, w_up_df)
+def _swiglu_fwd(x_nd, w_gate_df, w_up_df, fused):
+  g, u = _gate_up(x_nd, w_gate_df, w_up_df, fused)
   return jax.nn.silu(g) * u, (x_nd, w_gate_df, w_up_df, g, u)
 
 
-def _swiglu_bwd(res, dh_nf):
+def _swiglu_bwd(fused, res, dh_nf):
   x, wg, wu, g, u = res
   dt = dh_nf.dtype
   g32, u32, dh32 = g.astype(jnp.float32), u.astype(jnp.float32), dh_nf.astype(jnp.float32)
   sig = jax.nn.sigmoid(g32)
   du = (dh32 * g32 * sig).astype(dt)
   dg = (dh32 * u32 * sig * (1.0 + g32 * (1.0 - sig))).astype(dt)
-  if _fuse_gate_up():
+  if fused:
     dgu = jnp.concatenate([dg, du], axis=1)  # [N, 2F]
     dx = dgu @ jnp.concatenate([wg, wu], axis=1).T
     dw = x.T @ dgu
@@ -404,15 +375,16 @@ class MLP(nnx.Module):
     self.up = _param(rngs, (d, f), ("embed", "mlp"), pd, fan_in=d)
     self.down = _param(rngs, (f, d), ("mlp", "embed"), pd, fan_in=f)
 
-  def __call__(self, x_btd):
+  def __call__(self, x_btd, fuse_gate_up: bool = False):
+    """`fuse_gate_up` (Kernels.fuse_gate_up): gate and up as one GEMM."""
     dt = x_btd.dtype
     b, t, d = x_btd.shape
     x = x_btd.reshape(b * t, d)  # 2-D GEMMs: XLA:CPU's backward is ~30% faster than for 3-D
     if self.geglu:
-      g, u = _gate_up(x, self.gate[...].astype(dt), self.up[...].astype(dt))
+      g, u = _gate_up(x, self.gate[...].astype(dt), self.up[...].astype(dt), fuse_gate_up)
       h = jax.nn.gelu(g, approximate=True) * u
     else:
-      h = swiglu(x, self.gate[...].astype(dt), self.up[...].astype(dt))
+      h = swiglu(x, self.gate[...].astype(dt), self.up[...].astype(dt), fuse_gate_up)
     h = checkpoint_name(h.reshape(b, t, -1), "mlp_hidden")
     y = h.reshape(b * t, -1) @ self.down[...].astype(dt)
     return checkpoint_name(y.reshape(b, t, d), "mlp_out")
@@ -432,68 +404,96 @@ class Block(nnx.Module):
       self.post_attn_norm = norm(cfg, cfg.hidden_size, rngs)
       self.post_mlp_norm = norm(cfg, cfg.hidden_size, rngs)
 
-  def __call__(self, x_btd, positions_bt, q_slot_bt, kv_valid_bs, cache_kv=None,
-               write_slot=None, prefix=None, local=False):
-    """Without `cache_kv`, attends within x (training forward / prefill; `kv_valid_bs` None:
-    every slot is a real token, in order, and the fused `causal_attention` runs). With
-    `cache_kv=(k, v)`, the T new tokens attend to the cache plus themselves
-    (decode, T=1; the cache is head-major, [B, Hkv, S, K]). Returns (x, k, v) where k, v
-    [B, T, Hkv, K] are this call's new keys/values; with `write_slot` they are first written
-    into the cache at that slot (kv_valid must already mark it) and the attention reads the
-    written cache: (x, cache k, cache v) come back. Written first, the cache is updated in
-    place; read first and written after, XLA copies the whole cache every decode step (the
-    old buffer is still read when the update lands). `prefix`: a shared prompt's keys and
-    values for the cache paths (`attention`'s `prefix`); with `write_slot` and a prefix, inside
-    `decode_attention.use(True)` (the sampler on GPU), one kernel reads the written slots only.
-    `local`: a sliding-window layer (a bool, or a traced one under the layer scan)."""
+  def forward(self, x_btd, positions_bt, mask_bt, kernels: Kernels, local=False):
+    """The training forward and the prefill: the T tokens of each row attend among themselves.
+
+    x [B, T, D]; positions [B, T] (RoPE; the real tokens before each); mask [B, T] (nonzero =
+    a real token). With `kernels.fused_attention` the caller has moved each row's real tokens
+    first (transformer.compaction) and one fused causal kernel runs (`causal_attention`; the
+    mask is then all real tokens first and not read); else the masked attention, where slot j
+    is sequence index j. `local`: a sliding-window layer (a bool, or a traced one under the
+    layer scan). -> (x, k, v): k, v [B, T, Hkv, K] are the tokens' keys/values (the prefill's
+    cache entries)."""
     cfg = self.cfg
     q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions_bt, local)
-    windowed = cfg.sliding_window > 0 and local is not False
-    window = None
-    if windowed:  # a traced `local`: global layers get a window no sequence reaches
-      window = cfg.sliding_window if local is True else jnp.where(local, cfg.sliding_window,
-                                                                  2**30)
-    kw = dict(softcap=cfg.attn_logit_softcap, window=window)
-    if cache_kv is None and kv_valid_bs is None:  # real tokens first: fused causal kernel
-      fused = lambda w: causal_attention(q, k, v, window=w, softcap=cfg.attn_logit_softcap)  # noqa
-      if not windowed:
+    window = self._window(local)
+    if kernels.fused_attention:
+      def fused(w):
+        return causal_attention(q, k, v, platform=kernels.platform, window=w,
+                                softcap=cfg.attn_logit_softcap)
+      if window is None:
         a = fused(None)
       elif local is True:
         a = fused(cfg.sliding_window)
       else:  # the kernel's mask is static: one branch per layer kind
         a = jax.lax.cond(local, lambda: fused(cfg.sliding_window), lambda: fused(None))
-    elif cache_kv is None:
-      a = attention(q, k, v, q_slot_bt, kv_valid_bs, q_pos=positions_bt, kv_pos=positions_bt,
-                    **kw)
-    elif write_slot is not None:
-      # A local layer's cache of exactly `sliding_window` slots is a ring (transformer
-      # .ring_sizes): slot r holds completion slot j = write_slot - (write_slot - r) mod W, the
-      # last W written (j < 0: not yet); while write_slot < W it is the plain layout.
-      s_len = cache_kv[0].shape[2]
-      ring = local is True and cfg.sliding_window == s_len
-      at = write_slot % s_len if ring else write_slot
-      k, v = (jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype), (0, 0, at, 0))
-              for c, n in zip(cache_kv, (k, v)))
-      if ring:
-        kw["kv_slot"] = write_slot - (write_slot - jnp.arange(s_len)) % s_len
-        kv_valid_bs = jnp.broadcast_to((kw["kv_slot"] >= 0).astype(jnp.int32),
-                                       (q.shape[0], s_len))
-      if (prefix is not None and decode_attention.active() and not windowed and
-          not cfg.attn_logit_softcap and
-          decode_attention.supports(q, k, prefix[0])):  # the sampler's: written slots only
-        a = decode_attention.ragged(q, k, v, write_slot + 1, prefix)
-      else:
-        a = attention(q, k, v, q_slot_bt, kv_valid_bs, kv_head_major=True, prefix=prefix,
-                      q_pos=positions_bt, **kw)
     else:
-      a = attention(q, cache_kv[0], cache_kv[1], q_slot_bt, kv_valid_bs, extra_kv=(k, v),
-                    kv_head_major=True, prefix=prefix, q_pos=positions_bt, **kw)
-    a = self.attn.out(a)
-    if cfg.gemma:
+      b, t = mask_bt.shape
+      slots = jnp.arange(t)
+      allowed = slot_mask(jnp.broadcast_to(slots, (b, t)), slots, mask_bt)
+      if window is not None:  # windows count positions (real tokens), not slots
+        allowed &= positions_bt[:, :, None] - positions_bt[:, None, :] < window
+      a = attention(q, k, v, allowed, softcap=cfg.attn_logit_softcap)
+    return self._residual(x_btd, a, kernels), k, v
+
+  def decode(self, x_btd, positions_bt, cache_k, cache_v, valid_bs, slot, prefix,
+             kernels: Kernels, local=False):
+    """The decode step: one new token per row (T = 1) is written into the layer's cache at
+    `slot`, then attends to its group's shared prompt and the written cache.
+
+    x [B, 1, D]; positions [B, 1] (RoPE); cache_k, cache_v head-major [B, Hkv, S, K]; valid
+    [B, S] marks the real slots, `slot` (an int32 scalar, the same for every row) included;
+    prefix = (pk, pv, p_valid) the shared prompts' keys/values [B/G, Hkv, P, K] and validity
+    [B/G, P] (`cache_attention`; P = 0 for a cache without one). Written first, the cache is
+    updated in place; read first and written after, XLA would copy the whole cache every step
+    (the old buffer still read when the update lands). With `kernels.ragged_decode` (the
+    sampler's, on GPU) one kernel reads the written slots only, where the layer allows it (no
+    window, no soft-cap, `decode_attention.supports`). `local`: as `forward`.
+    -> (x, cache k, cache v): the written cache."""
+    cfg = self.cfg
+    q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions_bt, local)
+    window = self._window(local)
+    # A local layer's cache of exactly `sliding_window` slots is a ring (cache.ring_sizes): slot
+    # r holds completion slot j = slot - (slot - r) mod W, the last W written (j < 0: not yet);
+    # while slot < W it is the plain layout.
+    s_len = cache_k.shape[2]
+    ring = local is True and cfg.sliding_window == s_len
+    at = slot % s_len if ring else slot
+    k, v = (jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype), (0, 0, at, 0))
+            for c, n in ((cache_k, k), (cache_v, v)))
+    kv_slot = jnp.arange(s_len)
+    if ring:
+      kv_slot = slot - (slot - kv_slot) % s_len
+      valid_bs = jnp.broadcast_to((kv_slot >= 0).astype(jnp.int32), (q.shape[0], s_len))
+    ragged = (kernels.ragged_decode and window is None and not cfg.attn_logit_softcap and
+              decode_attention.supports(q, k, prefix[0], interpret=kernels.interpret))
+    if ragged:  # the sampler's: written slots only
+      a = decode_attention.ragged(q, k, v, slot + 1, prefix, interpret=kernels.interpret)
+    else:
+      q_slot = jnp.full(positions_bt.shape, slot)
+      a = cache_attention(q, k, v, slot_mask(q_slot, kv_slot, valid_bs, window), prefix,
+                          prefix_mask(prefix[2], positions_bt, window),
+                          softcap=cfg.attn_logit_softcap)
+    return self._residual(x_btd, a, kernels), k, v
+
+  def _window(self, local):
+    """The layer's sliding window: None (a global layer, or a model without windows),
+    cfg.sliding_window (a local one), or under the layer scan a traced choice between it and a
+    window no sequence reaches."""
+    cfg = self.cfg
+    if cfg.sliding_window <= 0 or local is False:
+      return None
+    if local is True:
+      return cfg.sliding_window
+    return jnp.where(local, cfg.sliding_window, 2**30)
+
+  def _residual(self, x_btd, attn_bthk, kernels: Kernels):
+    """x + attn, then + mlp (Gemma: each output normed first)."""
+    a = self.attn.out(attn_bthk)
+    if self.cfg.gemma:
       a = self.post_attn_norm(a)
     x_btd = x_btd + a
-    m = self.mlp(self.mlp_norm(x_btd))
-    if cfg.gemma:
+    m = self.mlp(self.mlp_norm(x_btd), kernels.fuse_gate_up)
+    if self.cfg.gemma:
       m = self.post_mlp_norm(m)
-    x_btd = x_btd + m
-    return x_btd, k, v
+    return x_btd + m

@@ -13,8 +13,11 @@ can be a `lax.while_loop` carry. Cache slot j holds the token at sequence index 
 sampler's and the trainer's attention patterns and positions agree by construction.
 
 Layers are a Python list or, with `scan_layers`, one stacked Block run by `lax.scan` (compile
-time flat in depth). The layer function is wrapped in `jax.checkpoint` with the named remat
-policy (`remat.py`).
+time flat in depth); modes 1 and 2 run `Block.forward`, mode 3 `Block.decode`. The layer
+function is wrapped in `jax.checkpoint` with the named remat policy (`remat.py`). Which kernels
+every mode runs is one value, `self.kernels` (kernels.py), given or resolved at construction.
+The sampler's cache surgery (shared prompts, growing caches, rings) and its copy of the model
+are in cache.py.
 """
 from flax import nnx
 import jax
@@ -25,6 +28,7 @@ from grpo_jax.models.decoder import layers
 from grpo_jax.models.lora import adapters as lora
 from grpo_jax.models import remat as remat_lib
 from grpo_jax.models.decoder.config import ModelConfig
+from grpo_jax.models.decoder.kernels import Kernels
 from grpo_jax.models.decoder.layers import Block
 from grpo_jax.models.decoder.layers import _param
 
@@ -60,9 +64,12 @@ def _take(x, idx_bt, axis: int = 1):
 class Transformer(nnx.Module):
   """Decoder-only LM. `Transformer(cfg, rngs=nnx.Rngs(0))`; see `build_model` for sharded init."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, kernels: Kernels | None = None):
+    """`kernels`: the kernels every mode runs (kernels.py; static, part of the graph); default
+    `Kernels.resolve(cfg)`, for the default backend."""
     cfg.validate()
     self.cfg = cfg
+    self.kernels = Kernels.resolve(cfg) if kernels is None else kernels
     pd = jnp.dtype(cfg.param_dtype)
     d, v = cfg.hidden_size, cfg.vocab_size
     self.embed = _param(rngs, (v, d), ("vocab", "embed"), pd, fan_in=d)
@@ -101,27 +108,25 @@ class Transformer(nnx.Module):
       x = x * jnp.asarray(self.cfg.hidden_size**0.5, self.compute_dtype)
     return sharding.constrain(x, "batch", "length", "act_embed")
 
-  def _run_layers(self, x, positions, q_slot, kv_valid, cache_k=None, cache_v=None,
-                  write_slot=None, prefix=None):
-    """All layers. Returns (x, ks, vs): each layer's new keys/values [B, T, Hkv, K], stacked
-    on a leading layer axis with scan_layers, else a tuple per layer (like the cache). With
-    `write_slot` (per-layer caches only): each layer writes its keys/values into its cache
-    first and (x, caches k, caches v) come back (layers.Block). `prefix=(k, v, valid)`: a
-    shared prompt's keys/values (laid out like the cache) that the queries also attend to."""
-    prefix_k, prefix_v, prefix_valid = prefix if prefix is not None else (None, None, None)
+  def _run_layers(self, step, x, xs=()):
+    """All layers: `step(block, x, xs_l, local) -> (x, ys_l)` per layer, where xs_l is the
+    layer's slice of every array in the tuple `xs` (stacked on a leading layer axis with
+    scan_layers, else one per layer) and `local` whether it is a sliding-window layer (a bool,
+    or a traced one under the scan when local and global layers mix). Each layer runs inside
+    the named remat policy (`remat.py`) with its LoRA / quantized weights made effective
+    (`lora.adapt`). -> (x, ys): ys stacked on a layer axis with scan_layers, else a tuple per
+    layer (as the cache: ys = (k, v) gives (ks, vs))."""
     policy = remat_lib.policy(self.cfg.remat_policy)
-
     kinds = self.cfg.local_layers
-    mixed = any(kinds) and not all(kinds)  # local and global layers: a per-layer flag
+    # local and global layers in one scan: the layer kind is a traced per-layer flag
+    traced_kind = self.cfg.scan_layers and any(kinds) and not all(kinds)
 
-    def make_layer(graphdef, local=False):
-      def layer(block_state, x, cache_kv, prefix_kv, local_flag=None):
+    def make_layer(graphdef, local):
+      def layer(block_state, x, xs_l, flag):
         # lora.adapt: LoRA adapters / a quantized base become this layer's effective weights
         # here, one layer at a time (a no-op on a plain layer).
         block = lora.adapt(nnx.merge(graphdef, block_state))
-        pre = None if prefix_kv is None else (*prefix_kv, prefix_valid)
-        return block(x, positions, q_slot, kv_valid, cache_kv, write_slot, pre,
-                     local if local_flag is None else local_flag)
+        return step(block, x, xs_l, flag if traced_kind else local)
       if policy is None:
         return layer
       return jax.checkpoint(layer, policy=policy, prevent_cse=not self.cfg.scan_layers)
@@ -129,28 +134,31 @@ class Transformer(nnx.Module):
     if self.cfg.scan_layers:
       graphdef, stacked = nnx.split(self.layers)
       layer = make_layer(graphdef, all(kinds) and any(kinds))
-      flags = jnp.asarray(kinds) if mixed else None
 
-      def body(x, xs):
-        state, ck, cv, pk, pv, flag = xs
-        x, k, v = layer(state, x, None if ck is None else (ck, cv),
-                        None if pk is None else (pk, pv), flag)
-        return sharding.constrain(x, "batch", "length", "act_embed"), (k, v)
+      def body(x, per_layer):
+        state, xs_l, flag = per_layer
+        x, ys_l = layer(state, x, xs_l, flag)
+        return sharding.constrain(x, "batch", "length", "act_embed"), ys_l
 
-      x, (ks, vs) = jax.lax.scan(body, x, (stacked, cache_k, cache_v, prefix_k, prefix_v,
-                                           flags))
-      return x, ks, vs
+      return jax.lax.scan(body, x, (stacked, xs, jnp.asarray(kinds)))
 
-    ks, vs = [], []
+    ys = []
     for i, blk in enumerate(self.layers):
       graphdef, state = nnx.split(blk)
-      kv = None if cache_k is None else (cache_k[i], cache_v[i])
-      pkv = None if prefix_k is None else (prefix_k[i], prefix_v[i])
-      x, k, v = make_layer(graphdef, kinds[i])(state, x, kv, pkv)
+      x, ys_l = make_layer(graphdef, kinds[i])(state, x, tuple(a[i] for a in xs), kinds[i])
       x = sharding.constrain(x, "batch", "length", "act_embed")
-      ks.append(k)
-      vs.append(v)
-    return x, tuple(ks), tuple(vs)
+      ys.append(ys_l)
+    return x, jax.tree.map(lambda *per_layer: per_layer, *ys)
+
+  def _forward_layers(self, x, positions, mask):
+    """All layers' `Block.forward`. -> (x, ks, vs): each layer's keys/values [B, T, Hkv, K]."""
+    kernels = self.kernels
+
+    def step(block, x, xs_l, local):
+      x, k, v = block.forward(x, positions, mask, kernels, local)
+      return x, (k, v)
+    x, (ks, vs) = self._run_layers(step, x)
+    return x, ks, vs
 
   # ------------------------------------------------------------------------- training mode
 
@@ -158,15 +166,13 @@ class Transformer(nnx.Module):
     """Final-norm hidden states [B, T, D] (compute dtype) for a left- or right-padded batch."""
     if attention_mask is None:
       attention_mask = jnp.ones_like(input_ids)
-    b, t = input_ids.shape
     positions = positions_from_mask(attention_mask)
-    if layers.fused_attention_for(self.cfg):  # real tokens first, one fused causal kernel
+    if self.kernels.fused_attention:  # real tokens first, one fused causal kernel
       src, dst = compaction(attention_mask)
-      x, _, _ = self._run_layers(self._embed(_take(input_ids, src)), _take(positions, src),
-                                 None, None)
+      x, _, _ = self._forward_layers(self._embed(_take(input_ids, src)), _take(positions, src),
+                                     _take(attention_mask, src))
       return _take(self.final_norm(x), dst)
-    q_slot = jnp.broadcast_to(jnp.arange(t), (b, t))
-    x, _, _ = self._run_layers(self._embed(input_ids), positions, q_slot, attention_mask)
+    x, _, _ = self._forward_layers(self._embed(input_ids), positions, attention_mask)
     return self.final_norm(x)
 
   def __call__(self, input_ids, attention_mask=None):
@@ -205,18 +211,17 @@ class Transformer(nnx.Module):
     logits: [B, V] for the last prompt position (the next-token distribution), or
     [B, P, V] with `all_logits`. Every row needs at least one real token.
     """
-    b, p = tokens_bp.shape
+    p = tokens_bp.shape[1]
     positions = positions_from_mask(mask_bp)
-    if layers.fused_attention_for(self.cfg):  # real tokens first, one fused causal kernel
+    if self.kernels.fused_attention:  # real tokens first, one fused causal kernel
       src, dst = compaction(mask_bp)
-      x, ks, vs = self._run_layers(self._embed(_take(tokens_bp, src)), _take(positions, src),
-                                   None, None)
+      x, ks, vs = self._forward_layers(self._embed(_take(tokens_bp, src)), _take(positions, src),
+                                       _take(mask_bp, src))
       lead = 1 if self.cfg.scan_layers else 0  # stacked keys: [L, B, P, Hkv, K]
       ks, vs = (jax.tree.map(lambda a: _take(a, dst, axis=1 + lead), kv) for kv in (ks, vs))
       x = _take(x, dst if all_logits else dst[:, -1:])
     else:
-      q_slot = jnp.broadcast_to(jnp.arange(p), (b, p))
-      x, ks, vs = self._run_layers(self._embed(tokens_bp), positions, q_slot, mask_bp)
+      x, ks, vs = self._forward_layers(self._embed(tokens_bp), positions, mask_bp)
     h = self.final_norm(x if all_logits else x[:, -1:])
     logits = self.logits_from_hidden(h)
     cache = dict(
@@ -227,26 +232,41 @@ class Transformer(nnx.Module):
     return (logits if all_logits else logits[:, 0]), cache
 
   def decode(self, token_b, cache: dict):
-    """One new token per row at slot `cache["index"]`. -> (logits [B, V] float32, cache)."""
+    """One new token per row at slot `cache["index"]`. -> (logits [B, V] float32, cache).
+
+    Each layer writes the token's key/value into its cache, then attends to the written cache
+    and to the prompt's shared keys/values where the cache has them (cache.share_prompt; a
+    plain cache attends to an empty prefix). Per-layer caches update in place; a stacked one
+    (scan_layers) comes back from the layer scan as a new array, a copy per step: the sampler
+    decodes its per-layer copy of the model (cache.sampling_copy)."""
     b = token_b.shape[0]
     index = cache["index"]
     positions = cache["pos"][:, None]
-    q_slot = jnp.full((b, 1), index)
     valid = jax.lax.dynamic_update_slice(cache["valid"], jnp.ones((b, 1), jnp.int32),
                                          (0, index))
-    prefix = None
-    if "prefix_k" in cache:
-      prefix = (cache["prefix_k"], cache["prefix_v"], cache["prefix_valid"])
-    if isinstance(cache["k"], tuple):  # per-layer buffers: each layer writes, then reads
-      x, ks, vs = self._run_layers(self._embed(token_b[:, None]), positions, q_slot, valid,
-                                   cache["k"], cache["v"], write_slot=index, prefix=prefix)
-    else:  # one stacked buffer, sliced per layer by the scan: written after all layers
-      x, ks, vs = self._run_layers(self._embed(token_b[:, None]), positions, q_slot,
-                                   cache["valid"], cache["k"], cache["v"], prefix=prefix)
-      ks, vs = _write_kv(cache["k"], ks, index), _write_kv(cache["v"], vs, index)
+    prefix_k, prefix_v, prefix_valid = _prefix(cache)
+    kernels = self.kernels
+
+    def step(block, x, xs_l, local):
+      cache_k, cache_v, pk, pv = xs_l
+      x, k, v = block.decode(x, positions, cache_k, cache_v, valid, index,
+                             (pk, pv, prefix_valid), kernels, local)
+      return x, (k, v)
+    x, (ks, vs) = self._run_layers(step, self._embed(token_b[:, None]),
+                                   (cache["k"], cache["v"], prefix_k, prefix_v))
     logits = self.logits_from_hidden(self.final_norm(x))[:, 0]
     cache = dict(cache, k=ks, v=vs, valid=valid, index=index + 1, pos=cache["pos"] + 1)
     return logits, cache
+
+
+def _prefix(cache: dict):
+  """(prefix k, prefix v, prefix valid): the shared prompt of a decode cache
+  (cache.share_prompt), or an empty one (0 slots, one per row) for a plain cache."""
+  if "prefix_k" in cache:
+    return cache["prefix_k"], cache["prefix_v"], cache["prefix_valid"]
+  empty = lambda x: jnp.zeros((*x.shape[:-2], 0, x.shape[-1]), x.dtype)  # noqa: E731
+  return (jax.tree.map(empty, cache["k"]), jax.tree.map(empty, cache["v"]),
+          jnp.zeros((cache["valid"].shape[0], 0), jnp.int32))
 
 
 def softcap(logits, cap: float):
@@ -255,73 +275,13 @@ def softcap(logits, cap: float):
 
 
 def _write_kv(cache_kv, new_kv, slot):
-  """Writes new keys/values ([B, T, Hkv, K] per layer, as _run_layers returns them) into the
+  """Writes new keys/values ([B, T, Hkv, K] per layer, as _forward_layers returns them) into the
   head-major cache at `slot`, per layer buffer (tuple) or into the stacked array."""
   if isinstance(cache_kv, tuple):
     return tuple(jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype), (0, 0, slot, 0))
                  for c, n in zip(cache_kv, new_kv))
   return jax.lax.dynamic_update_slice(cache_kv, new_kv.swapaxes(2, 3).astype(cache_kv.dtype),
                                       (0, 0, 0, slot, 0))
-
-
-def ring_sizes(cfg: ModelConfig) -> tuple:
-  """Per layer, the slots of its completion cache in the sampler's layout: a local layer's
-  `sliding_window` (a ring: it never attends further back), else None (every slot)."""
-  return tuple(cfg.sliding_window if local else None for local in cfg.local_layers)
-
-
-def share_prompt(cache: dict, n: int, slots: int, prefix_multiple: int = 1,
-                 rings: tuple | None = None) -> dict:
-  """A cache of B prompts prefilled to exactly its P slots (`init_cache(B, P)`) -> a decode
-  cache for n samples per prompt (B*n rows, group-major) that keeps the prompts' keys/values
-  once per prompt ("prefix_k", "prefix_v", "prefix_valid": read by every sample of the prompt)
-  and has `slots` empty slots per row for the new tokens (slot j = completion token j;
-  `grow_cache` adds more). Decode attends to the prefix and the written slots: the same
-  log-probs as `repeat_cache` + decode, and each prompt's keys are read once per group.
-  `prefix_multiple`: the prefix padded at its end to a multiple of it (invalid slots: the
-  blocks `decode_attention.ragged` reads). `rings` (per-layer caches; `ring_sizes`): a local
-  layer's completion cache holds min(slots, its window) slots, used as a ring by the decode."""
-  def empty(x, ring=None):
-    shape = list(x.shape)
-    shape[-4], shape[-2] = shape[-4] * n, slots if ring is None else min(slots, ring)
-    return jnp.zeros(shape, x.dtype)
-
-  def empties(kv):
-    if rings is None or not isinstance(kv, tuple):
-      return jax.tree.map(empty, kv)
-    return tuple(empty(x, r) for x, r in zip(kv, rings))
-  b, p = cache["valid"].shape
-  extra = -p % prefix_multiple
-  if extra:
-    cache = grow_cache(cache, p + extra)
-  return dict(prefix_k=cache["k"], prefix_v=cache["v"], prefix_valid=cache["valid"],
-              k=empties(cache["k"]), v=empties(cache["v"]),
-              valid=jnp.zeros((b * n, slots), jnp.int32), index=jnp.zeros((), jnp.int32),
-              pos=jnp.repeat(cache["pos"], n, axis=0))
-
-
-def grow_cache(cache: dict, slots: int, rings: tuple | None = None) -> dict:
-  """The cache with `slots` slots per row (more than it has; the new ones empty); a ring
-  layer's (`rings`, as share_prompt) up to its window only."""
-  def pad(x, ring=None):
-    widths = [(0, 0)] * x.ndim
-    widths[-2] = (0, (slots if ring is None else min(slots, ring)) - x.shape[-2])
-    return jnp.pad(x, widths)
-
-  def grown(kv):
-    if rings is None or not isinstance(kv, tuple):
-      return jax.tree.map(pad, kv)
-    return tuple(pad(x, r) for x, r in zip(kv, rings))
-  return dict(cache, k=grown(cache["k"]), v=grown(cache["v"]),
-              valid=jnp.pad(cache["valid"], ((0, 0), (0, slots - cache["valid"].shape[1]))))
-
-
-def repeat_cache(cache: dict, n: int) -> dict:
-  """Each row's cache repeated n times, group-major (row i -> rows i*n .. i*n+n-1)."""
-  rep = lambda x: jnp.repeat(x, n, axis=x.ndim - 4)  # noqa: E731  (the batch axis)
-  return dict(k=jax.tree.map(rep, cache["k"]), v=jax.tree.map(rep, cache["v"]),
-              valid=jnp.repeat(cache["valid"], n, axis=0), index=cache["index"],
-              pos=jnp.repeat(cache["pos"], n, axis=0))
 
 
 def _prepend_layers_axis(module):
@@ -334,89 +294,24 @@ def _prepend_layers_axis(module):
 
 
 def build_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Transformer:
-  """A randomly initialized model, created directly sharded over `mesh` when given.
+  """A randomly initialized model, created directly sharded over `mesh` when given, with the
+  kernels of the mesh's platform (Kernels.for_mesh).
 
   Initialization runs under jit with out_shardings from the logical-axis rules, so each device
   materializes only its shards; no full host or single-device copy is ever made.
   """
+  kernels = Kernels.for_mesh(cfg, mesh)
   if mesh is None:
-    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=seed)))
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed), kernels=kernels)
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=seed),
+                                                kernels=kernels))
   graphdef, abstract_state = nnx.split(abstract)
   shardings = sharding.state_shardings(abstract_state, mesh)
 
   def init():
-    return nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=seed)))
+    return nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=seed), kernels=kernels))
 
   state = jax.jit(init, out_shardings=shardings)()
   return nnx.merge(graphdef, state)
 
 
-def sampling_copy(model: Transformer) -> Transformer:
-  """The decoder the sampler runs, made once per rollout inside its program: every floating
-  weight in the compute dtype and already effective (LoRA adapters added, a quantized base
-  dequantized: lora.effective_weight), and the layers as a list (scan_layers unstacked), so the
-  decode loop reads compute-dtype per-layer weights and per-layer caches that update in place:
-  no f32 -> bf16 convert per token, no slice of a stacked weight or cache per layer (which the
-  layer scan would otherwise put inside the loop, whatever the compiler hoists). Same values as
-  the trainer's forward, which casts each weight to the compute dtype where it reads it. The
-  model itself when there is nothing to do (unscanned, plain, weights already in the compute
-  dtype)."""
-  cfg = model.cfg
-  dt = model.compute_dtype
-  plain = not lora.has_adapters(nnx.state(model)) and not _has_quantized(model)
-  if (not cfg.scan_layers and plain and
-      all(x.dtype == dt for x in jax.tree.leaves(nnx.state(model, nnx.Param))
-          if jnp.issubdtype(x.dtype, jnp.floating))):
-    return model
-  out_cfg = cfg.replace(scan_layers=False, param_dtype=cfg.dtype, remat_policy="none")
-  target = nnx.eval_shape(lambda: Transformer(out_cfg, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(target)
-  if cfg.scan_layers:
-    layer_graph, stacked = nnx.split(model.layers)
-    blocks = [nnx.merge(layer_graph, jax.tree.map(lambda x, i=i: x[i], stacked))
-              for i in range(cfg.num_layers)]
-  else:
-    blocks = list(model.layers)
-
-  def value(path):
-    obj = blocks[path[1]] if path[0] == "layers" else model
-    for name in path[2:] if path[0] == "layers" else path:
-      obj = getattr(obj, name)
-    return obj[...]
-
-  def effective(path, x):
-    if path[0] == "layers" and len(path) == 4 and path[2] in ("attn", "mlp"):
-      w = lora.effective_weight(getattr(blocks[path[1]], path[2]), path[3])
-      if w is not None:
-        return w
-    return value(path)
-
-  pure = nnx.to_pure_dict(state)
-  flat = {path: effective(path, x) for path, x in _flatten(pure)}
-  filled = _unflatten({p: (v.astype(dt) if jnp.issubdtype(v.dtype, jnp.floating) else v)
-                       for p, v in flat.items()})
-  nnx.replace_by_pure_dict(state, filled)
-  return nnx.merge(graphdef, state)
-
-
-def _has_quantized(model) -> bool:
-  return any("_qscale" in "/".join(map(str, path)) for path, _ in nnx.iter_graph(model))
-
-
-def _flatten(tree, prefix=()):
-  for k, v in tree.items():
-    if isinstance(v, dict):
-      yield from _flatten(v, prefix + (k,))
-    else:
-      yield prefix + (k,), v
-
-
-def _unflatten(flat: dict) -> dict:
-  out = {}
-  for path, v in flat.items():
-    node = out
-    for k in path[:-1]:
-      node = node.setdefault(k, {})
-    node[path[-1]] = v
-  return out

@@ -82,6 +82,7 @@ from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import hf
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.models.decoder.config import ModelConfig
+from grpo_jax.models.decoder.kernels import Kernels
 from grpo_jax.models.logprobs import token_logprobs
 # The mapping, re-exported: callers and tests use it as maxtext_adapter.<name>.
 from grpo_jax.models.maxtext.mapping import check_supported
@@ -292,7 +293,9 @@ def build_parts(config, mesh, cfg: ModelConfig | None = None) -> MaxTextParts:
       return jax.random.key(0)
     return jnp.zeros(x.shape, x.dtype)
   rest = jax.tree.map(concrete, abstract_rest)
-  native_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+  kernels = Kernels.for_mesh(cfg, mesh)
+  native_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0),
+                                                    kernels=kernels))
   native_graphdef, native_abstract = nnx.split(native_model)
   return MaxTextParts(mt_cfg, mt_mesh, graphdef, rest, abstract_params, native_graphdef,
                       native_abstract, cfg)
