@@ -137,6 +137,9 @@ def test_prefill_decode_equals_training_forward(arch, scan):
   assert diff.max() <= 1e-5, diff.max()
   # Repeating the cache G times (group sampling) gives each copy the same log-probs.
   dec3 = decode_logprobs(model, prompt, pmask, comp, repeat=3)
+  # The model's own decode (a scanned model's too) against the training forward.
+  own = np.abs(np.asarray(train - dec3[::3]))[np.asarray(cmask) > 0]
+  assert own.max() <= 1e-5, own.max()
   np.testing.assert_allclose(dec3[::3], dec, atol=1e-6)
   np.testing.assert_allclose(dec3[2::3], dec, atol=1e-6)
   # The sampler's layout: the prompt's keys once per group, a cache that grows mid-way.
