@@ -1062,7 +1062,7 @@ def s_decode_kernel(ctx, sec, out):
   each output the next query), us per call and the HBM bytes a call must read (prompt once
   per group + the written slots) per second."""
   from grpo_jax.models.decoder import decode_attention as da
-  from grpo_jax.models.decoder import layers
+  from grpo_jax.models.decoder import attention
   if ctx.quick:
     shapes = {"quick": dict(prompts=2, g=2, p=64, s=64, length=40)}
     variants = ["xla", "ragged"]
@@ -1093,9 +1093,9 @@ def s_decode_kernel(ctx, sec, out):
 
       def attend(q, name=name):
         if name == "xla":
-          allowed = layers.slot_mask(jnp.full((n, 1), length - 1), jnp.arange(w["s"]), valid)
-          return layers.cache_attention(q, k, v, allowed, (pk, pv, p_valid),
-                                        layers.prefix_mask(p_valid, jnp.zeros((n, 1), jnp.int32)))
+          allowed = attention.slot_mask(jnp.full((n, 1), length - 1), jnp.arange(w["s"]), valid)
+          return attention.cache_attention(q, k, v, allowed, (pk, pv, p_valid),
+                                        attention.prefix_mask(p_valid, jnp.zeros((n, 1), jnp.int32)))
         interpret = ctx.quick or jax.default_backend() not in ("gpu", "cuda", "rocm")
         return da.ragged(q, k, v, length, (pk, pv, p_valid), interpret=interpret)
 

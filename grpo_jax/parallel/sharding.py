@@ -303,7 +303,7 @@ def opt_state_shardings(optimizer, opt_state, param_shardings, mesh: Mesh):
 def traced_in(fn, mesh: Mesh):
   """`fn` traced with `mesh` as the abstract mesh (jit it: `jax.jit(traced_in(f, mesh))`):
   its `constrain` calls take effect and kernels that split their work over the mesh (TPU
-  splash attention's shard_map: layers.splash_attention) find it. Unlike `jax.set_mesh`
+  splash attention's shard_map: attention.splash_attention) find it. Unlike `jax.set_mesh`
   around the call, this holds wherever the jitted function is traced (eval_shape, lower,
   compile-ahead threads)."""
   @functools.wraps(fn)

@@ -10,6 +10,7 @@ from grpo_jax.models import PRESETS
 from grpo_jax.models import build_model
 from grpo_jax.models import chunked_token_logprobs
 from grpo_jax.models import completion_logprobs
+from grpo_jax.models.decoder import attention
 from grpo_jax.models.decoder import layers
 from grpo_jax.models.decoder.cache import grow_cache
 from grpo_jax.models.decoder.cache import share_prompt
@@ -59,7 +60,7 @@ def reference_attention(q_bthk, cache_k, cache_v, k1, v1, q_slot_bt, valid_bs, w
     return jnp.tanh(x / softcap) * softcap if softcap else x
   logits = cap(jnp.einsum("btgrk,bgsk->bgrts", q, cache_k, preferred_element_type=jnp.float32) *
                kd**-0.5)
-  allowed = layers.slot_mask(q_slot_bt, jnp.arange(s), valid_bs, window)
+  allowed = attention.slot_mask(q_slot_bt, jnp.arange(s), valid_bs, window)
   logits = jnp.where(allowed[:, None, None], logits, jnp.finfo(jnp.float32).min)
   own = cap(jnp.einsum("btgrk,btgk->bgrt", q, k1, preferred_element_type=jnp.float32)[..., None] *
             kd**-0.5)
@@ -199,9 +200,9 @@ def test_decode_writes_then_reads_like_read_then_append(softcap):
   written_k, written_v = (c.at[:, :, slot].set(n[:, 0]) for c, n in ((cache_k, k1), (cache_v, v1)))
   valid[:, slot] = 1
   q_slot = jnp.full((b, 1), slot)
-  got = layers.cache_attention(q, written_k, written_v,
-                               layers.slot_mask(q_slot, jnp.arange(s), jnp.asarray(valid)),
-                               prefix, layers.prefix_mask(prefix[2], q_slot), softcap=softcap)
+  got = attention.cache_attention(q, written_k, written_v,
+                               attention.slot_mask(q_slot, jnp.arange(s), jnp.asarray(valid)),
+                               prefix, attention.prefix_mask(prefix[2], q_slot), softcap=softcap)
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
 
 
@@ -444,8 +445,8 @@ def test_splash_attention_equals_causal_attention_under_a_mesh():
   dwant = jax.grad(lambda q, k: jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True)
                                         ** 2), argnums=(0, 1))(q, k)
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-  splash = jax.jit(lambda q, k, v: layers.splash_attention(q, k, v, interpret=True))
-  dsplash = jax.jit(jax.grad(lambda q, k: jnp.sum(layers.splash_attention(
+  splash = jax.jit(lambda q, k, v: attention.splash_attention(q, k, v, interpret=True))
+  dsplash = jax.jit(jax.grad(lambda q, k: jnp.sum(attention.splash_attention(
       q, k, v, interpret=True) ** 2), argnums=(0, 1)))
   with jax.set_mesh(mesh):
     got = splash(q, k, v)

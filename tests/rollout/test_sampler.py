@@ -373,7 +373,7 @@ def test_ragged_decode_attention_equals_xla_attention(length):
   shared, left-padded prompt and the first `length` cache slots (f32: 1e-5), reading no slot
   past them (garbage there changes nothing); GQA groups of 2, 2 prompts x 4 rows."""
   from grpo_jax.models.decoder import decode_attention
-  from grpo_jax.models.decoder import layers
+  from grpo_jax.models.decoder import attention
   b, g, hkv, r, kd, s, p = 2, 4, 2, 2, 32, 128, 64
   ks = jax.random.split(jax.random.key(0), 6)
   q = jax.random.normal(ks[0], (b * g, 1, hkv * r, kd))
@@ -383,8 +383,8 @@ def test_ragged_decode_attention_equals_xla_attention(length):
   pv = jax.random.normal(ks[4], (b, hkv, p, kd))
   p_valid = (jnp.arange(p)[None] >= jnp.array([[5], [40]])).astype(jnp.int32)
   valid = jnp.broadcast_to(jnp.arange(s) < length, (b * g, s)).astype(jnp.int32)
-  allowed = layers.slot_mask(jnp.full((b * g, 1), length - 1), jnp.arange(s), valid)
-  want = layers.cache_attention(q, k, v, allowed, (pk, pv, p_valid), layers.prefix_mask(
+  allowed = attention.slot_mask(jnp.full((b * g, 1), length - 1), jnp.arange(s), valid)
+  want = attention.cache_attention(q, k, v, allowed, (pk, pv, p_valid), attention.prefix_mask(
       p_valid, jnp.zeros((b * g, 1), jnp.int32)))
   assert decode_attention.supports(q, k, pk, interpret=True)
   got = decode_attention.ragged(q, k, v, length, (pk, pv, p_valid), interpret=True)

@@ -3,7 +3,7 @@
 The group sampler's decode step (rollout/sampler.py) attends each row's query to its prompt's
 keys/values, kept once per group of G rows (`cache.share_prompt`: "prefix"), and to the
 row's own completion cache [N, Hkv, S, K], of which only slots 0..length-1 are written (every
-row writes slot t at step t). The XLA form (`layers.cache_attention`) reads all S slots
+row writes slot t at step t). The XLA form (`attention.cache_attention`) reads all S slots
 of every layer each step and runs ~8 small kernels per layer (two score products, masks, a
 softmax, two value products, the prefix's sum and a transpose). `ragged` is one Pallas kernel
 per layer (Triton on GPU; Pallas's interpreter elsewhere, for tests): a program per (row, kv
@@ -57,7 +57,7 @@ def supports(q_bthk, cache_k, prefix_k, *, interpret: bool = False) -> bool:
 
 def ragged(q_bthk, k_nhsk, v_nhsk, length, prefix, *, interpret: bool = False):
   """Decode attention of one query per row over its prompt (shared per group) and the first
-  `length` slots of its cache; the same values as `layers.cache_attention` with the query at slot
+  `length` slots of its cache; the same values as `attention.cache_attention` with the query at slot
   length - 1 and slots < length valid (f32 softmax; on GPU the
   probabilities meet V in the compute dtype, as there).
 

@@ -29,7 +29,7 @@ class Kernels:
   Attributes:
     platform: "cpu", "gpu" or "tpu": the backend the traced program runs on.
     fused_attention: the training forward and the prefill move each row's real tokens first
-      (transformer.compaction) and run one causal kernel (`layers.causal_attention`: cuDNN
+      (transformer.compaction) and run one causal kernel (`attention.causal_attention`: cuDNN
       flash attention on GPU, Pallas splash attention on TPU, XLA's form on CPU); else the
       masked einsum attention.
     fuse_gate_up: gate and up as one [D, 2F] GEMM, forward and backward (`layers.swiglu`).

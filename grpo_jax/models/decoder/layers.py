@@ -32,8 +32,12 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import decode_attention
+from grpo_jax.models.decoder.attention import attention
+from grpo_jax.models.decoder.attention import cache_attention
+from grpo_jax.models.decoder.attention import causal_attention
+from grpo_jax.models.decoder.attention import prefix_mask
+from grpo_jax.models.decoder.attention import slot_mask
 from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.models.decoder.kernels import Kernels
 
@@ -110,153 +114,6 @@ def apply_rope(x, positions, inv_freq):
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   return x * cos + rotated * sin
-
-
-def _capped(logits, softcap: float):
-  """softcap > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2); else as they are."""
-  return jnp.tanh(logits / softcap) * softcap if softcap else logits
-
-
-def slot_mask(q_slot_bt, kv_slot_s, kv_valid_bs, window=None) -> jax.Array:
-  """[B, T, S]: which keys each query attends to, by slot: a real key (`kv_valid` nonzero) at
-  a slot <= the query's (causal) and, with a `window` (an int or a traced one), fewer than
-  `window` slots before it. q_slot [B, T] absolute slots; kv_slot [S] the slot each key holds
-  (0..S-1, or a ring's: `Block.decode`)."""
-  allowed = (kv_valid_bs[:, None, :] != 0) & (kv_slot_s[None, None, :] <= q_slot_bt[:, :, None])
-  if window is not None:
-    allowed &= q_slot_bt[:, :, None] - kv_slot_s[None, None, :] < window
-  return allowed
-
-
-def prefix_mask(p_valid_bp, q_pos_bt, window=None) -> jax.Array:
-  """[B/G, G, T, P] (or broadcastable to it): which keys of its group's shared prompt each of
-  the B = (B/G) * G queries' rows attends to: the prompt's real tokens, and with a `window`
-  those fewer than `window` positions before the query's (q_pos [B, T]; the prompt's keys are
-  at their positions within the left-padded prompt)."""
-  bp = p_valid_bp.shape[0]
-  allowed = (p_valid_bp != 0)[:, None, None, :]
-  if window is not None:
-    p_pos = jnp.cumsum(p_valid_bp != 0, axis=-1) - 1  # [B/G, P]
-    b, t = q_pos_bt.shape
-    dist = q_pos_bt.reshape(bp, b // bp, t)[..., None] - p_pos[:, None, None, :]
-    allowed = allowed & (dist < window)
-  return allowed
-
-
-def attention(q_bthk, k_bsgk, v_bsgk, allowed_bts, *, softcap: float = 0.0):
-  """Grouped-query attention under an explicit mask; softmax in f32.
-
-  q [B, T, H, K]; k, v [B, S, Hkv, K] (H a multiple of Hkv); allowed [B, T, S] (`slot_mask`).
-  Fully masked query rows (padding) get a uniform softmax, never NaN. -> [B, T, H, K]."""
-  b, t, h, kd = q_bthk.shape
-  g = k_bsgk.shape[2]
-  q = q_bthk.reshape(b, t, g, h // g, kd)
-  logits = _capped(jnp.einsum("btgrk,bsgk->bgrts", q, k_bsgk,
-                              preferred_element_type=jnp.float32) * kd**-0.5, softcap)
-  logits = jnp.where(allowed_bts[:, None, None], logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v_bsgk.dtype)  # [B, G, R, T, S]
-  out = jnp.einsum("bgrts,bsgk->bgrtk", probs, v_bsgk)
-  # Batch dims first in the product's output, then a transpose of the (small) result: XLA:CPU
-  # runs "bgrts,bgsk->btgrk" ~17x slower than "->bgrtk" at decode shapes.
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, kd)
-
-
-def cache_attention(q_bthk, k_bgsk, v_bgsk, allowed_bts, prefix, prefix_allowed, *,
-                    softcap: float = 0.0):
-  """The decode step's attention: each query attends to its group's shared prompt and to its
-  row's cache; softmax in f32 over both.
-
-  q [B, T, H, K]; k, v the head-major cache [B, Hkv, S, K] (batch and head lead, so the batched
-  products read the cache as it lies, with no per-step transpose of the whole cache); allowed
-  [B, T, S] (`slot_mask`). prefix = (pk, pv, p_valid): the shared prompts' keys and values,
-  head-major [B/G, Hkv, P, K], and their validity [B/G, P], one prompt per group of G = B / (B/G)
-  consecutive rows, read once per group (P may be 0: no prompt); prefix_allowed [B/G, G, T, P]
-  or broadcastable (`prefix_mask`). -> [B, T, H, K]."""
-  b, t, h, kd = q_bthk.shape
-  g = k_bgsk.shape[1]
-  pk, pv, _ = prefix
-  bp, n_prefix = pk.shape[0], pk.shape[2]
-  neg = jnp.finfo(jnp.float32).min
-  scale = kd**-0.5
-  q = q_bthk.reshape(b, t, g, h // g, kd)
-  logits = _capped(jnp.einsum("btgrk,bgsk->bgrts", q, k_bgsk,
-                              preferred_element_type=jnp.float32) * scale, softcap)
-  logits = jnp.where(allowed_bts[:, None, None], logits, neg)  # [B, G, R, T, S]
-  # The G samples of a prompt are one product against its keys: [G*R*T, K] x [K, P].
-  qp = q.reshape(bp, b // bp, t, g, h // g, kd)
-  lp = _capped(jnp.einsum("bntgrk,bgpk->bgnrtp", qp, pk, preferred_element_type=jnp.float32) *
-               scale, softcap)
-  lp = jnp.where(prefix_allowed[:, None, :, None], lp, neg)
-  lp = lp.transpose(0, 2, 1, 3, 4, 5).reshape(b, g, h // g, t, n_prefix)
-  logits = jnp.concatenate([lp, logits], axis=-1)  # [B, G, R, T, P+S]
-  probs = jax.nn.softmax(logits, axis=-1).astype(v_bgsk.dtype)
-  out = jnp.einsum("bgrts,bgsk->bgrtk", probs[..., n_prefix:], v_bgsk)
-  pp = probs[..., :n_prefix].reshape(bp, b // bp, g, h // g, t, n_prefix)
-  op = jnp.einsum("bngrtp,bgpk->bgnrtk", pp, pv)
-  out = out + op.transpose(0, 2, 1, 3, 4, 5).reshape(b, g, h // g, t, kd)
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, kd)
-
-
-def causal_attention(q_bthk, k_btgk, v_btgk, *, platform: str, window: int | None = None,
-                     softcap: float = 0.0):
-  """Causal self-attention over T slots that all hold real tokens (the callers move padding
-  behind the real tokens first: transformer.compaction), as one fused kernel: no [.., T, T]
-  score matrix in HBM. `platform` (Kernels.platform) picks it: GPU: cuDNN's flash attention
-  (jax.nn.dot_product_attention); TPU: `splash_attention`; CPU: its XLA form (same values;
-  what the CPU tests check the layout against).
-  q [B, T, H, K], k, v [B, T, Hkv, K] (grouped-query: H a multiple of Hkv) -> [B, T, H, K].
-  `window` (a static int): each query attends to its last `window` keys only (a local layer);
-  `softcap`: soft-capped scores (splash attention on TPU; elsewhere the masked form)."""
-  if platform == "tpu":
-    return splash_attention(q_bthk, k_btgk, v_btgk, window=window, softcap=softcap)
-  if softcap:  # no fused kernel caps scores here: the masked form over the real tokens
-    b, t = q_bthk.shape[:2]
-    slots = jnp.arange(t)
-    allowed = slot_mask(jnp.broadcast_to(slots, (b, t)), slots, jnp.ones((b, t), jnp.int32),
-                        window)
-    return attention(q_bthk, k_btgk, v_btgk, allowed, softcap=softcap)
-  gpu = platform == "gpu" and q_bthk.dtype in (jnp.bfloat16, jnp.float16)
-  return jax.nn.dot_product_attention(q_bthk, k_btgk, v_btgk, is_causal=True,
-                                      local_window_size=None if window is None else (window - 1, 0),
-                                      implementation="cudnn" if gpu else "xla")
-
-
-def splash_attention(q_bthk, k_btgk, v_btgk, *, interpret: bool = False,
-                     window: int | None = None, softcap: float = 0.0):
-  """`causal_attention` on TPU: the Pallas splash-attention kernel (flash attention tiled for
-  the TPU's VMEM, grouped-query heads read in place), one kernel call per row, under a
-  shard_map that keeps rows on (data, fsdp) and heads on tensor when a mesh is set. T is padded
-  at the end to a multiple of 128 (causal: the padding is never attended by a real query).
-  `interpret`: Pallas's interpreter (the CPU tests)."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-  b, t, h, kd = q_bthk.shape
-  tp = -(-t // 128) * 128
-  blk = next(x for x in (512, 256, 128) if tp % x == 0)
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, 0))).swapaxes(1, 2)  # noqa
-  q, k, v = pad(q_bthk * jnp.asarray(kd**-0.5, q_bthk.dtype)), pad(k_btgk), pad(v_btgk)
-
-  def local(q, k, v):  # [b, h, T, K] this shard's rows and heads
-    one = (sm.CausalMask((tp, tp)) if window is None else
-           sm.LocalMask((tp, tp), window_size=(window - 1, 0), offset=0))
-    mask = sm.MultiHeadMask([one for _ in range(q.shape[1])])
-    sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk,
-                          block_kv_dkv=blk, block_kv_dkv_compute=blk, block_q_dq=blk,
-                          block_kv_dq=blk)
-    kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
-                                interpret=interpret, attn_logits_soft_cap=softcap or None)
-    return jax.vmap(kernel)(q, k, v)
-
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and set(sharding.MESH_AXES) <= set(mesh.axis_names):
-    names = ("batch", "q_heads", "length", "head_dim")
-    qs = sharding.logical_to_spec(names, q.shape, mesh)
-    ks = sharding.logical_to_spec(("batch", "kv_heads", "length", "head_dim"), k.shape, mesh)
-    if qs[1] != ks[1]:  # heads split differently (Hkv not divisible): replicate heads
-      qs, ks = (jax.sharding.PartitionSpec(p[0], None, None, None) for p in (qs, ks))
-    local = jax.shard_map(local, mesh=mesh, in_specs=(qs, ks, ks), out_specs=qs,
-                          check_vma=False)
-  return local(q, k, v).swapaxes(1, 2)[:, :t]
 
 
 class Attention(nnx.Module):

@@ -43,8 +43,8 @@ def compaction(mask_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(src, dst) [B, T] int32: `_take(x, src)` moves each row's real tokens to its front, in
   order, and the padding behind them; `_take(y, dst)` puts every slot back. With the real
   tokens first, attention under a plain causal mask is attention over the real tokens before
-  each query (what the masked `layers.attention` computes), whatever the padding pattern (left
-  padding, right padding, holes), so a fused causal kernel (`layers.causal_attention`) serves
+  each query (what the masked `attention.attention` computes), whatever the padding pattern (left
+  padding, right padding, holes), so a fused causal kernel (`attention.causal_attention`) serves
   every batch the loop makes. Padding slots' outputs are unspecified (they are never read)."""
   m = mask_bt != 0
   rank = jnp.cumsum(m, axis=-1) - 1
