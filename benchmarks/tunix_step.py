@@ -21,6 +21,7 @@ to the moment it asks for the next one, after waiting for the actor's new weight
 covers everything Tunix does per step (rollout, rewards, reference log-probs, the update,
 its metrics bookkeeping) and none of the wait for our command.
 """
+
 import json
 import os
 import sys
@@ -55,8 +56,11 @@ class CharTokenizer:
     return [self.stoi[ch] for ch in text]
 
   def decode(self, ids, **_):
-    return "".join(self.itos[i] for i in map(int, ids)
-                   if i not in (self._pad, self._eos) and 0 <= i < len(self.itos))
+    return "".join(
+        self.itos[i]
+        for i in map(int, ids)
+        if i not in (self._pad, self._eos) and 0 <= i < len(self.itos)
+    )
 
   def bos_id(self):
     return 0  # falsy: Tunix's sampler then prepends no BOS, as grpo_jax's char prompts have none
@@ -83,6 +87,7 @@ class PhaseTimes:
       jax.block_until_ready(out if block is None else block())
       self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - t0
       return out
+
     setattr(obj, attr, timed)
 
   def take(self):
@@ -123,35 +128,62 @@ def main():
   t_setup = time.perf_counter()
   m = spec["model"]
   cfg = qwen3.ModelConfig(
-      num_layers=m["num_layers"], vocab_size=m["vocab_size"], embed_dim=m["hidden_size"],
-      hidden_dim=m["intermediate_size"], num_heads=m["num_heads"], head_dim=m["head_dim"],
-      num_kv_heads=m["num_kv_heads"], rope_theta=int(m["rope_theta"]), norm_eps=1e-6,
-      use_tied_embedding=m["tie_embeddings"])
+      num_layers=m["num_layers"],
+      vocab_size=m["vocab_size"],
+      embed_dim=m["hidden_size"],
+      hidden_dim=m["intermediate_size"],
+      num_heads=m["num_heads"],
+      head_dim=m["head_dim"],
+      num_kv_heads=m["num_kv_heads"],
+      rope_theta=int(m["rope_theta"]),
+      norm_eps=1e-6,
+      use_tied_embedding=m["tie_embeddings"],
+  )
   # Auto axes (jax.make_mesh's default is Explicit, which Tunix's layers do not expect).
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
   actor = qwen3.Qwen3(cfg, rngs=nnx.Rngs(spec["seed"]))
   reference = qwen3.Qwen3(cfg, rngs=nnx.Rngs(spec["seed"]))  # a full copy, same weights
   p, c = spec["max_prompt_length"], spec["max_completion_length"]
-  optimizer = optax.chain(optax.clip_by_global_norm(spec["max_grad_norm"]),
-                          optax.adamw(spec["learning_rate"]))
+  optimizer = optax.chain(
+      optax.clip_by_global_norm(spec["max_grad_norm"]), optax.adamw(spec["learning_rate"])
+  )
   cluster_config = rl_cluster_lib.ClusterConfig(
-      role_to_mesh={rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.REFERENCE: mesh,
-                    rl_cluster_lib.Role.ROLLOUT: mesh},
-      rollout_engine="vanilla", offload_to_cpu=False,
+      role_to_mesh={
+          rl_cluster_lib.Role.ACTOR: mesh,
+          rl_cluster_lib.Role.REFERENCE: mesh,
+          rl_cluster_lib.Role.ROLLOUT: mesh,
+      },
+      rollout_engine="vanilla",
+      offload_to_cpu=False,
       training_config=rl_cluster_lib.RLTrainingConfig(
-          actor_optimizer=optimizer, eval_every_n_steps=10**9, max_steps=10**9,
-          pbar_description=None),
+          actor_optimizer=optimizer,
+          eval_every_n_steps=10**9,
+          max_steps=10**9,
+          pbar_description=None,
+      ),
       rollout_config=base_rollout.RolloutConfig(
-          max_tokens_to_generate=c, max_prompt_length=p, kv_cache_size=p + c,
-          temperature=spec["temperature"], top_p=1.0, top_k=None))
+          max_tokens_to_generate=c,
+          max_prompt_length=p,
+          kv_cache_size=p + c,
+          temperature=spec["temperature"],
+          top_p=1.0,
+          top_k=None,
+      ),
+  )
   tokenizer = CharTokenizer(spec["itos"], spec["pad_id"], spec["eos_id"])
-  cluster = rl_cluster_lib.RLCluster(actor=actor, reference=reference, tokenizer=tokenizer,
-                                     cluster_config=cluster_config)
+  cluster = rl_cluster_lib.RLCluster(
+      actor=actor, reference=reference, tokenizer=tokenizer, cluster_config=cluster_config
+  )
   learner = grpo_learner.GRPOLearner(
-      rl_cluster=cluster, reward_fns=[starts_with_sum],
-      algo_config=grpo_learner.GRPOConfig(num_generations=spec["num_generations"],
-                                          num_iterations=1, beta=spec["beta"],
-                                          epsilon=spec["clip_eps"]))
+      rl_cluster=cluster,
+      reward_fns=[starts_with_sum],
+      algo_config=grpo_learner.GRPOConfig(
+          num_generations=spec["num_generations"],
+          num_iterations=1,
+          beta=spec["beta"],
+          epsilon=spec["clip_eps"],
+      ),
+  )
   # Phase times: the rollout's two jitted programs (Tunix compiles prefill and decode apart),
   # the learner's reward call, the reference log-probs and the actor update.
   phases = PhaseTimes()
@@ -161,10 +193,15 @@ def main():
   phases.wrap(cluster, "generate", "rollout")
   phases.wrap(learner, "_compute_rewards", "rewards")
   phases.wrap(cluster, "get_ref_per_token_logps", "ref_logprobs")
-  phases.wrap(cluster, "update_actor", "update",
-              block=lambda: nnx.state(cluster.actor_trainer.model))
-  say(ready=True, setup_sec=time.perf_counter() - t_setup, device=jax.devices()[0].device_kind,
-      tunix_params=sum(x.size for x in jax.tree.leaves(nnx.state(actor, nnx.Param))))
+  phases.wrap(
+      cluster, "update_actor", "update", block=lambda: nnx.state(cluster.actor_trainer.model)
+  )
+  say(
+      ready=True,
+      setup_sec=time.perf_counter() - t_setup,
+      device=jax.devices()[0].device_kind,
+      tunix_params=sum(x.size for x in jax.tree.leaves(nnx.state(actor, nnx.Param))),
+  )
   learner.train(Commands(spec["batches"], spec["answers"], cluster, phases))
   say(done=True)
 

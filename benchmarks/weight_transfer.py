@@ -26,6 +26,7 @@ CPU "devices" are threads sharing one memory: XLA:CPU's collective-permute (~30-
 an accelerator's interconnect; the cast is ~20 ms of the donated move. A bf16 permute crossed
 as bf16 (XLA:CPU widens it to f32) took 3x longer before `transfer._send` bitcast it.
 """
+
 import argparse
 import os
 import statistics
@@ -43,8 +44,9 @@ def main():
   ap.add_argument("--leaves", type=int, default=8)
   ap.add_argument("--repeats", type=int, default=5)
   args = ap.parse_args()
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={args.devices}")
+  os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+  )
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   import jax
@@ -63,12 +65,19 @@ def main():
   cols = 1024
   rows = max(half, int(args.mb * 2**20 / 4 / cols / args.leaves) // half * half)
   rows_spec = NamedSharding(trainer, P("fsdp", None))
-  make = jax.jit(lambda k: {f"w{i}": jax.random.normal(jax.random.fold_in(k, i), (rows, cols))
-                            for i in range(args.leaves)}, out_shardings=rows_spec)
+  make = jax.jit(
+      lambda k: {
+          f"w{i}": jax.random.normal(jax.random.fold_in(k, i), (rows, cols))
+          for i in range(args.leaves)
+      },
+      out_shardings=rows_spec,
+  )
   tree = jax.block_until_ready(make(jax.random.key(0)))
   mb = sum(x.nbytes for x in jax.tree.leaves(tree)) / 2**20
-  print(f"{args.leaves} leaves [{rows}, {cols}] f32 = {mb:.0f} MB on {half} trainer devices "
-        f"-> {half} sampler devices, as bf16 ({mb / 2:.0f} MB moved)")
+  print(
+      f"{args.leaves} leaves [{rows}, {cols}] f32 = {mb:.0f} MB on {half} trainer devices "
+      f"-> {half} sampler devices, as bf16 ({mb / 2:.0f} MB moved)"
+  )
 
   def timed(name, cm, want, donate):
     out = cm.move(tree, want, dtype=jnp.bfloat16)  # warm-up: compiles
@@ -82,8 +91,12 @@ def main():
   cm = transfer.CrossMesh(trainer, sampler)
   timed("same layout, fresh buffers", cm, NamedSharding(sampler, P("fsdp", None)), False)
   timed("same layout, donated buffers", cm, NamedSharding(sampler, P("fsdp", None)), True)
-  timed("tensor-parallel sampler (reshard)", transfer.CrossMesh(trainer, sampler_tp),
-        NamedSharding(sampler_tp, P(None, "tensor")), True)
+  timed(
+      "tensor-parallel sampler (reshard)",
+      transfer.CrossMesh(trainer, sampler_tp),
+      NamedSharding(sampler_tp, P(None, "tensor")),
+      True,
+  )
 
   def alone(name, fn):  # the same bytes through one step alone, for scale
     jax.block_until_ready(fn())
@@ -95,12 +108,15 @@ def main():
     sec = statistics.median(secs)
     print(f"{name:<34} {sec * 1e3:8.1f} ms  {mb / 2 * 2**20 / sec / 1e9:6.2f} GB/s")
 
-  to_bf16 = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t),
-                    out_shardings=rows_spec)
+  to_bf16 = jax.jit(
+      lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t), out_shardings=rows_spec
+  )
   alone("the f32 -> bf16 cast alone", lambda: to_bf16(tree))
   cast = to_bf16(tree)
-  alone("jax.device_put of the cast tree", lambda: jax.device_put(
-      cast, NamedSharding(sampler, P("fsdp", None))))
+  alone(
+      "jax.device_put of the cast tree",
+      lambda: jax.device_put(cast, NamedSharding(sampler, P("fsdp", None))),
+  )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ starts from `base()` and sets what differs. Overrides on the command line addres
 fields, e.g. `--config.beta=0.08 --config.loss.kl_kind=k1 --config.model.remat_policy=full`.
 Fields that may be None are declared with `placeholder(type)`.
 """
+
 import dataclasses
 
 import ml_collections
@@ -244,8 +245,12 @@ def base() -> ml_collections.ConfigDict:
   c.optimizer.max_grad_norm = 0.1  # Global-norm clipping; 0 disables it.
 
   c.reward = ml_collections.ConfigDict()
-  c.reward.functions = ("match_format_exactly", "match_format_approximately", "check_answer",
-                        "check_numbers")
+  c.reward.functions = (
+      "match_format_exactly",
+      "match_format_approximately",
+      "check_answer",
+      "check_numbers",
+  )
   c.reward.weights = (1.0, 1.0, 1.0, 1.0)
   c.reward.custom_file = ""  # A .py defining compute_score(data_source, solution_str, ...).
   # A function of reward.custom_file to use instead of compute_score, called as TRL calls reward

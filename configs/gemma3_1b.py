@@ -23,6 +23,7 @@ HBM: python -m grpo_jax.memory_plan --config=configs/gemma3_1b.py --topology=v5e
 fits both (v5e-8: peak 10.4 GiB of 15.75 per chip; figures in benchmarks/README.md,
 "Gemma 3 1B").
 """
+
 from configs import common
 from configs import qwen3_8b
 

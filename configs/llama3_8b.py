@@ -22,6 +22,7 @@ its tokenizer_config.json, as transformers' apply_chat_template does: <|begin_of
 system header (its knowledge-date lines, then the reasoning system prompt), the user turn and
 the assistant header; completions end at <|eot_id|> (a stop id).
 """
+
 from configs import common
 from configs import qwen3_8b
 

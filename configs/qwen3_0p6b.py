@@ -16,6 +16,7 @@ r"""GRPO on GSM8K with Qwen3-0.6B: the 8B recipe on one accelerator (or a patien
 
 Everything else is configs/qwen3_8b.py's.
 """
+
 from configs import qwen3_8b
 from configs import common
 

@@ -31,6 +31,7 @@ larger learning rate than full training, e.g. --config.optimizer.learning_rate=1
 GRPO examples use 3e-6 to 1e-5). Add --config.lora.quantize_base=int8 for a QLoRA-style int8
 base (sft_steps must be 0 then).
 """
+
 from configs import common
 
 

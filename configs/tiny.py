@@ -17,6 +17,7 @@ small fraction of demonstrations (to ~20-40% held-out accuracy), then GRPO with 
 reward lifts greedy accuracy on the held-out split (see summary.json): seeds 0-4 went from
 24-31% to 72-93% in 212-246 s on 2 CPU cores (process start to summary.json).
 """
+
 from configs import common
 
 

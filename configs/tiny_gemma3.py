@@ -15,6 +15,7 @@ time (seeds 0-2: +57.4 points vs tiny.py's +56.0, 1.07x its wall time; benchmark
     steps         up to 1500 SFT steps (until 25% held-out accuracy), then 1200 GRPO steps
     mesh / chips  data parallel over the CPU's devices (the default mesh)
 """
+
 from configs import tiny
 
 

@@ -18,6 +18,7 @@ Same task, reward and schedule as tiny.py; the adapters take a 4x larger learnin
 full-parameter run (a low-rank update moves the weights less per step). Measured figures are in
 benchmarks/README.md ("LoRA").
 """
+
 from configs import tiny
 
 

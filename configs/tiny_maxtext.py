@@ -17,6 +17,7 @@ draws the rollouts from the same weights mapped into the native layout every ste
 (grpo_jax/models/maxtext/adapter.py). A smoke-sized run: a short SFT warm start, then a few
 GRPO steps with a KL-regularized reference; under a minute on 2 CPU cores after compilation.
 """
+
 from configs import tiny
 
 

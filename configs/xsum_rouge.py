@@ -26,12 +26,14 @@ shows is the pipeline and a measured ROUGE change (see README.md's Results). For
 set model.hf_path to a pretrained checkpoint (and its preset/dtypes) and the full XSum train
 split.
 """
+
 import os
 
 from configs import common
 
-_SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
-                       "shared", "data")
+_SHARED = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data"
+)
 
 
 def _shared(*parts):

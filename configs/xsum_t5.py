@@ -30,6 +30,7 @@ shows the pipeline and a measured ROUGE change, not a summarizer). For a real fl
 (the folder's config.json then fixes the shape, and its tokenizer.json the vocabulary; the
 decoder start token comes from config.json; use the full XSum train split for a real run).
 """
+
 from configs import xsum_rouge
 
 

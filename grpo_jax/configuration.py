@@ -74,8 +74,9 @@ class _Checker:
     if problem:
       self.fail(field, *problem)
     elif not paths.isdir(folder):
-      self.fail(field, f"the folder {folder} of the pattern does not exist",
-                "give an existing folder")
+      self.fail(
+          field, f"the folder {folder} of the pattern does not exist", "give an existing folder"
+      )
 
   def path_exists(self, field: str, what: str):
     p = self.value(field)
@@ -92,29 +93,46 @@ def _check_training(c: _Checker, cfg):
   c.require(cfg.num_steps >= 0, "num_steps", "must be >= 0", "set a step count")
   c.require(cfg.num_epochs >= 0, "num_epochs", "must be >= 0", "0 uses num_steps")
   if cfg.num_epochs > 0 and cfg.num_steps > 0:
-    c.fail("num_epochs", f"both num_epochs and num_steps={cfg.num_steps} are set; the run "
-           "length is one or the other", "add --config.num_steps=0 (or set num_epochs=0)")
+    c.fail(
+        "num_epochs",
+        f"both num_epochs and num_steps={cfg.num_steps} are set; the run "
+        "length is one or the other",
+        "add --config.num_steps=0 (or set num_epochs=0)",
+    )
   c.require(cfg.sft_steps >= 0, "sft_steps", "must be >= 0", "0 disables the warm start")
   c.require(cfg.num_generations >= 1, "num_generations", "must be >= 1", "use G >= 2")
   if cfg.loss.estimator in ("grpo", "dr_grpo", "rloo") and cfg.num_generations < 2:
-    c.fail("num_generations", f"the '{cfg.loss.estimator}' advantage compares samples within a "
-           "group, so every advantage would be 0 with fewer than 2",
-           "set num_generations >= 2 (GRPO practice: 4-16)")
-  c.require(cfg.beta >= 0, "beta", "the KL weight must be >= 0",
-            "use 0 (no reference) or e.g. 0.04")
+    c.fail(
+        "num_generations",
+        f"the '{cfg.loss.estimator}' advantage compares samples within a "
+        "group, so every advantage would be 0 with fewer than 2",
+        "set num_generations >= 2 (GRPO practice: 4-16)",
+    )
+  c.require(
+      cfg.beta >= 0, "beta", "the KL weight must be >= 0", "use 0 (no reference) or e.g. 0.04"
+  )
   c.require(cfg.num_iterations >= 1, "num_iterations", "must be >= 1", "use 1 (on-policy)")
   c.require(cfg.batch_size >= 1, "batch_size", "must be >= 1", "set prompts per step")
-  c.require(cfg.micro_batch_size >= 0, "micro_batch_size", "must be >= 0",
-            "0 trains on all batch_size * num_generations sequences at once")
+  c.require(
+      cfg.micro_batch_size >= 0,
+      "micro_batch_size",
+      "must be >= 0",
+      "0 trains on all batch_size * num_generations sequences at once",
+  )
   c.require(cfg.max_prompt_length >= 1, "max_prompt_length", "must be >= 1", "set it")
   c.require(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1", "set it")
   for f in ("save_interval_steps", "log_interval_steps"):
     c.require(c.value(f) >= 1, f, "must be >= 1", "use a positive interval")
-  c.require(cfg.eval_interval_steps >= 0, "eval_interval_steps", "must be >= 0",
-            "0 evaluates only before and after training")
+  c.require(
+      cfg.eval_interval_steps >= 0,
+      "eval_interval_steps",
+      "must be >= 0",
+      "0 evaluates only before and after training",
+  )
   c.require(cfg.max_steps_per_run >= 0, "max_steps_per_run", "must be >= 0", "0 = no limit")
-  c.require(cfg.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite", "must be >= 1",
-            "e.g. 5")
+  c.require(
+      cfg.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite", "must be >= 1", "e.g. 5"
+  )
 
 
 def _check_model(c: _Checker, cfg):
@@ -129,33 +147,53 @@ def _check_model(c: _Checker, cfg):
   c.one_of("model.attention_impl", model_config.ATTENTION_IMPLS, "attention implementation")
   if m.impl == "maxtext":
     from grpo_jax.models.maxtext import adapter as maxtext_adapter  # imports maxtext lazily itself
-    c.one_of("model.maxtext.attention", maxtext_adapter.ATTENTION_KERNELS,
-             "MaxText attention kernel")
-    c.require(not m.maxtext_checkpoint or not m.hf_path, "model.maxtext_checkpoint",
-              "both model.hf_path and model.maxtext_checkpoint are set",
-              "give one source of weights")
+
+    c.one_of(
+        "model.maxtext.attention", maxtext_adapter.ATTENTION_KERNELS, "MaxText attention kernel"
+    )
+    c.require(
+        not m.maxtext_checkpoint or not m.hf_path,
+        "model.maxtext_checkpoint",
+        "both model.hf_path and model.maxtext_checkpoint are set",
+        "give one source of weights",
+    )
     try:
       import maxtext  # noqa: F401
     except ImportError:
-      c.fail("model.impl", "maxtext is not installed", "pip install -e '.[maxtext]' (Python "
-             ">= 3.12), or use --config.model.impl=native")
+      c.fail(
+          "model.impl",
+          "maxtext is not installed",
+          "pip install -e '.[maxtext]' (Python " ">= 3.12), or use --config.model.impl=native",
+      )
   if m.family == "t5":
-    c.require(m.impl == "native", "model.impl", "model.family='t5' runs on the native T5 "
-              "(models/t5/model.py) only", "use --config.model.impl=native")
-    c.require(cfg.rollout.engine == "native", "rollout.engine", "model.family='t5': the vLLM "
-              "engine serves decoder-only policies", "use --config.rollout.engine=native")
+    c.require(
+        m.impl == "native",
+        "model.impl",
+        "model.family='t5' runs on the native T5 " "(models/t5/model.py) only",
+        "use --config.model.impl=native",
+    )
+    c.require(
+        cfg.rollout.engine == "native",
+        "rollout.engine",
+        "model.family='t5': the vLLM " "engine serves decoder-only policies",
+        "use --config.rollout.engine=native",
+    )
     if not m.hf_path:
       for field, why, fix in t5_config.T5Config.from_model_block(m).problems():
         c.fail(t5_config.config_field(field), why, fix)
     return  # relative positions: no context limit to check
   if not m.hf_path:
-    fields = {k: v for k, v in m.items() if k not in (
-        "preset", "impl", "hf_path", "maxtext_checkpoint", "maxtext", "family", "t5")}
+    fields = {
+        k: v
+        for k, v in m.items()
+        if k not in ("preset", "impl", "hf_path", "maxtext_checkpoint", "maxtext", "family", "t5")
+    }
     shape = model_config.ModelConfig(**fields)
     for field, why, fix in shape.problems():
       c.fail(f"model.{field}", why, fix)
     if m.impl == "maxtext" and not shape.problems():  # hf_path: checked when the folder loads
       from grpo_jax.models.maxtext import mapping as maxtext_mapping  # no maxtext import
+
       try:
         maxtext_mapping.check_supported(shape)
       except ValueError as e:
@@ -163,10 +201,12 @@ def _check_model(c: _Checker, cfg):
         c.fail("model.arch", f"model.impl=maxtext: {why}", fix or "use --config.model.impl=native")
   total = cfg.max_prompt_length + cfg.max_completion_length
   if total > m.max_position_embeddings:
-    c.fail("max_completion_length",
-           f"max_prompt_length + max_completion_length = {total} exceeds the model's context "
-           f"model.max_position_embeddings = {m.max_position_embeddings}",
-           "shorten prompts or completions")
+    c.fail(
+        "max_completion_length",
+        f"max_prompt_length + max_completion_length = {total} exceeds the model's context "
+        f"model.max_position_embeddings = {m.max_position_embeddings}",
+        "shorten prompts or completions",
+    )
 
 
 def _check_loss(c: _Checker, cfg):
@@ -176,35 +216,66 @@ def _check_loss(c: _Checker, cfg):
   c.one_of("loss.kl_kind", rl_registry.KL_ESTIMATORS.names(), "KL estimator")
   c.one_of("loss.loss_agg_mode", rl_registry.LOSS_AGG_MODES.names(), "loss aggregation mode")
   l = cfg.loss
-  c.require(0 < l.clip_eps < 1, "loss.clip_eps", "the PPO clip range must lie in (0, 1)",
-            "use e.g. 0.2")
+  c.require(
+      0 < l.clip_eps < 1, "loss.clip_eps", "the PPO clip range must lie in (0, 1)", "use e.g. 0.2"
+  )
   if l.clip_eps_high is not None:
-    c.require(0 < l.clip_eps_high < 1, "loss.clip_eps_high", "must lie in (0, 1)",
-              "use e.g. 0.28 (DAPO clip-higher) or None")
+    c.require(
+        0 < l.clip_eps_high < 1,
+        "loss.clip_eps_high",
+        "must lie in (0, 1)",
+        "use e.g. 0.28 (DAPO clip-higher) or None",
+    )
   if l.clip_ratio_c is not None:
-    c.require(l.clip_ratio_c > 1, "loss.clip_ratio_c", "the dual-clip bound must be > 1",
-              "use e.g. 3.0 or None")
+    c.require(
+        l.clip_ratio_c > 1,
+        "loss.clip_ratio_c",
+        "the dual-clip bound must be > 1",
+        "use e.g. 3.0 or None",
+    )
   if l.kl_clamp is not None:
     c.require(l.kl_clamp > 0, "loss.kl_clamp", "must be > 0", "use e.g. 10.0 or None")
   c.require(l.adv_eps > 0, "loss.adv_eps", "must be > 0", "use e.g. 1e-6")
   c.require(l.tis_cap >= 0, "loss.tis_cap", "must be >= 0", "0 disables TIS; e.g. 2.0")
-  c.require(0 <= l.overlong_buffer < cfg.max_completion_length, "loss.overlong_buffer",
-            "must lie in [0, max_completion_length)", "0 disables the overlong penalty")
-  c.require(l.advantage_clip >= 0, "loss.advantage_clip", "must be >= 0",
-            "0 disables it; e.g. 3.0")
-  c.require(l.max_resample_rounds >= 0, "loss.max_resample_rounds", "must be >= 0",
-            "0 only masks zero-variance groups; e.g. 4")
+  c.require(
+      0 <= l.overlong_buffer < cfg.max_completion_length,
+      "loss.overlong_buffer",
+      "must lie in [0, max_completion_length)",
+      "0 disables the overlong penalty",
+  )
+  c.require(l.advantage_clip >= 0, "loss.advantage_clip", "must be >= 0", "0 disables it; e.g. 3.0")
+  c.require(
+      l.max_resample_rounds >= 0,
+      "loss.max_resample_rounds",
+      "must be >= 0",
+      "0 only masks zero-variance groups; e.g. 4",
+  )
   if cfg.kl_in_reward:
-    c.require(cfg.beta > 0, "kl_in_reward", "the KL-in-reward coefficient is beta, which is 0",
-              "set beta > 0 (e.g. --config.beta=0.001) or kl_in_reward=False")
+    c.require(
+        cfg.beta > 0,
+        "kl_in_reward",
+        "the KL-in-reward coefficient is beta, which is 0",
+        "set beta > 0 (e.g. --config.beta=0.001) or kl_in_reward=False",
+    )
   r = cfg.reference
-  c.require(r.refresh_every_steps >= 0, "reference.refresh_every_steps", "must be >= 0",
-            "0 keeps the reference frozen")
-  c.require(0 < r.refresh_mix <= 1, "reference.refresh_mix", "must lie in (0, 1]",
-            "1.0 copies the policy; e.g. 0.05 for an EMA")
+  c.require(
+      r.refresh_every_steps >= 0,
+      "reference.refresh_every_steps",
+      "must be >= 0",
+      "0 keeps the reference frozen",
+  )
+  c.require(
+      0 < r.refresh_mix <= 1,
+      "reference.refresh_mix",
+      "must lie in (0, 1]",
+      "1.0 copies the policy; e.g. 0.05 for an EMA",
+  )
   if r.refresh_every_steps and cfg.beta == 0:
-    c.fail("reference.refresh_every_steps", "beta=0 builds no reference to refresh",
-           "set beta > 0 or refresh_every_steps=0")
+    c.fail(
+        "reference.refresh_every_steps",
+        "beta=0 builds no reference to refresh",
+        "set beta > 0 or refresh_every_steps=0",
+    )
 
 
 def _check_optimizer(c: _Checker, cfg):
@@ -223,85 +294,161 @@ def _check_optimizer(c: _Checker, cfg):
 def _check_rollout(c: _Checker, cfg):
   r = cfg.rollout
   c.one_of("rollout.engine", rollout_engine.ENGINES, "rollout engine")
-  c.require(r.temperature > 0, "rollout.temperature", "must be > 0",
-            "use e.g. 0.9 (greedy evaluation has its own generation config)")
+  c.require(
+      r.temperature > 0,
+      "rollout.temperature",
+      "must be > 0",
+      "use e.g. 0.9 (greedy evaluation has its own generation config)",
+  )
   c.require(r.top_k >= 0, "rollout.top_k", "must be >= 0", "0 disables top-k")
-  c.require(r.decode_phases >= 0, "rollout.decode_phases", "must be >= 0",
-            "0 = auto (rollout/sampler.py phase_ends)")
-  c.require(r.decode_block >= 0, "rollout.decode_block", "must be >= 0",
-            "0 = auto (rollout/sampler.py block_size)")
+  c.require(
+      r.decode_phases >= 0,
+      "rollout.decode_phases",
+      "must be >= 0",
+      "0 = auto (rollout/sampler.py phase_ends)",
+  )
+  c.require(
+      r.decode_block >= 0,
+      "rollout.decode_block",
+      "must be >= 0",
+      "0 = auto (rollout/sampler.py block_size)",
+  )
   c.one_of("rollout.decode_attention", decode_attention.IMPLS, "decode attention")
   c.require(0 < r.top_p <= 1, "rollout.top_p", "must lie in (0, 1]", "1.0 disables top-p")
   c.one_of("rollout.placement", PLACEMENTS, "sampler placement")
   if r.placement == "disaggregated":
-    c.require(r.engine == "native", "rollout.placement", "disaggregated places the native "
-              "sampler; vLLM has its own devices", "rollout.vllm.num_devices for vLLM on TPU, "
-              "or --config.rollout.placement=colocated")
-    c.require(not cfg.reward.judge.path, "rollout.placement", "disaggregated: the reward judge "
-              "(reward.judge.path) runs on the trainer's mesh and is not supported yet",
-              "--config.rollout.placement=colocated")
-  c.require(r.max_staleness >= 0, "rollout.max_staleness", "must be >= 0",
-            "0 = on-policy; 1 = the next step's rollout overlaps this step's update")
-  c.require(0 <= r.num_devices, "rollout.num_devices", "must be >= 0",
-            "a device count, a fraction in (0, 1) of all devices, or 0 = half")
-  c.require(r.max_logprob_gap >= 0, "rollout.max_logprob_gap", "must be >= 0",
-            "0 disables the stop; e.g. 0.05")
-  c.require(r.vllm.sync_tolerance >= 0, "rollout.vllm.sync_tolerance", "must be >= 0",
-            "0 = automatic by model.dtype (1e-3 for float32)")
-  c.require(r.vllm.sync_timeout_sec >= 0, "rollout.vllm.sync_timeout_sec", "must be >= 0",
-            "0 = no limit; e.g. 600")
-  c.require(r.vllm.num_devices >= 0, "rollout.vllm.num_devices", "must be >= 0",
-            "0 = vLLM shares the trainer's chips; N = vLLM's own chips on each host")
+    c.require(
+        r.engine == "native",
+        "rollout.placement",
+        "disaggregated places the native " "sampler; vLLM has its own devices",
+        "rollout.vllm.num_devices for vLLM on TPU, " "or --config.rollout.placement=colocated",
+    )
+    c.require(
+        not cfg.reward.judge.path,
+        "rollout.placement",
+        "disaggregated: the reward judge "
+        "(reward.judge.path) runs on the trainer's mesh and is not supported yet",
+        "--config.rollout.placement=colocated",
+    )
+  c.require(
+      r.max_staleness >= 0,
+      "rollout.max_staleness",
+      "must be >= 0",
+      "0 = on-policy; 1 = the next step's rollout overlaps this step's update",
+  )
+  c.require(
+      0 <= r.num_devices,
+      "rollout.num_devices",
+      "must be >= 0",
+      "a device count, a fraction in (0, 1) of all devices, or 0 = half",
+  )
+  c.require(
+      r.max_logprob_gap >= 0,
+      "rollout.max_logprob_gap",
+      "must be >= 0",
+      "0 disables the stop; e.g. 0.05",
+  )
+  c.require(
+      r.vllm.sync_tolerance >= 0,
+      "rollout.vllm.sync_tolerance",
+      "must be >= 0",
+      "0 = automatic by model.dtype (1e-3 for float32)",
+  )
+  c.require(
+      r.vllm.sync_timeout_sec >= 0,
+      "rollout.vllm.sync_timeout_sec",
+      "must be >= 0",
+      "0 = no limit; e.g. 600",
+  )
+  c.require(
+      r.vllm.num_devices >= 0,
+      "rollout.vllm.num_devices",
+      "must be >= 0",
+      "0 = vLLM shares the trainer's chips; N = vLLM's own chips on each host",
+  )
   c.one_of("rollout.vllm.lora_sync", vllm_sync.LORA_SYNCS, "LoRA weight sync")
   known = rollout_types.GENERATION_CONFIGS
   for name in cfg.eval.generation_configs:
     if name not in known:
-      c.fail("eval.generation_configs", f"unknown generation config '{name}'",
-             f"use names from {', '.join(known)}")
+      c.fail(
+          "eval.generation_configs",
+          f"unknown generation config '{name}'",
+          f"use names from {', '.join(known)}",
+      )
   c.require(cfg.eval.num_examples >= 0, "eval.num_examples", "must be >= 0", "0 = all")
   c.require(cfg.eval.batch_size >= 1, "eval.batch_size", "must be >= 1", "e.g. 64")
-  c.require(cfg.eval.num_samples >= 1, "eval.num_samples", "must be >= 1",
-            "1 = one completion per prompt; n > 1 adds pass@k for the sampling configs")
+  c.require(
+      cfg.eval.num_samples >= 1,
+      "eval.num_samples",
+      "must be >= 1",
+      "1 = one completion per prompt; n > 1 adds pass@k for the sampling configs",
+  )
   bad_k = [k for k in cfg.eval.pass_k if not 1 <= k <= max(cfg.eval.num_samples, 1)]
-  c.require(not bad_k, "eval.pass_k", f"pass@k needs 1 <= k <= eval.num_samples="
-            f"{cfg.eval.num_samples} (got {bad_k})",
-            "raise eval.num_samples or drop those k; () picks 1, 2, 4, ... num_samples")
-  c.require(cfg.eval.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0",
-            "0 = max_completion_length")
+  c.require(
+      not bad_k,
+      "eval.pass_k",
+      f"pass@k needs 1 <= k <= eval.num_samples=" f"{cfg.eval.num_samples} (got {bad_k})",
+      "raise eval.num_samples or drop those k; () picks 1, 2, 4, ... num_samples",
+  )
+  c.require(
+      cfg.eval.max_new_tokens >= 0,
+      "eval.max_new_tokens",
+      "must be >= 0",
+      "0 = max_completion_length",
+  )
 
 
 def _check_data_and_rewards(c: _Checker, cfg):
   d = cfg.data
-  c.require(d.heldout_rows >= 0, "data.heldout_rows", "must be >= 0",
-            "0 = the eval split comes from data.eval_source")
+  c.require(
+      d.heldout_rows >= 0,
+      "data.heldout_rows",
+      "must be >= 0",
+      "0 = the eval split comes from data.eval_source",
+  )
   for split in ("train", "eval") if not d.heldout_rows else ("train",):
     c.one_of(f"data.{split}_source", sources.SOURCES, "data source")
     if d[f"{split}_source"] in sources.TABLE_SOURCES and any(
-        ch in os.path.basename(d[f"{split}_path"]) for ch in "*?["):
+        ch in os.path.basename(d[f"{split}_path"]) for ch in "*?["
+    ):
       c.path_exists_glob(f"data.{split}_path")
     else:
       c.path_exists(f"data.{split}_path", "the data file")
     if d[f"{split}_source"] in sources.FILE_SOURCES and not d[f"{split}_path"]:
-      c.fail(f"data.{split}_path", f"data.{split}_source={d[f'{split}_source']!r} reads a file",
-             f"set --config.data.{split}_path=" + {
-                 "parquet": "/path/to/train.parquet (a file, folder or glob)",
-                 "hf_dataset": "/path/to/saved_dataset (or its data files)"}.get(
-                     d[f"{split}_source"], "/path/to/file.jsonl"))
+      c.fail(
+          f"data.{split}_path",
+          f"data.{split}_source={d[f'{split}_source']!r} reads a file",
+          f"set --config.data.{split}_path="
+          + {
+              "parquet": "/path/to/train.parquet (a file, folder or glob)",
+              "hf_dataset": "/path/to/saved_dataset (or its data files)",
+          }.get(d[f"{split}_source"], "/path/to/file.jsonl"),
+      )
   for field, name in d.columns.items():
-    c.require(field in tables.FIELDS, f"data.columns.{field}", "unknown field",
-              f"the fields are {', '.join(tables.FIELDS)}")
-    c.require(isinstance(name, str) and (bool(name) or field in ("ground_truth", "demonstration")),
-              f"data.columns.{field}", "must name a column", 'e.g. "prompt"')
+    c.require(
+        field in tables.FIELDS,
+        f"data.columns.{field}",
+        "unknown field",
+        f"the fields are {', '.join(tables.FIELDS)}",
+    )
+    c.require(
+        isinstance(name, str) and (bool(name) or field in ("ground_truth", "demonstration")),
+        f"data.columns.{field}",
+        "must name a column",
+        'e.g. "prompt"',
+    )
   c.one_of("data.template", templates.TEMPLATES, "prompt template")
   c.one_of("data.overlong_prompts", pipeline.OVERLONG_PROMPTS, "overlong-prompt policy")
   c.one_of("data.prompt_width", pipeline.PROMPT_WIDTHS, "prompt width")
   c.one_of("data.system_prompt", templates.SYSTEM_PROMPTS, "system prompt")
-  c.one_of("data.arithmetic.demonstration", arithmetic.DEMONSTRATION_STYLES,
-           "demonstration style")
+  c.one_of("data.arithmetic.demonstration", arithmetic.DEMONSTRATION_STYLES, "demonstration style")
   c.one_of("tokenizer.kind", tokenizers.KINDS, "tokenizer kind")
   if cfg.tokenizer.kind == "hf" and not (cfg.tokenizer.path or cfg.model.hf_path):
-    c.fail("tokenizer.path", "the hf tokenizer needs a folder (tokenizer.json or vocab.json + "
-           "merges.txt)", "set --config.tokenizer.path or --config.model.hf_path")
+    c.fail(
+        "tokenizer.path",
+        "the hf tokenizer needs a folder (tokenizer.json or vocab.json + " "merges.txt)",
+        "set --config.tokenizer.path or --config.model.hf_path",
+    )
   c.path_exists("tokenizer.path", "the tokenizer folder")
   if d.template == "tokenizer":  # the folder's chat template must exist (checked up front)
     folder = cfg.tokenizer.path or cfg.model.hf_path
@@ -314,17 +461,26 @@ def _check_data_and_rewards(c: _Checker, cfg):
   known = reward_registry.names()
   for name in rw.functions:
     if name not in known:
-      c.fail("reward.functions", f"unknown reward function '{name}'",
-             f"use names from {', '.join(known)}, or a file via reward.custom_file")
+      c.fail(
+          "reward.functions",
+          f"unknown reward function '{name}'",
+          f"use names from {', '.join(known)}, or a file via reward.custom_file",
+      )
   if len(rw.weights) != len(rw.functions):
-    c.fail("reward.weights", f"has {len(rw.weights)} weights for {len(rw.functions)} functions",
-           "give one weight per name in reward.functions")
+    c.fail(
+        "reward.weights",
+        f"has {len(rw.weights)} weights for {len(rw.functions)} functions",
+        "give one weight per name in reward.functions",
+    )
   if not rw.functions and not rw.custom_file:
     c.fail("reward.functions", "no reward at all", "name functions or set reward.custom_file")
   c.path_exists("reward.custom_file", "the reward file")
   if rw.custom_function and not rw.custom_file:
-    c.fail("reward.custom_function", "names a function of reward.custom_file, which is unset",
-           "set --config.reward.custom_file=/path/to/rewards.py")
+    c.fail(
+        "reward.custom_function",
+        "names a function of reward.custom_file, which is unset",
+        "set --config.reward.custom_file=/path/to/rewards.py",
+    )
   c.one_of("reward.on_error", reward_computer.ON_ERROR, "reward error policy")
   c.require(rw.num_workers >= 0, "reward.num_workers", "must be >= 0", "0 scores in-process")
   c.require(rw.timeout_sec >= 0, "reward.timeout_sec", "must be >= 0", "0 = no timeout")
@@ -336,8 +492,12 @@ def _num_heads(cfg) -> int | None:
     return cfg.model.num_heads
   try:
     import json
-    return int(json.loads(paths.read_text(paths.path(cfg.model.hf_path) / "config.json"))
-               ["num_attention_heads"])
+
+    return int(
+        json.loads(paths.read_text(paths.path(cfg.model.hf_path) / "config.json"))[
+            "num_attention_heads"
+        ]
+    )
   except (OSError, KeyError, TypeError, ValueError):
     return None  # a missing folder is reported by _check_model
 
@@ -357,12 +517,16 @@ def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
     ici = sharding.resolve_ici_shape(sizes, num_devices, dcn)
   except ValueError as e:
     if dcn == 1:
-      fix = (f"make data * fsdp * tensor equal the {num_devices} available devices, with at "
-             "most one axis -1 (filled to fit)")
+      fix = (
+          f"make data * fsdp * tensor equal the {num_devices} available devices, with at "
+          "most one axis -1 (filled to fit)"
+      )
     else:
-      fix = (f"make data * fsdp * tensor equal the {num_devices // dcn} devices per DCN slice "
-             f"({num_devices} devices / mesh.dcn_data={dcn}), with at most one axis -1 (filled "
-             "to fit)")
+      fix = (
+          f"make data * fsdp * tensor equal the {num_devices // dcn} devices per DCN slice "
+          f"({num_devices} devices / mesh.dcn_data={dcn}), with at most one axis -1 (filled "
+          "to fit)"
+      )
     c.fail("mesh.data", str(e), fix)
     return
   if dcn > 1:
@@ -374,19 +538,33 @@ def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
   dp = sharding.data_parallel_size(shape)
   dp_name = "data * fsdp" if dcn == 1 else f"data * fsdp (data includes mesh.dcn_data={dcn})"
   if cfg.batch_size % dp:  # the prompts of a step (and so their G samples) shard over it
-    c.fail("batch_size", f"the prompts of a step do not divide over the data-parallel mesh "
-           f"size {dp_name} = {dp}", f"use a multiple of {dp}")
+    c.fail(
+        "batch_size",
+        f"the prompts of a step do not divide over the data-parallel mesh "
+        f"size {dp_name} = {dp}",
+        f"use a multiple of {dp}",
+    )
   if cfg.sft_steps > 0 and cfg.sft.batch_size % dp:
-    c.fail("sft.batch_size", f"does not divide over the data-parallel mesh size {dp_name} = "
-           f"{dp}", f"use a multiple of {dp}")
+    c.fail(
+        "sft.batch_size",
+        f"does not divide over the data-parallel mesh size {dp_name} = " f"{dp}",
+        f"use a multiple of {dp}",
+    )
   if cfg.batch_size % num_processes:
-    c.fail("batch_size", f"must divide over the {num_processes} JAX processes (each loads its "
-           "own prompts)", f"use a multiple of {num_processes}")
+    c.fail(
+        "batch_size",
+        f"must divide over the {num_processes} JAX processes (each loads its " "own prompts)",
+        f"use a multiple of {num_processes}",
+    )
   _check_micro_batch(c, cfg, dp)
   heads, tensor = _num_heads(cfg), ici[2]
   if heads and heads % tensor:
-    c.fail("mesh.tensor", f"does not divide the model's {heads} attention heads, so attention "
-           "cannot shard over tensor", f"use a divisor of {heads}")
+    c.fail(
+        "mesh.tensor",
+        f"does not divide the model's {heads} attention heads, so attention "
+        "cannot shard over tensor",
+        f"use a divisor of {heads}",
+    )
 
 
 def _check_micro_batch(c: _Checker, cfg, dp: int):
@@ -399,19 +577,26 @@ def _check_micro_batch(c: _Checker, cfg, dp: int):
   if not 0 < mb < seqs:
     return
   if seqs % mb:
-    c.fail("micro_batch_size", f"must divide batch_size * num_generations = {seqs}",
-           f"use a divisor of {seqs} (or 0 for all rows at once)")
+    c.fail(
+        "micro_batch_size",
+        f"must divide batch_size * num_generations = {seqs}",
+        f"use a divisor of {seqs} (or 0 for all rows at once)",
+    )
   elif mb % dp:
-    c.fail("micro_batch_size", f"not divisible by the data-parallel mesh size {dp}",
-           f"use a multiple of {dp}")
+    c.fail(
+        "micro_batch_size",
+        f"not divisible by the data-parallel mesh size {dp}",
+        f"use a multiple of {dp}",
+    )
 
 
 def _check_debug(c: _Checker, cfg):
   c.one_of("debug.transfer_guard", TRANSFER_GUARDS, "transfer guard level")
 
 
-def validate(config, *, num_devices: int | None = None,
-             num_processes: int | None = None) -> list[str]:
+def validate(
+    config, *, num_devices: int | None = None, num_processes: int | None = None
+) -> list[str]:
   """Returns one message per bad value (empty when the config is good)."""
   c = _Checker(config)
   _check_training(c, config)
@@ -425,22 +610,32 @@ def validate(config, *, num_devices: int | None = None,
   vllm_own = config.rollout.vllm.num_devices if config.rollout.engine == "vllm" else 0
   if vllm_own > 0:  # the trainer's mesh leaves each host's last N chips to vLLM
     num_devices -= vllm_own * (num_processes or jax.process_count())
-    c.require(num_devices >= 1, "rollout.vllm.num_devices",
-              f"leaves the trainer no device of {num_devices + vllm_own} per host",
-              "use fewer chips for vLLM, or 0 to share them")
+    c.require(
+        num_devices >= 1,
+        "rollout.vllm.num_devices",
+        f"leaves the trainer no device of {num_devices + vllm_own} per host",
+        "use fewer chips for vLLM, or 0 to share them",
+    )
   if config.rollout.placement == "disaggregated":
     n = model_build.sampler_count(config.rollout.num_devices, num_devices)
     even = num_devices >= 2 and n == num_devices - n
-    c.require(even, "rollout.num_devices",
-              f"gives the sampler {n} of {num_devices} devices; each sampler device pairs with "
-              "a trainer device (grpo_jax/parallel/transfer.py), so the split must be even",
-              f"--config.rollout.num_devices={num_devices // 2} (or 0 = half)" if
-              num_devices >= 2 else "--config.rollout.placement=colocated (one device)")
+    c.require(
+        even,
+        "rollout.num_devices",
+        f"gives the sampler {n} of {num_devices} devices; each sampler device pairs with "
+        "a trainer device (grpo_jax/parallel/transfer.py), so the split must be even",
+        f"--config.rollout.num_devices={num_devices // 2} (or 0 = half)"
+        if num_devices >= 2
+        else "--config.rollout.placement=colocated (one device)",
+    )
     num_devices = num_devices - n if even else 0  # the trainer's mesh (none: no mesh checks)
   if num_devices >= 1:
     _check_mesh(c, config, num_devices, num_processes or jax.process_count())
-  return (c.errors + lora.problems(config) +
-          judge.validate(config, num_processes=num_processes or jax.process_count()))
+  return (
+      c.errors
+      + lora.problems(config)
+      + judge.validate(config, num_processes=num_processes or jax.process_count())
+  )
 
 
 # bf16 keeps 8 significant bits: a weight w moves only when its update exceeds half an ulp,
@@ -455,13 +650,15 @@ def warnings(config) -> list[str]:
   """Settings that run but probably do not do what the user wants: one line each, with the fix."""
   out = []
   m = config.model
-  for field, lr, steps in (("optimizer.learning_rate", config.optimizer.learning_rate,
-                            config.num_steps),
-                           ("sft.learning_rate", config.sft.learning_rate, config.sft_steps)):
+  for field, lr, steps in (
+      ("optimizer.learning_rate", config.optimizer.learning_rate, config.num_steps),
+      ("sft.learning_rate", config.sft.learning_rate, config.sft_steps),
+  ):
     if m.param_dtype == "bfloat16" and steps and 0 < lr < BF16_MIN_LEARNING_RATE:
       out.append(
           f"{field}={lr:g} with model.param_dtype='bfloat16': an AdamW step of ~{lr:g} is below "
           f"half a bf16 ulp for every weight above ~{lr * 2**9:.1e} in magnitude, so most "
           "weights would never change. Fix: --config.model.param_dtype=float32 (f32 master "
-          "weights and optimizer state; model.dtype=bfloat16 keeps bf16 compute)")
+          "weights and optimizer state; model.dtype=bfloat16 keeps bf16 compute)"
+      )
   return out

@@ -7,6 +7,7 @@ Multi-host (one process per host, same command everywhere): add `--distributed` 
 SLURM or other clusters JAX auto-detects, or pass --coordinator_address/--num_processes/
 --process_id explicitly (launch/ has scripts).
 """
+
 import os
 import sys
 import time
@@ -17,27 +18,39 @@ from absl import logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file (configs/*.py).", lock_config=True)
+    "config", None, "Experiment config file (configs/*.py).", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string(
-    "workdir", None,
+    "workdir",
+    None,
     "Run directory: TensorBoard events, checkpoints/, summary.json. A run resumes from the "
-    "latest checkpoint found here. Default: runs/<config name>-<time> (a fresh run).")
+    "latest checkpoint found here. Default: runs/<config name>-<time> (a fresh run).",
+)
 _DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "Call jax.distributed.initialize() with cluster auto-detection.")
+    "distributed", False, "Call jax.distributed.initialize() with cluster auto-detection."
+)
 _COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "host:port of process 0, for jax.distributed.initialize.")
+    "coordinator_address", None, "host:port of process 0, for jax.distributed.initialize."
+)
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "JAX processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in the job.")
 _PEER_TIMEOUT = flags.DEFINE_float(
-    "peer_timeout_seconds", 10.0, "Multi-process: when another process has sent no heartbeat "
+    "peer_timeout_seconds",
+    10.0,
+    "Multi-process: when another process has sent no heartbeat "
     "for this long (killed, crashed), this one stops too, with one error line and exit status "
     "75; relaunching every process resumes from the last checkpoint (grpo_jax/parallel/peers.py). 0: "
-    "leave it to JAX (an abort after its 100 s heartbeat timeout).")
+    "leave it to JAX (an abort after its 100 s heartbeat timeout).",
+)
 _PRINT_CONFIG = flags.DEFINE_bool(
-    "print_config", False, "Print the resolved config (file + --config.* overrides) and exit.")
+    "print_config", False, "Print the resolved config (file + --config.* overrides) and exit."
+)
 _VERBOSE = flags.DEFINE_bool(
-    "verbose", False, "On an error, show the full traceback here too (it always goes to "
-    "WORKDIR/error.log; the console gets one line).")
+    "verbose",
+    False,
+    "On an error, show the full traceback here too (it always goes to "
+    "WORKDIR/error.log; the console gets one line).",
+)
 
 
 def _parse_flags(argv):
@@ -50,11 +63,15 @@ def _parse_flags(argv):
   except (AttributeError, KeyError) as e:
     # ml_collections raises these for fields that do not exist in the (locked) config.
     arg = _unknown_override(argv) or next(
-        (a for a in argv[1:] if a.startswith("--config.")), "--config.?")
+        (a for a in argv[1:] if a.startswith("--config.")), "--config.?"
+    )
     msg = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
-    print(f"error: {arg.split('=')[0]}: no such config field ({msg}). Fix: check the name "
-          "against the config file (python -m grpo_jax.main --config=FILE --print_config "
-          "prints every field).", file=sys.stderr)
+    print(
+        f"error: {arg.split('=')[0]}: no such config field ({msg}). Fix: check the name "
+        "against the config file (python -m grpo_jax.main --config=FILE --print_config "
+        "prints every field).",
+        file=sys.stderr,
+    )
     sys.exit(2)
 
 
@@ -65,6 +82,7 @@ def _unknown_override(argv) -> str | None:
     return None
   try:
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("_grpo_config_probe", path.split(":")[0])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -75,7 +93,7 @@ def _unknown_override(argv) -> str | None:
     if not arg.startswith("--config."):
       continue
     node = config
-    for part in arg[len("--config."):].split("=", 1)[0].split("."):
+    for part in arg[len("--config.") :].split("=", 1)[0].split("."):
       try:
         node = node[part]
       except (KeyError, TypeError, AttributeError):
@@ -97,11 +115,15 @@ class _QuietLibraries:
 def _init_distributed():
   if _COORDINATOR.value or _NUM_PROCESSES.value or _PROCESS_ID.value is not None:
     import jax
-    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
-                               num_processes=_NUM_PROCESSES.value,
-                               process_id=_PROCESS_ID.value)
+
+    jax.distributed.initialize(
+        coordinator_address=_COORDINATOR.value,
+        num_processes=_NUM_PROCESSES.value,
+        process_id=_PROCESS_ID.value,
+    )
   elif _DISTRIBUTED.value:
     import jax
+
     jax.distributed.initialize()
 
 
@@ -118,17 +140,21 @@ def main(argv):
   logging.get_absl_handler().addFilter(_QuietLibraries())
   _init_distributed()
   from grpo_jax.parallel import peers
+
   watchdog = peers.start(_PEER_TIMEOUT.value)
 
   from grpo_jax import configuration
+
   config = _CONFIG.value
   if _PRINT_CONFIG.value:
     print(config)
     return
   errors = configuration.validate(config)
   if errors:
-    print(f"error: {len(errors)} bad config value(s) in {flags.FLAGS['config'].config_filename}:",
-          file=sys.stderr)
+    print(
+        f"error: {len(errors)} bad config value(s) in {flags.FLAGS['config'].config_filename}:",
+        file=sys.stderr,
+    )
     for line in errors:
       print(f"  {line}", file=sys.stderr)
     sys.exit(2)
@@ -137,6 +163,7 @@ def main(argv):
 
   workdir = _WORKDIR.value or _default_workdir(flags.FLAGS["config"].config_filename)
   from grpo_jax.run import paths
+
   problem = paths.check_scheme(workdir)
   if problem:
     print(f"error: --workdir={workdir}: {problem[0]}. Fix: {problem[1]}.", file=sys.stderr)
@@ -144,9 +171,12 @@ def main(argv):
   logging.info("workdir: %s", paths.path(workdir))
   if config.compilation_cache_dir:
     import jax
-    jax.config.update("jax_compilation_cache_dir", os.fspath(paths.path(
-        config.compilation_cache_dir)))
+
+    jax.config.update(
+        "jax_compilation_cache_dir", os.fspath(paths.path(config.compilation_cache_dir))
+    )
   from grpo_jax import train
+
   watchdog.workdir = workdir
   try:
     train.run(config, workdir)
@@ -161,12 +191,16 @@ def main(argv):
     console = _quiet_shutdown(where)  # library threads may still print: not to the console
     # A library thread may have been cut off mid-line by the redirect: start on a fresh line.
     if peers.lost_peer(e):  # a collective found a peer process dead
-      os.write(console, f"\nerror: a peer JAX process is gone ({peers.lost_peer(e)}); this "
-               f"process stops too. {peers.relaunch_hint(workdir)} (traceback: {where})\n"
-               .encode())
+      os.write(
+          console,
+          f"\nerror: a peer JAX process is gone ({peers.lost_peer(e)}); this "
+          f"process stops too. {peers.relaunch_hint(workdir)} (traceback: {where})\n".encode(),
+      )
       os._exit(peers.EXIT_PEER_GONE)  # jax's shutdown at exit would wait for the dead peer
-    os.write(console, f"\nerror: {_one_line(e)} (traceback: {where}; --verbose prints it "
-             "here)\n".encode())
+    os.write(
+        console,
+        f"\nerror: {_one_line(e)} (traceback: {where}; --verbose prints it " "here)\n".encode(),
+    )
     sys.exit(1)
   watchdog.stop()
 
@@ -190,7 +224,8 @@ def _one_line(e: BaseException, limit: int = 600) -> str:
   anything else the type name leads."""
   text = " ".join(str(e).split()) or "(no message)"
   if type(e).__module__.startswith("grpo_jax") or isinstance(
-      e, (FileNotFoundError, ValueError, KeyError, RuntimeError)):
+      e, (FileNotFoundError, ValueError, KeyError, RuntimeError)
+  ):
     line = text
   else:
     line = f"{type(e).__name__}: {text}"
@@ -201,14 +236,17 @@ def _write_traceback(workdir: str) -> str:
   import traceback
   import jax
   from grpo_jax.run import paths
+
   text = traceback.format_exc()
   from grpo_jax.parallel import peers
+
   try:
     target = paths.path(workdir) / peers.error_log_name(jax.process_index())
     paths.write_atomic(target, text)
     return os.fspath(target)
   except Exception:  # the workdir itself may be the problem
     import tempfile
+
     fd, tmp = tempfile.mkstemp(prefix="grpo_jax_error_", suffix=".log")
     with os.fdopen(fd, "w") as f:
       f.write(text)

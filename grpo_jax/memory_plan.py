@@ -54,6 +54,7 @@ forward-only log-prob pass and sampler once: no backward pass, so remat does not
 The step fits when, for its remat policy and micro-batch size, the update and both forward rows
 fit (the last lines of the printout). --json writes the rows, bytes per device.
 """
+
 import dataclasses
 import functools
 import json
@@ -99,6 +100,7 @@ _NOT_MEMORY_FIELDS = ("data.", "tokenizer.", "reward.custom_file", "model.maxtex
 @dataclasses.dataclass
 class Row:
   """Bytes per device of one compiled function (see the module docstring for each field)."""
+
   function: str
   remat: str | None
   micro_batch: int | None
@@ -115,13 +117,25 @@ class Row:
 
   @property
   def total(self) -> int:
-    return (self.params + self.optimizer + self.reference + self.rollout_weights + self.temp +
-            self.kv_cache + self.io)
+    return (
+        self.params
+        + self.optimizer
+        + self.reference
+        + self.rollout_weights
+        + self.temp
+        + self.kv_cache
+        + self.io
+    )
 
   def to_json(self, target: Target, mesh_shape: dict) -> dict:
     out = dataclasses.asdict(self)
-    out.update(total=self.total, device_kind=target.device_kind,
-               num_devices=len(target.devices), mesh=mesh_shape, compiler=target.compiler)
+    out.update(
+        total=self.total,
+        device_kind=target.device_kind,
+        num_devices=len(target.devices),
+        mesh=mesh_shape,
+        compiler=target.compiler,
+    )
     return out
 
 
@@ -141,14 +155,24 @@ def _abstract(shape, dtype, sharding_):
 
 def _rows_abstract(tree, mesh):
   """`tree`'s shapes with rows (dim 0) over (data, fsdp), as the loop's batches are."""
-  return jax.tree.map(lambda x: _abstract(x.shape, x.dtype,
-                                          sharding.batch_sharding(mesh, len(x.shape))), tree)
+  return jax.tree.map(
+      lambda x: _abstract(x.shape, x.dtype, sharding.batch_sharding(mesh, len(x.shape))), tree
+  )
 
 
 def _stats(compiled) -> dict:
   m = compiled.memory_analysis()
-  names = ("argument", "output", "alias", "temp", "generated_code", "host_argument",
-           "host_output", "host_alias", "host_temp")
+  names = (
+      "argument",
+      "output",
+      "alias",
+      "temp",
+      "generated_code",
+      "host_argument",
+      "host_output",
+      "host_alias",
+      "host_temp",
+  )
   stats = {n: int(getattr(m, f"{n}_size_in_bytes", 0) or 0) for n in names}
   stats["peak"] = int(getattr(m, "peak_memory_in_bytes", 0) or 0)  # args + temp, as XLA counts
   return stats
@@ -160,18 +184,34 @@ def _host(stats: dict) -> int:
   return stats["host_temp"] + stats["host_argument"] + stats["host_output"] - stats["host_alias"]
 
 
-def kv_cache_bytes(model_cfg, rows: int, length: int, mesh, *, prompts: int = 0,
-                   prompt_len: int = 0) -> int:
+def kv_cache_bytes(
+    model_cfg, rows: int, length: int, mesh, *, prompts: int = 0, prompt_len: int = 0
+) -> int:
   """Per-device bytes of the sampler's cache (rows over (data, fsdp), kv heads over tensor):
   `length` slots per row (a local layer's ring: its window), `prompt_len` per kept prompt."""
+
   def one(n, s, ring):  # ring: a local layer's completion cache holds its window only
     local = getattr(model_cfg, "local_layers", None) or [False] * model_cfg.num_layers
-    shapes = [(n, model_cfg.num_kv_heads, min(s, model_cfg.sliding_window) if ring and x else s,
-               model_cfg.head_dim) for x in local]
-    per_layer = [math.prod(jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(
-        ("batch", "kv_heads", "length", "head_dim"), x, mesh)).shard_shape(x)) for x in shapes]
+    shapes = [
+        (
+            n,
+            model_cfg.num_kv_heads,
+            min(s, model_cfg.sliding_window) if ring and x else s,
+            model_cfg.head_dim,
+        )
+        for x in local
+    ]
+    per_layer = [
+        math.prod(
+            jax.sharding.NamedSharding(
+                mesh, sharding.logical_to_spec(("batch", "kv_heads", "length", "head_dim"), x, mesh)
+            ).shard_shape(x)
+        )
+        for x in shapes
+    ]
     kv = 2 * sum(per_layer) * jnp.dtype(model_cfg.dtype).itemsize
     return kv + shard_bytes(_abstract((n, s), jnp.int32, sharding.batch_sharding(mesh, 2)))
+
   return one(rows, length, True) + (one(prompts, prompt_len, False) if prompts else 0)
 
 
@@ -189,8 +229,9 @@ def with_overrides(config, **fields):
 
 def check_config(config, target: Target) -> list[str]:
   """configuration.validate against the target's device count, less the file checks."""
-  errors = configuration.validate(config, num_devices=len(target.devices),
-                                  num_processes=target.num_processes)
+  errors = configuration.validate(
+      config, num_devices=len(target.devices), num_processes=target.num_processes
+  )
   return [e for e in errors if not e.startswith(_NOT_MEMORY_FIELDS)]
 
 
@@ -199,28 +240,44 @@ def remat_field(config) -> str:
   return "model.maxtext.remat_policy" if config.model.impl == "maxtext" else "model.remat_policy"
 
 
-def plan(config, target: Target, *, remat_policies=None, micro_batches=None,
-         functions=FUNCTIONS, log=print, dump_hlo: str | None = None):
+def plan(
+    config,
+    target: Target,
+    *,
+    remat_policies=None,
+    micro_batches=None,
+    functions=FUNCTIONS,
+    log=print,
+    dump_hlo: str | None = None,
+):
   """-> (rows, mesh shape): the step's compiled `functions` on `target`, the update per remat
   policy and micro-batch size (defaults: the config's own). `dump_hlo`: a folder that gets
   each program's optimized HLO as <program>.hlo.txt (program_name; the module docstring)."""
   if config.model.family != "decoder":
-    raise ValueError(f"model.family={config.model.family!r}: the memory planner models "
-                     "decoder-only policies (its KV cache and sampler). Fix: plan a decoder "
-                     "config (--config.model.family=decoder)")
-  default_remat = (config.model.maxtext.remat_policy if config.model.impl == "maxtext" else
-                   config.model.remat_policy)
+    raise ValueError(
+        f"model.family={config.model.family!r}: the memory planner models "
+        "decoder-only policies (its KV cache and sampler). Fix: plan a decoder "
+        "config (--config.model.family=decoder)"
+    )
+  default_remat = (
+      config.model.maxtext.remat_policy
+      if config.model.impl == "maxtext"
+      else config.model.remat_policy
+  )
   remat_policies = list(remat_policies or [default_remat])
   micro_batches = list(micro_batches or [config.micro_batch_size])
   for mb in micro_batches:
     errors = check_config(with_overrides(config, micro_batch_size=mb), target)
     if errors:
-      raise ValueError(f"the config does not fit {target.name} ({len(target.devices)} devices):"
-                       f" {' | '.join(errors)}")
+      raise ValueError(
+          f"the config does not fit {target.name} ({len(target.devices)} devices):"
+          f" {' | '.join(errors)}"
+      )
   if dump_hlo:
     os.makedirs(dump_hlo, exist_ok=True)
-  compile_ = functools.partial(measure, platform=target.devices[0].platform, dump_hlo=dump_hlo,
-                               log=log)
+  compile_ = functools.partial(
+      measure, platform=target.devices[0].platform, dump_hlo=dump_hlo, log=log
+  )
   # The policies are built on `target`'s devices, so their kernels are the chip's
   # (Kernels.for_mesh), whatever the host that traces them.
   return _plan(config, target, remat_policies, micro_batches, functions, log, compile_)
@@ -232,20 +289,26 @@ def plan_disaggregated(config, target: Target, *, log=print, **kw):
   rollout.num_devices (0 = half) with only what it is sent, the weights in the compute dtype.
   -> {role: (rows, mesh shape, its Target), "transfer_bytes": weights moved per step}."""
   n = build.sampler_devices(config.rollout.num_devices, len(target.devices))
-  trainer_t, sampler_t = (dataclasses.replace(target, devices=tuple(d), name=(
-      f"{target.name} {what} ({len(d)} devices)")) for d, what in (
-          (target.devices[:-n], "trainer"), (target.devices[-n:], "sampler")))
+  trainer_t, sampler_t = (
+      dataclasses.replace(
+          target, devices=tuple(d), name=(f"{target.name} {what} ({len(d)} devices)")
+      )
+      for d, what in ((target.devices[:-n], "trainer"), (target.devices[-n:], "sampler"))
+  )
   colocated = with_overrides(config, **{"rollout.placement": "colocated"})
   trainer = plan(colocated, trainer_t, functions=("update", "logprobs"), log=log, **kw)
   sent = with_overrides(colocated, **{"model.param_dtype": config.model.dtype, "beta": 0.0})
-  rows, shape = plan(sent, sampler_t, functions=("sampler",), log=log,
-                     dump_hlo=kw.get("dump_hlo"))
-  weights = build.make_policy(sent, build.make_mesh(sent, devices=sampler_t.devices),
-                              abstract=True).params
-  return {"trainer": (*trainer, trainer_t),
-          "sampler": ([dataclasses.replace(r, optimizer=0) for r in rows], shape, sampler_t),
-          "transfer_bytes": sum(math.prod(x.shape) * x.dtype.itemsize
-                                for x in jax.tree.leaves(weights))}
+  rows, shape = plan(sent, sampler_t, functions=("sampler",), log=log, dump_hlo=kw.get("dump_hlo"))
+  weights = build.make_policy(
+      sent, build.make_mesh(sent, devices=sampler_t.devices), abstract=True
+  ).params
+  return {
+      "trainer": (*trainer, trainer_t),
+      "sampler": ([dataclasses.replace(r, optimizer=0) for r in rows], shape, sampler_t),
+      "transfer_bytes": sum(
+          math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(weights)
+      ),
+  }
 
 
 def program_name(function: str, remat: str | None = None, micro_batch: int | None = None):
@@ -270,17 +333,36 @@ def _plan(config, target, remat_policies, micro_batches, functions, log, measure
       log(f"compiling update (remat={remat}, micro_batch={mb or 'all'}) ...")
       io = shard_bytes(inputs["batch"])
       rows_mb = mb or inputs["num_rows"]
-      temp, stats = measure_(fns_mb.update.lower(fns_mb.abstract_state, inputs["batch"]),
-                             resident["params"] + resident["optimizer"] + io,
-                             name=program_name("update", remat, rows_mb))
-      rows.append(row(function="update", remat=remat, micro_batch=rows_mb,
-                      rollout_weights=0, temp=temp, kv_cache=0, io=io,
-                      host_offload=resident_host(cfg, fns) + _host(stats), compiled=stats))
+      temp, stats = measure_(
+          fns_mb.update.lower(fns_mb.abstract_state, inputs["batch"]),
+          resident["params"] + resident["optimizer"] + io,
+          name=program_name("update", remat, rows_mb),
+      )
+      rows.append(
+          row(
+              function="update",
+              remat=remat,
+              micro_batch=rows_mb,
+              rollout_weights=0,
+              temp=temp,
+              kv_cache=0,
+              io=io,
+              host_offload=resident_host(cfg, fns) + _host(stats),
+              compiled=stats,
+          )
+      )
   return rows, {k: int(v) for k, v in mesh.shape.items() if v > 1 or k in sharding.MESH_AXES}
 
 
-def measure(lowered, outside_temp: int, *, platform: str = "", name: str = "",
-            dump_hlo: str | None = None, log=print) -> tuple[int, dict]:
+def measure(
+    lowered,
+    outside_temp: int,
+    *,
+    platform: str = "",
+    name: str = "",
+    dump_hlo: str | None = None,
+    log=print,
+) -> tuple[int, dict]:
   """(temp bytes, figures) of a lowered function: memory_analysis() when it compiles. The TPU
   compiler refuses a program that does not fit in HBM, and its error gives the bytes required;
   the temporaries are then those less `outside_temp` (the arguments and outputs counted in
@@ -294,8 +376,9 @@ def measure(lowered, outside_temp: int, *, platform: str = "", name: str = "",
       raise
     if dump_hlo:
       log(f"{name}: refused by the compiler, no HLO to write")
-    return max(figures[0] - outside_temp, 0), dict(oom_required=figures[0],
-                                                   oom_available=figures[1])
+    return max(figures[0] - outside_temp, 0), dict(
+        oom_required=figures[0], oom_available=figures[1]
+    )
   if dump_hlo:
     with open(os.path.join(dump_hlo, f"{name}.hlo.txt"), "w") as fh:
       fh.write(hlo)
@@ -309,8 +392,9 @@ def _resident(cfg, fns) -> dict:
   params = shard_bytes(state["params"])
   optimizer = shard_bytes({k: v for k, v in state.items() if k != "params"})
   on_device = cfg.beta > 0 and not cfg.reference.offload_to_host
-  return dict(params=params, optimizer=optimizer,
-              reference=reference_bytes(cfg, fns) if on_device else 0)
+  return dict(
+      params=params, optimizer=optimizer, reference=reference_bytes(cfg, fns) if on_device else 0
+  )
 
 
 def reference_bytes(cfg, fns) -> int:
@@ -330,8 +414,11 @@ def _sampler_weights(policy, params):
   if policy.sampler_is_trainer:
     return params
   mapped = jax.jit(policy.rollout_params).lower(params).compile()
-  return jax.tree.map(lambda x, s: _abstract(x.shape, x.dtype, s),
-                      jax.eval_shape(policy.rollout_params, params), mapped.output_shardings)
+  return jax.tree.map(
+      lambda x, s: _abstract(x.shape, x.dtype, s),
+      jax.eval_shape(policy.rollout_params, params),
+      mapped.output_shardings,
+  )
 
 
 def _step_inputs(cfg, policy, fns, mesh) -> dict:
@@ -342,27 +429,54 @@ def _step_inputs(cfg, policy, fns, mesh) -> dict:
   replicated = sharding.replicated(mesh)
   key = jax.eval_shape(lambda: jax.random.key(0))
   scalar = _abstract((), jnp.float32, replicated)
-  sampler = sampler_lib.Sampler(policy.sampler_graphdef, max_prompt_length=p,
-                                max_new_tokens=c, num_generations=g, eos_ids=(0,), mesh=mesh,
-                                **sampler_lib.config_options(cfg))
+  sampler = sampler_lib.Sampler(
+      policy.sampler_graphdef,
+      max_prompt_length=p,
+      max_new_tokens=c,
+      num_generations=g,
+      eos_ids=(0,),
+      mesh=mesh,
+      **sampler_lib.config_options(cfg),
+  )
   gen = GenerationConfig(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
   generate = sampler._fn(0 if gen.is_greedy else int(gen.top_k), gen.top_p < 1.0, gen.is_greedy)
-  sampler_args = (_sampler_weights(policy, fns.abstract_state["params"]), prompt, prompt,
-                  _abstract(key.shape, key.dtype, replicated), scalar, scalar)
+  sampler_args = (
+      _sampler_weights(policy, fns.abstract_state["params"]),
+      prompt,
+      prompt,
+      _abstract(key.shape, key.dtype, replicated),
+      scalar,
+      scalar,
+  )
   with jax.set_mesh(mesh):
     rollout = _rows_abstract(jax.eval_shape(generate, *sampler_args), mesh)
   rewards = _abstract((b * g,), jnp.float32, sharding.batch_sharding(mesh, 1))
   batch = jax.eval_shape(fns.assemble, prompt, prompt, rollout, rewards)
-  logp = jax.eval_shape(fns.logprobs, fns.abstract_state["params"], batch["input_ids"],
-                        batch["attention_mask"])
-  needs_old = (cfg.num_iterations > 1 or cfg.loss.tis_cap > 0 or not policy.sampler_is_trainer
-               or cfg.rollout.engine != "native")
-  batch = dict(batch, **({"old_logp": logp} if needs_old else {}),
-               **({"ref_logp": logp} if cfg.beta > 0 else {}))
-  return dict(generate=generate, sampler_args=sampler_args, rollout=rollout, num_rows=b * g,
-              num_prompts=b,
-              batch=_rows_abstract(batch, mesh), logp=_rows_abstract(logp, mesh),
-              prompt_len=p, completion_len=c)
+  logp = jax.eval_shape(
+      fns.logprobs, fns.abstract_state["params"], batch["input_ids"], batch["attention_mask"]
+  )
+  needs_old = (
+      cfg.num_iterations > 1
+      or cfg.loss.tis_cap > 0
+      or not policy.sampler_is_trainer
+      or cfg.rollout.engine != "native"
+  )
+  batch = dict(
+      batch,
+      **({"old_logp": logp} if needs_old else {}),
+      **({"ref_logp": logp} if cfg.beta > 0 else {}),
+  )
+  return dict(
+      generate=generate,
+      sampler_args=sampler_args,
+      rollout=rollout,
+      num_rows=b * g,
+      num_prompts=b,
+      batch=_rows_abstract(batch, mesh),
+      logp=_rows_abstract(logp, mesh),
+      prompt_len=p,
+      completion_len=c,
+  )
 
 
 def sampler_weight_copy_bytes(cfg, policy, weights) -> int:
@@ -389,14 +503,27 @@ def _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log, measure_)
     log("compiling logprobs ...")
     batch = inputs["batch"]
     io = shard_bytes((batch["input_ids"], batch["attention_mask"], inputs["logp"]))
-    temp, stats = measure_(fns.logprobs.lower(params, batch["input_ids"],
-                                              batch["attention_mask"]), params_b + io,
-                           name=program_name("logprobs"))
+    temp, stats = measure_(
+        fns.logprobs.lower(params, batch["input_ids"], batch["attention_mask"]),
+        params_b + io,
+        name=program_name("logprobs"),
+    )
     # The reference pass runs on a device copy of an offloaded reference: count it here.
     extra = dict(reference=host_ref) if host_ref else {}
-    rows.append(row(function="logprobs", remat=None, micro_batch=None, rollout_weights=0,
-                    temp=temp, kv_cache=0, io=io, host_offload=host_ref + _host(stats),
-                    compiled=stats, **extra))
+    rows.append(
+        row(
+            function="logprobs",
+            remat=None,
+            micro_batch=None,
+            rollout_weights=0,
+            temp=temp,
+            kv_cache=0,
+            io=io,
+            host_offload=host_ref + _host(stats),
+            compiled=stats,
+            **extra,
+        )
+    )
   if "sampler" not in functions:
     return rows
   if cfg.rollout.engine != "native":
@@ -405,16 +532,35 @@ def _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log, measure_)
   weights, *other_args = inputs["sampler_args"]
   rollout_w = sampler_weight_copy_bytes(cfg, policy, weights)
   copy_in_temp = rollout_w if policy.sampler_is_trainer else 0  # native: made in the program
-  kv = kv_cache_bytes(policy.model_config, inputs["num_rows"], inputs["completion_len"], mesh,
-                      prompts=inputs["num_prompts"], prompt_len=inputs["prompt_len"])
+  kv = kv_cache_bytes(
+      policy.model_config,
+      inputs["num_rows"],
+      inputs["completion_len"],
+      mesh,
+      prompts=inputs["num_prompts"],
+      prompt_len=inputs["prompt_len"],
+  )
   io = shard_bytes((other_args, inputs["rollout"]))
   log("compiling sampler ...")
   with jax.set_mesh(mesh):
-    temp, stats = measure_(inputs["generate"].lower(weights, *other_args),
-                           shard_bytes(weights) + io, name=program_name("sampler"))
-  rows.append(row(function="sampler", remat=None, micro_batch=None, rollout_weights=rollout_w,
-                  temp=max(temp - kv - copy_in_temp, 0), kv_cache=kv, io=io,
-                  host_offload=host_ref + _host(stats), compiled=stats))
+    temp, stats = measure_(
+        inputs["generate"].lower(weights, *other_args),
+        shard_bytes(weights) + io,
+        name=program_name("sampler"),
+    )
+  rows.append(
+      row(
+          function="sampler",
+          remat=None,
+          micro_batch=None,
+          rollout_weights=rollout_w,
+          temp=max(temp - kv - copy_in_temp, 0),
+          kv_cache=kv,
+          io=io,
+          host_offload=host_ref + _host(stats),
+          compiled=stats,
+      )
+  )
   return rows
 
 
@@ -430,6 +576,7 @@ def main(argv):
 
   from absl import flags
   from absl import logging
+
   del argv
   f = flags.FLAGS
   if f["verbosity"].using_default_value:  # optax's schedule notes, MaxText's config dump
@@ -450,11 +597,14 @@ def main(argv):
     target = make_target(_TOPOLOGY.value)
     if _TOPOLOGY.value and target.devices[0].platform == "cpu":  # no compiler for the chip
       print(f"note: {target.compiler}", file=sys.stderr)
-    kw = dict(remat_policies=_csv(_REMAT.value), micro_batches=_csv(_MICRO.value, int),
-              log=lambda s: print(s, file=sys.stderr, flush=True), dump_hlo=_DUMP_HLO.value)
+    kw = dict(
+        remat_policies=_csv(_REMAT.value),
+        micro_batches=_csv(_MICRO.value, int),
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+        dump_hlo=_DUMP_HLO.value,
+    )
     if config.rollout.placement == "disaggregated":
-      return print_disaggregated(config, plan_disaggregated(config, target, **kw),
-                                 _JSON.value)
+      return print_disaggregated(config, plan_disaggregated(config, target, **kw), _JSON.value)
     rows, mesh_shape = plan(config, target, functions=_csv(_FUNCTIONS.value) or FUNCTIONS, **kw)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -463,8 +613,10 @@ def main(argv):
   print(header(config, target, mesh_shape, unit[0]))
   print(table(rows))
   if any("oom_required" in r.compiled for r in rows):
-    print("* the TPU compiler refused the program (out of HBM); its temp is the bytes the "
-          "compiler asked for less the other columns")
+    print(
+        "* the TPU compiler refused the program (out of HBM); its temp is the bytes the "
+        "compiler asked for less the other columns"
+    )
   print("\n".join(step_summary(rows, unit)))
   if _JSON.value:
     with open(_JSON.value, "w") as fh:
@@ -480,21 +632,34 @@ if __name__ == "__main__":
   from ml_collections import config_flags
 
   _CONFIG = config_flags.DEFINE_config_file(
-      "config", None, "Experiment config file (configs/*.py).", lock_config=True)
+      "config", None, "Experiment config file (configs/*.py).", lock_config=True
+  )
   _TOPOLOGY = flags.DEFINE_string(
-      "topology", None, "TPU slice or GPUs to plan for: v5p-8, v6e-8, v5e-16, v4-8, ... (or "
-      "v5p:2x2x1); h100, h200 (h100-8: eight on one host). Default: this machine's devices.")
+      "topology",
+      None,
+      "TPU slice or GPUs to plan for: v5p-8, v6e-8, v5e-16, v4-8, ... (or "
+      "v5p:2x2x1); h100, h200 (h100-8: eight on one host). Default: this machine's devices.",
+  )
   _REMAT = flags.DEFINE_string(
-      "remat", None, "Comma-separated remat policies (models/remat.py POLICIES; MaxText's "
-      "names with impl=maxtext). Default: the config's.")
+      "remat",
+      None,
+      "Comma-separated remat policies (models/remat.py POLICIES; MaxText's "
+      "names with impl=maxtext). Default: the config's.",
+  )
   _MICRO = flags.DEFINE_string(
-      "micro_batch", None, "Comma-separated micro_batch_size values (0 = all rows at once). "
-      "Default: the config's.")
+      "micro_batch",
+      None,
+      "Comma-separated micro_batch_size values (0 = all rows at once). " "Default: the config's.",
+  )
   _FUNCTIONS = flags.DEFINE_string(
-      "functions", None, f"Comma-separated subset of {','.join(FUNCTIONS)}. Default: all.")
+      "functions", None, f"Comma-separated subset of {','.join(FUNCTIONS)}. Default: all."
+  )
   _JSON = flags.DEFINE_string("json", None, "Write the rows (bytes per device) to this file.")
   _DUMP_HLO = flags.DEFINE_string(
-      "dump_hlo", None, "Write each program's optimized HLO to DIR/<program>.hlo.txt (sampler, "
-      "logprobs, update_<remat>_mb<micro-batch>).")
+      "dump_hlo",
+      None,
+      "Write each program's optimized HLO to DIR/<program>.hlo.txt (sampler, "
+      "logprobs, update_<remat>_mb<micro-batch>).",
+  )
   flags.mark_flag_as_required("config")
   app.run(main)

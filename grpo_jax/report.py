@@ -8,6 +8,7 @@ before/after table; absent while a run is in progress: then metrics.jsonl's eval
 config.json (differences from configs/common.py `base()`); any of them may be missing. Paths
 go through `grpo_jax.run.paths` (local or gs://); plots are matplotlib `Figure`s (Agg, no pyplot).
 """
+
 import dataclasses
 import functools
 import importlib
@@ -27,18 +28,31 @@ from grpo_jax.run import paths
 _TOPICS = (
     ("sft", "SFT warm start", (("sft/loss",), ("sft/validation_accuracy",))),
     ("kl", "KL divergence", (("loss/kl_divergence",), ("loss/ppo_kl",))),
-    ("clip", "PPO clip fraction", (("loss/clip_fraction", "loss/clip_fraction_low",
-                                    "loss/clip_fraction_high"),)),
+    (
+        "clip",
+        "PPO clip fraction",
+        (("loss/clip_fraction", "loss/clip_fraction_low", "loss/clip_fraction_high"),),
+    ),
     ("length", "Completions", (("completions/mean_length",), ("completions/truncated_fraction",))),
     ("loss", "Optimization", (("loss/total",), ("loss/policy_loss",), ("loss/grad_norm",))),
 )
 _DIAGNOSTICS = ("reward/std_within_group", "reward/zero_std_group_fraction", "reward/errors")
-_PHASES = (("perf/rollout_sec", "rollout"), ("perf/reward_sec", "rewards"),
-           ("perf/update_sec", "update (+log-probs)"))
+_PHASES = (
+    ("perf/rollout_sec", "rollout"),
+    ("perf/reward_sec", "rewards"),
+    ("perf/update_sec", "update (+log-probs)"),
+)
 _PHASE_COLORS = ("#8172B3", "#64B5CD", "#CCB974", "#BBBBBB")  # apart from the runs' C0, C1, ...
-_STYLE = {"axes.spines.top": False, "axes.spines.right": False, "axes.grid": True,
-          "grid.alpha": 0.3, "font.size": 9, "axes.titlesize": 9, "legend.fontsize": 8,
-          "legend.frameon": False}
+_STYLE = {
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "font.size": 9,
+    "axes.titlesize": 9,
+    "legend.fontsize": 8,
+    "legend.frameon": False,
+}
 _LINES = ("-", "--", ":", "-.")
 _ABSENT = object()  # a config field one side does not have
 
@@ -71,10 +85,13 @@ def load_run(workdir: str, name: str) -> Run:
         by_key.setdefault(k, {})[step] = float(v)  # "nan", "inf" too
       except (TypeError, ValueError):
         pass
-  series = {k: (np.array(sorted(d)), np.array([d[s] for s in sorted(d)], np.float64))
-            for k, d in by_key.items()}
-  return Run(name, workdir, series, _read_json(root / "summary.json"),
-             _read_json(root / "config.json"))
+  series = {
+      k: (np.array(sorted(d)), np.array([d[s] for s in sorted(d)], np.float64))
+      for k, d in by_key.items()
+  }
+  return Run(
+      name, workdir, series, _read_json(root / "summary.json"), _read_json(root / "config.json")
+  )
 
 
 def _read_json(p):
@@ -93,7 +110,7 @@ def eval_series(run: Run) -> dict:
   out = {}
   for key, sv in run.series.items():
     if key.startswith("eval/"):
-      metric, _, generation = key[len("eval/"):].rpartition("/")
+      metric, _, generation = key[len("eval/") :].rpartition("/")
       metric, generation = (metric, generation) if metric else (generation, "greedy")
       if metric != "num_examples":
         out.setdefault(metric, {})[generation] = sv
@@ -104,8 +121,11 @@ def eval_columns(run: Run) -> list[tuple[str, dict]]:
   """[(label, {generation: {metric: value}})]: summary.json's evaluations, or (in progress)
   metrics.jsonl's before SFT, before GRPO and the latest one."""
   if run.summary:
-    cols = [("initial", run.summary.get("eval_initial")), ("before GRPO",
-            run.summary.get("eval_before")), ("after GRPO", run.summary.get("eval_after"))]
+    cols = [
+        ("initial", run.summary.get("eval_initial")),
+        ("before GRPO", run.summary.get("eval_before")),
+        ("after GRPO", run.summary.get("eval_after")),
+    ]
     return [(label, e) for label, e in cols if e]
   by_step = {}
   for metric, gens in eval_series(run).items():
@@ -135,8 +155,12 @@ def eval_table(runs: list[Run]) -> list[str]:
       for metric in (m for m in last if m != "num_examples"):
         vals = [c[1].get(generation, {}).get(metric) for c in cols]
         change = "" if len(vals) < 2 or None in vals[-2:] else f"{vals[-1] - vals[-2]:+.3f}"
-        lines.append(_row([run.name] * multi + [generation + (f" (n={n})" if n else ""),
-                           metric, *map(_num, vals), change]))
+        lines.append(
+            _row(
+                [run.name] * multi
+                + [generation + (f" (n={n})" if n else ""), metric, *map(_num, vals), change]
+            )
+        )
   return lines or ["No evaluation yet."]
 
 
@@ -181,12 +205,16 @@ def config_section(runs: list[Run]) -> list[str]:
     return ["No config.json in the workdir."]
   try:
     import configs
-    shipped = {f"configs/{m.name}.py": importlib.import_module(f"configs.{m.name}")
-               for m in pkgutil.iter_modules(configs.__path__)}  # common + experiments
+
+    shipped = {
+        f"configs/{m.name}.py": importlib.import_module(f"configs.{m.name}")
+        for m in pkgutil.iter_modules(configs.__path__)
+    }  # common + experiments
     as_flat = lambda c: _flat(json.loads(c.to_json_best_effort()))  # noqa: E731
     default = as_flat(shipped.pop("configs/common.py").base())
-    shipped = {name: as_flat(m.get_config()) for name, m in shipped.items()
-               if hasattr(m, "get_config")}
+    shipped = {
+        name: as_flat(m.get_config()) for name, m in shipped.items() if hasattr(m, "get_config")
+    }
   except Exception as e:  # outside the repo's environment
     return [f"(no config comparison: {type(e).__name__}: {e})"]
   lines = []
@@ -195,14 +223,20 @@ def config_section(runs: list[Run]) -> list[str]:
     changed = _diff(shipped[best], flat) if best else []
     if best and len(changed) < len(_diff(default, flat)):
       listed = ", ".join(f"`{k}`={_cell(flat.get(k, _ABSENT))}" for k in changed[:20])
-      lines.append(f"- {name}: closest shipped config `{best}`, " + (
-          f"changed: {listed}{' ...' if len(changed) > 20 else ''}" if changed else "unchanged"))
+      lines.append(
+          f"- {name}: closest shipped config `{best}`, "
+          + (f"changed: {listed}{' ...' if len(changed) > 20 else ''}" if changed else "unchanged")
+      )
   keys = sorted({k for flat in flats.values() for k in _diff(default, flat)})
   if not keys:
     return lines + ["", "Every field has its default value."]
-  lines += ["", "Differences from the defaults (`configs/common.py` `base()`)" + (
-      "; **bold**: the runs differ:" if len(flats) > 1 else ":"), "",
-            *_table(["field", "default", *flats])]
+  lines += [
+      "",
+      "Differences from the defaults (`configs/common.py` `base()`)"
+      + ("; **bold**: the runs differ:" if len(flats) > 1 else ":"),
+      "",
+      *_table(["field", "default", *flats]),
+  ]
   for k in keys:
     vals = [_cell(flat.get(k, _ABSENT)) for flat in flats.values()]
     field = f"**{k}**" if len(set(vals)) > 1 else f"`{k}`"
@@ -216,6 +250,7 @@ def config_section(runs: list[Run]) -> list[str]:
 def _figure(num_panels: int, title: str):
   from matplotlib.figure import Figure
   from matplotlib.ticker import MaxNLocator
+
   cols = min(num_panels, 3)
   rows = -(-num_panels // cols)
   fig = Figure(figsize=(8, 1.6 + 2.6 * rows), dpi=100, layout="constrained")
@@ -240,8 +275,9 @@ def _curve(ax, x, y, color, label, ls="-"):
   """The series; with many points a faint raw line under an exponential moving average."""
   span, ok = len(y) // 25, np.isfinite(y)
   if span < 2 or not ok.any():
-    ax.plot(x, y, ls, color=color, label=label, lw=1.5, ms=3.5, marker="o" if len(y) <= 30
-            else None)
+    ax.plot(
+        x, y, ls, color=color, label=label, lw=1.5, ms=3.5, marker="o" if len(y) <= 30 else None
+    )
     return
   ax.plot(x, y, ls, color=color, lw=0.8, alpha=0.25)
   ax.plot(x[ok], _ema(y[ok], span), ls, color=color, label=label, lw=1.6)
@@ -256,8 +292,13 @@ def plot_panels(runs, title, panels, xlabel):
     for r, run in enumerate(runs):
       for j, key in (kv for kv in enumerate(keys) if kv[1] in run.series):
         label = " ".join([run.name] * multi + [key.rsplit("/", 1)[-1]] * (len(keys) > 1))
-        _curve(ax, *run.series[key], f"C{r if multi else j}", label or None,
-               _LINES[j % 4] if multi else "-")
+        _curve(
+            ax,
+            *run.series[key],
+            f"C{r if multi else j}",
+            label or None,
+            _LINES[j % 4] if multi else "-",
+        )
     ax.set(title=os.path.commonprefix(list(keys)).rstrip("_"), xlabel=xlabel)
     if (i == 0 and multi) or len(keys) > 1:
       ax.legend()
@@ -276,13 +317,25 @@ def plot_eval(runs):
       end = start + (run.summary or {}).get("final_step", math.inf)
       for j, (generation, (steps, values)) in enumerate(evals.get(metric, {}).items()):
         color, ls = (f"C{r}", _LINES[j % 4]) if multi else (f"C{j}", "-")
-        ax.plot(steps, values, ls, color=color, lw=1.5, marker=".",
-                label=f"{run.name} {generation}" if multi else generation)
+        ax.plot(
+            steps,
+            values,
+            ls,
+            color=color,
+            lw=1.5,
+            marker=".",
+            label=f"{run.name} {generation}" if multi else generation,
+        )
         ax.plot(steps[steps == start], values[steps == start], "o", ms=9, mfc="none", color=color)
         ax.plot(steps[steps == end], values[steps == end], "*", ms=10, color=color)
         if not multi and (steps == end).any():
-          ax.annotate(f"{values[steps == end][0]:.3f}", (end, values[steps == end][0]),
-                      xytext=(4, 4), textcoords="offset points", fontsize=8)
+          ax.annotate(
+              f"{values[steps == end][0]:.3f}",
+              (end, values[steps == end][0]),
+              xytext=(4, 4),
+              textcoords="offset points",
+              fontsize=8,
+          )
       if start and not multi:
         ax.axvline(start, color="0.5", ls=":", lw=1)  # GRPO starts
     if all(np.nanmin(v) >= 0 for e in per_run for _, v in e.get(metric, {}).values()):
@@ -296,6 +349,7 @@ def plot_step_time(runs):
   """Seconds per step by phase over steps (one run: stacked; several: totals), and the mean
   per phase of each run as stacked bars; the first step (compilation) left out if > 2 steps."""
   from matplotlib.ticker import AutoLocator
+
   fig, (over, mean) = _figure(2, "Step time by phase")
   labels, keys = [p[1] for p in _PHASES] + ["other"], [p[0] for p in _PHASES]
   longest = 0.0
@@ -311,22 +365,39 @@ def plot_step_time(runs):
     if len(runs) > 1:
       _curve(over, steps[keep], total[keep], f"C{r}", run.name)
     elif keep.sum() > 40:
-      over.stackplot(steps[keep], [_ema(p, keep.sum() // 25) for p in parts[:, keep]],
-                     colors=_PHASE_COLORS)  # smoothed: stacked raw spikes are unreadable
+      over.stackplot(
+          steps[keep], [_ema(p, keep.sum() // 25) for p in parts[:, keep]], colors=_PHASE_COLORS
+      )  # smoothed: stacked raw spikes are unreadable
     else:
       for p, bottom in enumerate(np.cumsum(parts[:, keep], 0) - parts[:, keep]):
         over.bar(steps[keep], parts[p, keep], bottom=bottom, color=_PHASE_COLORS[p], width=0.8)
     left = np.concatenate([[0], np.cumsum(parts[:, keep].mean(1))])
     for p, label in enumerate(labels):
-      mean.barh(run.name, left[p + 1] - left[p], left=left[p], color=_PHASE_COLORS[p],
-                height=0.5, label=None if r else label)
+      mean.barh(
+          run.name,
+          left[p + 1] - left[p],
+          left=left[p],
+          color=_PHASE_COLORS[p],
+          height=0.5,
+          label=None if r else label,
+      )
     longest = max(longest, left[-1])
-    mean.annotate(f"{left[-1]:.3g} s", (left[-1], r), xytext=(3, 0), textcoords="offset points",
-                  va="center", fontsize=8)
+    mean.annotate(
+        f"{left[-1]:.3g} s",
+        (left[-1], r),
+        xytext=(3, 0),
+        textcoords="offset points",
+        va="center",
+        fontsize=8,
+    )
   over.set(title="seconds per step", xlabel="GRPO step")
   mean.xaxis.set_major_locator(AutoLocator())  # seconds, not steps
-  mean.set(title="mean seconds per step, by phase", xlabel="seconds", ylim=(
-      -0.75, max(len(runs), 2) - 0.25), xlim=(0, 1.15 * longest or None))
+  mean.set(
+      title="mean seconds per step, by phase",
+      xlabel="seconds",
+      ylim=(-0.75, max(len(runs), 2) - 0.25),
+      xlim=(0, 1.15 * longest or None),
+  )
   fig.legend(*mean.get_legend_handles_labels(), loc="outside lower center", ncols=len(labels))
   if len(runs) > 1:
     over.legend()
@@ -345,13 +416,21 @@ def _names(workdirs: list[str]) -> list[str]:
 def _status(run: Run) -> str:
   if s := run.summary:
     sec = float(s.get("wall_time_sec") or 0)
-    return (f"finished: {s.get('final_step')} GRPO steps" + (
-        f" after {s['sft_steps']} SFT steps" if s.get("sft_steps") else "") + " in " + (
-        f"{sec:.0f} s" if sec < 600 else f"{sec / 3600:.2f} h"))
+    return (
+        f"finished: {s.get('final_step')} GRPO steps"
+        + (f" after {s['sft_steps']} SFT steps" if s.get("sft_steps") else "")
+        + " in "
+        + (f"{sec:.0f} s" if sec < 600 else f"{sec / 3600:.2f} h")
+    )
   steps, sft = (run.series.get(k, ((),))[0] for k in ("reward/total", "sft/loss"))
   if not len(steps):
-    return (f"run in progress: SFT step {int(sft[-1])}" if len(sft) else
-            "run in progress: no step logged yet" if run.series else "no metrics yet")
+    return (
+        f"run in progress: SFT step {int(sft[-1])}"
+        if len(sft)
+        else "run in progress: no step logged yet"
+        if run.series
+        else "no metrics yet"
+    )
   total = (run.config or {}).get("num_steps")
   return f"run in progress: GRPO step {int(steps[-1])}" + (f" of {total}" if total else "")
 
@@ -359,17 +438,35 @@ def _status(run: Run) -> str:
 def _plots(runs: list[Run]) -> list[tuple[str, str, functools.partial]]:
   """(file name, title, draw) of each topic some run has data for, in report order."""
   has = lambda key: any(key in r.series for r in runs)  # noqa: E731
-  rewards = sorted({k for r in runs for k in r.series if k.startswith("reward/")} - {
-      "reward/total", *_DIAGNOSTICS})
+  rewards = sorted(
+      {k for r in runs for k in r.series if k.startswith("reward/")}
+      - {"reward/total", *_DIAGNOSTICS}
+  )
   errors = any(np.any(r.series.get("reward/errors", ((), np.zeros(1)))[1] > 0) for r in runs)
-  topics = [("reward", "Reward (mean over the rollout batch)", (
-      ("reward/total",), *((k,) for k in rewards), ("reward/zero_std_group_fraction",),
-      *((("reward/errors",),) if errors else ())))] + list(_TOPICS)
+  topics = [
+      (
+          "reward",
+          "Reward (mean over the rollout batch)",
+          (
+              ("reward/total",),
+              *((k,) for k in rewards),
+              ("reward/zero_std_group_fraction",),
+              *((("reward/errors",),) if errors else ()),
+          ),
+      )
+  ] + list(_TOPICS)
   plots = []
   for name, title, panels in topics:
     if panels := [keys for keys in panels if any(map(has, keys))]:
-      plots.append((name, title, functools.partial(
-          plot_panels, runs, title, panels, "SFT step" if name == "sft" else "GRPO step")))
+      plots.append(
+          (
+              name,
+              title,
+              functools.partial(
+                  plot_panels, runs, title, panels, "SFT step" if name == "sft" else "GRPO step"
+              ),
+          )
+      )
   if any(eval_series(r) for r in runs):
     plots.insert(1, ("eval", "Held-out evaluation", functools.partial(plot_eval, runs)))
   if any(all(k in r.series for k, _ in _PHASES + (("perf/step_time_sec", ""),)) for r in runs):
@@ -387,11 +484,21 @@ def write_report(workdirs, out: str | None = None) -> str:
   runs = [load_run(w, n) for w, n in zip(workdirs, _names(workdirs))]
   out = paths.path(out or paths.path(workdirs[0]) / "report")
   paths.makedirs(out)
-  md = ["# GRPO report: " + ", ".join(r.name for r in runs), "",
-        *(f"- **{r.name}** (`{r.workdir}`): {_status(r)}" for r in runs), "",
-        "## Evaluation before / after", "", *eval_table(runs), "", "## Curves", ""]
+  md = [
+      "# GRPO report: " + ", ".join(r.name for r in runs),
+      "",
+      *(f"- **{r.name}** (`{r.workdir}`): {_status(r)}" for r in runs),
+      "",
+      "## Evaluation before / after",
+      "",
+      *eval_table(runs),
+      "",
+      "## Curves",
+      "",
+  ]
   plots = _plots(runs)
   import matplotlib
+
   with matplotlib.rc_context(_STYLE):
     for name, title, draw in plots:
       md += [f"### {title}", ""]
@@ -413,13 +520,17 @@ if __name__ == "__main__":
   # Flags only here: grpo_jax.main (which imports train, which imports this) owns --workdir.
   from absl import app
   from absl import flags
-  _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder; several (a,b) overlay.",
-                                 required=True)
+
+  _WORKDIR = flags.DEFINE_string(
+      "workdir", None, "Run folder; several (a,b) overlay.", required=True
+  )
   _OUT = flags.DEFINE_string("out", None, "Report folder (default: FIRST_WORKDIR/report).")
+
   def main(argv):
     del argv
     try:
       print(write_report(_WORKDIR.value.split(","), _OUT.value))
     except FileNotFoundError as e:
       sys.exit(f"error: {e}")
+
   app.run(main)

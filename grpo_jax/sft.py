@@ -8,6 +8,7 @@ early stop on held-out train rows (`sft.stop_at_accuracy`), its checkpoints (sta
 the parameters GRPO starts from; when the run is past SFT (`session.meta["phase"] == "grpo"`)
 it does nothing and returns `policy.params` (abstract when GRPO is about to be restored).
 """
+
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -26,8 +27,11 @@ def run(config, session, policy, mesh, train_data, evaluator):
   if meta["phase"] != "sft":
     return policy.params
   if meta["eval_initial"] is None:
-    meta["eval_initial"] = evaluator(policy.params, 0, jax.random.fold_in(
-        session.rng, multihost.replicated(np.uint32(1 << 20), mesh)))
+    meta["eval_initial"] = evaluator(
+        policy.params,
+        0,
+        jax.random.fold_in(session.rng, multihost.replicated(np.uint32(1 << 20), mesh)),
+    )
   stage = SFTStage(config, policy, mesh)
   if session.resume_phase == "sft":
     data_iter = stage.iterator(train_data)
@@ -49,8 +53,13 @@ def run(config, session, policy, mesh, train_data, evaluator):
       acc = evaluator.accuracy(stage.state["params"], val_data, session.rng)
       session.writer.write_scalars(step, {"sft/validation_accuracy": acc})
       if acc >= c.stop_at_accuracy:
-        logging.info("SFT: validation accuracy %.3f >= sft.stop_at_accuracy=%.3f after %d "
-                     "steps; starting GRPO", acc, c.stop_at_accuracy, step)
+        logging.info(
+            "SFT: validation accuracy %.3f >= sft.stop_at_accuracy=%.3f after %d "
+            "steps; starting GRPO",
+            acc,
+            c.stop_at_accuracy,
+            step,
+        )
         break
     if step % config.save_interval_steps == 0 and step < config.sft_steps:
       session.save(step, {"sft": stage.state}, stage.data_iter)
@@ -73,8 +82,13 @@ class SFTStage:
     self.mesh = mesh
     self.optimizer = optax.chain(
         optax.clip_by_global_norm(1.0),
-        optax.adamw(config.sft.learning_rate, b1=config.optimizer.b1, b2=config.optimizer.b2,
-                    weight_decay=0.0))
+        optax.adamw(
+            config.sft.learning_rate,
+            b1=config.optimizer.b1,
+            b2=config.optimizer.b2,
+            weight_decay=0.0,
+        ),
+    )
     completion_len = config.max_completion_length
     lp = policy.logprobs
 
@@ -90,13 +104,16 @@ class SFTStage:
 
     param_shardings = policy.param_shardings(mesh)
     abstract_opt = jax.eval_shape(self.optimizer.init, policy.params)
-    self.shardings = dict(params=param_shardings,
-                          opt_state=sharding.opt_state_shardings(self.optimizer, abstract_opt,
-                                                                 param_shardings, mesh))
-    self._update = jax.jit(update, donate_argnums=0,
-                           out_shardings=(self.shardings, sharding.replicated(mesh)))
-    self._init = jax.jit(lambda p: dict(params=p, opt_state=self.optimizer.init(p)),
-                         out_shardings=self.shardings)
+    self.shardings = dict(
+        params=param_shardings,
+        opt_state=sharding.opt_state_shardings(self.optimizer, abstract_opt, param_shardings, mesh),
+    )
+    self._update = jax.jit(
+        update, donate_argnums=0, out_shardings=(self.shardings, sharding.replicated(mesh))
+    )
+    self._init = jax.jit(
+        lambda p: dict(params=p, opt_state=self.optimizer.init(p)), out_shardings=self.shardings
+    )
     self.state = None
     self.data_iter = None
 
@@ -113,9 +130,11 @@ class SFTStage:
       return None
     n = len(train_data)
     if self._num_rows(n) > n - c.num_validation:
-      raise ValueError(f"sft.num_demonstrations={c.num_demonstrations} overlaps the last "
-                       f"sft.num_validation={c.num_validation} train rows held out for early "
-                       "stopping: lower one of them")
+      raise ValueError(
+          f"sft.num_demonstrations={c.num_demonstrations} overlaps the last "
+          f"sft.num_validation={c.num_validation} train rows held out for early "
+          "stopping: lower one of them"
+      )
     return train_data.select(range(n - c.num_validation, n))
 
   def iterator(self, train_data):
@@ -126,23 +145,25 @@ class SFTStage:
           f"SFT has no demonstration rows: {len(train_data)} train rows, "
           f"sft.num_demonstrations={c.num_demonstrations}, and the last sft.num_validation="
           f"{c.num_validation} held out for early stopping. Fix: lower sft.num_validation (or "
-          "set sft.stop_at_accuracy=0), or give more train rows")
-    return data_lib.make_prompt_iterator(n, batch_size=b, seed=self.config.seed + 1,
-                                         rows=multihost.process_rows(self.mesh, b))
+          "set sft.stop_at_accuracy=0), or give more train rows"
+      )
+    return data_lib.make_prompt_iterator(
+        n, batch_size=b, seed=self.config.seed + 1, rows=multihost.process_rows(self.mesh, b)
+    )
 
   def start(self, params, train_data):
     self.state = self._init(params)
     self.data_iter = self.iterator(train_data)
 
   def abstract_state(self):
-    abstract = jax.eval_shape(lambda p: dict(params=p, opt_state=self.optimizer.init(p)),
-                              self.policy.params)
+    abstract = jax.eval_shape(
+        lambda p: dict(params=p, opt_state=self.optimizer.init(p)), self.policy.params
+    )
     return {"sft": sharding.abstract_with(abstract, self.shardings)}
 
   def step(self, train_data):
     idx = next(self.data_iter)
     b = data_lib.sft_batch(train_data, idx, self.config.max_completion_length)
-    batch = {k: multihost.to_global(v, self.mesh, self.config.sft.batch_size)
-             for k, v in b.items()}
+    batch = {k: multihost.to_global(v, self.mesh, self.config.sft.batch_size) for k, v in b.items()}
     self.state, loss = self._update(self.state, batch)
     return loss

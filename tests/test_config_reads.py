@@ -10,6 +10,7 @@ config (block) to (`rewards.from_config(config.reward)` makes `from_config`'s `r
 config). Reads of plain dicts (HF config.json, rows, metas, summaries) are not config reads and
 pass.
 """
+
 import ast
 import os
 
@@ -30,8 +31,11 @@ KNOWN = set()
 def _root(node):
   """The Name or `self.x` an attribute / subscript chain starts from, as a string."""
   while isinstance(node, (ast.Attribute, ast.Subscript)):
-    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and
-        node.value.id == "self"):
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    ):
       return f"self.{node.attr}"
     node = node.value
   return node.id if isinstance(node, ast.Name) else None
@@ -57,10 +61,15 @@ class _Module:
     self.functions = {}  # qualified name ("f", "Class.m") -> FunctionDef
     self.imports = {}  # local name -> (module, attr or None)
     self.tainted_params = {}  # FunctionDef -> set of parameter names holding a config
-    self.flags = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and
-                  isinstance(node.value, ast.Call) and
-                  _annotation_name(node.value.func) in CONFIG_FLAGS
-                  for t in node.targets if isinstance(t, ast.Name)}
+    self.flags = {
+        t.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and _annotation_name(node.value.func) in CONFIG_FLAGS
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
     for node in tree.body:
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         self.functions[node.name] = node
@@ -94,8 +103,7 @@ def _params(fn) -> list[ast.arg]:
 def _is_method(fn, tree) -> bool:
   for node in ast.walk(tree):
     if isinstance(node, ast.ClassDef) and fn in node.body:
-      return not any(isinstance(d, ast.Name) and d.id == "staticmethod"
-                     for d in fn.decorator_list)
+      return not any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list)
   return False
 
 
@@ -103,16 +111,18 @@ class Checker:
   """Finds `.get(` calls on the config in a set of modules: dotted name -> (path, source)."""
 
   def __init__(self, sources: dict[str, tuple[str, str]]):
-    self.modules = {name: _Module(name, path, src)
-                    for name, (path, src) in sources.items()}
+    self.modules = {name: _Module(name, path, src) for name, (path, src) in sources.items()}
     self.flags = set().union(*(m.flags for m in self.modules.values()))
     for m in self.modules.values():
-      for fn in (n for n in ast.walk(m.tree)
-                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+      for fn in (
+          n for n in ast.walk(m.tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+      ):
         m.tainted_params[fn] = {
-            p.arg for p in _params(fn)
-            if (p.arg in CONFIG_NAMES and p.annotation is None) or
-            _annotation_name(p.annotation) in CONFIG_TYPES}
+            p.arg
+            for p in _params(fn)
+            if (p.arg in CONFIG_NAMES and p.annotation is None)
+            or _annotation_name(p.annotation) in CONFIG_TYPES
+        }
     changed = True
     while changed:  # spread through calls until nothing new holds a config
       changed = False
@@ -124,8 +134,12 @@ class Checker:
   def _is_config(self, expr, names: set[str]) -> bool:
     if isinstance(expr, ast.Name):
       return expr.id in names
-    if (isinstance(expr, ast.Attribute) and expr.attr == "value" and
-        isinstance(expr.value, ast.Name) and expr.value.id in self.flags):
+    if (
+        isinstance(expr, ast.Attribute)
+        and expr.attr == "value"
+        and isinstance(expr.value, ast.Name)
+        and expr.value.id in self.flags
+    ):
       return True  # _CONFIG.value of a config_flags flag
     if isinstance(expr, (ast.Attribute, ast.Subscript)):
       return _root(expr) in names
@@ -174,8 +188,7 @@ class Checker:
   def _local_names(self, fn, names: set[str]) -> set[str]:
     """`names` plus the local names assigned from a config (alias chains: to a fixed point)."""
     names = set(names)
-    body = [n for n in _own_nodes(fn)
-            if isinstance(n, (ast.Assign, ast.AnnAssign, ast.NamedExpr))]
+    body = [n for n in _own_nodes(fn) if isinstance(n, (ast.Assign, ast.AnnAssign, ast.NamedExpr))]
     while True:
       before = len(names)
       for node in body:
@@ -185,8 +198,7 @@ class Checker:
           if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple):
             pairs = zip(t.elts, node.value.elts)
           for target, value in pairs:
-            if (isinstance(target, ast.Name) and value is not None and
-                self._is_config(value, names)):
+            if isinstance(target, ast.Name) and value is not None and self._is_config(value, names):
               names.add(target.id)
       if len(names) == before:
         return names
@@ -227,16 +239,20 @@ class Checker:
 
   def _spread(self, m: _Module) -> bool:
     changed = False
-    owners = {fn: cls.name for cls in ast.walk(m.tree) if isinstance(cls, ast.ClassDef)
-              for fn in cls.body}
+    owners = {
+        fn: cls.name for cls in ast.walk(m.tree) if isinstance(cls, ast.ClassDef) for fn in cls.body
+    }
     for scope, names in list(self._scopes(m)):
       for call in (n for n in _own_nodes(scope) if isinstance(n, ast.Call)):
         fn, bound = self._callee(m, call.func, owners.get(scope))
         if fn is None:
           continue
-        params = _params(fn)[1 if bound else 0:]
-        hit = {params[i].arg for i, a in enumerate(call.args)
-               if i < len(params) and self._is_config(a, names)}
+        params = _params(fn)[1 if bound else 0 :]
+        hit = {
+            params[i].arg
+            for i, a in enumerate(call.args)
+            if i < len(params) and self._is_config(a, names)
+        }
         hit |= {k.arg for k in call.keywords if k.arg and self._is_config(k.value, names)}
         typed = {q.arg: _annotation_name(q.annotation) for q in params}
         hit = {p for p in hit if p in typed and typed[p] in (None, *CONFIG_TYPES)}
@@ -277,14 +293,17 @@ def _check_snippets(**snippets: str) -> list[tuple[str, int, str]]:
 
 
 def test_grpo_jax_reads_the_config_by_attribute_only():
-  found = [(p, n, text) for p, n, text in Checker(_package_sources()).reads()
-           if (p, text) not in KNOWN]
-  assert not found, ("read these config fields as attributes (configs/common.py declares every "
-                     "field with its default):\n" + "\n".join(f"{p}:{n}: {t}" for p, n, t in found))
+  found = [
+      (p, n, text) for p, n, text in Checker(_package_sources()).reads() if (p, text) not in KNOWN
+  ]
+  assert not found, (
+      "read these config fields as attributes (configs/common.py declares every "
+      "field with its default):\n" + "\n".join(f"{p}:{n}: {t}" for p, n, t in found)
+  )
 
 
 def test_the_checker_catches_every_form_and_passes_dict_reads():
-  src = '''
+  src = """
 import json
 import ml_collections
 
@@ -351,7 +370,7 @@ def dicts(path, row, meta, hf: dict):
 
 def json_param(config: dict):
   return config.get("chat_template")
-'''
+"""
   found = {text for _, _, text in _check_snippets(m=src)}
   assert found == {
       'return config.get("beta", 0.04)',
@@ -369,10 +388,13 @@ def json_param(config: dict):
 
 def test_the_checker_follows_a_config_into_an_imported_module():
   found = _check_snippets(
-      a='from b import rewards\n\ndef main(config):\n  return rewards.build(config.reward)\n',
-      c='import b as pkg\n\ndef main(config):\n  return pkg.make(config.mesh)\n',
-      b='from b.scores import build as make\n',  # a package re-exporting a function
-      **{"b.rewards": 'def build(spec):\n  return spec.get("weights")\n',
-         "b.scores": 'def build(spec):\n  return spec.get("weights")\n',
-         "b.other": 'def build(spec):\n  return spec.get("weights")\n'})  # never given one
+      a="from b import rewards\n\ndef main(config):\n  return rewards.build(config.reward)\n",
+      c="import b as pkg\n\ndef main(config):\n  return pkg.make(config.mesh)\n",
+      b="from b.scores import build as make\n",  # a package re-exporting a function
+      **{
+          "b.rewards": 'def build(spec):\n  return spec.get("weights")\n',
+          "b.scores": 'def build(spec):\n  return spec.get("weights")\n',
+          "b.other": 'def build(spec):\n  return spec.get("weights")\n',
+      },
+  )  # never given one
   assert [(p, n) for p, n, _ in found] == [("b.rewards", 2), ("b.scores", 2)]

@@ -1,5 +1,6 @@
 """grpo_jax's modules import in one direction: no cycle among them, counting imports inside
 functions too (a lazy import hides a cycle from Python, not from a reader)."""
+
 import ast
 import os
 
@@ -34,8 +35,10 @@ def import_graph() -> dict[str, set[str]]:
       if isinstance(node, ast.Import):
         targets = [a.name for a in node.names]
       elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-        targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else
-                   node.module for a in node.names]
+        targets = [
+            f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
+            for a in node.names
+        ]
       for t in targets:
         t = resolve(t) if t.startswith("grpo_jax") else None
         if t and t != mod:

@@ -1,6 +1,7 @@
 """The launch scripts: their --dry_run commands (exact, shell-quoted, one a line), the code
 tarball they ship (git-tracked files only), and tpu_pod.sh end to end against a stand-in gcloud
 that plays a 2-worker TPU VM on this machine. No network, no gcloud or xpk needed."""
+
 import json
 import os
 import shlex
@@ -11,20 +12,33 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARGS = ["--config=configs/tiny.py", "--config.data.system_prompt=a b", "--config.x=it's",
-        "--workdir=gs://bucket/run $HOME"]
+ARGS = [
+    "--config=configs/tiny.py",
+    "--config.data.system_prompt=a b",
+    "--config.x=it's",
+    "--workdir=gs://bucket/run $HOME",
+]
 
 
 def _env(tmp_path, **extra):
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("PYTHON", "LOCAL_DEVICES", "XLA_FLAGS", "SLURM_SUBMIT_DIR")}
+  env = {
+      k: v
+      for k, v in os.environ.items()
+      if k not in ("PYTHON", "LOCAL_DEVICES", "XLA_FLAGS", "SLURM_SUBMIT_DIR")
+  }
   env.update(TMPDIR=str(tmp_path), **extra)
   return env
 
 
 def _run(tmp_path, script, *argv, rc=0, cwd=None, **env):
-  p = subprocess.run(["bash", os.path.join(ROOT, "launch", script), *argv], cwd=cwd or tmp_path,
-                     env=_env(tmp_path, **env), capture_output=True, text=True, timeout=60)
+  p = subprocess.run(
+      ["bash", os.path.join(ROOT, "launch", script), *argv],
+      cwd=cwd or tmp_path,
+      env=_env(tmp_path, **env),
+      capture_output=True,
+      text=True,
+      timeout=60,
+  )
   assert p.returncode == rc, p.stderr
   return p
 
@@ -40,8 +54,8 @@ def _after(argv, flag):
 def _main_args(remote: str, end=None):
   """The arguments grpo_jax.main gets from a remote shell command string."""
   words = shlex.split(remote)
-  words = words[words.index("grpo_jax.main") + 1:]
-  return words[:words.index(end)] if end else words
+  words = words[words.index("grpo_jax.main") + 1 :]
+  return words[: words.index(end)] if end else words
 
 
 def _tracked():
@@ -50,16 +64,30 @@ def _tracked():
 
 
 def _assert_code_only(names):
-  assert {"setup.py", "grpo_jax/main.py", "requirements/constraints.txt",
-          "launch/tpu_pod.sh"} <= names
+  assert {
+      "setup.py",
+      "grpo_jax/main.py",
+      "requirements/constraints.txt",
+      "launch/tpu_pod.sh",
+  } <= names
   assert names <= _tracked()
   assert not [n for n in names if n.split("/")[0] in (".venv", "runs", "logs", ".git")]
 
 
 @pytest.mark.parametrize("project", [None, "my-proj"])
 def test_tpu_pod_dry_run(tmp_path, project):
-  p = _run(tmp_path, "tpu_pod.sh", "my-tpu", "us-central2-b", *([project] if project else []),
-           "--dry_run", "--run_name", "r1", "--", *ARGS)
+  p = _run(
+      tmp_path,
+      "tpu_pod.sh",
+      "my-tpu",
+      "us-central2-b",
+      *([project] if project else []),
+      "--dry_run",
+      "--run_name",
+      "r1",
+      "--",
+      *ARGS,
+  )
   pack, sync, setup, run, mkdir, collect = p.stdout.splitlines()
   gc = ["--zone", "us-central2-b"] + (["--project", project] if project else [])
 
@@ -69,17 +97,30 @@ def test_tpu_pod_dry_run(tmp_path, project):
   with tarfile.open(tgz) as tar:
     _assert_code_only({os.path.normpath(n) for n in tar.getnames()} - {"."})
   # 2. That tarball, not the repo folder, to every worker.
-  assert shlex.split(sync) == ["gcloud", "compute", "tpus", "tpu-vm", "scp", tgz,
-                               "my-tpu:grpo_jax.tgz", "--worker=all", *gc]
+  assert shlex.split(sync) == [
+      "gcloud",
+      "compute",
+      "tpus",
+      "tpu-vm",
+      "scp",
+      tgz,
+      "my-tpu:grpo_jax.tgz",
+      "--worker=all",
+      *gc,
+  ]
   # 3. Swap in a fresh code dir, venv outside it, install with the TPU extra, on every worker.
   setup = shlex.split(setup)
   assert setup[:7] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-tpu", "--worker=all"]
   remote = _after(setup, "--command")
-  assert ('tar -xzf "$HOME"/grpo_jax.tgz -C "$HOME"/grpo_jax.new && rm -rf "$HOME"/grpo_jax && '
-          'mv "$HOME"/grpo_jax.new "$HOME"/grpo_jax') in remote
+  assert (
+      'tar -xzf "$HOME"/grpo_jax.tgz -C "$HOME"/grpo_jax.new && rm -rf "$HOME"/grpo_jax && '
+      'mv "$HOME"/grpo_jax.new "$HOME"/grpo_jax'
+  ) in remote
   assert 'python3.12 -m venv "$HOME"/grpo_jax_venv' in remote
-  assert ('"$HOME"/grpo_jax_venv/bin/python -m pip install -q -e ".[tpu,gcs]" '
-          '-c requirements/constraints.txt') in remote
+  assert (
+      '"$HOME"/grpo_jax_venv/bin/python -m pip install -q -e ".[tpu,gcs]" '
+      "-c requirements/constraints.txt"
+  ) in remote
   # 4. One command for all workers, args verbatim, a log per worker.
   run = shlex.split(run)
   assert run[:7] == setup[:7] and run[7:-2] == gc and run[-2] == "--command"
@@ -89,8 +130,10 @@ def test_tpu_pod_dry_run(tmp_path, project):
   # 5. Logs back, one worker at a time, into ./logs/TPU/.
   assert shlex.split(mkdir) == ["mkdir", "-p", f"{tmp_path}/logs/my-tpu"]
   assert collect.startswith("for w in $(seq 0 $(($(gcloud compute tpus tpu-vm describe my-tpu ")
-  assert (f"scp --recurse my-tpu:grpo_jax_logs/r1 {tmp_path}/logs/my-tpu --worker=\"$w\" "
-          f"{shlex.join(gc)}; done") in collect
+  assert (
+      f'scp --recurse my-tpu:grpo_jax_logs/r1 {tmp_path}/logs/my-tpu --worker="$w" '
+      f"{shlex.join(gc)}; done"
+  ) in collect
 
 
 def test_tpu_pod_usage_errors(tmp_path):
@@ -156,8 +199,20 @@ def test_tpu_pod_end_to_end_with_a_stand_in_gcloud(tmp_path):
   env = dict(FAKE=str(fake), PATH=f"{fake}/bin:{os.environ['PATH']}")
 
   def launch(run_name, *args, rc=0):
-    return _run(tmp_path, "tpu_pod.sh", "my-tpu", "zone-a", "--python", "py312",
-                "--run_name", run_name, "--", *args, rc=rc, **env)
+    return _run(
+        tmp_path,
+        "tpu_pod.sh",
+        "my-tpu",
+        "zone-a",
+        "--python",
+        "py312",
+        "--run_name",
+        run_name,
+        "--",
+        *args,
+        rc=rc,
+        **env,
+    )
 
   launch("r1", *ARGS)
   for w in range(2):
@@ -165,75 +220,157 @@ def test_tpu_pod_end_to_end_with_a_stand_in_gcloud(tmp_path):
     assert (home / "main_args").read_text().splitlines() == ["--distributed", *ARGS]
     pip = (home / "pip_args").read_text().splitlines()
     assert pip == ["install", "-q", "-e", ".[tpu,gcs]", "-c", "requirements/constraints.txt"]
-    assert (tmp_path / "logs/my-tpu/r1" / f"worker-host-{w}.log").read_text() == \
-        f"main ran on host-{w}\n"
+    assert (
+        tmp_path / "logs/my-tpu/r1" / f"worker-host-{w}.log"
+    ).read_text() == f"main ran on host-{w}\n"
     assert not (home / "grpo_jax.tgz").exists() and not (home / "grpo_jax.new").exists()
-    _assert_code_only({str(p.relative_to(home / "grpo_jax")) for p in
-                       (home / "grpo_jax").rglob("*") if p.is_file()})
+    _assert_code_only(
+        {
+            str(p.relative_to(home / "grpo_jax"))
+            for p in (home / "grpo_jax").rglob("*")
+            if p.is_file()
+        }
+    )
   # Again: the code dir is replaced (a stale file goes), the venv kept; a failing run still
   # brings its logs back and its exit status out.
   (fake / "worker-0/grpo_jax/stale.py").write_text("")
   launch("r2", "--fail", rc=3)
   assert not (fake / "worker-0/grpo_jax/stale.py").exists()
   assert len((fake / "venvs").read_text().splitlines()) == 2  # once per worker
-  assert sorted(os.listdir(tmp_path / "logs/my-tpu/r2")) == ["worker-host-0.log",
-                                                              "worker-host-1.log"]
+  assert sorted(os.listdir(tmp_path / "logs/my-tpu/r2")) == [
+      "worker-host-0.log",
+      "worker-host-1.log",
+  ]
   assert not [p for p in tmp_path.iterdir() if p.name.startswith("grpo_jax_tpu_pod.")]
 
 
 def test_xpk_dry_run(tmp_path):
-  p = _run(tmp_path, "xpk.sh", "--cluster", "c1", "--tpu-type", "v5p-8", "--num-slices", "2",
-           "--project", "proj", "--zone=us-east5-a", "--workload", "w1", "--spot", "--priority",
-           "high", "--dry_run", "--", *ARGS)
+  p = _run(
+      tmp_path,
+      "xpk.sh",
+      "--cluster",
+      "c1",
+      "--tpu-type",
+      "v5p-8",
+      "--num-slices",
+      "2",
+      "--project",
+      "proj",
+      "--zone=us-east5-a",
+      "--workload",
+      "w1",
+      "--spot",
+      "--priority",
+      "high",
+      "--dry_run",
+      "--",
+      *ARGS,
+  )
   mkdir, stage, xpk = p.stdout.splitlines()
   xpk = shlex.split(xpk)
   assert xpk[:3] == ["xpk", "workload", "create"]
-  for flag, value in (("--cluster", "c1"), ("--workload", "w1"), ("--tpu-type", "v5p-8"),
-                      ("--num-slices", "2"), ("--project", "proj"), ("--zone", "us-east5-a"),
-                      ("--base-docker-image", "python:3.12")):
+  for flag, value in (
+      ("--cluster", "c1"),
+      ("--workload", "w1"),
+      ("--tpu-type", "v5p-8"),
+      ("--num-slices", "2"),
+      ("--project", "proj"),
+      ("--zone", "us-east5-a"),
+      ("--base-docker-image", "python:3.12"),
+  ):
     assert _after(xpk, flag) == value
   assert xpk[-3:] == ["--spot", "--priority", "high"]  # unknown options go to xpk as they are
   # The script dir: the git-tracked files, staged (dry run too) under $TMPDIR.
   app = _after(xpk, "--script-dir")
   assert shlex.split(mkdir) == ["mkdir", "-p", app] and app.startswith(str(tmp_path))
   assert "git ls-files -z" in stage and stage.endswith(f"| tar -xf - -C {app}")
-  _assert_code_only({os.path.relpath(os.path.join(d, f), app)
-                     for d, _, files in os.walk(app) for f in files})
+  _assert_code_only(
+      {os.path.relpath(os.path.join(d, f), app) for d, _, files in os.walk(app) for f in files}
+  )
   command = _after(xpk, "--command")
-  assert command.startswith('cd /app && python -m pip install -q -e ".[tpu,gcs]" '
-                            '-c requirements/constraints.txt && python -m grpo_jax.main ')
+  assert command.startswith(
+      'cd /app && python -m pip install -q -e ".[tpu,gcs]" '
+      "-c requirements/constraints.txt && python -m grpo_jax.main "
+  )
   assert _main_args(command) == ["--distributed", *ARGS]
   assert "--config.mesh.dcn_data=2" in p.stderr  # a hint only: never added to the args
   assert "dcn_data" not in command
 
 
 def test_xpk_docker_image_and_errors(tmp_path):
-  p = _run(tmp_path, "xpk.sh", "--cluster=c1", "--tpu-type=v6e-16", "--docker-image", "gcr.io/p/i",
-           "--dry_run", "--", *ARGS, "--config.mesh.dcn_data=1")
+  p = _run(
+      tmp_path,
+      "xpk.sh",
+      "--cluster=c1",
+      "--tpu-type=v6e-16",
+      "--docker-image",
+      "gcr.io/p/i",
+      "--dry_run",
+      "--",
+      *ARGS,
+      "--config.mesh.dcn_data=1",
+  )
   (xpk,) = _lines(p)
   assert _after(xpk, "--docker-image") == "gcr.io/p/i" and _after(xpk, "--num-slices") == "1"
   assert "--script-dir" not in xpk and "--base-docker-image" not in xpk
-  assert _main_args(_after(xpk, "--command")) == ["--distributed", *ARGS,
-                                                  "--config.mesh.dcn_data=1"]
+  assert _main_args(_after(xpk, "--command")) == [
+      "--distributed",
+      *ARGS,
+      "--config.mesh.dcn_data=1",
+  ]
   assert "hint" not in p.stderr
   _run(tmp_path, "xpk.sh", "--tpu-type", "v5p-8", "--dry_run", "--", rc=2)  # no --cluster
-  _run(tmp_path, "xpk.sh", "--cluster", "c", "--tpu-type", "v5p-8", "--docker-image", "a",
-       "--base-docker-image", "b", "--dry_run", rc=2)
-  _run(tmp_path, "xpk.sh", "--cluster", "c", "--tpu-type", "v5p-8", "--num-slices", "0",
-       "--dry_run", rc=2)
+  _run(
+      tmp_path,
+      "xpk.sh",
+      "--cluster",
+      "c",
+      "--tpu-type",
+      "v5p-8",
+      "--docker-image",
+      "a",
+      "--base-docker-image",
+      "b",
+      "--dry_run",
+      rc=2,
+  )
+  _run(
+      tmp_path,
+      "xpk.sh",
+      "--cluster",
+      "c",
+      "--tpu-type",
+      "v5p-8",
+      "--num-slices",
+      "0",
+      "--dry_run",
+      rc=2,
+  )
 
 
 def test_xpk_submits_the_staged_code(tmp_path):
   fake = tmp_path / "bin"
   fake.mkdir()
-  (fake / "xpk").write_text('#!/usr/bin/env bash\nd=""; for a in "$@"; do '
-                            '[ "$p" = --script-dir ] && d=$a; p=$a; done\n'
-                            f'{sys.executable} -c "import json,sys; print(json.dumps(sys.argv[1:]))" "$@" '
-                            '> "$OUT"; ls "$d" >> "$OUT"\n')
+  (fake / "xpk").write_text(
+      '#!/usr/bin/env bash\nd=""; for a in "$@"; do '
+      '[ "$p" = --script-dir ] && d=$a; p=$a; done\n'
+      f'{sys.executable} -c "import json,sys; print(json.dumps(sys.argv[1:]))" "$@" '
+      '> "$OUT"; ls "$d" >> "$OUT"\n'
+  )
   (fake / "xpk").chmod(0o755)
   out = tmp_path / "out"
-  _run(tmp_path, "xpk.sh", "--cluster", "c1", "--tpu-type", "v5litepod-16", "--", *ARGS,
-       PATH=f"{fake}:{os.environ['PATH']}", OUT=str(out))
+  _run(
+      tmp_path,
+      "xpk.sh",
+      "--cluster",
+      "c1",
+      "--tpu-type",
+      "v5litepod-16",
+      "--",
+      *ARGS,
+      PATH=f"{fake}:{os.environ['PATH']}",
+      OUT=str(out),
+  )
   argv, *listing = out.read_text().splitlines()
   argv = json.loads(argv)
   assert _main_args(_after(argv, "--command")) == ["--distributed", *ARGS]
@@ -244,26 +381,66 @@ def test_xpk_submits_the_staged_code(tmp_path):
 def test_slurm_dry_run(tmp_path):
   script = os.path.join(ROOT, "launch", "slurm.sbatch")
   p = _run(tmp_path, "slurm.sbatch", "--dry_run", *ARGS)
-  assert _lines(p) == [["srun", "--kill-on-bad-exit=1", f"{ROOT}/.venv/bin/python", "-m",
-                        "grpo_jax.main", "--distributed", *ARGS]]
-  p = _run(tmp_path, "slurm.sbatch", "--dry_run", "--", *ARGS, PYTHON="/opt/py/bin/python",
-           SLURM_SUBMIT_DIR="/shared/repo")
+  assert _lines(p) == [
+      [
+          "srun",
+          "--kill-on-bad-exit=1",
+          f"{ROOT}/.venv/bin/python",
+          "-m",
+          "grpo_jax.main",
+          "--distributed",
+          *ARGS,
+      ]
+  ]
+  p = _run(
+      tmp_path,
+      "slurm.sbatch",
+      "--dry_run",
+      "--",
+      *ARGS,
+      PYTHON="/opt/py/bin/python",
+      SLURM_SUBMIT_DIR="/shared/repo",
+  )
   assert _lines(p)[0][2] == "/opt/py/bin/python"
   assert subprocess.run(["bash", "-n", script]).returncode == 0
 
 
 def test_multihost_dry_run(tmp_path):
   p = _run(tmp_path, "multihost.sh", "10.0.0.1:1234", "2", "1", "--dry_run", "--", *ARGS)
-  assert _lines(p) == [["cd", ROOT],
-                       [f"{ROOT}/.venv/bin/python", "-m", "grpo_jax.main",
-                        "--coordinator_address=10.0.0.1:1234", "--num_processes=2",
-                        "--process_id=1", *ARGS]]
-  p = _run(tmp_path, "multihost.sh", "h:1", "2", "0", "--dry_run", "--config=configs/tiny.py",
-           LOCAL_DEVICES="4", PYTHON="py")
-  assert _lines(p)[1] == ["JAX_PLATFORMS=cpu",
-                          "XLA_FLAGS= --xla_force_host_platform_device_count=4", "py", "-m",
-                          "grpo_jax.main", "--coordinator_address=h:1", "--num_processes=2",
-                          "--process_id=0", "--config=configs/tiny.py"]
+  assert _lines(p) == [
+      ["cd", ROOT],
+      [
+          f"{ROOT}/.venv/bin/python",
+          "-m",
+          "grpo_jax.main",
+          "--coordinator_address=10.0.0.1:1234",
+          "--num_processes=2",
+          "--process_id=1",
+          *ARGS,
+      ],
+  ]
+  p = _run(
+      tmp_path,
+      "multihost.sh",
+      "h:1",
+      "2",
+      "0",
+      "--dry_run",
+      "--config=configs/tiny.py",
+      LOCAL_DEVICES="4",
+      PYTHON="py",
+  )
+  assert _lines(p)[1] == [
+      "JAX_PLATFORMS=cpu",
+      "XLA_FLAGS= --xla_force_host_platform_device_count=4",
+      "py",
+      "-m",
+      "grpo_jax.main",
+      "--coordinator_address=h:1",
+      "--num_processes=2",
+      "--process_id=0",
+      "--config=configs/tiny.py",
+  ]
 
 
 @pytest.mark.parametrize("script", ["tpu_pod.sh", "xpk.sh", "slurm.sbatch", "multihost.sh"])

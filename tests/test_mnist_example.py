@@ -1,5 +1,6 @@
 """GRPO-MNIST (grpo_jax/examples/mnist.py): the update pushes toward the reward, data loading
 and its errors, and the example learning MNIST end to end (when the shared data is there)."""
+
 import functools
 import gzip
 import json
@@ -23,8 +24,14 @@ MNIST_DIR = os.path.join(ROOT, "..", "shared", "data", "mnist")
 def _run_example(*args, timeout=300):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)  # one real CPU device, as a user runs it
-  return subprocess.run([sys.executable, "-m", "grpo_jax.examples.mnist", *args], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+      [sys.executable, "-m", "grpo_jax.examples.mnist", *args],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
 
 
 def test_update_raises_probability_of_rewarded_label():
@@ -32,8 +39,9 @@ def test_update_raises_probability_of_rewarded_label():
   images_bhw = np.random.default_rng(1).integers(0, 256, (b, 28, 28)).astype(np.uint8)
   labels_b = np.arange(b) % mnist.NUM_CLASSES
   graphdef, params = nnx.split(mnist.Policy(nnx.Rngs(params=0)))
-  probs = jax.jit(lambda p: jax.nn.softmax(nnx.merge(graphdef, p)(images_bhw))[
-      jnp.arange(b), labels_b])
+  probs = jax.jit(
+      lambda p: jax.nn.softmax(nnx.merge(graphdef, p)(images_bhw))[jnp.arange(b), labels_b]
+  )
   before_b = probs(params)
   hp = mnist.Hparams(group_size=g, shift=0, updates_per_batch=2)
   tx = optax.adamw(1e-3)
@@ -116,8 +124,9 @@ def test_example_learns_mnist(tmp_path):
   if not os.path.exists(os.path.join(MNIST_DIR, "t10k-images-idx3-ubyte.gz")):
     pytest.skip(f"MNIST data not found at {os.path.abspath(MNIST_DIR)}")
   epochs = 6
-  r = _run_example(f"--data_dir={MNIST_DIR}", f"--workdir={tmp_path}", "--seed=0",
-                   f"--epochs={epochs}")
+  r = _run_example(
+      f"--data_dir={MNIST_DIR}", f"--workdir={tmp_path}", "--seed=0", f"--epochs={epochs}"
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["heldout_accuracy"] >= 0.90, summary["epochs"]

@@ -1,6 +1,7 @@
 """The recipes' knobs (issue 18): epochs, KL in the reward, reference refresh, advantage
 clipping, DAPO dynamic sampling. Each test asserts the knob's effect on the math or the loop;
 the last runs the loop with all of them on together."""
+
 import os
 
 import jax
@@ -36,7 +37,7 @@ def test_epochs_are_exact_permutations_and_resume_at_the_boundary():
   batches = [next(it) for _ in range(6)]
   with pytest.raises(StopIteration):
     next(it)
-  epochs = [np.concatenate(batches[2 * e:2 * e + 2]) for e in range(3)]
+  epochs = [np.concatenate(batches[2 * e : 2 * e + 2]) for e in range(3)]
   for e in epochs:
     assert len(set(e.tolist())) == 8 and set(e.tolist()) <= set(range(10))
   assert not all(np.array_equal(epochs[0], e) for e in epochs[1:])  # reshuffled per epoch
@@ -58,8 +59,9 @@ def test_num_epochs_sets_the_run_length_and_a_resume_at_the_epoch_boundary_train
   """24 train prompts / batch 8 = 3 steps per epoch; num_epochs=2 -> 6 steps. A run stopped
   exactly at the epoch boundary (step 3) and resumed trains steps 4-6 and ends bit-identical to
   a straight run."""
-  kw = dict(num_steps=0, num_epochs=2, **{"data.arithmetic.num_train": 24,
-                                          "eval.generation_configs": ()})
+  kw = dict(
+      num_steps=0, num_epochs=2, **{"data.arithmetic.num_train": 24, "eval.generation_configs": ()}
+  )
   straight = train.run(tiny_config(**kw), str(tmp_path / "straight"))
   assert straight["final_step"] == 6
   rows = grpo_rows(tmp_path / "straight")
@@ -89,8 +91,9 @@ def test_num_epochs_and_num_steps_together_are_refused():
 
 @pytest.fixture(scope="module")
 def tiny_fns():
-  config = tiny_config(beta=0.1, kl_in_reward=True, **{"loss.advantage_clip": 1.0,
-                                                     "reference.refresh_mix": 0.25})
+  config = tiny_config(
+      beta=0.1, kl_in_reward=True, **{"loss.advantage_clip": 1.0, "reference.refresh_mix": 0.25}
+  )
   mesh = build.make_mesh(config)
   policy = build.make_policy(config, mesh)
   return config, step_lib.build(config, policy, mesh), policy
@@ -99,11 +102,14 @@ def tiny_fns():
 def _batch(config, rng, n):
   c = config.max_completion_length
   mask = (np.arange(c)[None] < rng.integers(1, c + 1, n)[:, None]).astype(np.int32)
-  return dict(input_ids=np.zeros((n, 4 + c), np.int32),
-              attention_mask=np.concatenate([np.ones((n, 4), np.int32), mask], 1),
-              completion_mask=mask, advantages=np.zeros(n, np.float32),
-              old_logp=rng.normal(-2, 0.5, (n, c)).astype(np.float32),
-              ref_logp=rng.normal(-2, 0.5, (n, c)).astype(np.float32))
+  return dict(
+      input_ids=np.zeros((n, 4 + c), np.int32),
+      attention_mask=np.concatenate([np.ones((n, 4), np.int32), mask], 1),
+      completion_mask=mask,
+      advantages=np.zeros(n, np.float32),
+      old_logp=rng.normal(-2, 0.5, (n, c)).astype(np.float32),
+      ref_logp=rng.normal(-2, 0.5, (n, c)).astype(np.float32),
+  )
 
 
 def test_kl_in_reward_folds_beta_times_the_sequence_kl_into_the_rewards(tiny_fns):
@@ -134,18 +140,24 @@ def test_advantage_clip_binds_and_is_counted(tiny_fns):
   g, n = config.num_generations, config.batch_size * config.num_generations
   c = config.max_completion_length
   rewards = np.tile(np.array([0, 0, 0, 1], np.float32), n // g)
-  rollout = Rollout(tokens=np.zeros((n, c), np.int32), mask=np.ones((n, c), np.int32),
-                    logprobs=np.zeros((n, c), np.float32),
-                    raw_logprobs=np.zeros((n, c), np.float32),
-                    lengths=np.full(n, c, np.int32), truncated=np.zeros(n, bool))
+  rollout = Rollout(
+      tokens=np.zeros((n, c), np.int32),
+      mask=np.ones((n, c), np.int32),
+      logprobs=np.zeros((n, c), np.float32),
+      raw_logprobs=np.zeros((n, c), np.float32),
+      lengths=np.full(n, c, np.int32),
+      truncated=np.zeros(n, bool),
+  )
   prompts = np.ones((config.batch_size, 4), np.int32)
   adv = np.asarray(fns.assemble(prompts, prompts, rollout, rewards)["advantages"])
   unclipped = np.asarray(adv_lib.group_advantages(rewards, g))
   assert unclipped.max() > 1.7
   np.testing.assert_allclose(adv, np.clip(unclipped, -1, 1), atol=1e-6)
   from grpo_jax.run import metrics
-  stats = metrics.rollout_stats(jnp.asarray(rewards), jnp.asarray(adv), rollout.mask,
-                                group_size=g, advantage_clip=1.0)
+
+  stats = metrics.rollout_stats(
+      jnp.asarray(rewards), jnp.asarray(adv), rollout.mask, group_size=g, advantage_clip=1.0
+  )
   assert float(stats["advantages/clip_fraction"]) == pytest.approx(0.25)
 
 
@@ -166,9 +178,14 @@ def test_reference_refresh_in_the_loop(tmp_path):
   """refresh_every_steps=2 over 2 steps: the checkpointed reference IS the trained policy (a
   frozen one stays the initial policy: test_train's resume tests; an EMA one is neither: the
   all-knobs test below)."""
-  train.run(tiny_config(num_steps=2, beta=0.05, **{"reference.refresh_every_steps": 2,
-                                                    "eval.generation_configs": ()}),
-            str(tmp_path))
+  train.run(
+      tiny_config(
+          num_steps=2,
+          beta=0.05,
+          **{"reference.refresh_every_steps": 2, "eval.generation_configs": ()},
+      ),
+      str(tmp_path),
+  )
   _, saved = checkpoint_state(tmp_path)
   ref, params = flat(saved["ref"]), flat(saved["train"]["params"])
   for k in ref:
@@ -206,10 +223,18 @@ def test_dynamic_sampling_in_the_loop_fills_the_batch_with_signal(tmp_path):
   """Half the prompts (even answers) give every completion reward 0, so a batch of 8 prompts
   holds zero-variance groups; extra rounds run until none is left in any batch (the counts of
   groups sampled and of those with signal are logged)."""
-  train.run(tiny_config(num_steps=2, **{"reward.custom_file": PARITY_REWARD,
-                                        "loss.dynamic_sampling": True,
-                                        "loss.max_resample_rounds": 6,
-                                        "eval.generation_configs": ()}), str(tmp_path))
+  train.run(
+      tiny_config(
+          num_steps=2,
+          **{
+              "reward.custom_file": PARITY_REWARD,
+              "loss.dynamic_sampling": True,
+              "loss.max_resample_rounds": 6,
+              "eval.generation_configs": (),
+          },
+      ),
+      str(tmp_path),
+  )
   for r in grpo_rows(tmp_path):
     assert r["reward/zero_std_group_fraction"] == 0, r
     assert r["dynamic_sampling/rounds"] >= 2
@@ -231,18 +256,35 @@ def test_three_steps_with_every_knob_on(tmp_path):
     pytest.skip(f"the Qwen tokenizer files are not at {test_judge.QWEN_TOK}")
   torch = test_judge.torch
   torch.manual_seed(0)
-  judge_dir = test_judge._save(test_judge.transformers.Qwen3ForSequenceClassification(
-      test_judge._qwen3_config(num_labels=1, tie_word_embeddings=True)), tmp_path / "judge")
+  judge_dir = test_judge._save(
+      test_judge.transformers.Qwen3ForSequenceClassification(
+          test_judge._qwen3_config(num_labels=1, tie_word_embeddings=True)
+      ),
+      tmp_path / "judge",
+  )
   config = tiny_config(
-      num_steps=0, num_epochs=1, beta=0.05, kl_in_reward=True,
-      **{"data.arithmetic.num_train": 24, "reference.refresh_every_steps": 1,
-         "reference.refresh_mix": 0.5, "loss.advantage_clip": 1.0,
-         "loss.dynamic_sampling": True, "loss.max_resample_rounds": 6,
-         "reward.custom_file": PARITY_REWARD, "eval.generation_configs": (),
-         "reward.judge.path": judge_dir, "reward.judge.mode": "classifier",
-         "reward.judge.weight": 0.5, "reward.judge.batch_size": 32,
-         "reward.judge.max_length": 64, "reward.judge.dtype": "float32",
-         "reward.judge.template": "{prompt} -> {completion}"})
+      num_steps=0,
+      num_epochs=1,
+      beta=0.05,
+      kl_in_reward=True,
+      **{
+          "data.arithmetic.num_train": 24,
+          "reference.refresh_every_steps": 1,
+          "reference.refresh_mix": 0.5,
+          "loss.advantage_clip": 1.0,
+          "loss.dynamic_sampling": True,
+          "loss.max_resample_rounds": 6,
+          "reward.custom_file": PARITY_REWARD,
+          "eval.generation_configs": (),
+          "reward.judge.path": judge_dir,
+          "reward.judge.mode": "classifier",
+          "reward.judge.weight": 0.5,
+          "reward.judge.batch_size": 32,
+          "reward.judge.max_length": 64,
+          "reward.judge.dtype": "float32",
+          "reward.judge.template": "{prompt} -> {completion}",
+      },
+  )
   assert not configuration.validate(config, num_devices=8)
   summary = train.run(config, str(tmp_path / "run"))
   assert summary["final_step"] == 3
@@ -251,7 +293,8 @@ def test_three_steps_with_every_knob_on(tmp_path):
   assert rows[0]["reward/kl_penalty"] == pytest.approx(0, abs=1e-6)  # ref == policy at first
   assert rows[-1]["reward/kl_penalty"] > 0
   assert rows[-1]["reward/total_with_kl"] == pytest.approx(
-      rows[-1]["reward/total"] - rows[-1]["reward/kl_penalty"], abs=1e-5)
+      rows[-1]["reward/total"] - rows[-1]["reward/kl_penalty"], abs=1e-5
+  )
   assert max(r["advantages/clip_fraction"] for r in rows) > 0
   for r in rows:  # the judge's scores vary within every group: no resampling needed
     assert r["reward/zero_std_group_fraction"] == 0, r
@@ -259,8 +302,12 @@ def test_three_steps_with_every_knob_on(tmp_path):
   for r in rows:  # weights: answer_match 1, answer_format 0.1, the plug-in 1, the judge 0.5
     assert 0 < r["reward/judge"] < 1
     assert r["reward/total"] == pytest.approx(
-        r["reward/answer_match"] + 0.1 * r["reward/answer_format"] + r["reward/custom"]
-        + 0.5 * r["reward/judge"], abs=1e-5), r
+        r["reward/answer_match"]
+        + 0.1 * r["reward/answer_format"]
+        + r["reward/custom"]
+        + 0.5 * r["reward/judge"],
+        abs=1e-5,
+    ), r
   _, saved = checkpoint_state(tmp_path / "run")
   ref, params = flat(saved["ref"]), flat(saved["train"]["params"])
   assert not any(np.array_equal(ref[k], params[k]) for k in ref)  # an EMA, not a copy

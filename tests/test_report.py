@@ -1,6 +1,7 @@
 """grpo_jax.report: plots and report.md from a real 2-step run, two runs overlaid (through the
 command line), a run in progress (metrics.jsonl only, a cut-back resume, a half-written line),
 and a gs:// workdir."""
+
 import json
 import os
 import re
@@ -30,39 +31,86 @@ def assert_pngs(folder, names):
 
 
 def eval_result(accuracy: float, n: int = 16) -> dict:
-  return {"accuracy": accuracy, "partial_accuracy": accuracy / 2, "format_accuracy": 0.9,
-          "num_examples": n}
+  return {
+      "accuracy": accuracy,
+      "partial_accuracy": accuracy / 2,
+      "format_accuracy": 0.9,
+      "num_examples": n,
+  }
 
 
-def write_run(workdir, *, lr: float, before: float, after: float, sft_steps=20, steps=60,
-              summary=True, config=True):
+def write_run(
+    workdir,
+    *,
+    lr: float,
+    before: float,
+    after: float,
+    sft_steps=20,
+    steps=60,
+    summary=True,
+    config=True,
+):
   """A synthetic finished run (SFT, then GRPO with an eval half way), no training."""
-  rows = [{"step": s, "sft/loss": 2.0 / s, "sft/validation_accuracy": s / 100}
-          for s in range(1, sft_steps + 1)]
+  rows = [
+      {"step": s, "sft/loss": 2.0 / s, "sft/validation_accuracy": s / 100}
+      for s in range(1, sft_steps + 1)
+  ]
   for s in range(1, steps + 1):
-    rows.append({"step": s, "reward/total": after * s / steps, "reward/answer_match": 0.5,
-                 "reward/answer_format": 0.1, "reward/zero_std_group_fraction": 0.2,
-                 "completions/mean_length": 40.0 + s, "completions/truncated_fraction": 0.05,
-                 "loss/kl_divergence": 1e-3 * s, "loss/clip_fraction": 0.02,
-                 "loss/clip_fraction_low": 0.01, "loss/clip_fraction_high": 0.01,
-                 "loss/total": 0.1, "loss/policy_loss": 0.1, "loss/grad_norm": "nan",
-                 "perf/rollout_sec": 2.0, "perf/reward_sec": 0.25, "perf/update_sec": 1.0,
-                 "perf/step_time_sec": 3.5 + (10 if s == 1 else 0)})
-  evals = {0: 0.0, sft_steps: before, sft_steps + steps // 2: (before + after) / 2,
-           sft_steps + steps: after}
+    rows.append(
+        {
+            "step": s,
+            "reward/total": after * s / steps,
+            "reward/answer_match": 0.5,
+            "reward/answer_format": 0.1,
+            "reward/zero_std_group_fraction": 0.2,
+            "completions/mean_length": 40.0 + s,
+            "completions/truncated_fraction": 0.05,
+            "loss/kl_divergence": 1e-3 * s,
+            "loss/clip_fraction": 0.02,
+            "loss/clip_fraction_low": 0.01,
+            "loss/clip_fraction_high": 0.01,
+            "loss/total": 0.1,
+            "loss/policy_loss": 0.1,
+            "loss/grad_norm": "nan",
+            "perf/rollout_sec": 2.0,
+            "perf/reward_sec": 0.25,
+            "perf/update_sec": 1.0,
+            "perf/step_time_sec": 3.5 + (10 if s == 1 else 0),
+        }
+    )
+  evals = {
+      0: 0.0,
+      sft_steps: before,
+      sft_steps + steps // 2: (before + after) / 2,
+      sft_steps + steps: after,
+  }
   for s, a in evals.items():  # evaluate.as_scalars: greedy also under the plain names
     scalars = {k: v for k, v in eval_result(a).items() if k != "num_examples"}
-    rows.append({"step": s, **{f"eval/{k}/greedy": v for k, v in scalars.items()},
-                 **{f"eval/{k}": v for k, v in scalars.items()}})
+    rows.append(
+        {
+            "step": s,
+            **{f"eval/{k}/greedy": v for k, v in scalars.items()},
+            **{f"eval/{k}": v for k, v in scalars.items()},
+        }
+    )
   paths.write_atomic(f"{workdir}/metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
   if summary:
-    paths.write_atomic(f"{workdir}/summary.json", json.dumps({
-        "final_step": steps, "wall_time_sec": 321.0, "sft_steps": sft_steps,
-        "eval_initial": {"greedy": eval_result(0.0)},
-        "eval_before": {"greedy": eval_result(before)},
-        "eval_after": {"greedy": eval_result(after)},
-        "eval_history": [{"step": steps // 2,
-                          "eval": {"greedy": eval_result((before + after) / 2)}}]}))
+    paths.write_atomic(
+        f"{workdir}/summary.json",
+        json.dumps(
+            {
+                "final_step": steps,
+                "wall_time_sec": 321.0,
+                "sft_steps": sft_steps,
+                "eval_initial": {"greedy": eval_result(0.0)},
+                "eval_before": {"greedy": eval_result(before)},
+                "eval_after": {"greedy": eval_result(after)},
+                "eval_history": [
+                    {"step": steps // 2, "eval": {"greedy": eval_result((before + after) / 2)}}
+                ],
+            }
+        ),
+    )
   if config:
     c = tiny.get_config()
     c.sft_steps, c.num_steps, c.optimizer.learning_rate = sft_steps, steps, lr
@@ -72,8 +120,7 @@ def write_run(workdir, *, lr: float, before: float, after: float, sft_steps=20, 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("report") / "tiny")
-  train.run(tiny_config(num_steps=2, report_at_end=True, **{"rollout.temperature": 0.7}),
-            workdir)
+  train.run(tiny_config(num_steps=2, report_at_end=True, **{"rollout.temperature": 0.7}), workdir)
   return workdir
 
 
@@ -87,11 +134,20 @@ def test_report_of_a_real_two_step_run(tiny_run):
   for generation, after in summary["eval_after"].items():  # the table holds summary.json's numbers
     before, n = summary["eval_before"][generation], after["num_examples"]
     for metric in (m for m in after if m != "num_examples"):
-      assert (f"| {generation} (n={n}) | {metric} | {before[metric]:.3f} | {after[metric]:.3f} | "
-              f"{after[metric] - before[metric]:+.3f} |") in md
+      assert (
+          f"| {generation} (n={n}) | {metric} | {before[metric]:.3f} | {after[metric]:.3f} | "
+          f"{after[metric] - before[metric]:+.3f} |"
+      ) in md
   links = image_links(md)
-  assert {"reward.png", "eval.png", "kl.png", "clip.png", "length.png", "loss.png",
-          "step_time.png"} <= set(links)
+  assert {
+      "reward.png",
+      "eval.png",
+      "kl.png",
+      "clip.png",
+      "length.png",
+      "loss.png",
+      "step_time.png",
+  } <= set(links)
   assert_pngs(os.path.dirname(md_path), links)
   # The config: what differs from common.base(), and from the closest shipped config.
   assert "| `rollout.temperature` | 0.9 | 0.7 |" in md
@@ -105,8 +161,13 @@ def test_two_runs_overlaid_from_the_command_line(tmp_path):
   # b also reports another metric under another generation config (an evaluation per task)
   with open(b / "metrics.jsonl", "a") as f:
     f.write(json.dumps({"step": 80, "eval/pass@4/standard": 0.875}) + "\n")
-  subprocess.run([sys.executable, "-m", "grpo_jax.report", f"--workdir={a},{b}",
-                  f"--out={out}"], check=True, cwd=ROOT, capture_output=True, timeout=120)
+  subprocess.run(
+      [sys.executable, "-m", "grpo_jax.report", f"--workdir={a},{b}", f"--out={out}"],
+      check=True,
+      cwd=ROOT,
+      capture_output=True,
+      timeout=120,
+  )
   md = (out / "report.md").read_text()
   assert "# GRPO report: a, b" in md
   assert "| a | greedy (n=16) | accuracy | 0.250 | 0.750 | +0.500 |" in md
@@ -125,8 +186,9 @@ def test_two_runs_overlaid_from_the_command_line(tmp_path):
 def test_run_in_progress(tmp_path):
   """metrics.jsonl only: a resumed run logged steps 6-7 again (the last value counts) and the
   last line is half written."""
-  write_run(tmp_path, lr=1e-3, before=0.25, after=0.5, sft_steps=0, steps=7, summary=False,
-            config=False)
+  write_run(
+      tmp_path, lr=1e-3, before=0.25, after=0.5, sft_steps=0, steps=7, summary=False, config=False
+  )
   with open(tmp_path / "metrics.jsonl", "a") as f:
     for s in (6, 7):
       f.write(json.dumps({"step": s, "reward/total": 1.0 + s, "perf/step_time_sec": 3.0}) + "\n")
@@ -149,9 +211,14 @@ def test_gcs_workdir(gcs):
   workdir = f"{gcs}/runs/r1"
   write_run(workdir, lr=1e-3, before=0.125, after=0.375)
   rows = [json.loads(line) for line in paths.read_text(f"{workdir}/metrics.jsonl").splitlines()]
-  paths.write_atomic(f"{workdir}/metrics.jsonl", "".join(  # two plots are enough here
-      json.dumps({k: v for k, v in r.items() if k in ("step", "reward/total") or "eval/" in k})
-      + "\n" for r in rows))
+  paths.write_atomic(
+      f"{workdir}/metrics.jsonl",
+      "".join(  # two plots are enough here
+          json.dumps({k: v for k, v in r.items() if k in ("step", "reward/total") or "eval/" in k})
+          + "\n"
+          for r in rows
+      ),
+  )
   md_path = report.write_report(workdir)
   assert md_path == f"{workdir}/report/report.md"
   md = paths.read_text(md_path)

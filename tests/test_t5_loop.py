@@ -1,5 +1,6 @@
 """T5 (model.family="t5") as the policy of the unchanged loop: SFT + GRPO + exact resume, the
 [prompt; completion] log-prob interface, the engine's log-probs == the trainer's, HF export."""
+
 import importlib.util
 import os
 
@@ -29,8 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def t5_config(**overrides):
   """configs/tiny.py's addition task on a tiny T5 (1 encoder, 2 decoder layers): a short SFT,
   2 GRPO steps (the 2nd under jax.transfer_guard("disallow")), a small eval."""
-  spec = importlib.util.spec_from_file_location("cfg_tiny", os.path.join(ROOT, "configs",
-                                                                          "tiny.py"))
+  spec = importlib.util.spec_from_file_location(
+      "cfg_tiny", os.path.join(ROOT, "configs", "tiny.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   c = module.get_config()
@@ -67,16 +69,25 @@ def t5_config(**overrides):
 
 def test_validation_lines():
   assert configuration.validate(t5_config()) == []
-  errors = configuration.validate(t5_config(**{"model.impl": "maxtext", "rollout.engine": "vllm",
-                                               "model.t5.feed_forward_proj": "gated-swish",
-                                               "model.t5.d_kv": 0}))
+  errors = configuration.validate(
+      t5_config(
+          **{
+              "model.impl": "maxtext",
+              "rollout.engine": "vllm",
+              "model.t5.feed_forward_proj": "gated-swish",
+              "model.t5.d_kv": 0,
+          }
+      )
+  )
   text = "\n".join(errors)
   assert "model.impl='maxtext': model.family='t5' runs on the native T5" in text
   assert "rollout.engine='vllm': model.family='t5'" in text
   assert "model.t5.feed_forward_proj='gated-swish': unknown activation" in text
   assert "model.t5.d_kv=0: must be >= 1" in text
-  assert any(e.startswith("model.family='t6'") for e in configuration.validate(
-      t5_config(**{"model.family": "t6"})))
+  assert any(
+      e.startswith("model.family='t6'")
+      for e in configuration.validate(t5_config(**{"model.family": "t6"}))
+  )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -84,6 +95,7 @@ def compile_cache(tmp_path_factory):
   """The loop runs here compile the same programs: a persistent compilation cache (what
   main.py turns on from config.compilation_cache_dir) lets the resumed ones load them."""
   from jax.experimental.compilation_cache import compilation_cache
+
   names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
   old = {k: getattr(jax.config, k) for k in names}
   jax.config.update(names[0], str(tmp_path_factory.mktemp("jax_cache")))
@@ -120,8 +132,9 @@ def test_sft_grpo_and_resume_are_exact(straight, tmp_path):
   for ra, rb in zip(a, b):
     for k in ("reward/total", "loss/policy_loss", "completions/mean_length", "loss/grad_norm"):
       assert ra[k] == rb[k], (ra["step"], k)
-  fa, fb = flat(checkpoint_state(workdir, 4)[1]["train"]), flat(checkpoint_state(split, 4)[1]
-                                                                 ["train"])
+  fa, fb = flat(checkpoint_state(workdir, 4)[1]["train"]), flat(
+      checkpoint_state(split, 4)[1]["train"]
+  )
   assert fa.keys() == fb.keys() and any("rel_bias" in k for k in fa)
   for k in fa:
     np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
@@ -144,12 +157,14 @@ def test_logprobs_of_prompt_completion_rows_equal_t5_logprobs(parts):
   pmask = (np.arange(p)[None] >= rng.integers(0, p - 1, (n, 1))).astype(np.int32)
   cmask = (np.arange(c)[None] < rng.integers(1, c + 1, (n, 1))).astype(np.int32)
   prompt, comp = rng.integers(2, 96, (n, p)) * pmask, rng.integers(2, 96, (n, c)) * cmask
-  ids, mask = (jnp.asarray(np.concatenate(x, 1), jnp.int32)
-               for x in ((prompt, comp), (pmask, cmask)))
+  ids, mask = (
+      jnp.asarray(np.concatenate(x, 1), jnp.int32) for x in ((prompt, comp), (pmask, cmask))
+  )
   got = jax.jit(policy.logprobs, static_argnums=(3, 4))(policy.params, ids, mask, c, 0.7)
   model = nnx.merge(policy.graphdef, policy.params)
-  want = jax.jit(t5_logprobs, static_argnums=5)(model, *(jnp.asarray(x, jnp.int32) for x in (
-      prompt, pmask, comp, cmask)), 0.7)
+  want = jax.jit(t5_logprobs, static_argnums=5)(
+      model, *(jnp.asarray(x, jnp.int32) for x in (prompt, pmask, comp, cmask)), 0.7
+  )
   assert got.shape == (n, c)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
   assert np.all(np.asarray(got)[cmask == 0] == 0) and np.all(np.asarray(got)[cmask > 0] < 0)
@@ -161,8 +176,9 @@ def test_engine_logprobs_equal_the_trainers(parts):
   config, mesh, policy = parts
   tok = data_lib.build_tokenizer("char")
   rows = data_lib.arithmetic_rows(8, split="test", seed=0)
-  data = data_lib.PromptData(rows, tok, template="plain", system_prompt="",
-                             max_prompt_length=config.max_prompt_length)
+  data = data_lib.PromptData(
+      rows, tok, template="plain", system_prompt="", max_prompt_length=config.max_prompt_length
+  )
   batch = data.batch(np.arange(8))
   engine = rollout.make_engine(config, policy, tok, mesh)
   assert isinstance(engine.sampler, Seq2SeqSampler) and engine.matches_trainer
@@ -171,11 +187,13 @@ def test_engine_logprobs_equal_the_trainers(parts):
   r = engine.generate(policy.params, batch, jax.random.key(3), gen)
   assert r.tokens.shape == (8 * config.num_generations, config.max_completion_length)
   fns = step_lib.build(config, policy, mesh)
-  prompt_ids, prompt_mask = (multihost.to_global(batch[k], mesh)
-                             for k in ("prompt_ids", "prompt_mask"))
+  prompt_ids, prompt_mask = (
+      multihost.to_global(batch[k], mesh) for k in ("prompt_ids", "prompt_mask")
+  )
   assembled = fns.assemble(prompt_ids, prompt_mask, r, jnp.zeros((r.tokens.shape[0],)))
-  logp = np.asarray(fns.logprobs(policy.params, assembled["input_ids"],
-                                 assembled["attention_mask"]))
+  logp = np.asarray(
+      fns.logprobs(policy.params, assembled["input_ids"], assembled["attention_mask"])
+  )
   m = np.asarray(r.mask) > 0
   assert m.sum() > r.tokens.shape[0]
   assert np.abs(logp - np.asarray(r.logprobs))[m].max() <= 1e-5
@@ -192,6 +210,7 @@ def test_export_of_the_trained_checkpoint_loads_in_transformers(straight, tmp_pa
   from tests.models.test_t5 import batch
   from tests.models.test_t5 import hf_logits
   from tests.models.test_t5 import max_diff
+
   workdir, _ = straight
   config = t5_config()
   mesh = build.make_mesh(config)
@@ -199,7 +218,8 @@ def test_export_of_the_trained_checkpoint_loads_in_transformers(straight, tmp_pa
   assert step == 4
   policy.save_hf(policy.params, str(tmp_path / "hf"))
   hf = transformers.T5ForConditionalGeneration.from_pretrained(
-      str(tmp_path / "hf"), attn_implementation="eager").eval()
+      str(tmp_path / "hf"), attn_implementation="eager"
+  ).eval()
   assert hf.config.decoder_start_token_id == config.model.t5.decoder_start_token_id
   ids, mask, dec, dec_mask = batch(96, seed=1)
   ours = nnx.merge(policy.graphdef, policy.params)(*map(jnp.asarray, (ids, mask, dec, dec_mask)))

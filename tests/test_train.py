@@ -1,5 +1,6 @@
 """The training loop end to end on a tiny model: entry point outputs, exact resume, preemption,
 no reference model at beta = 0, mesh-independence, and the non-finite update guard."""
+
 import dataclasses
 import importlib.util
 import json
@@ -23,8 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def tiny_config(**overrides):
   """configs/tiny.py shrunk to seconds: no warm start, a few small GRPO steps, a small eval."""
-  spec = importlib.util.spec_from_file_location("cfg_tiny", os.path.join(ROOT, "configs",
-                                                                          "tiny.py"))
+  spec = importlib.util.spec_from_file_location(
+      "cfg_tiny", os.path.join(ROOT, "configs", "tiny.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   c = module.get_config()
@@ -73,8 +75,9 @@ def checkpoint_state(workdir, step=None):
 
 
 def flat(tree):
-  return {jax.tree_util.keystr(k): np.asarray(v)
-          for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+  return {
+      jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)
+  }
 
 
 # ---------------------------------------------------------------------------- entry point
@@ -84,12 +87,28 @@ def test_entry_point_writes_events_checkpoint_and_summary(tmp_path):
   workdir = tmp_path / "run"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   r = subprocess.run(
-      [sys.executable, "-m", "grpo_jax.main", "--config=configs/tiny.py", f"--workdir={workdir}",
-       "--config.sft_steps=0", "--config.num_steps=2", "--config.batch_size=8",
-       "--config.num_generations=4", "--config.data.arithmetic.num_train=64",
-       "--config.data.arithmetic.num_test=16", "--config.eval.batch_size=16",
-       "--config.eval.generation_configs=('greedy','standard')", "--config.log_interval_steps=1"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+      [
+          sys.executable,
+          "-m",
+          "grpo_jax.main",
+          "--config=configs/tiny.py",
+          f"--workdir={workdir}",
+          "--config.sft_steps=0",
+          "--config.num_steps=2",
+          "--config.batch_size=8",
+          "--config.num_generations=4",
+          "--config.data.arithmetic.num_train=64",
+          "--config.data.arithmetic.num_test=16",
+          "--config.eval.batch_size=16",
+          "--config.eval.generation_configs=('greedy','standard')",
+          "--config.log_interval_steps=1",
+      ],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   assert "[grpo] step 2/2" in r.stderr  # the console progress line
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir))
@@ -104,11 +123,19 @@ def test_entry_point_writes_events_checkpoint_and_summary(tmp_path):
       assert res["num_examples"] == 16
   rows = grpo_rows(workdir)
   assert [r["step"] for r in rows] == [1, 2]
-  for name in ("reward/total", "reward/answer_match", "reward/answer_format",
-               "reward/std_within_group", "loss/policy_loss", "loss/kl_divergence",
-               "loss/clip_fraction", "completions/mean_length",
-               "completions/truncated_fraction", "perf/rollout_tokens_per_sec",
-               "perf/step_time_sec"):
+  for name in (
+      "reward/total",
+      "reward/answer_match",
+      "reward/answer_format",
+      "reward/std_within_group",
+      "loss/policy_loss",
+      "loss/kl_divergence",
+      "loss/clip_fraction",
+      "completions/mean_length",
+      "completions/truncated_fraction",
+      "perf/rollout_tokens_per_sec",
+      "perf/step_time_sec",
+  ):
     assert name in rows[-1], name
   for r in rows:  # the phases' own clocks: disjoint regions inside the step (profiling.Span)
     inside = r["perf/rollout_sec"] + r["perf/reward_sec"] + r["perf/update_sec"]
@@ -147,8 +174,10 @@ def test_resume_continues_exactly(tmp_path):
   for k in fa:
     np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
   # The resumed run reports the first run's "before" eval, not a new one.
-  assert json.load(open(os.path.join(split, "summary.json")))["eval_before"] == json.load(
-      open(os.path.join(straight, "summary.json")))["eval_before"]
+  assert (
+      json.load(open(os.path.join(split, "summary.json")))["eval_before"]
+      == json.load(open(os.path.join(straight, "summary.json")))["eval_before"]
+  )
 
 
 def test_stop_on_a_save_step_exits_0_and_resumes(tmp_path):
@@ -169,11 +198,25 @@ def test_sigterm_saves_a_restorable_checkpoint_and_exits_0(tmp_path):
   workdir = tmp_path / "run"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.Popen(
-      [sys.executable, "-m", "grpo_jax.main", "--config=configs/tiny.py", f"--workdir={workdir}",
-       "--config.sft_steps=0", "--config.num_steps=100000", "--config.batch_size=8",
-       "--config.num_generations=4", "--config.data.arithmetic.num_test=16",
-       "--config.log_interval_steps=1", "--config.save_interval_steps=1"],
-      cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+      [
+          sys.executable,
+          "-m",
+          "grpo_jax.main",
+          "--config=configs/tiny.py",
+          f"--workdir={workdir}",
+          "--config.sft_steps=0",
+          "--config.num_steps=100000",
+          "--config.batch_size=8",
+          "--config.num_generations=4",
+          "--config.data.arithmetic.num_test=16",
+          "--config.log_interval_steps=1",
+          "--config.save_interval_steps=1",
+      ],
+      cwd=ROOT,
+      env=env,
+      stderr=subprocess.PIPE,
+      text=True,
+  )
   deadline = time.time() + 240
   for line in proc.stderr:  # wait until GRPO steps are running
     if "[grpo] step 2/" in line or time.time() > deadline:
@@ -237,8 +280,9 @@ def test_sharded_mesh_matches_single_device(tmp_path, monkeypatch):
   train.run(tiny_config(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}), sharded)
 
   real = sharding.make_mesh
-  monkeypatch.setattr(sharding, "make_mesh",
-                      lambda *a, **kw: real(1, 1, 1, devices=jax.devices()[:1]))
+  monkeypatch.setattr(
+      sharding, "make_mesh", lambda *a, **kw: real(1, 1, 1, devices=jax.devices()[:1])
+  )
   single = str(tmp_path / "single")
   train.run(tiny_config(**{"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1}), single)
 
@@ -262,12 +306,17 @@ def test_trimmed_prompt_columns_train_like_full_width(tmp_path, monkeypatch):
     out = real_batch(self, indices, width)
     widths.append(out["prompt_ids"].shape[1])
     return out
+
   monkeypatch.setattr(train.data_lib.PromptData, "batch", spy)
   runs = {}
   for mode in ("bucket", "max"):
     widths.clear()
-    train.run(tiny_config(**{"max_prompt_length": 24, "data.prompt_width": mode,
-                             "eval.generation_configs": ()}), str(tmp_path / mode))
+    train.run(
+        tiny_config(
+            **{"max_prompt_length": 24, "data.prompt_width": mode, "eval.generation_configs": ()}
+        ),
+        str(tmp_path / mode),
+    )
     runs[mode] = (grpo_rows(str(tmp_path / mode)), set(widths))
   assert runs["bucket"][1] == {8} and runs["max"][1] == {24}
   a, b = runs["bucket"][0], runs["max"][0]
@@ -306,7 +355,9 @@ def _nan_rewards_on(steps, monkeypatch):
 def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
   _nan_rewards_on({2}, monkeypatch)
   workdir = str(tmp_path / "run")
-  train.run(tiny_config(num_steps=3, save_interval_steps=1, **{"checkpoint.max_to_keep": 5}), workdir)
+  train.run(
+      tiny_config(num_steps=3, save_interval_steps=1, **{"checkpoint.max_to_keep": 5}), workdir
+  )
   rows = grpo_rows(workdir)
   assert [r["loss/skipped_updates"] for r in rows] == [0.0, 1.0, 0.0]
   # The skipped step left params and optimizer state untouched.
@@ -332,6 +383,7 @@ def test_consecutive_nonfinite_updates_stop_with_a_clear_error(tmp_path, monkeyp
 def test_infer_samples_and_exports_the_trained_policy(tmp_path, capsys):
   from grpo_jax import infer
   from grpo_jax.models.decoder import hf
+
   workdir = str(tmp_path / "run")
   config = tiny_config(num_steps=2, **{"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1})
   train.run(tiny_config(num_steps=2), workdir)
@@ -347,8 +399,9 @@ def test_infer_samples_and_exports_the_trained_policy(tmp_path, capsys):
   assert saved.keys() == live.keys() and len(live) > 5
   for k, v in saved.items():
     np.testing.assert_array_equal(live[k], v, err_msg=k)
-  out = infer.generate(config, policy, ["12+30=", "5+7=", "1+1="], mesh, num_samples=2,
-                       generation="standard", seed=1)
+  out = infer.generate(
+      config, policy, ["12+30=", "5+7=", "1+1="], mesh, num_samples=2, generation="standard", seed=1
+  )
   assert [len(o) for o in out] == [2, 2, 2] and all(isinstance(s, str) for o in out for s in o)
   # Greedy through infer == greedy through the eval sampler the loop used (same weights).
   g1 = infer.generate(config, policy, ["12+30="], mesh)
@@ -356,6 +409,7 @@ def test_infer_samples_and_exports_the_trained_policy(tmp_path, capsys):
   assert g1[0] == g2[0]
   # No prompts: held-out rows side by side with ground truth, reward and verdict.
   from grpo_jax.rewards import eval_flags
+
   capsys.readouterr()
   shown = infer.show_heldout(config, policy, mesh, num_examples=3)
   printed = capsys.readouterr().out
@@ -366,19 +420,33 @@ def test_infer_samples_and_exports_the_trained_policy(tmp_path, capsys):
 
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   hf_dir = tmp_path / "hf"
-  r = subprocess.run([sys.executable, "-m", "grpo_jax.infer", "--config=configs/tiny.py",
-                      f"--workdir={workdir}", f"--export_hf={hf_dir}"], cwd=ROOT, env=env,
-                     capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "grpo_jax.infer",
+          "--config=configs/tiny.py",
+          f"--workdir={workdir}",
+          f"--export_hf={hf_dir}",
+      ],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert r.returncode == 0, r.stderr[-2000:]
   model = hf.load_hf(str(hf_dir))
   ids = np.array([[5, 9, 12, 30, 7, 2]], np.int32)
   from flax import nnx
+
   mine = nnx.merge(policy.graphdef, policy.params)
   np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(mine(ids)), atol=1e-6)
 
 
 def _truth_of(config, prompt):
   from grpo_jax import data as data_lib
+
   return next(r["ground_truth"] for r in data_lib.load_rows(config)[1] if r["prompt"] == prompt)
 
 
@@ -403,8 +471,10 @@ def device_reads_guarded(monkeypatch):
     explicit = guard_lib.thread_local_state().explicit_device_get
     if self._npy_value is None and level == "disallow" and not explicit:
       reads.append(self.shape)
-      raise RuntimeError(f"implicit device-to-host read of an array {self.shape} "
-                         f"{self.dtype} inside a guarded step")
+      raise RuntimeError(
+          f"implicit device-to-host read of an array {self.shape} "
+          f"{self.dtype} inside a guarded step"
+      )
     return real.fget(self)
 
   monkeypatch.setattr(array_lib.ArrayImpl, "_value", property(guarded))
@@ -419,20 +489,32 @@ def test_emulated_guard_catches_an_implicit_read(device_reads_guarded):
     assert jax.device_get(x.sum()) == 6.0  # explicit: allowed
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    # Every optional path of the step: reference, old log-probs (2 passes), TIS, DAPO.
-    {"beta": 0.04, "num_iterations": 2, "loss.tis_cap": 2.0, "loss.dynamic_sampling": True,
-     "loss.overlong_buffer": 2, "micro_batch_size": 8, "log_interval_steps": 2},
-])
-def test_steady_state_steps_touch_the_host_only_on_purpose(tmp_path, device_reads_guarded,
-                                                           overrides):
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        # Every optional path of the step: reference, old log-probs (2 passes), TIS, DAPO.
+        {
+            "beta": 0.04,
+            "num_iterations": 2,
+            "loss.tis_cap": 2.0,
+            "loss.dynamic_sampling": True,
+            "loss.overlong_buffer": 2,
+            "micro_batch_size": 8,
+            "log_interval_steps": 2,
+        },
+    ],
+)
+def test_steady_state_steps_touch_the_host_only_on_purpose(
+    tmp_path, device_reads_guarded, overrides
+):
   """Steps after the first run under jax.transfer_guard("disallow") (host-to-device as JAX
   enforces it, device-to-host as an accelerator would): the only transfers are the loop's
   own (prompts, completions, rewards, the log-interval read)."""
   workdir = str(tmp_path / "run")
-  summary = train.run(tiny_config(num_steps=4, **{"debug.transfer_guard": "disallow"},
-                                  **overrides), workdir)
+  summary = train.run(
+      tiny_config(num_steps=4, **{"debug.transfer_guard": "disallow"}, **overrides), workdir
+  )
   assert summary["final_step"] == 4 and device_reads_guarded == []
   rows = grpo_rows(workdir)
   assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -445,6 +527,7 @@ def test_error_path_tears_everything_down(tmp_path, monkeypatch):
   from grpo_jax.run import checkpoint as ckpt_lib
   from grpo_jax.run import metrics as metrics_lib
   from grpo_jax.rewards import computer
+
   live = []  # strong references: a close() from __del__ must not count
   real_call = computer.RewardComputer.__call__
 
@@ -457,12 +540,15 @@ def test_error_path_tears_everything_down(tmp_path, monkeypatch):
   monkeypatch.setattr(computer.RewardComputer, "__call__", nan_call)
   closed = []
   for cls in (computer.RewardComputer, metrics_lib.MetricWriter, ckpt_lib.Checkpointer):
-    monkeypatch.setattr(cls, "close", lambda self, _c=cls.close, _n=cls.__name__: (
-        closed.append(_n), _c(self))[1])
+    monkeypatch.setattr(
+        cls, "close", lambda self, _c=cls.close, _n=cls.__name__: (closed.append(_n), _c(self))[1]
+    )
   before = signal.getsignal(signal.SIGTERM)
   with pytest.raises(train.NonFiniteError):
-    train.run(tiny_config(num_steps=5, max_consecutive_nonfinite=2,
-                          **{"reward.num_workers": 1}), str(tmp_path / "run"))
+    train.run(
+        tiny_config(num_steps=5, max_consecutive_nonfinite=2, **{"reward.num_workers": 1}),
+        str(tmp_path / "run"),
+    )
   assert signal.getsignal(signal.SIGTERM) is before
   assert sorted(set(closed)) == ["Checkpointer", "MetricWriter", "RewardComputer"]
   assert live and live[0]._pool is None  # the spawned worker pool is gone
@@ -479,19 +565,27 @@ def test_memory_lines_and_profile_at_the_peak_step(tmp_path, monkeypatch):
     return {"in_use": 1 << 30, "peak": next(peaks), "limit": 16 << 30}
 
   monkeypatch.setattr(profiling, "device_memory", fake_memory)
-  monkeypatch.setattr(profiling, "logging", types.SimpleNamespace(
-      info=lambda msg, *a: lines.append(msg % a)))
+  monkeypatch.setattr(
+      profiling, "logging", types.SimpleNamespace(info=lambda msg, *a: lines.append(msg % a))
+  )
   real_write = profiling.paths.write_atomic
-  monkeypatch.setattr(profiling.paths, "write_atomic",
-                      lambda p, data: (saved.append(data) if str(p).endswith(".pprof") else None,
-                                       real_write(p, data)))
+  monkeypatch.setattr(
+      profiling.paths,
+      "write_atomic",
+      lambda p, data: (
+          saved.append(data) if str(p).endswith(".pprof") else None,
+          real_write(p, data),
+      ),
+  )
   workdir = tmp_path / "mem"
-  train.run(tiny_config(num_steps=3, beta=0.05, **{"profile.memory_profile": True}),
-            str(workdir))
+  train.run(tiny_config(num_steps=3, beta=0.05, **{"profile.memory_profile": True}), str(workdir))
   stages = [l.split(":")[0] for l in lines if l.startswith("memory after")]
-  assert stages == ["memory after loading the policy", "memory after the optimizer state",
-                    "memory after the reference",
-                    "memory after the first step (sampler cache, update)"]
+  assert stages == [
+      "memory after loading the policy",
+      "memory after the optimizer state",
+      "memory after the reference",
+      "memory after the first step (sampler cache, update)",
+  ]
   profiled = [l for l in lines if l.startswith("memory profile of step")]
   # Steps 1..3 see peaks 2, 3, 3 GiB: saved at 1 and 2 only.
   assert [l.split()[4] for l in profiled] == ["1", "2"], profiled

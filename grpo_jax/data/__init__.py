@@ -1,5 +1,6 @@
 """Datasets and sources (`load_rows`), prompt templates, tokenizers, the synthetic arithmetic
 task and the grain pipeline."""
+
 from grpo_jax.data.arithmetic import arithmetic_rows
 from grpo_jax.data.datasets import DataError
 from grpo_jax.data.datasets import READERS

@@ -11,6 +11,7 @@ data_source "arithmetic", and a demonstration in the chosen style:
   "reasoning" -> "<reasoning>12+30=42</reasoning><answer>42</answer>"
 Answers are integers, checkable by the GSM8K-style rewards (answer_match, check_answer).
 """
+
 import hashlib
 
 import numpy as np
@@ -34,7 +35,7 @@ def _is_test(text: str, seed: int) -> bool:
 
 
 def make_problem(rng: np.random.Generator, digits: int, num_ops: int, ops: str):
-  hi = 10 ** digits
+  hi = 10**digits
   operands = [int(rng.integers(0, hi)) for _ in range(num_ops + 1)]
   chosen = [ops[int(rng.integers(0, len(ops)))] for _ in range(num_ops)]
   return _evaluate(operands, chosen)
@@ -43,20 +44,30 @@ def make_problem(rng: np.random.Generator, digits: int, num_ops: int, ops: str):
 # config.data.arithmetic.demonstration -> the SFT target for (expression, answer).
 DEMONSTRATION_STYLES = {
     "answer": lambda text, answer: f"<answer>{answer}</answer>",
-    "reasoning": lambda text, answer: (f"<reasoning>{text}={answer}</reasoning>"
-                                       f"<answer>{answer}</answer>"),
+    "reasoning": lambda text, answer: (
+        f"<reasoning>{text}={answer}</reasoning>" f"<answer>{answer}</answer>"
+    ),
 }
 
 
 def demonstration(text: str, answer: int, style: str) -> str:
   if style not in DEMONSTRATION_STYLES:
-    raise ValueError(f"unknown demonstration style {style!r}; known: "
-                     f"{', '.join(DEMONSTRATION_STYLES)}")
+    raise ValueError(
+        f"unknown demonstration style {style!r}; known: " f"{', '.join(DEMONSTRATION_STYLES)}"
+    )
   return DEMONSTRATION_STYLES[style](text, answer)
 
 
-def arithmetic_rows(n: int, *, split: str, seed: int = 0, digits: int = 2, num_ops: int = 1,
-                    ops: str = "+", style: str = "answer") -> list[dict]:
+def arithmetic_rows(
+    n: int,
+    *,
+    split: str,
+    seed: int = 0,
+    digits: int = 2,
+    num_ops: int = 1,
+    ops: str = "+",
+    style: str = "answer",
+) -> list[dict]:
   """`n` distinct problems of the `split` ("train" or "test"); deterministic for the seed.
 
   When the problem space is too small for n distinct problems of the split, all of them are
@@ -77,7 +88,13 @@ def arithmetic_rows(n: int, *, split: str, seed: int = 0, digits: int = 2, num_o
       continue
     misses = 0
     seen.add(text)
-    rows.append(dict(prompt=f"{text}=", ground_truth=str(answer), data_source="arithmetic",
-                     extra_info={"expression": text},
-                     demonstration=demonstration(text, answer, style)))
+    rows.append(
+        dict(
+            prompt=f"{text}=",
+            ground_truth=str(answer),
+            data_source="arithmetic",
+            extra_info={"expression": text},
+            demonstration=demonstration(text, answer, style),
+        )
+    )
   return rows

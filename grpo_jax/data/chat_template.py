@@ -13,6 +13,7 @@ The variables are `messages`, `tools=None`, `documents=None`, `add_generation_pr
 folder's named special tokens as strings (`bos_token`, `eos_token`, ...). The text is then
 tokenized WITHOUT adding special tokens: the template writes bos itself where it wants one.
 """
+
 from datetime import datetime
 import functools
 import json
@@ -51,11 +52,21 @@ def special_tokens(config: dict, special_tokens_map: dict) -> dict[str, str]:
   return out
 
 
-def render(template: str, messages: list[dict], tokens: dict[str, str], *,
-           add_generation_prompt: bool = True) -> str:
+def render(
+    template: str,
+    messages: list[dict],
+    tokens: dict[str, str],
+    *,
+    add_generation_prompt: bool = True
+) -> str:
   """The text transformers' apply_chat_template(messages, tokenize=False, ...) gives."""
-  return _compile(template).render(messages=messages, tools=None, documents=None,
-                                   add_generation_prompt=add_generation_prompt, **tokens)
+  return _compile(template).render(
+      messages=messages,
+      tools=None,
+      documents=None,
+      add_generation_prompt=add_generation_prompt,
+      **tokens
+  )
 
 
 @functools.lru_cache(maxsize=8)
@@ -66,6 +77,7 @@ def _compile(template: str):
 
   class _Generation(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` (assistant-mask markers): the body as is."""
+
     tags = {"generation"}
 
     def parse(self, parser):
@@ -80,13 +92,14 @@ def _compile(template: str):
     raise jinja2.exceptions.TemplateError(message)
 
   def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
   env = sandbox.ImmutableSandboxedEnvironment(
-      trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols])
+      trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+  )
   env.filters["tojson"] = tojson
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
   return env.from_string(template)
-

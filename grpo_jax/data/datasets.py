@@ -8,6 +8,7 @@ Every reader returns rows of the same shape:
   extra_info    dict  every other field of the row, passed to rewards
   demonstration str   (optional) a target completion, for the SFT warm start
 """
+
 import json
 
 from grpo_jax.run import paths
@@ -26,8 +27,9 @@ def _read_records(path: str):
     try:
       data = json.loads(paths.read_bytes(path).decode("utf-8"))
     except UnicodeDecodeError as e:
-      raise DataError(f"{path}: not UTF-8 (byte offset {e.start}). Fix: re-encode the file as "
-                      "UTF-8") from None
+      raise DataError(
+          f"{path}: not UTF-8 (byte offset {e.start}). Fix: re-encode the file as " "UTF-8"
+      ) from None
     except json.JSONDecodeError as e:
       raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
     if not isinstance(data, list):
@@ -42,8 +44,10 @@ def _read_records(path: str):
       try:
         line = raw.decode("utf-8")
       except UnicodeDecodeError as e:
-        raise DataError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column "
-                        f"{e.start + 1}). Fix: re-encode the file as UTF-8") from None
+        raise DataError(
+            f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column "
+            f"{e.start + 1}). Fix: re-encode the file as UTF-8"
+        ) from None
       if not line.strip():
         continue
       try:
@@ -67,27 +71,37 @@ def check_prompt(value, where: str, column: str = "prompt"):
     out = []
     for j, m in enumerate(value):
       if not (type(m) is dict and type(m.get("role")) is str and type(m.get("content")) is str):
-        raise DataError(f"{where}: column '{column}' message {j} should be "
-                        f"{{'role': str, 'content': str}}, got {str(m)[:60]!r}. Fix: give each "
-                        "turn a role and a string content")
+        raise DataError(
+            f"{where}: column '{column}' message {j} should be "
+            f"{{'role': str, 'content': str}}, got {str(m)[:60]!r}. Fix: give each "
+            "turn a role and a string content"
+        )
       out.append(m if len(m) == 2 else {k: v for k, v in m.items() if v is not None})
     if not any(m["content"].strip() for m in out):
-      raise DataError(f"{where}: column '{column}' is an empty prompt (every message's content "
-                      "is empty). Fix: fill or drop the row")
+      raise DataError(
+          f"{where}: column '{column}' is an empty prompt (every message's content "
+          "is empty). Fix: fill or drop the row"
+      )
     return out
   got = "null" if value is None else f"{type(value).__name__} {str(value)[:40]!r}"
-  raise DataError(f"{where}: column '{column}' should be a string or a list of chat messages "
-                  f"[{{'role': ..., 'content': ...}}], got {got}")
+  raise DataError(
+      f"{where}: column '{column}' should be a string or a list of chat messages "
+      f"[{{'role': ..., 'content': ...}}], got {got}"
+  )
 
 
 def _field(path, where, rec, name, types=(str,), what="a string"):
   if name not in rec:
-    raise DataError(f"{path}:{where}: missing field '{name}' (expected {what}); the row has "
-                    f"fields {sorted(rec)}")
+    raise DataError(
+        f"{path}:{where}: missing field '{name}' (expected {what}); the row has "
+        f"fields {sorted(rec)}"
+    )
   v = rec[name]
   if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-    raise DataError(f"{path}:{where}: field '{name}' should be {what}, got "
-                    f"{type(v).__name__} {str(v)[:40]!r}")
+    raise DataError(
+        f"{path}:{where}: field '{name}' should be {what}, got "
+        f"{type(v).__name__} {str(v)[:40]!r}"
+    )
   return v
 
 
@@ -97,18 +111,32 @@ def read_prompt_file(path: str, default_data_source: str = "") -> list[dict]:
   given), optional `demonstration` (str); every other field goes to extra_info."""
   rows = []
   for where, rec in _read_records(path):
-    prompt = check_prompt(_field(path, where, rec, "prompt", (str, list),
-                                 "a string or a list of chat messages"), f"{path}:{where}")
-    truth = _field(path, where, rec, "ground_truth", (str, int, float, list),
-                   "a string, a number or a list of strings")
+    prompt = check_prompt(
+        _field(path, where, rec, "prompt", (str, list), "a string or a list of chat messages"),
+        f"{path}:{where}",
+    )
+    truth = _field(
+        path,
+        where,
+        rec,
+        "ground_truth",
+        (str, int, float, list),
+        "a string, a number or a list of strings",
+    )
     if "data_source" in rec or not default_data_source:
       source = _field(path, where, rec, "data_source")
     else:
       source = default_data_source
-    row = dict(prompt=prompt, ground_truth=truth if isinstance(truth, list) else str(truth),
-               data_source=source,
-               extra_info={k: v for k, v in rec.items()
-                           if k not in ("prompt", "ground_truth", "data_source", "demonstration")})
+    row = dict(
+        prompt=prompt,
+        ground_truth=truth if isinstance(truth, list) else str(truth),
+        data_source=source,
+        extra_info={
+            k: v
+            for k, v in rec.items()
+            if k not in ("prompt", "ground_truth", "data_source", "demonstration")
+        },
+    )
     if "demonstration" in rec:
       row["demonstration"] = _field(path, where, rec, "demonstration")
     rows.append(row)
@@ -121,6 +149,7 @@ def gsm8k_demonstration(answer: str) -> str:
   """GSM8K's worked answer in the <reasoning>/<answer> format ("<<48/2=24>>" calculator
   annotations removed)."""
   import re
+
   body, _, _ = answer.rpartition("####")
   body = re.sub(r"<<[^>]*>>", "", body).strip()
   return f"<reasoning>{body}</reasoning><answer>{parsing.gsm8k_ground_truth(answer)}</answer>"
@@ -136,9 +165,15 @@ def read_gsm8k(path: str) -> list[dict]:
       truth = parsing.gsm8k_ground_truth(a)
     except ValueError as e:
       raise DataError(f"{path}:{where}: field 'answer': {e}") from None
-    rows.append(dict(prompt=q, ground_truth=truth, data_source="gsm8k",
-                     extra_info={k: v for k, v in rec.items() if k not in ("question",)},
-                     demonstration=gsm8k_demonstration(a)))
+    rows.append(
+        dict(
+            prompt=q,
+            ground_truth=truth,
+            data_source="gsm8k",
+            extra_info={k: v for k, v in rec.items() if k not in ("question",)},
+            demonstration=gsm8k_demonstration(a),
+        )
+    )
   if not rows:
     raise DataError(f"{path}: no rows")
   return rows
@@ -153,10 +188,15 @@ def read_xsum(path: str) -> list[dict]:
   for where, rec in _read_records(path):
     doc = _field(path, where, rec, "document")
     summ = _field(path, where, rec, "summary")
-    rows.append(dict(prompt=SUMMARIZE_INSTRUCTION + doc, ground_truth=summ,
-                     data_source="summarization",
-                     extra_info={k: v for k, v in rec.items() if k not in ("document",)},
-                     demonstration=summ))
+    rows.append(
+        dict(
+            prompt=SUMMARIZE_INSTRUCTION + doc,
+            ground_truth=summ,
+            data_source="summarization",
+            extra_info={k: v for k, v in rec.items() if k not in ("document",)},
+            demonstration=summ,
+        )
+    )
   if not rows:
     raise DataError(f"{path}: no rows")
   return rows

@@ -13,12 +13,12 @@ reshuffled (grain's epoch-aware shuffle).
 Prompts longer than P are LEFT-truncated (the end of a chat prompt holds the question and the
 assistant header, which must survive); `num_truncated` counts them and the loop logs it.
 """
+
 from absl import logging
 import grain
 import numpy as np
 
 from grpo_jax.data.templates import render_prompt
-
 
 # What happens to train prompts longer than max_prompt_length (config data.overlong_prompts).
 OVERLONG_PROMPTS = ("truncate", "drop")
@@ -41,16 +41,23 @@ def left_pad(seqs: list[list[int]], length: int, pad_id: int):
   for i, s in enumerate(seqs):
     s = s[-length:] if length else []
     if s:
-      ids[i, length - len(s):] = s
-      mask[i, length - len(s):] = 1
+      ids[i, length - len(s) :] = s
+      mask[i, length - len(s) :] = 1
   return ids, mask
 
 
 class PromptData:
   """Rows with their prompts rendered, tokenized and left-padded once, up front."""
 
-  def __init__(self, rows: list[dict], tokenizer, *, template: str, system_prompt: str,
-               max_prompt_length: int):
+  def __init__(
+      self,
+      rows: list[dict],
+      tokenizer,
+      *,
+      template: str,
+      system_prompt: str,
+      max_prompt_length: int,
+  ):
     if not rows:
       raise ValueError("no rows to build prompts from")
     self.rows = rows
@@ -68,9 +75,14 @@ class PromptData:
     self.truncated = np.array([len(e) > max_prompt_length for e in encoded])
     self.num_truncated = int(self.truncated.sum())
     if self.num_truncated:
-      logging.warning("%d of %d prompts are longer than max_prompt_length=%d tokens and were "
-                      "left-truncated (longest: %d tokens)", self.num_truncated, len(rows),
-                      max_prompt_length, max(map(len, encoded)))
+      logging.warning(
+          "%d of %d prompts are longer than max_prompt_length=%d tokens and were "
+          "left-truncated (longest: %d tokens)",
+          self.num_truncated,
+          len(rows),
+          max_prompt_length,
+          max(map(len, encoded)),
+      )
     self.ids, self.mask = left_pad(encoded, max_prompt_length, tokenizer.pad_id)
     self.lengths = self.mask.sum(1)
 
@@ -107,19 +119,33 @@ class PromptData:
     prompt texts (lists of length b)."""
     indices = np.asarray(indices, np.int64)
     cols = slice(self.ids.shape[1] - (width or self.ids.shape[1]), None)
-    return dict(prompt_ids=self.ids[indices, cols], prompt_mask=self.mask[indices, cols],
-                rows=[self.rows[i] for i in indices], prompts=[self.texts[i] for i in indices],
-                indices=indices)
+    return dict(
+        prompt_ids=self.ids[indices, cols],
+        prompt_mask=self.mask[indices, cols],
+        rows=[self.rows[i] for i in indices],
+        prompts=[self.texts[i] for i in indices],
+        indices=indices,
+    )
 
 
 def _short(prompt, n: int = 60) -> str:
-  text = prompt if isinstance(prompt, str) else " | ".join(
-      f"{m['role']}: {m['content']}" for m in prompt)
+  text = (
+      prompt
+      if isinstance(prompt, str)
+      else " | ".join(f"{m['role']}: {m['content']}" for m in prompt)
+  )
   return repr(text[:n] + ("..." if len(text) > n else ""))
 
 
-def make_prompt_iterator(num_rows: int, *, batch_size: int, seed: int, shuffle: bool = True,
-                         num_epochs: int | None = None, rows=None):
+def make_prompt_iterator(
+    num_rows: int,
+    *,
+    batch_size: int,
+    seed: int,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    rows=None,
+):
   """A grain iterator of row-index batches: this process's part of each GLOBAL batch.
 
   Every process walks the same stream of global batches of `batch_size` row indices and keeps
@@ -143,8 +169,9 @@ def make_prompt_iterator(num_rows: int, *, batch_size: int, seed: int, shuffle: 
   take = None if rows is None else np.asarray(rows, np.int64)
 
   def batch(j, _):
-    start = ((j // per_epoch) * num_rows + (j % per_epoch) * batch_size if per_epoch else
-             j * batch_size)
+    start = (
+        (j // per_epoch) * num_rows + (j % per_epoch) * batch_size if per_epoch else j * batch_size
+    )
     out = np.fromiter((order[start + r] for r in range(batch_size)), np.int64, batch_size)
     return out if take is None else out[take]
 
@@ -171,10 +198,10 @@ def eval_batches(num_rows: int, batch_size: int, *, rows=None):
   idx = np.arange(num_rows)
   rows = np.arange(batch_size) if rows is None else np.asarray(rows, np.int64)
   for start in range(0, num_rows, batch_size):
-    chunk = idx[start:start + batch_size]
+    chunk = idx[start : start + batch_size]
     valid = np.ones(batch_size, bool)
     if len(chunk) < batch_size:
-      valid[len(chunk):] = False
+      valid[len(chunk) :] = False
       chunk = np.concatenate([chunk, np.resize(chunk, batch_size - len(chunk))])
     yield chunk[rows], valid[rows]
 
@@ -190,14 +217,18 @@ def sft_batch(data: PromptData, indices, completion_length: int) -> dict:
   comps = []
   for r in b["rows"]:
     if "demonstration" not in r:
-      raise ValueError("sft_steps > 0 needs rows with a 'demonstration' field (the dataset "
-                       f"{r.get('data_source')!r} has none)")
+      raise ValueError(
+          "sft_steps > 0 needs rows with a 'demonstration' field (the dataset "
+          f"{r.get('data_source')!r} has none)"
+      )
     comps.append((tok.encode(r["demonstration"]) + [tok.eos_id])[:completion_length])
   comp_ids = np.full((len(comps), completion_length), tok.pad_id, np.int32)
   comp_mask = np.zeros((len(comps), completion_length), np.int32)
   for i, c in enumerate(comps):
-    comp_ids[i, :len(c)] = c
-    comp_mask[i, :len(c)] = 1
-  return dict(tokens=np.concatenate([b["prompt_ids"], comp_ids], 1),
-              attention_mask=np.concatenate([b["prompt_mask"], comp_mask], 1),
-              loss_mask=comp_mask)
+    comp_ids[i, : len(c)] = c
+    comp_mask[i, : len(c)] = 1
+  return dict(
+      tokens=np.concatenate([b["prompt_ids"], comp_ids], 1),
+      attention_mask=np.concatenate([b["prompt_mask"], comp_mask], 1),
+      loss_mask=comp_mask,
+  )

@@ -1,10 +1,11 @@
 """The loop's prompts: the train/eval prompt sets, a step's batch, the next batch ahead.
 
-    train_data, eval_data = prompt_data(config, tokenizer)
-    prompts = NextPrompts(config, train_data, train_iter, mesh)
-    batch, prompt = prompts.take()   # this process's rows (host) + global {"ids", "mask"}
-    prompts.prefetch()               # while the device runs the update
+train_data, eval_data = prompt_data(config, tokenizer)
+prompts = NextPrompts(config, train_data, train_iter, mesh)
+batch, prompt = prompts.take()   # this process's rows (host) + global {"ids", "mask"}
+prompts.prefetch()               # while the device runs the update
 """
+
 from absl import logging
 import numpy as np
 
@@ -15,23 +16,33 @@ from grpo_jax.parallel import multihost
 def prompt_data(config, tokenizer):
   """Train and eval prompts, rendered, tokenized and left-padded once."""
   if tokenizer.vocab_size > config.model.vocab_size and not config.model.hf_path:
-    raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size="
-                     f"{config.model.vocab_size}: set --config.model.vocab_size >= "
-                     f"{tokenizer.vocab_size}")
+    raise ValueError(
+        f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size="
+        f"{config.model.vocab_size}: set --config.model.vocab_size >= "
+        f"{tokenizer.vocab_size}"
+    )
   train_rows, eval_rows = data_lib.load_rows(config)
   if config.eval.num_examples:
-    eval_rows = eval_rows[:config.eval.num_examples]
-  kw = dict(template=config.data.template, max_prompt_length=config.max_prompt_length,
-            system_prompt=data_lib.system_prompt(config.data.system_prompt))
+    eval_rows = eval_rows[: config.eval.num_examples]
+  kw = dict(
+      template=config.data.template,
+      max_prompt_length=config.max_prompt_length,
+      system_prompt=data_lib.system_prompt(config.data.system_prompt),
+  )
   train_data = data_lib.PromptData(train_rows, tokenizer, **kw)
   if config.data.overlong_prompts == "drop" and train_data.num_truncated:
     keep = np.flatnonzero(~train_data.truncated)
     if not len(keep):
-      raise ValueError(f"every train prompt is longer than max_prompt_length="
-                       f"{config.max_prompt_length} tokens. Fix: raise max_prompt_length, or "
-                       "set data.overlong_prompts=truncate")
-    logging.warning("data.overlong_prompts=drop: %d of %d train prompts dropped",
-                    train_data.num_truncated, len(train_data))
+      raise ValueError(
+          f"every train prompt is longer than max_prompt_length="
+          f"{config.max_prompt_length} tokens. Fix: raise max_prompt_length, or "
+          "set data.overlong_prompts=truncate"
+      )
+    logging.warning(
+        "data.overlong_prompts=drop: %d of %d train prompts dropped",
+        train_data.num_truncated,
+        len(train_data),
+    )
     train_data = train_data.select(keep)
   return train_data, data_lib.PromptData(eval_rows, tokenizer, **kw)
 
@@ -40,9 +51,13 @@ def prompt_batch(config, train_data, indices_b, mesh) -> dict:
   """This process's rows of the global batch `indices_b` [B], as PromptData.batch gives them,
   at the width data.prompt_width picks from the whole global batch (the same on every
   process)."""
-  return dict(train_data.batch(indices_b[multihost.process_rows(mesh, config.batch_size)],
-                               train_data.width(indices_b, config.data.prompt_width)),
-              global_rows=config.batch_size)
+  return dict(
+      train_data.batch(
+          indices_b[multihost.process_rows(mesh, config.batch_size)],
+          train_data.width(indices_b, config.data.prompt_width),
+      ),
+      global_rows=config.batch_size,
+  )
 
 
 class NextPrompts:
@@ -62,8 +77,10 @@ class NextPrompts:
   def _prepare(self, indices_b):
     batch = prompt_batch(self.config, self.data, indices_b, self.mesh)
     rows = self.config.batch_size
-    return batch, {"ids": multihost.to_global(batch["prompt_ids"], self.mesh, rows),
-                   "mask": multihost.to_global(batch["prompt_mask"], self.mesh, rows)}
+    return batch, {
+        "ids": multihost.to_global(batch["prompt_ids"], self.mesh, rows),
+        "mask": multihost.to_global(batch["prompt_mask"], self.mesh, rows),
+    }
 
   def prefetch(self):
     """Prepares the batch the next `take()` gives (once: again is a no-op until it is taken)."""

@@ -6,6 +6,7 @@ needs `config.data.{split}_path`; "arithmetic" generates its rows from `config.d
 and the seed. A reader added to either READERS is a valid source here and in the config
 validator.
 """
+
 from grpo_jax.data import arithmetic
 from grpo_jax.data import datasets
 from grpo_jax.data import tables
@@ -20,8 +21,15 @@ def _read(config, source: str, path: str, split: str) -> list[dict]:
   if source == ARITHMETIC:
     a = config.data.arithmetic
     n = a.num_train if split == "train" else a.num_test
-    return arithmetic.arithmetic_rows(n, split=split, seed=config.seed, digits=a.digits,
-                                      num_ops=a.num_ops, ops=a.ops, style=a.demonstration)
+    return arithmetic.arithmetic_rows(
+        n,
+        split=split,
+        seed=config.seed,
+        digits=a.digits,
+        num_ops=a.num_ops,
+        ops=a.ops,
+        style=a.demonstration,
+    )
   if source in tables.READERS:
     return tables.READERS[source](path, config.data.columns, split)
   if source not in datasets.READERS:
@@ -35,8 +43,10 @@ def load_rows(config) -> tuple[list[dict], list[dict]]:
   train = _read(config, d.train_source, d.train_path, "train")
   if d.heldout_rows:  # the eval split is the train file's tail
     if d.heldout_rows >= len(train):
-      raise ValueError(f"data.heldout_rows={d.heldout_rows} leaves no train rows: "
-                       f"{d.train_path or d.train_source} has {len(train)}. Fix: use fewer "
-                       "held-out rows")
-    return train[:-d.heldout_rows], train[-d.heldout_rows:]
+      raise ValueError(
+          f"data.heldout_rows={d.heldout_rows} leaves no train rows: "
+          f"{d.train_path or d.train_source} has {len(train)}. Fix: use fewer "
+          "held-out rows"
+      )
+    return train[: -d.heldout_rows], train[-d.heldout_rows :]
   return train, _read(config, d.eval_source, d.eval_path, "test")

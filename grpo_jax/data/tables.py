@@ -29,6 +29,7 @@ files), so start-up holds the Python rows, not the file's table beside them. Eve
 refused here, at start-up, naming the file, the row (0-based, as `ds[i]` / pandas count) and
 the column, with the fix.
 """
+
 import fnmatch
 import os
 
@@ -39,14 +40,24 @@ from grpo_jax.data.datasets import check_prompt
 FIELDS = ("prompt", "ground_truth", "data_source", "extra_info", "demonstration")
 VERL_GROUND_TRUTH = "reward_model.ground_truth"
 _BATCH_ROWS = 4096
-_HF_FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json",
-               ".csv": "csv"}
+_HF_FORMATS = {
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+}
 
 
 def column_map(columns=None) -> dict:
   """data.columns (a ConfigDict or dict; missing fields take their defaults) as a dict."""
-  out = dict(prompt="prompt", ground_truth="", data_source="data_source",
-             extra_info="extra_info", demonstration="")
+  out = dict(
+      prompt="prompt",
+      ground_truth="",
+      data_source="data_source",
+      extra_info="extra_info",
+      demonstration="",
+  )
   for k, v in dict(columns or {}).items():
     if k not in out:
       raise ValueError(f"data.columns.{k}: unknown field; known: {', '.join(FIELDS)}")
@@ -58,8 +69,10 @@ def _need(module: str, source: str):
   try:
     return __import__(module, fromlist=["_"])
   except ImportError:
-    raise DataError(f"data source {source!r} needs the {module.split('.')[0]} package. Fix: "
-                    "pip install -e '.[data]'") from None
+    raise DataError(
+        f"data source {source!r} needs the {module.split('.')[0]} package. Fix: "
+        "pip install -e '.[data]'"
+    ) from None
 
 
 # ----------------------------------------------------------------------------- files
@@ -72,8 +85,11 @@ def expand(path: str, suffixes=(".parquet",)) -> list[str]:
     folder, pattern = os.path.split(path)
     if not paths.isdir(folder):
       raise DataError(f"{path}: the folder {folder} does not exist")
-    found = sorted(os.fspath(p) for p in paths.path(folder).iterdir()
-                   if fnmatch.fnmatch(p.name, pattern) and not p.is_dir())
+    found = sorted(
+        os.fspath(p)
+        for p in paths.path(folder).iterdir()
+        if fnmatch.fnmatch(p.name, pattern) and not p.is_dir()
+    )
     if not found:
       raise DataError(f"{path}: no file matches. Fix: check the pattern and the folder")
     return found
@@ -115,6 +131,7 @@ def _getter(name: str):
         return _MISSING
       node = node[part]
     return node
+
   return get
 
 
@@ -129,21 +146,24 @@ class _Converter:
     self.where, self.cols = where, dict(cols)
     names = sorted(first)
     if not self.cols["ground_truth"]:
-      self.cols["ground_truth"] = (VERL_GROUND_TRUTH if _has(first, VERL_GROUND_TRUTH) else
-                                   "ground_truth")
+      self.cols["ground_truth"] = (
+          VERL_GROUND_TRUTH if _has(first, VERL_GROUND_TRUTH) else "ground_truth"
+      )
     for field in ("prompt", "ground_truth"):
       if not _has(first, self.cols[field]):
         raise DataError(
             f"{where}: no column '{self.cols[field]}' for the {field} (columns: {names}). "
-            f"Fix: --config.data.columns.{field}=<one of them>" + (
-                "" if field == "prompt" else
-                " (or a nested one, e.g. reward_model.ground_truth)"))
+            f"Fix: --config.data.columns.{field}=<one of them>"
+            + ("" if field == "prompt" else " (or a nested one, e.g. reward_model.ground_truth)")
+        )
     if self.cols["demonstration"] and not _has(first, self.cols["demonstration"]):
       if split != "train":  # demonstrations serve the SFT warm start, on train rows only
         self.cols["demonstration"] = ""
       else:
-        raise DataError(f"{where}: no column '{self.cols['demonstration']}' for "
-                        f"data.columns.demonstration (columns: {names})")
+        raise DataError(
+            f"{where}: no column '{self.cols['demonstration']}' for "
+            f"data.columns.demonstration (columns: {names})"
+        )
     self.get = {f: _getter(n) for f, n in self.cols.items() if n}
     if not _has(first, self.cols["data_source"]):
       self.get["data_source"] = lambda rec: ""
@@ -159,25 +179,35 @@ class _Converter:
     truth = _ground_truth(None if truth is _MISSING else truth, at, c["ground_truth"])
     data_source = get["data_source"](rec)
     if type(data_source) is not str:
-      raise DataError(f"{at}: column '{c['data_source']}' should be a string, got "
-                      f"{type(data_source).__name__} {str(data_source)[:40]!r}")
+      raise DataError(
+          f"{at}: column '{c['data_source']}' should be a string, got "
+          f"{type(data_source).__name__} {str(data_source)[:40]!r}"
+      )
     columns = {k: rec[k] for k in self.kw_columns}
     if self.has_extra:
       extra = get["extra_info"](rec)
       if extra is not None and not isinstance(extra, dict):
-        raise DataError(f"{at}: column '{c['extra_info']}' should be a struct/dict, got "
-                        f"{type(extra).__name__}. Fix: --config.data.columns.extra_info=<a "
-                        "dict column>, or one that does not exist (the other columns then)")
+        raise DataError(
+            f"{at}: column '{c['extra_info']}' should be a struct/dict, got "
+            f"{type(extra).__name__}. Fix: --config.data.columns.extra_info=<a "
+            "dict column>, or one that does not exist (the other columns then)"
+        )
       extra = extra or {}
     else:
       extra = columns
-    out = dict(prompt=prompt, ground_truth=truth, data_source=data_source, extra_info=extra,
-               columns=columns)
+    out = dict(
+        prompt=prompt,
+        ground_truth=truth,
+        data_source=data_source,
+        extra_info=extra,
+        columns=columns,
+    )
     if c["demonstration"]:
       demo = get["demonstration"](rec)
       if not isinstance(demo, str):
-        raise DataError(f"{at}: column '{c['demonstration']}' should be a string, got "
-                        f"{type(demo).__name__}")
+        raise DataError(
+            f"{at}: column '{c['demonstration']}' should be a string, got " f"{type(demo).__name__}"
+        )
       out["demonstration"] = demo
     return out
 
@@ -188,12 +218,16 @@ def _ground_truth(v, at: str, column: str):
   if v is None:
     raise DataError(f"{at}: column '{column}' is empty (null). Fix: fill it or drop the row")
   if isinstance(v, bool) or not isinstance(v, (str, int, float, list, tuple)):
-    raise DataError(f"{at}: column '{column}' should be a string, a number or a list of "
-                    f"strings, got {type(v).__name__} {str(v)[:40]!r}")
+    raise DataError(
+        f"{at}: column '{column}' should be a string, a number or a list of "
+        f"strings, got {type(v).__name__} {str(v)[:40]!r}"
+    )
   if isinstance(v, (list, tuple)):
     if not v or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in v):
-      raise DataError(f"{at}: column '{column}' should be a non-empty list of strings or "
-                      f"numbers, got {str(v)[:60]!r}")
+      raise DataError(
+          f"{at}: column '{column}' should be a non-empty list of strings or "
+          f"numbers, got {str(v)[:60]!r}"
+      )
     return [str(a) for a in v]
   if isinstance(v, float) and v.is_integer():
     v = int(v)
@@ -229,9 +263,11 @@ def read_parquet(path: str, columns=None, split: str = "train") -> list[dict]:
     except DataError:
       raise
     except Exception as e:  # noqa: BLE001  pyarrow's many error types: not a parquet file
-      raise DataError(f"{f}: not a readable parquet file ({type(e).__name__}: "
-                      f"{str(e)[:200]}). Fix: point data.*_path at parquet files (verl's "
-                      "preprocessing writes them with Dataset.to_parquet)") from None
+      raise DataError(
+          f"{f}: not a readable parquet file ({type(e).__name__}: "
+          f"{str(e)[:200]}). Fix: point data.*_path at parquet files (verl's "
+          "preprocessing writes them with Dataset.to_parquet)"
+      ) from None
     if n == 0:
       raise DataError(f"{f}: no rows")
   _need("pyarrow", "parquet").default_memory_pool().release_unused()  # the batches' buffers
@@ -241,7 +277,8 @@ def read_parquet(path: str, columns=None, split: str = "train") -> list[dict]:
 def _saved_dataset(path: str) -> bool:
   p = paths.path(path)
   return paths.isdir(path) and any(
-      (p / n).exists() for n in ("dataset_dict.json", "state.json", "dataset_info.json"))
+      (p / n).exists() for n in ("dataset_dict.json", "state.json", "dataset_info.json")
+  )
 
 
 def _split_of(ds, path: str, split: str):
@@ -253,9 +290,11 @@ def _split_of(ds, path: str, split: str):
       return ds[n], n
   if len(names) == 1:
     return ds[names[0]], names[0]
-  raise DataError(f"{path}: a DatasetDict with splits {names} and none named "
-                  f"{' / '.join(want)}. Fix: point data.{'train' if split == 'train' else 'eval'}"
-                  f"_path at {path}/<split>")
+  raise DataError(
+      f"{path}: a DatasetDict with splits {names} and none named "
+      f"{' / '.join(want)}. Fix: point data.{'train' if split == 'train' else 'eval'}"
+      f"_path at {path}/<split>"
+  )
 
 
 def read_hf_dataset(path: str, columns=None, split: str = "train") -> list[dict]:
@@ -267,8 +306,9 @@ def read_hf_dataset(path: str, columns=None, split: str = "train") -> list[dict]
     try:
       ds = datasets.load_from_disk(path)
     except Exception as e:  # noqa: BLE001
-      raise DataError(f"{path}: datasets.load_from_disk failed ({type(e).__name__}: "
-                      f"{str(e)[:200]})") from None
+      raise DataError(
+          f"{path}: datasets.load_from_disk failed ({type(e).__name__}: " f"{str(e)[:200]})"
+      ) from None
     where = path
     if isinstance(ds, datasets.DatasetDict):
       ds, name = _split_of(ds, path, split)
@@ -277,13 +317,16 @@ def read_hf_dataset(path: str, columns=None, split: str = "train") -> list[dict]
     files = expand(path, tuple(_HF_FORMATS))
     kinds = {_HF_FORMATS.get(os.path.splitext(f)[1]) for f in files}
     if None in kinds or len(kinds) != 1:
-      raise DataError(f"{path}: expected a save_to_disk folder, or files of one format "
-                      f"({', '.join(_HF_FORMATS)}); got {[os.path.basename(f) for f in files][:5]}")
+      raise DataError(
+          f"{path}: expected a save_to_disk folder, or files of one format "
+          f"({', '.join(_HF_FORMATS)}); got {[os.path.basename(f) for f in files][:5]}"
+      )
     try:
       ds = datasets.load_dataset(kinds.pop(), data_files=files, split="train")
     except Exception as e:  # noqa: BLE001  datasets' loaders raise many kinds
-      raise DataError(f"{path}: datasets could not read it ({type(e).__name__}: "
-                      f"{str(e)[:200]})") from None
+      raise DataError(
+          f"{path}: datasets could not read it ({type(e).__name__}: " f"{str(e)[:200]})"
+      ) from None
     where = path
   rows = []
 

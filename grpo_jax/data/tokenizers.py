@@ -7,6 +7,7 @@ and the chat template a folder ships (`chat_template`, `special_tokens`; data/ch
   with tokenizer.json, or vocab.json + merges.txt (Qwen's published files), via the
   `tokenizers` package; no hub access.
 """
+
 import json
 from typing import Protocol, Sequence
 
@@ -23,15 +24,26 @@ class Tokenizer(Protocol):
   chat_template: str | None  # jinja source, None when the tokenizer has none
   special_tokens: dict[str, str]  # bos_token, eos_token, ... as the template sees them
 
-  def encode(self, text: str) -> list[int]: ...
+  def encode(self, text: str) -> list[int]:
+    ...
 
-  def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
+  def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+    ...
 
 
-CHAR_SPECIALS = ("<pad>", "<eos>", "<reasoning>", "</reasoning>", "<answer>", "</answer>",
-                 "<think>", "</think>")
-CHAR_ALPHABET = ("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-                 " \n+-*/=()[].,?!:;'\"%$#&<>_")
+CHAR_SPECIALS = (
+    "<pad>",
+    "<eos>",
+    "<reasoning>",
+    "</reasoning>",
+    "<answer>",
+    "</answer>",
+    "<think>",
+    "</think>",
+)
+CHAR_ALPHABET = (
+    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" " \n+-*/=()[].,?!:;'\"%$#&<>_"
+)
 
 
 class CharTokenizer:
@@ -61,8 +73,10 @@ class CharTokenizer:
       else:
         ch = text[i]
         if ch not in self.stoi:
-          raise ValueError(f"character {ch!r} at offset {i} of {text[:40]!r} is not in the "
-                           "char tokenizer's alphabet (grpo_jax.data.tokenizers.CHAR_ALPHABET)")
+          raise ValueError(
+              f"character {ch!r} at offset {i} of {text[:40]!r} is not in the "
+              "char tokenizer's alphabet (grpo_jax.data.tokenizers.CHAR_ALPHABET)"
+          )
         ids.append(self.stoi[ch])
         i += 1
     return ids
@@ -78,23 +92,41 @@ class CharTokenizer:
     table = self.__dict__.get("_skip")
     if table is None:
       table = self.__dict__["_skip"] = [
-          "" if i in (self.pad_id, self.eos_id) else s for i, s in enumerate(self.itos)]
+          "" if i in (self.pad_id, self.eos_id) else s for i, s in enumerate(self.itos)
+      ]
     return table
 
 
 # Qwen2's pre-tokenization split (from its tokenizer.json).
-_QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
-               r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Qwen3 added tokens beyond Qwen2's three (ids from Qwen3's tokenizer_config.json).
 QWEN3_EXTRA_TOKENS = {
-    "<|object_ref_start|>": 151646, "<|object_ref_end|>": 151647, "<|box_start|>": 151648,
-    "<|box_end|>": 151649, "<|quad_start|>": 151650, "<|quad_end|>": 151651,
-    "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|vision_pad|>": 151654,
-    "<|image_pad|>": 151655, "<|video_pad|>": 151656, "<tool_call>": 151657,
-    "</tool_call>": 151658, "<|fim_prefix|>": 151659, "<|fim_middle|>": 151660,
-    "<|fim_suffix|>": 151661, "<|fim_pad|>": 151662, "<|repo_name|>": 151663,
-    "<|file_sep|>": 151664, "<tool_response>": 151665, "</tool_response>": 151666,
-    "<think>": 151667, "</think>": 151668,
+    "<|object_ref_start|>": 151646,
+    "<|object_ref_end|>": 151647,
+    "<|box_start|>": 151648,
+    "<|box_end|>": 151649,
+    "<|quad_start|>": 151650,
+    "<|quad_end|>": 151651,
+    "<|vision_start|>": 151652,
+    "<|vision_end|>": 151653,
+    "<|vision_pad|>": 151654,
+    "<|image_pad|>": 151655,
+    "<|video_pad|>": 151656,
+    "<tool_call>": 151657,
+    "</tool_call>": 151658,
+    "<|fim_prefix|>": 151659,
+    "<|fim_middle|>": 151660,
+    "<|fim_suffix|>": 151661,
+    "<|fim_pad|>": 151662,
+    "<|repo_name|>": 151663,
+    "<|file_sep|>": 151664,
+    "<tool_response>": 151665,
+    "</tool_response>": 151666,
+    "<think>": 151667,
+    "</think>": 151668,
 }
 
 
@@ -115,6 +147,7 @@ class HFTokenizer:
 
   def __init__(self, path: str, *, add_qwen3_tokens: bool = True):
     import tokenizers
+
     if not paths.isdir(path):
       raise FileNotFoundError(f"tokenizer folder {path!r} does not exist")
     folder = paths.path(path)
@@ -135,8 +168,9 @@ class HFTokenizer:
     self.special_ids = {self._tok.token_to_id(t) for t in added}
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     eos = _token_str(config.get("eos_token")) or "<|endoftext|>"
-    pad = (_token_str(config.get("pad_token")) or
-           ("<|endoftext|>" if self._tok.token_to_id("<|endoftext|>") is not None else eos))
+    pad = _token_str(config.get("pad_token")) or (
+        "<|endoftext|>" if self._tok.token_to_id("<|endoftext|>") is not None else eos
+    )
     self.eos_id = self._id(eos)
     self.pad_id = self._id(pad)
     stops = [self.eos_id] + [self._tok.token_to_id(t) for t in STOP_TOKENS]
@@ -144,18 +178,21 @@ class HFTokenizer:
     self.path = path
     self.chat_template = chat_template_lib.read(path, config)
     self.special_tokens = chat_template_lib.special_tokens(
-        config, _read_json(folder / "special_tokens_map.json"))
+        config, _read_json(folder / "special_tokens_map.json")
+    )
 
   def _add_specials(self, added: dict[str, int]):
     import tokenizers
+
     for content, want in sorted(added.items(), key=lambda kv: kv[1]):
       have = self._tok.token_to_id(content)
       if have is None:
         n = self._tok.get_vocab_size(with_added_tokens=True)
         if n != want:
           raise ValueError(f"special token {content!r} should have id {want} but would get {n}")
-        self._tok.add_special_tokens([tokenizers.AddedToken(content, special=True,
-                                                            normalized=False)])
+        self._tok.add_special_tokens(
+            [tokenizers.AddedToken(content, special=True, normalized=False)]
+        )
       elif have != want:
         raise ValueError(f"special token {content!r} has id {have}, config says {want}")
 
@@ -181,12 +218,17 @@ def _bpe_from_files(vocab: str, merges: str):
   from tokenizers import models
   from tokenizers import normalizers
   from tokenizers import pre_tokenizers
-  tok = tokenizers.Tokenizer(models.BPE.from_file(vocab, merges, fuse_unk=False,
-                                                  byte_fallback=False))
+
+  tok = tokenizers.Tokenizer(
+      models.BPE.from_file(vocab, merges, fuse_unk=False, byte_fallback=False)
+  )
   tok.normalizer = normalizers.NFC()
-  tok.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(tokenizers.Regex(_QWEN_SPLIT), behavior="isolated", invert=False),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  tok.pre_tokenizer = pre_tokenizers.Sequence(
+      [
+          pre_tokenizers.Split(tokenizers.Regex(_QWEN_SPLIT), behavior="isolated", invert=False),
+          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+      ]
+  )
   tok.decoder = decoders.ByteLevel()
   return tok
 
@@ -197,8 +239,9 @@ def _read_json(path) -> dict:
   try:
     return json.loads(paths.read_text(path))
   except (ValueError, UnicodeDecodeError) as e:
-    raise ValueError(f"{path}: not valid JSON ({e}). Fix: repair or delete the file (it is "
-                     "optional)") from None
+    raise ValueError(
+        f"{path}: not valid JSON ({e}). Fix: repair or delete the file (it is " "optional)"
+    ) from None
 
 
 def _token_str(tok) -> str | None:

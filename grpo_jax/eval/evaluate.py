@@ -6,6 +6,7 @@ accuracy/partial/format, ROUGE for summarization, code pass rate, exact match), 
 the sampling configs also report pass@k (unbiased, k in `eval.pass_k`). Each process scores
 its own rows; sums are combined over processes, so the figures are over the whole split.
 """
+
 import time
 
 from absl import logging
@@ -18,9 +19,19 @@ from grpo_jax.parallel import sharding
 from grpo_jax.data import pipeline
 
 
-def evaluate(engines, params, data: pipeline.PromptData, *, generation_configs,
-             batch_size: int, rng, decode, rows=None, ks=(),
-             mesh=None) -> dict[str, dict[str, float]]:
+def evaluate(
+    engines,
+    params,
+    data: pipeline.PromptData,
+    *,
+    generation_configs,
+    batch_size: int,
+    rng,
+    decode,
+    rows=None,
+    ks=(),
+    mesh=None,
+) -> dict[str, dict[str, float]]:
   """-> {generation config: {metric: value, ..., "num_examples"}} (metrics: eval/tasks.py).
 
   `engines(name) -> (rollout engine, samples per prompt)` for a generation config;
@@ -35,20 +46,31 @@ def evaluate(engines, params, data: pipeline.PromptData, *, generation_configs,
     t0 = time.time()
     engine, n = engines(name)
     tally = eval_tasks.Tally(ks if n > 1 else ())
-    for bi, (indices, valid) in enumerate(pipeline.eval_batches(len(data), batch_size,
-                                                                rows=rows)):
+    for bi, (indices, valid) in enumerate(pipeline.eval_batches(len(data), batch_size, rows=rows)):
       batch = dict(data.batch(indices), global_rows=batch_size)
       n_key = gi * 100_003 + bi
-      key = (jax.random.fold_in(rng, n_key) if mesh is None else
-             jax.random.fold_in(rng, multihost.replicated(np.uint32(n_key), mesh)))
+      key = (
+          jax.random.fold_in(rng, n_key)
+          if mesh is None
+          else jax.random.fold_in(rng, multihost.replicated(np.uint32(n_key), mesh))
+      )
       rollout = engine.generate(params, batch, key, name)
       tokens, mask = multihost.local_rows((rollout.tokens, rollout.mask))
       real = [p for p, ok in enumerate(valid) if ok]  # this process's prompts, not padding
-      tally.add([decode(tokens[p * n + j], mask[p * n + j]) for p in real for j in range(n)],
-                [batch["rows"][p] for p in real for _ in range(n)], n)
+      tally.add(
+          [decode(tokens[p * n + j], mask[p * n + j]) for p in real for j in range(n)],
+          [batch["rows"][p] for p in real for _ in range(n)],
+          n,
+      )
     results[name] = tally.results(multihost.sum_over_processes(tally.sums))
-    logging.info("eval %-8s %s (%d examples x %d, %.1fs)", name, _line(results[name]),
-                 results[name]["num_examples"], n, time.time() - t0)
+    logging.info(
+        "eval %-8s %s (%d examples x %d, %.1fs)",
+        name,
+        _line(results[name]),
+        results[name]["num_examples"],
+        n,
+        time.time() - t0,
+    )
   return results
 
 
@@ -70,8 +92,9 @@ class Evaluator:
   configs when eval.num_samples > 1.
   """
 
-  def __init__(self, config, engine, data: pipeline.PromptData, mesh, *, decode, writer,
-               sample_engine=None):
+  def __init__(
+      self, config, engine, data: pipeline.PromptData, mesh, *, decode, writer, sample_engine=None
+  ):
     self.engine = engine
     self.num_samples = config.eval.num_samples if sample_engine is not None else 1
     self.sample_engine = sample_engine
@@ -90,17 +113,33 @@ class Evaluator:
     return self.sample_engine, self.num_samples
 
   def __call__(self, params, step: int, rng) -> dict:
-    results = evaluate(self._engines, params, self.data,
-                       generation_configs=self.generation_configs, batch_size=self.batch_size,
-                       rng=rng, decode=self.decode, rows=self.rows, ks=self.ks,
-                       mesh=self.mesh)
+    results = evaluate(
+        self._engines,
+        params,
+        self.data,
+        generation_configs=self.generation_configs,
+        batch_size=self.batch_size,
+        rng=rng,
+        decode=self.decode,
+        rows=self.rows,
+        ks=self.ks,
+        mesh=self.mesh,
+    )
     self.writer.write_scalars(step, as_scalars(results))
     return results
 
   def accuracy(self, params, data: pipeline.PromptData, rng) -> float:
-    results = evaluate(lambda name: (self.engine, 1), params, data,
-                       generation_configs=("greedy",), batch_size=self.batch_size, rng=rng,
-                       decode=self.decode, rows=self.rows, mesh=self.mesh)
+    results = evaluate(
+        lambda name: (self.engine, 1),
+        params,
+        data,
+        generation_configs=("greedy",),
+        batch_size=self.batch_size,
+        rng=rng,
+        decode=self.decode,
+        rows=self.rows,
+        mesh=self.mesh,
+    )
     return eval_tasks.primary_metric(results["greedy"])[1]
 
 

@@ -13,6 +13,7 @@
 `TASKS[name].score(completions, rows) -> {metric: [per-row floats]}`; `correct` names the
 metric that makes a sample count as solved for pass@k (None: no pass@k, e.g. ROUGE).
 """
+
 import dataclasses
 import math
 import re
@@ -34,21 +35,28 @@ class Task:
 
 
 def _math(completions, rows):
-  flags = np.array([eval_flags(c, r["ground_truth"]) for c, r in zip(completions, rows)],
-                   np.float64).reshape(-1, 3)
+  flags = np.array(
+      [eval_flags(c, r["ground_truth"]) for c, r in zip(completions, rows)], np.float64
+  ).reshape(-1, 3)
   return dict(zip(("accuracy", "partial_accuracy", "format_accuracy"), flags.T))
 
 
 def _summarization(completions, rows):
   from grpo_jax.rewards.rouge import rouge_scores
+
   scores = [rouge_scores(c, str(r["ground_truth"])) for c, r in zip(completions, rows)]
   return {k: [s[k] for s in scores] for k in ("rouge1", "rouge2", "rougeL")}
 
 
 def _code(completions, rows):
   from grpo_jax.rewards import code
-  rates = np.asarray(code.code_tests(None, completions, [r["ground_truth"] for r in rows],
-                                     [r.get("extra_info") for r in rows]), np.float64)
+
+  rates = np.asarray(
+      code.code_tests(
+          None, completions, [r["ground_truth"] for r in rows], [r.get("extra_info") for r in rows]
+      ),
+      np.float64,
+  )
   return {"pass_rate": rates, "accuracy": (rates >= 1.0).astype(np.float64)}
 
 
@@ -66,16 +74,31 @@ def _exact_match(completions, rows):
   return {"accuracy": out}
 
 
-TASKS = {t.name: t for t in (
-    Task("math", ("accuracy", "partial_accuracy", "format_accuracy"), "accuracy", "accuracy",
-         _math),
-    Task("summarization", ("rouge1", "rouge2", "rougeL"), "rougeL", None, _summarization),
-    Task("code", ("pass_rate", "accuracy"), "accuracy", "accuracy", _code),
-    Task("exact_match", ("accuracy",), "accuracy", "accuracy", _exact_match),
-)}
-_SOURCES = {"gsm8k": "math", "arithmetic": "math", "math": "math",
-            "summarization": "summarization", "xsum": "summarization",
-            "cnn_dailymail": "summarization", "code": "code", "code_generation": "code"}
+TASKS = {
+    t.name: t
+    for t in (
+        Task(
+            "math",
+            ("accuracy", "partial_accuracy", "format_accuracy"),
+            "accuracy",
+            "accuracy",
+            _math,
+        ),
+        Task("summarization", ("rouge1", "rouge2", "rougeL"), "rougeL", None, _summarization),
+        Task("code", ("pass_rate", "accuracy"), "accuracy", "accuracy", _code),
+        Task("exact_match", ("accuracy",), "accuracy", "accuracy", _exact_match),
+    )
+}
+_SOURCES = {
+    "gsm8k": "math",
+    "arithmetic": "math",
+    "math": "math",
+    "summarization": "summarization",
+    "xsum": "summarization",
+    "cnn_dailymail": "summarization",
+    "code": "code",
+    "code_generation": "code",
+}
 
 
 def task_of(data_source: str) -> Task:
@@ -99,7 +122,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def default_ks(n: int) -> tuple[int, ...]:
   """1, 2, 4, ... up to n, and n itself."""
-  return tuple(sorted({1, n} | {2 ** i for i in range(n.bit_length()) if 2 ** i <= n}))
+  return tuple(sorted({1, n} | {2**i for i in range(n.bit_length()) if 2**i <= n}))
 
 
 class Tally:
@@ -131,8 +154,7 @@ class Tally:
       if t.correct:
         solved = np.asarray(scores[t.correct]).reshape(-1, n).sum(-1)  # per prompt
         for k in self.ks:
-          self.sums[self._index[name, f"pass@{k}"]] += sum(pass_at_k(n, int(c), k)
-                                                           for c in solved)
+          self.sums[self._index[name, f"pass@{k}"]] += sum(pass_at_k(n, int(c), k) for c in solved)
 
   def results(self, sums=None) -> dict[str, float]:
     """{metric: mean}; with rows of several tasks the names are "<task>/<metric>"."""
@@ -146,8 +168,7 @@ class Tally:
         out[prefix + metric] = float(sums[self._index[t.name, metric]] / rows)
       for k in (self.ks if t.correct else ()):
         out[f"{prefix}pass@{k}"] = float(sums[self._index[t.name, f"pass@{k}"]] / prompts)
-    out["num_examples"] = int(round(sum(sums[self._index[t.name, "_prompts"]]
-                                        for t in present)))
+    out["num_examples"] = int(round(sum(sums[self._index[t.name, "_prompts"]] for t in present)))
     return out
 
 

@@ -27,6 +27,7 @@ Writes WORKDIR/summary.json: heldout_accuracy (after the last epoch), wall_time_
 data, compile, training, evaluation), compile_sec, per-epoch held-out accuracy, mean reward and
 seconds, the settings and the data used.
 """
+
 import dataclasses
 import functools
 import gzip
@@ -52,8 +53,10 @@ IMAGE_SIZE = 28
 HELDOUT_FRACTION = 0.2  # of a single set, when only one is there
 SPLIT_SEED = 0  # that split never depends on --seed
 # set name -> (images file, labels file); each may also be there as NAME.gz.
-SETS = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-        "t10k": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+SETS = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "t10k": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
 _IDX_MAGIC = {"images": 2051, "labels": 2049}
 _DOWNLOAD = "https://ossci-datasets.s3.amazonaws.com/mnist/"
 
@@ -61,6 +64,7 @@ _DOWNLOAD = "https://ossci-datasets.s3.amazonaws.com/mnist/"
 @dataclasses.dataclass(frozen=True)
 class Hparams:
   """Training settings; the flags below take their defaults from here."""
+
   epochs: int = 40
   batch_size: int = 256  # images (prompts) per update
   group_size: int = 32  # G labels sampled per image
@@ -73,6 +77,8 @@ class Hparams:
 
 
 _H = Hparams()
+
+
 def _define_flags():
   """Flags exist only when this file runs as the program (importing it, e.g. in the test
   process beside grpo_jax.infer, must not define a second --workdir)."""
@@ -81,26 +87,51 @@ def _define_flags():
   _DATA_DIR = flags.DEFINE_string("data_dir", None, "Folder with the MNIST idx files (see above).")
   _WORKDIR = flags.DEFINE_string("workdir", None, "Writes summary.json here (local or gs://).")
   _SEED = flags.DEFINE_integer("seed", 0, "Initialisation, shuffling, shifts and sampling.")
-  _EPOCHS = flags.DEFINE_integer("epochs", _H.epochs, "Passes over the training images.",
-                                 lower_bound=1)
-  _BATCH = flags.DEFINE_integer("batch_size", _H.batch_size, "Images per update (B).",
-                                lower_bound=1)
-  _GROUP = flags.DEFINE_integer("group_size", _H.group_size,
-                                "Labels sampled per image (G); a group of one has advantage 0.",
-                                lower_bound=2)
-  _LR = flags.DEFINE_float("lr", _H.lr, "AdamW learning rate at the start; it decays to 0 "
-                          "along a cosine over the run.", lower_bound=0)
+  _EPOCHS = flags.DEFINE_integer(
+      "epochs", _H.epochs, "Passes over the training images.", lower_bound=1
+  )
+  _BATCH = flags.DEFINE_integer(
+      "batch_size", _H.batch_size, "Images per update (B).", lower_bound=1
+  )
+  _GROUP = flags.DEFINE_integer(
+      "group_size",
+      _H.group_size,
+      "Labels sampled per image (G); a group of one has advantage 0.",
+      lower_bound=2,
+  )
+  _LR = flags.DEFINE_float(
+      "lr",
+      _H.lr,
+      "AdamW learning rate at the start; it decays to 0 " "along a cosine over the run.",
+      lower_bound=0,
+  )
   _WD = flags.DEFINE_float("weight_decay", _H.weight_decay, "AdamW weight decay.", lower_bound=0)
-  _CLIP = flags.DEFINE_float("clip_eps", _H.clip_eps,
-                             "PPO-clip range: ratios outside [1-eps, 1+eps] stop pulling; binds "
-                             "from the second update on a batch.", lower_bound=0)
-  _UPDATES = flags.DEFINE_integer("updates_per_batch", _H.updates_per_batch,
-                                  "Updates on each sampled batch (GRPO's mu).", lower_bound=1)
-  _SHIFT = flags.DEFINE_integer("shift", _H.shift,
-                                "Training images move by up to +-shift pixels in x and y (0: "
-                                "not at all).", lower_bound=0, upper_bound=IMAGE_SIZE - 1)
-  _ESTIMATOR = flags.DEFINE_enum("estimator", _H.estimator, list(rl.ADVANTAGE_ESTIMATORS.names()),
-                                 "Advantage estimator (rl.ADVANTAGE_ESTIMATORS).")
+  _CLIP = flags.DEFINE_float(
+      "clip_eps",
+      _H.clip_eps,
+      "PPO-clip range: ratios outside [1-eps, 1+eps] stop pulling; binds "
+      "from the second update on a batch.",
+      lower_bound=0,
+  )
+  _UPDATES = flags.DEFINE_integer(
+      "updates_per_batch",
+      _H.updates_per_batch,
+      "Updates on each sampled batch (GRPO's mu).",
+      lower_bound=1,
+  )
+  _SHIFT = flags.DEFINE_integer(
+      "shift",
+      _H.shift,
+      "Training images move by up to +-shift pixels in x and y (0: " "not at all).",
+      lower_bound=0,
+      upper_bound=IMAGE_SIZE - 1,
+  )
+  _ESTIMATOR = flags.DEFINE_enum(
+      "estimator",
+      _H.estimator,
+      list(rl.ADVANTAGE_ESTIMATORS.names()),
+      "Advantage estimator (rl.ADVANTAGE_ESTIMATORS).",
+  )
 
 
 # ------------------------------------------------------------------------------------ data
@@ -126,23 +157,29 @@ def read_idx(p, kind: str) -> np.ndarray:
     try:
       raw = gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as e:
-      raise DataError(f"{p}: not a readable gzip file ({e}). Fix: download it again from "
-                      f"{_DOWNLOAD}") from None
+      raise DataError(
+          f"{p}: not a readable gzip file ({e}). Fix: download it again from " f"{_DOWNLOAD}"
+      ) from None
   ndim = 3 if kind == "images" else 1
   header = 4 + 4 * ndim
   magic = int.from_bytes(raw[:4], "big") if len(raw) >= 4 else None
   if len(raw) < header or magic != _IDX_MAGIC[kind]:
-    raise DataError(f"{p}: not an idx {kind} file (magic number {magic}, expected "
-                    f"{_IDX_MAGIC[kind]}). Fix: use the MNIST *-{kind}-idx{ndim}-ubyte file "
-                    f"from {_DOWNLOAD}")
-  dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    raise DataError(
+        f"{p}: not an idx {kind} file (magic number {magic}, expected "
+        f"{_IDX_MAGIC[kind]}). Fix: use the MNIST *-{kind}-idx{ndim}-ubyte file "
+        f"from {_DOWNLOAD}"
+    )
+  dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
   if len(raw) - header != int(np.prod(dims)):
-    raise DataError(f"{p}: {len(raw) - header} data bytes, its header says {dims} = "
-                    f"{int(np.prod(dims))}: truncated or damaged. Fix: download it again from "
-                    f"{_DOWNLOAD}")
+    raise DataError(
+        f"{p}: {len(raw) - header} data bytes, its header says {dims} = "
+        f"{int(np.prod(dims))}: truncated or damaged. Fix: download it again from "
+        f"{_DOWNLOAD}"
+    )
   if kind == "images" and dims[1:] != [IMAGE_SIZE, IMAGE_SIZE]:
-    raise DataError(f"{p}: images are {dims[1]}x{dims[2]}, MNIST's are 28x28. Fix: use the "
-                    "MNIST files")
+    raise DataError(
+        f"{p}: images are {dims[1]}x{dims[2]}, MNIST's are 28x28. Fix: use the " "MNIST files"
+    )
   return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
 
 
@@ -159,15 +196,20 @@ def _read_set(root, name):
   if images_path is None:
     return None
   if labels_path is None:
-    raise DataError(f"{images_path} has no labels: {root / labels_name}(.gz) is missing. Fix: "
-                    f"put {labels_name}.gz (from {_DOWNLOAD}) next to it")
+    raise DataError(
+        f"{images_path} has no labels: {root / labels_name}(.gz) is missing. Fix: "
+        f"put {labels_name}.gz (from {_DOWNLOAD}) next to it"
+    )
   images_nhw, labels_n = read_idx(images_path, "images"), read_idx(labels_path, "labels")
   if len(images_nhw) != len(labels_n):
-    raise DataError(f"{images_path} holds {len(images_nhw)} images but {labels_path} "
-                    f"{len(labels_n)} labels. Fix: use the matching pair of files")
+    raise DataError(
+        f"{images_path} holds {len(images_nhw)} images but {labels_path} "
+        f"{len(labels_n)} labels. Fix: use the matching pair of files"
+    )
   if labels_n.max(initial=0) >= NUM_CLASSES:
-    raise DataError(f"{labels_path}: label {labels_n.max()} is not a digit. Fix: use the "
-                    "MNIST labels file")
+    raise DataError(
+        f"{labels_path}: label {labels_n.max()} is not a digit. Fix: use the " "MNIST labels file"
+    )
   return images_nhw, labels_n, f"{images_path.name} + {labels_path.name}"
 
 
@@ -175,13 +217,17 @@ def load_mnist(data_dir) -> Data:
   """Train / held-out images and labels from `data_dir` (module docstring: which files, how)."""
   root = paths.path(data_dir)
   if not root.is_dir():
-    raise DataError(f"--data_dir={data_dir} is not a folder. Fix: pass the folder holding the "
-                    "MNIST idx files, e.g. --data_dir=../shared/data/mnist")
+    raise DataError(
+        f"--data_dir={data_dir} is not a folder. Fix: pass the folder holding the "
+        "MNIST idx files, e.g. --data_dir=../shared/data/mnist"
+    )
   found = {name: s for name in SETS if (s := _read_set(root, name)) is not None}
   if not found:
-    raise DataError(f"no MNIST images in {root}: neither t10k-images-idx3-ubyte(.gz) nor "
-                    "train-images-idx3-ubyte(.gz) is there. Fix: put the images with their "
-                    f"labels files (from {_DOWNLOAD}) in it")
+    raise DataError(
+        f"no MNIST images in {root}: neither t10k-images-idx3-ubyte(.gz) nor "
+        "train-images-idx3-ubyte(.gz) is there. Fix: put the images with their "
+        f"labels files (from {_DOWNLOAD}) in it"
+    )
   if len(found) == 2:
     (tx, ty, tdesc), (hx, hy, hdesc) = found["train"], found["t10k"]
     return Data(tx, ty, hx, hy, f"train on {tdesc} ({len(tx)}), hold out {hdesc} ({len(hx)})")
@@ -189,8 +235,13 @@ def load_mnist(data_dir) -> Data:
   order = np.random.default_rng(SPLIT_SEED).permutation(len(images_nhw))
   num_held = round(len(order) * HELDOUT_FRACTION)
   held, train = np.sort(order[:num_held]), np.sort(order[num_held:])
-  return Data(images_nhw[train], labels_n[train], images_nhw[held], labels_n[held],
-              f"{desc}: fixed split, train on {len(train)}, hold out {len(held)}")
+  return Data(
+      images_nhw[train],
+      labels_n[train],
+      images_nhw[held],
+      labels_n[held],
+      f"{desc}: fixed split, train on {len(train)}, hold out {len(held)}",
+  )
 
 
 # ---------------------------------------------------------------------------------- policy
@@ -233,8 +284,15 @@ def grpo_loss(params, graphdef, images_bhw, sampled_bg, old_logp_bg, adv_bg, cli
   logp_bg = label_logprobs(nnx.merge(graphdef, params)(images_bhw), sampled_bg)
   n = sampled_bg.size
   mask_n1 = jnp.ones((n, 1), bool)
-  return rl.policy_loss(logp_bg.reshape(n, 1), old_logp_bg.reshape(n, 1), None,
-                        adv_bg.reshape(n), mask_n1, clip_eps=clip_eps, beta=0.0)
+  return rl.policy_loss(
+      logp_bg.reshape(n, 1),
+      old_logp_bg.reshape(n, 1),
+      None,
+      adv_bg.reshape(n),
+      mask_n1,
+      clip_eps=clip_eps,
+      beta=0.0,
+  )
 
 
 def grpo_batch(params, opt_state, images_bhw, labels_b, key, *, graphdef, tx, hp: Hparams):
@@ -254,12 +312,14 @@ def grpo_batch(params, opt_state, images_bhw, labels_b, key, *, graphdef, tx, hp
   def update(carry, _):
     params, opt_state = carry
     (loss, m), grads = jax.value_and_grad(grpo_loss, has_aux=True)(
-        params, graphdef, images_bhw, sampled_bg, old_logp_bg, adv_bg, hp.clip_eps)
+        params, graphdef, images_bhw, sampled_bg, old_logp_bg, adv_bg, hp.clip_eps
+    )
     updates, opt_state = tx.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), (loss, m["clip_frac"])
 
-  (params, opt_state), (loss_u, clip_u) = jax.lax.scan(update, (params, opt_state),
-                                                       length=hp.updates_per_batch)
+  (params, opt_state), (loss_u, clip_u) = jax.lax.scan(
+      update, (params, opt_state), length=hp.updates_per_batch
+  )
   metrics = {"reward": rewards_bg.mean(), "loss": loss_u.mean(), "clip_frac": clip_u.mean()}
   return params, opt_state, metrics
 
@@ -274,7 +334,7 @@ def make_train_epoch(graphdef, tx, hp: Hparams, num_train: int):
 
   def train_epoch(params, opt_state, images_nhw, labels_n, key):
     order_key, step_key = jax.random.split(key)
-    order_kb = jax.random.permutation(order_key, num_train)[:num_batches * hp.batch_size]
+    order_kb = jax.random.permutation(order_key, num_train)[: num_batches * hp.batch_size]
     order_kb = order_kb.reshape(num_batches, hp.batch_size)
 
     def body(carry, xs):
@@ -283,7 +343,8 @@ def make_train_epoch(graphdef, tx, hp: Hparams, num_train: int):
       return (params, opt_state), metrics
 
     (params, opt_state), metrics_k = jax.lax.scan(
-        body, (params, opt_state), (order_kb, jax.random.split(step_key, num_batches)))
+        body, (params, opt_state), (order_kb, jax.random.split(step_key, num_batches))
+    )
     return params, opt_state, jax.tree.map(jnp.mean, metrics_k)
 
   return jax.jit(train_epoch, donate_argnums=(0, 1))
@@ -291,9 +352,11 @@ def make_train_epoch(graphdef, tx, hp: Hparams, num_train: int):
 
 def make_accuracy(graphdef):
   """Greedy (argmax) accuracy of the policy: (params, images_nhw, labels_n) -> scalar."""
+
   def accuracy(params, images_nhw, labels_n):
     logits_nv = nnx.merge(graphdef, params)(images_nhw)
     return (logits_nv.argmax(-1) == labels_n).mean()
+
   return jax.jit(accuracy)
 
 
@@ -306,23 +369,27 @@ def run(data_dir, workdir, seed: int, hp: Hparams) -> dict:
   data = load_mnist(data_dir)
   num_train = len(data.train_labels_n)
   if hp.batch_size > num_train:
-    raise DataError(f"--batch_size={hp.batch_size} is more than the {num_train} training "
-                    f"images. Fix: --batch_size={min(num_train, Hparams.batch_size)}")
+    raise DataError(
+        f"--batch_size={hp.batch_size} is more than the {num_train} training "
+        f"images. Fix: --batch_size={min(num_train, Hparams.batch_size)}"
+    )
   logging.info("data: %s", data.description)
 
   init_key, train_key = jax.random.split(jax.random.key(seed))
   graphdef, params = nnx.split(Policy(nnx.Rngs(params=init_key)))
   total_updates = hp.epochs * (num_train // hp.batch_size) * hp.updates_per_batch
-  tx = optax.adamw(optax.cosine_decay_schedule(hp.lr, total_updates),
-                   weight_decay=hp.weight_decay)
+  tx = optax.adamw(optax.cosine_decay_schedule(hp.lr, total_updates), weight_decay=hp.weight_decay)
   opt_state = tx.init(params)
-  train_x, train_y, held_x, held_y = jax.device_put((
-      data.train_images_nhw, data.train_labels_n, data.heldout_images_nhw,
-      data.heldout_labels_n))
+  train_x, train_y, held_x, held_y = jax.device_put(
+      (data.train_images_nhw, data.train_labels_n, data.heldout_images_nhw, data.heldout_labels_n)
+  )
 
   compile_start = time.perf_counter()
-  train_epoch = make_train_epoch(graphdef, tx, hp, num_train).lower(
-      params, opt_state, train_x, train_y, train_key).compile()
+  train_epoch = (
+      make_train_epoch(graphdef, tx, hp, num_train)
+      .lower(params, opt_state, train_x, train_y, train_key)
+      .compile()
+  )
   accuracy = make_accuracy(graphdef).lower(params, held_x, held_y).compile()
   compile_sec = time.perf_counter() - compile_start
 
@@ -330,17 +397,32 @@ def run(data_dir, workdir, seed: int, hp: Hparams) -> dict:
   train_start = time.perf_counter()
   for epoch in range(1, hp.epochs + 1):
     epoch_start = time.perf_counter()
-    params, opt_state, metrics = train_epoch(params, opt_state, train_x, train_y,
-                                             jax.random.fold_in(train_key, epoch))
+    params, opt_state, metrics = train_epoch(
+        params, opt_state, train_x, train_y, jax.random.fold_in(train_key, epoch)
+    )
     metrics, acc = jax.device_get((metrics, accuracy(params, held_x, held_y)))  # one read
     now = time.perf_counter()
-    epochs.append({"epoch": epoch, "heldout_accuracy": float(acc),
-                   "mean_reward": float(metrics["reward"]), "loss": float(metrics["loss"]),
-                   "clip_frac": float(metrics["clip_frac"]), "sec": now - epoch_start})
+    epochs.append(
+        {
+            "epoch": epoch,
+            "heldout_accuracy": float(acc),
+            "mean_reward": float(metrics["reward"]),
+            "loss": float(metrics["loss"]),
+            "clip_frac": float(metrics["clip_frac"]),
+            "sec": now - epoch_start,
+        }
+    )
     eta = (now - train_start) / epoch * (hp.epochs - epoch)
-    logging.info("epoch %d/%d  held-out accuracy %.2f%%  mean reward %.3f  clip %.3f  %.2fs  "
-                 "ETA %.0fs", epoch, hp.epochs, 100 * acc, metrics["reward"],
-                 metrics["clip_frac"], now - epoch_start, eta)
+    logging.info(
+        "epoch %d/%d  held-out accuracy %.2f%%  mean reward %.3f  clip %.3f  %.2fs  " "ETA %.0fs",
+        epoch,
+        hp.epochs,
+        100 * acc,
+        metrics["reward"],
+        metrics["clip_frac"],
+        now - epoch_start,
+        eta,
+    )
 
   summary = {
       "heldout_accuracy": epochs[-1]["heldout_accuracy"],
@@ -350,13 +432,21 @@ def run(data_dir, workdir, seed: int, hp: Hparams) -> dict:
       "epochs": epochs,
       "seed": seed,
       "hparams": dataclasses.asdict(hp),
-      "data": {"dir": str(paths.path(data_dir)), "description": data.description,
-               "train": num_train, "heldout": len(data.heldout_labels_n)},
+      "data": {
+          "dir": str(paths.path(data_dir)),
+          "description": data.description,
+          "train": num_train,
+          "heldout": len(data.heldout_labels_n),
+      },
       "device": str(jax.devices()[0]),
   }
-  logging.info("held-out accuracy %.2f%% after %d epochs, %.1fs in all (compile %.1fs)",
-               100 * summary["heldout_accuracy"], hp.epochs, summary["wall_time_sec"],
-               compile_sec)
+  logging.info(
+      "held-out accuracy %.2f%% after %d epochs, %.1fs in all (compile %.1fs)",
+      100 * summary["heldout_accuracy"],
+      hp.epochs,
+      summary["wall_time_sec"],
+      compile_sec,
+  )
   if workdir:
     paths.makedirs(workdir)
     out = paths.path(workdir) / "summary.json"
@@ -374,9 +464,17 @@ def main(argv):
     if problem:
       print(f"error: --{flag}={value}: {problem[0]}. Fix: {problem[1]}.", file=sys.stderr)
       sys.exit(2)
-  hp = Hparams(epochs=_EPOCHS.value, batch_size=_BATCH.value, group_size=_GROUP.value,
-               lr=_LR.value, weight_decay=_WD.value, clip_eps=_CLIP.value,
-               updates_per_batch=_UPDATES.value, shift=_SHIFT.value, estimator=_ESTIMATOR.value)
+  hp = Hparams(
+      epochs=_EPOCHS.value,
+      batch_size=_BATCH.value,
+      group_size=_GROUP.value,
+      lr=_LR.value,
+      weight_decay=_WD.value,
+      clip_eps=_CLIP.value,
+      updates_per_batch=_UPDATES.value,
+      shift=_SHIFT.value,
+      estimator=_ESTIMATOR.value,
+  )
   try:
     run(_DATA_DIR.value, _WORKDIR.value, _SEED.value, hp)
   except DataError as e:

@@ -1,5 +1,6 @@
 """Native Flax NNX decoders (Qwen3, Llama 3) and T5, Hugging Face checkpoint interop by family
 (`load_hf` / `save_hf` pick the family from config.json / the module: families.py), log-probs."""
+
 from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.models.decoder.config import PRESETS
 from grpo_jax.models.decoder.transformer import Transformer

@@ -7,6 +7,7 @@ An entry names the config.json `model_type`s and `architectures` it reads and th
 writer of its folders. Adding a family is one module with `load(path, dtype, **kw)` and
 `save(model, path, **kw)` and one line in FAMILIES.
 """
+
 import dataclasses
 from typing import Callable
 
@@ -29,12 +30,22 @@ class Family:
 
 
 FAMILIES = (
-    Family("decoder (Qwen3, Llama 3, Gemma 2, Gemma 3)", tuple(model_config.HF_MODEL_TYPES),
-           tuple(model_config.HF_ARCHITECTURES), hf.load_hf, hf.save_hf,
-           lambda m: not isinstance(m, T5)),
-    Family("t5 (T5 v1.1, flan-t5)", ("t5",), ("T5ForConditionalGeneration",),
-           t5_hf.load_t5_hf, lambda m, path, **kw: t5_hf.save_t5_hf(m, None, path, **kw),
-           lambda m: isinstance(m, T5)),
+    Family(
+        "decoder (Qwen3, Llama 3, Gemma 2, Gemma 3)",
+        tuple(model_config.HF_MODEL_TYPES),
+        tuple(model_config.HF_ARCHITECTURES),
+        hf.load_hf,
+        hf.save_hf,
+        lambda m: not isinstance(m, T5),
+    ),
+    Family(
+        "t5 (T5 v1.1, flan-t5)",
+        ("t5",),
+        ("T5ForConditionalGeneration",),
+        t5_hf.load_t5_hf,
+        lambda m, path, **kw: t5_hf.save_t5_hf(m, None, path, **kw),
+        lambda m: isinstance(m, T5),
+    ),
 )
 
 
@@ -49,8 +60,10 @@ def family_of(hf_config: dict, where: str = "config.json") -> Family:
     if any(a in f.architectures for a in archs):
       return f
   known = "; ".join(f"{f.name}: model_type {', '.join(f.model_types)}" for f in FAMILIES)
-  raise ValueError(f"{where}: unsupported architecture (model_type={model_type!r}, "
-                   f"architectures={archs}). Supported: {known}")
+  raise ValueError(
+      f"{where}: unsupported architecture (model_type={model_type!r}, "
+      f"architectures={archs}). Supported: {known}"
+  )
 
 
 def load_hf(path: str, dtype=jnp.float32, **kwargs):

@@ -13,12 +13,14 @@ With V = 151936 (Qwen3), a [B, T, V] float32 array is where training memory goes
 Temperature divides the logits first (the distribution the sampler draws from, before top-k /
 top-p truncation).
 """
+
 import jax
 import jax.numpy as jnp
 
 
-def token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array,
-                   temperature: float = 1.0) -> jax.Array:
+def token_logprobs(
+    logits_btv: jax.Array, tokens_bt: jax.Array, temperature: float = 1.0
+) -> jax.Array:
   """log softmax(logits / temperature)[token] in float32. [B, T, V], [B, T] -> [B, T]."""
   logits = logits_btv.astype(jnp.float32)
   if temperature != 1.0:
@@ -59,10 +61,15 @@ def _head_bwd(res, g_bcv):
 head_logits.defvjp(_head_fwd, _head_bwd)
 
 
-def chunked_token_logprobs(hidden_btd: jax.Array, unembedding_dv: jax.Array,
-                           tokens_bt: jax.Array, temperature: float = 1.0,
-                           chunk_size: int = 256, remat: bool = True,
-                           softcap: float = 0.0) -> jax.Array:
+def chunked_token_logprobs(
+    hidden_btd: jax.Array,
+    unembedding_dv: jax.Array,
+    tokens_bt: jax.Array,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    remat: bool = True,
+    softcap: float = 0.0,
+) -> jax.Array:
   """token_logprobs(hidden @ unembedding, tokens) one sequence chunk at a time. -> [B, T].
 
   remat: recompute each chunk's logits in the backward pass (memory O(B * c * V)); False
@@ -92,9 +99,15 @@ def chunked_token_logprobs(hidden_btd: jax.Array, unembedding_dv: jax.Array,
   return out_nbc.swapaxes(0, 1).reshape(b, n * c)[:, :t]
 
 
-def completion_logprobs(model, input_ids_bs: jax.Array, attention_mask_bs: jax.Array,
-                        completion_len: int, temperature: float = 1.0,
-                        chunk_size: int = 256, remat: bool | None = None) -> jax.Array:
+def completion_logprobs(
+    model,
+    input_ids_bs: jax.Array,
+    attention_mask_bs: jax.Array,
+    completion_len: int,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    remat: bool | None = None,
+) -> jax.Array:
   """Log-probs [B, C] of the last C (completion) tokens of each [prompt; completion] row.
 
   remat: recompute the LM head's logits in the backward pass; None follows the model's
@@ -106,7 +119,13 @@ def completion_logprobs(model, input_ids_bs: jax.Array, attention_mask_bs: jax.A
   s = input_ids_bs.shape[1]
   if remat is None:
     remat = model.cfg.remat_policy != "none"
-  h = model.hidden(input_ids_bs, attention_mask_bs)[:, s - completion_len - 1:s - 1]
-  return chunked_token_logprobs(h, model.unembedding(), input_ids_bs[:, s - completion_len:],
-                                temperature, chunk_size, remat,
-                                getattr(model.cfg, "final_logit_softcap", 0.0))
+  h = model.hidden(input_ids_bs, attention_mask_bs)[:, s - completion_len - 1 : s - 1]
+  return chunked_token_logprobs(
+      h,
+      model.unembedding(),
+      input_ids_bs[:, s - completion_len :],
+      temperature,
+      chunk_size,
+      remat,
+      getattr(model.cfg, "final_logit_softcap", 0.0),
+  )

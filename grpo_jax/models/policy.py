@@ -12,6 +12,7 @@ MaxText policy (models/maxtext/adapter.py) maps MaxText weights onto the native 
 decoder's targets, and `decoder_start_id` tells the rollout engine to sample with the seq2seq
 sampler (rollout/seq2seq_sampler.py), so the loop, SFT and evaluation run unchanged.
 """
+
 import dataclasses
 from typing import Callable
 
@@ -78,6 +79,7 @@ def as_reference(params, compute_dtype):
     if isinstance(x, jax.ShapeDtypeStruct):
       return jax.ShapeDtypeStruct(x.shape, dt if narrower else x.dtype, sharding=x.sharding)
     return x.astype(dt) if narrower else jnp.copy(x)
+
   return jax.tree.map(one, params)
 
 
@@ -95,21 +97,32 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
   """
   m = config.model
   if m.hf_path and not abstract:
-    model = hf.load_hf(m.hf_path, jnp.dtype(m.dtype), param_dtype=jnp.dtype(m.param_dtype),
-                       mesh=mesh, remat_policy=m.remat_policy, scan_layers=m.scan_layers,
-                       attention_impl=m.attention_impl)
+    model = hf.load_hf(
+        m.hf_path,
+        jnp.dtype(m.dtype),
+        param_dtype=jnp.dtype(m.param_dtype),
+        mesh=mesh,
+        remat_policy=m.remat_policy,
+        scan_layers=m.scan_layers,
+        attention_impl=m.attention_impl,
+    )
     cfg = model.cfg
   else:
     cfg = model_config_from(config)
     if m.hf_path:  # abstract restore of an HF-initialized run: the shape comes from the folder
-      cfg = ModelConfig.from_hf_config(hf.read_hf_config(m.hf_path), dtype=m.dtype,
-                                       param_dtype=m.param_dtype, remat_policy=m.remat_policy,
-                                       scan_layers=m.scan_layers,
-                                       attention_impl=m.attention_impl)
+      cfg = ModelConfig.from_hf_config(
+          hf.read_hf_config(m.hf_path),
+          dtype=m.dtype,
+          param_dtype=m.param_dtype,
+          remat_policy=m.remat_policy,
+          scan_layers=m.scan_layers,
+          attention_impl=m.attention_impl,
+      )
     if abstract:
       kernels = Kernels.for_mesh(cfg, mesh)  # the mesh's platform: a memory plan's target chip
-      model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=config.seed),
-                                                 kernels=kernels))
+      model = nnx.eval_shape(
+          lambda: Transformer(cfg, rngs=nnx.Rngs(params=config.seed), kernels=kernels)
+      )
     else:
       model = build_model(cfg, seed=config.seed, mesh=mesh)
   graphdef, params = nnx.split(model)
@@ -117,22 +130,30 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
     params = _abstract_params(params, mesh)
 
   def logprobs(params, input_ids, attention_mask, completion_len, temperature=1.0):
-    return completion_logprobs(nnx.merge(graphdef, params), input_ids, attention_mask,
-                               completion_len, temperature)
+    return completion_logprobs(
+        nnx.merge(graphdef, params), input_ids, attention_mask, completion_len, temperature
+    )
 
   def save(params, path):
     hf.save_hf(nnx.merge(graphdef, params), path)
 
-  return Policy(params=params, graphdef=graphdef, logprobs=logprobs,
-                rollout_params=lambda p: p, sampler_graphdef=graphdef, model_config=cfg,
-                save_hf=save)
+  return Policy(
+      params=params,
+      graphdef=graphdef,
+      logprobs=logprobs,
+      rollout_params=lambda p: p,
+      sampler_graphdef=graphdef,
+      model_config=cfg,
+      save_hf=save,
+  )
 
 
 def _abstract_params(params, mesh):
   """Shapes and shardings only (restore targets): same structure, Variables holding leaves."""
   shardings = sharding.state_shardings(params, mesh)
-  return jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-                      params, shardings)
+  return jax.tree.map(
+      lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), params, shardings
+  )
 
 
 def t5_policy(config, mesh, *, abstract: bool = False) -> Policy:
@@ -149,8 +170,11 @@ def t5_policy(config, mesh, *, abstract: bool = False) -> Policy:
     model = t5_hf.load_t5_hf(m.hf_path, jnp.dtype(m.dtype), mesh=mesh, **dtypes)
     cfg = model.cfg
   else:
-    cfg = (t5_hf.read_t5_config(m.hf_path, jnp.dtype(m.dtype), **dtypes) if m.hf_path else
-           T5Config.from_model_block(m).validate())
+    cfg = (
+        t5_hf.read_t5_config(m.hf_path, jnp.dtype(m.dtype), **dtypes)
+        if m.hf_path
+        else T5Config.from_model_block(m).validate()
+    )
     if abstract:
       model = nnx.eval_shape(lambda: T5(cfg, rngs=nnx.Rngs(params=config.seed)))
     else:
@@ -161,12 +185,25 @@ def t5_policy(config, mesh, *, abstract: bool = False) -> Policy:
 
   def logprobs(params, input_ids, attention_mask, completion_len, temperature=1.0):
     p = input_ids.shape[1] - completion_len
-    return t5_logprobs(nnx.merge(graphdef, params), input_ids[:, :p], attention_mask[:, :p],
-                       input_ids[:, p:], attention_mask[:, p:], temperature)
+    return t5_logprobs(
+        nnx.merge(graphdef, params),
+        input_ids[:, :p],
+        attention_mask[:, :p],
+        input_ids[:, p:],
+        attention_mask[:, p:],
+        temperature,
+    )
 
   def save(params, path):
     t5_hf.save_t5_hf(nnx.merge(graphdef, params), None, path)
 
-  return Policy(params=params, graphdef=graphdef, logprobs=logprobs,
-                rollout_params=lambda p: p, sampler_graphdef=graphdef, model_config=cfg,
-                save_hf=save, decoder_start_id=cfg.decoder_start_token_id)
+  return Policy(
+      params=params,
+      graphdef=graphdef,
+      logprobs=logprobs,
+      rollout_params=lambda p: p,
+      sampler_graphdef=graphdef,
+      model_config=cfg,
+      save_hf=save,
+      decoder_start_id=cfg.decoder_start_token_id,
+  )

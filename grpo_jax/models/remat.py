@@ -14,6 +14,7 @@ pass (memory O(B x chunk x V) instead of O(B x C x V)). The layers tag activatio
 `checkpoint_name` ("qkv_proj", "attn_out", "mlp_hidden", "mlp_out"; see layers.py) so these
 policies can select them by name.
 """
+
 import jax
 
 _SAVED = ("qkv_proj", "attn_out", "mlp_out")
@@ -21,8 +22,11 @@ _SAVED = ("qkv_proj", "attn_out", "mlp_out")
 
 def _offload_dots():
   return jax.checkpoint_policies.save_and_offload_only_these_names(
-      names_which_can_be_saved=[], names_which_can_be_offloaded=[*_SAVED, "mlp_hidden"],
-      offload_src="device", offload_dst="pinned_host")
+      names_which_can_be_saved=[],
+      names_which_can_be_offloaded=[*_SAVED, "mlp_hidden"],
+      offload_src="device",
+      offload_dst="pinned_host",
+  )
 
 
 # name -> factory of the jax.checkpoint policy (None: no jax.checkpoint at all). Factories, not

@@ -7,6 +7,7 @@ one shard) at a time never holds more than that in host memory. bfloat16 comes f
 (a JAX dependency), which the `safetensors` numpy API lacks. On cloud storage (gs://) each
 tensor is one ranged read instead (grpo_jax/run/paths.py).
 """
+
 import json
 import struct
 
@@ -16,8 +17,15 @@ import numpy as np
 from grpo_jax.run import paths
 
 _DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
     "BOOL": np.bool_,
 }
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
@@ -36,8 +44,10 @@ class SafetensorsFile:
       (n,) = struct.unpack("<Q", raw)
       size = f.seek(0, 2)
       if n > size - 8:
-        raise ValueError(f"{path}: not a safetensors file (its header length {n} exceeds the "
-                         f"file's {size} bytes). Fix: point at .safetensors weights")
+        raise ValueError(
+            f"{path}: not a safetensors file (its header length {n} exceeds the "
+            f"file's {size} bytes). Fix: point at .safetensors weights"
+        )
       f.seek(8)
       try:
         header = json.loads(f.read(n))
@@ -48,9 +58,11 @@ class SafetensorsFile:
     self._data_start = 8 + n
     for name, info in header.items():
       if 8 + n + info["data_offsets"][1] > size:
-        raise ValueError(f"{path}: tensor {name} ends at byte {8 + n + info['data_offsets'][1]}"
-                         f" but the file has {size} bytes (truncated?). Fix: download or "
-                         "export the checkpoint again")
+        raise ValueError(
+            f"{path}: tensor {name} ends at byte {8 + n + info['data_offsets'][1]}"
+            f" but the file has {size} bytes (truncated?). Fix: download or "
+            "export the checkpoint again"
+        )
     self._mm = None
 
   def keys(self):
@@ -68,7 +80,7 @@ class SafetensorsFile:
     else:
       if self._mm is None:
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-      buf = self._mm[self._data_start + begin:self._data_start + end]
+      buf = self._mm[self._data_start + begin : self._data_start + end]
     return buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
@@ -80,8 +92,11 @@ def write(path: str, tensors, metadata: dict | None = None):
   for name, shape, dtype, _ in tensors:
     dtype = np.dtype(dtype)
     size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    header[name] = {"dtype": _NAMES[dtype], "shape": list(shape),
-                    "data_offsets": [offset, offset + size]}
+    header[name] = {
+        "dtype": _NAMES[dtype],
+        "shape": list(shape),
+        "data_offsets": [offset, offset + size],
+    }
     offset += size
   if metadata:
     header["__metadata__"] = metadata

@@ -5,6 +5,7 @@ from its own rows (`to_global`), reads back just its rows of a global result (`l
 e.g. rollout tokens to decode and score on its host), and sums host-side statistics over all
 processes (`sum_over_processes`).
 """
+
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
@@ -27,8 +28,9 @@ def to_global(local: np.ndarray, mesh, global_rows: int | None = None) -> jax.Ar
   if not owns(mesh):
     if global_rows is None:
       raise ValueError("to_global on a process without devices in the mesh needs global_rows")
-    return jax.make_array_from_single_device_arrays((global_rows, *local.shape[1:]), spec, [],
-                                                    dtype=local.dtype)
+    return jax.make_array_from_single_device_arrays(
+        (global_rows, *local.shape[1:]), spec, [], dtype=local.dtype
+    )
   return jax.make_array_from_process_local_data(spec, local)
 
 
@@ -47,8 +49,9 @@ def replicated(value, mesh) -> jax.Array:
   explicit transfer; `jax.device_put` refuses a sharding that spans other processes)."""
   value = np.asarray(value)
   with jax.transfer_guard_host_to_device("allow"):  # on purpose (the loop's transfer guard)
-    return jax.make_array_from_callback(value.shape, sharding.replicated(mesh),
-                                        lambda index: value[index], dtype=value.dtype)
+    return jax.make_array_from_callback(
+        value.shape, sharding.replicated(mesh), lambda index: value[index], dtype=value.dtype
+    )
 
 
 def local_rows(tree):
@@ -65,8 +68,12 @@ def local_rows(tree):
 
   shards = jax.device_get(jax.tree.map(own_shards, tree))  # leaves: lists of row blocks
   empty = jax.tree.map(lambda x: np.zeros((0, *x.shape[1:]), x.dtype), tree)
-  return jax.tree.map(lambda blocks, e: np.concatenate([np.asarray(b) for b in blocks], axis=0)
-                      if blocks else e, shards, empty, is_leaf=lambda x: isinstance(x, list))
+  return jax.tree.map(
+      lambda blocks, e: np.concatenate([np.asarray(b) for b in blocks], axis=0) if blocks else e,
+      shards,
+      empty,
+      is_leaf=lambda x: isinstance(x, list),
+  )
 
 
 def read(tree, mesh):
@@ -74,8 +81,11 @@ def read(tree, mesh):
   in `mesh` gets them from process 0 (which holds trainer devices: build.make_meshes)."""
   if {d.process_index for d in mesh.devices.flat} == set(range(jax.process_count())):
     return jax.device_get(tree)
-  values = jax.device_get(tree) if owns(mesh) else jax.tree.map(
-      lambda x: np.zeros(x.shape, x.dtype), tree)
+  values = (
+      jax.device_get(tree)
+      if owns(mesh)
+      else jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), tree)
+  )
   return multihost_utils.broadcast_one_to_all(values)
 
 

@@ -26,6 +26,7 @@ processes aborts at once (a dump, exit status 134), before any Python code can r
 hangs (a frozen host, a network partition), the key-value calls hang too and JAX's heartbeat
 timeout ends the others.
 """
+
 import atexit
 import os
 import re
@@ -44,8 +45,10 @@ _DONE, _FAILED = "done", "failed"
 
 def relaunch_hint(workdir: str | None) -> str:
   where = f" in {workdir}" if workdir else ""
-  return ("Relaunch every process with the same command: the run resumes from the last "
-          f"checkpoint{where}.")
+  return (
+      "Relaunch every process with the same command: the run resumes from the last "
+      f"checkpoint{where}."
+  )
 
 
 def error_log_name(process_id: int) -> str:
@@ -85,14 +88,17 @@ class Watchdog:
     self._stop.set()
     if self._thread is not threading.current_thread():
       self._thread.join()
-    logging.info("peers: the longest silence of another process was %.1f s (timeout %g s)",
-                 self.longest_silence, self.timeout_seconds)
+    logging.info(
+        "peers: the longest silence of another process was %.1f s (timeout %g s)",
+        self.longest_silence,
+        self.timeout_seconds,
+    )
     try:
-      self.client.key_value_set(_PREFIX + str(self.process_id), _DONE if clean else _FAILED,
-                                allow_overwrite=True)
+      self.client.key_value_set(
+          _PREFIX + str(self.process_id), _DONE if clean else _FAILED, allow_overwrite=True
+      )
     except Exception as e:  # the coordinator may be gone already
-      logging.warning("peers: could not mark this process %s: %s",
-                      "done" if clean else "failed", e)
+      logging.warning("peers: could not mark this process %s: %s", "done" if clean else "failed", e)
 
   def _loop(self):
     beat = 0
@@ -101,8 +107,7 @@ class Watchdog:
       beat += 1
       now = time.monotonic()
       try:
-        self.client.key_value_set(_PREFIX + str(self.process_id), str(beat),
-                                  allow_overwrite=True)
+        self.client.key_value_set(_PREFIX + str(self.process_id), str(beat), allow_overwrite=True)
         values = dict(self.client.key_value_dir_get(_PREFIX))
       except Exception as e:  # noqa: BLE001 (the service is going away: JAX's C++ ends us)
         logging.log_first_n(logging.WARNING, "peers: no heartbeat exchange: %s", 1, e)
@@ -118,8 +123,11 @@ class Watchdog:
         silent = now - seen[pid][1]
         self.longest_silence = max(self.longest_silence, silent)
         if silent > self.timeout_seconds and not self._stop.is_set():
-          what = ("stopped early (an error or an interrupt: see its log)" if value == _FAILED else
-                  "is gone (killed or crashed)")
+          what = (
+              "stopped early (an error or an interrupt: see its log)"
+              if value == _FAILED
+              else "is gone (killed or crashed)"
+          )
           self._end(pid, f"last heartbeat {value!r}, {silent:.1f} s ago", what)
 
   def _end(self, pid: int, detail: str, what: str):
@@ -127,13 +135,16 @@ class Watchdog:
     where = self._write_log(
         f"JAX process {pid} of {self.num_processes} {what}: {detail} (this is process "
         f"{self.process_id}; the watchdog's timeout is {self.timeout_seconds:g} s).\n\n"
-        f"Python stacks of this process:\n{_stacks()}")
+        f"Python stacks of this process:\n{_stacks()}"
+    )
     if self.process_id == 0 and self.num_processes > 2:
       # Leaving ends the coordination service, which aborts the processes still running (with
       # a dump): give the other survivors' watchdogs (polling every second) time to end first.
       time.sleep(3 * POLL_SECONDS)
-    line = (f"\nerror: JAX process {pid} of {self.num_processes} {what}; this process stops "
-            f"too. {relaunch_hint(self.workdir)}{f' (details: {where})' if where else ''}\n")
+    line = (
+        f"\nerror: JAX process {pid} of {self.num_processes} {what}; this process stops "
+        f"too. {relaunch_hint(self.workdir)}{f' (details: {where})' if where else ''}\n"
+    )
     for stream in (sys.stdout, sys.stderr):
       try:
         stream.flush()
@@ -148,6 +159,7 @@ class Watchdog:
     if self.workdir is None:
       return None
     from grpo_jax.run import paths
+
     target = paths.path(self.workdir) / error_log_name(self.process_id)
     done = []
 
@@ -163,14 +175,19 @@ class Watchdog:
 
 def _stacks() -> str:
   names = {t.ident: t.name for t in threading.enumerate()}
-  frames = sorted(sys._current_frames().items(),  # the main thread first
-                  key=lambda kv: kv[0] != threading.main_thread().ident)
-  return "\n".join(f"Thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(f))}"
-                   for ident, f in frames)
+  frames = sorted(
+      sys._current_frames().items(),  # the main thread first
+      key=lambda kv: kv[0] != threading.main_thread().ident,
+  )
+  return "\n".join(
+      f"Thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(f))}"
+      for ident, f in frames
+  )
 
 
 class Off:
   """The watchdog of a single-process run (or one turned off): nothing to watch."""
+
   workdir = None
 
   def stop(self, clean: bool = True):
@@ -181,6 +198,7 @@ def start(timeout_seconds: float) -> Watchdog | Off:
   """A running watchdog on a multi-process job. Call right after jax.distributed.initialize
   (every process is connected then); reads its state without initializing a backend."""
   from jax._src import distributed
+
   state = distributed.global_state
   if state.client is None or state.num_processes == 1 or timeout_seconds <= 0:
     return Off()

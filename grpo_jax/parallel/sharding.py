@@ -9,6 +9,7 @@ Multi-slice (config.mesh.dcn_data > 1): the DCN (data-center network) factor is 
 its slowest-varying part, so the axes stay (data, fsdp, tensor): each slice is an ICI mesh of
 the configured (data, fsdp, tensor) sizes and the global data axis is dcn_data * data.
 """
+
 import functools
 import math
 from typing import Sequence
@@ -41,22 +42,21 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
-def resolve_ici_shape(sizes: Sequence[int], num_devices: int,
-                      dcn_data: int = 1) -> tuple[int, ...]:
+def resolve_ici_shape(sizes: Sequence[int], num_devices: int, dcn_data: int = 1) -> tuple[int, ...]:
   """The (data, fsdp, tensor) mesh of one DCN slice: fills the one -1 entry so the product
   equals the devices of a slice, num_devices / dcn_data (all of them when dcn_data = 1).
 
   Raises a one-line ValueError that names the sizes and the device count otherwise."""
   sizes = list(sizes)
   if dcn_data < 1 or num_devices % dcn_data:
-    raise ValueError(f"mesh.dcn_data={dcn_data} does not split {num_devices} devices into "
-                     "equal slices")
+    raise ValueError(
+        f"mesh.dcn_data={dcn_data} does not split {num_devices} devices into " "equal slices"
+    )
   per = num_devices // dcn_data
   if dcn_data == 1:
     where, avail = f"{num_devices} devices", f"{num_devices} are available"
   else:
-    where = (f"the {per} devices of one slice ({num_devices} devices / "
-             f"mesh.dcn_data={dcn_data})")
+    where = f"the {per} devices of one slice ({num_devices} devices / " f"mesh.dcn_data={dcn_data})"
     avail = f"a slice has {per} (mesh.dcn_data={dcn_data} slices of {num_devices} devices)"
   if sizes.count(-1) > 1:
     raise ValueError(f"mesh {sizes}: at most one axis may be -1 (fill)")
@@ -66,13 +66,16 @@ def resolve_ici_shape(sizes: Sequence[int], num_devices: int,
   if -1 in sizes:
     sizes[sizes.index(-1)] = per // fixed
   if math.prod(sizes) != per:
-    raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} uses {math.prod(sizes)} devices but "
-                     f"{avail}: make data * fsdp * tensor = {per}")
+    raise ValueError(
+        f"mesh {dict(zip(MESH_AXES, sizes))} uses {math.prod(sizes)} devices but "
+        f"{avail}: make data * fsdp * tensor = {per}"
+    )
   return tuple(sizes)
 
 
-def resolve_mesh_shape(sizes: Sequence[int], num_devices: int,
-                       dcn_data: int = 1) -> tuple[int, ...]:
+def resolve_mesh_shape(
+    sizes: Sequence[int], num_devices: int, dcn_data: int = 1
+) -> tuple[int, ...]:
   """The global (data, fsdp, tensor) shape: `resolve_ici_shape` per slice, with `data`
   multiplied by dcn_data (the DCN factor is part of the data axis, its slowest-varying part).
   With dcn_data = 1: fills the one -1 so the product equals num_devices."""
@@ -100,13 +103,14 @@ def granule_attr(devices) -> str:
   process is a granule, create_hybrid_device_mesh's process_is_granule=True)."""
   d = devices[0]
   if hasattr(d, "slice_index") and (
-      d.platform == "tpu" or len({x.slice_index for x in devices}) > 1):
+      d.platform == "tpu" or len({x.slice_index for x in devices}) > 1
+  ):
     return "slice_index"
   return "process_index"
 
 
 def granule_unit(attr: str, count: int = 2) -> str:
-  """"slices" or "JAX processes" (singular for count == 1)."""
+  """ "slices" or "JAX processes" (singular for count == 1)."""
   unit = "slice" if attr == "slice_index" else "JAX process"
   return unit if count == 1 else unit + ("es" if unit.endswith("s") else "s")
 
@@ -133,8 +137,9 @@ def num_granules(num_processes: int | None = None, devices=None) -> tuple[int, s
   return count, granule_unit(attr, count)
 
 
-def dcn_problem(dcn_data: int, data_ici: int | None, count: int,
-                unit: str) -> tuple[str, str] | None:
+def dcn_problem(
+    dcn_data: int, data_ici: int | None, count: int, unit: str
+) -> tuple[str, str] | None:
   """(why, fix) when dcn_data DCN slices cannot be laid over `count` granules (slices or JAX
   processes, named by `unit`); None when fine. data_ici=None skips the per-slice data check.
 
@@ -144,16 +149,24 @@ def dcn_problem(dcn_data: int, data_ici: int | None, count: int,
   if not isinstance(dcn_data, int) or dcn_data < 1:
     return "must be an integer >= 1 (1 = one slice: no DCN axis)", "use 1, or the number of slices"
   if count % dcn_data:
-    fix = (f"use a divisor of {count}, e.g. {count}" if count > 1 else
-           f"use 1: there is a single {unit} (multi-slice needs one JAX process per host, or a "
-           "multi-slice TPU job)")
-    return (f"must divide the {count} {unit} (each DCN slice of the data axis is a whole number "
-            f"of them)", fix)
+    fix = (
+        f"use a divisor of {count}, e.g. {count}"
+        if count > 1
+        else f"use 1: there is a single {unit} (multi-slice needs one JAX process per host, or a "
+        "multi-slice TPU job)"
+    )
+    return (
+        f"must divide the {count} {unit} (each DCN slice of the data axis is a whole number "
+        f"of them)",
+        fix,
+    )
   k = count // dcn_data
   if data_ici is not None and k > 1 and unit == "slices" and data_ici % k:
-    return (f"puts {k} slices in each DCN slice, so the per-slice mesh.data={data_ici} must split "
-            f"over them", f"set mesh.dcn_data to the {count} slices, or make mesh.data a "
-            f"multiple of {k}")
+    return (
+        f"puts {k} slices in each DCN slice, so the per-slice mesh.data={data_ici} must split "
+        f"over them",
+        f"set mesh.dcn_data to the {count} slices, or make mesh.data a " f"multiple of {k}",
+    )
   return None
 
 
@@ -167,24 +180,31 @@ def hybrid_device_array(ici_shape: Sequence[int], dcn_data: int, devices=None) -
   data % k == 0 (a hybrid mesh with a (k*dcn_data, 1, 1) DCN shape), else the k processes
   (CPU/GPU only) form one ICI mesh of `ici_shape` in device order."""
   from jax.experimental import mesh_utils
+
   devices = jax.devices() if devices is None else list(devices)
   attr = granule_attr(devices)
   groups = granules(devices)
   data, fsdp, tensor = ici_shape
   if math.prod(ici_shape) * dcn_data != len(devices):
-    raise ValueError(f"mesh {dict(zip(MESH_AXES, ici_shape))} per slice times mesh.dcn_data="
-                     f"{dcn_data} slices does not cover the {len(devices)} devices")
+    raise ValueError(
+        f"mesh {dict(zip(MESH_AXES, ici_shape))} per slice times mesh.dcn_data="
+        f"{dcn_data} slices does not cover the {len(devices)} devices"
+    )
   bad = dcn_problem(dcn_data, data, len(groups), granule_unit(attr, len(groups)))
   if bad:
     raise ValueError(f"mesh.dcn_data={dcn_data}: {bad[0]}. Fix: {bad[1]}.")
   k = len(groups) // dcn_data
   if data % k == 0:
     return mesh_utils.create_hybrid_device_mesh(
-        (data // k, fsdp, tensor), (len(groups), 1, 1), devices,
-        process_is_granule=attr == "process_index")
-  blocks = [mesh_utils.create_device_mesh(ici_shape, [d for g in groups[i * k:(i + 1) * k]
-                                                      for d in g])
-            for i in range(dcn_data)]
+        (data // k, fsdp, tensor),
+        (len(groups), 1, 1),
+        devices,
+        process_is_granule=attr == "process_index",
+    )
+  blocks = [
+      mesh_utils.create_device_mesh(ici_shape, [d for g in groups[i * k : (i + 1) * k] for d in g])
+      for i in range(dcn_data)
+  ]
   return np.concatenate(blocks, axis=0)
 
 
@@ -201,16 +221,23 @@ def split_off_local(num_devices: int, devices=None) -> tuple[list, list]:
   off = set()
   for p, ds in by_process.items():
     if num_devices >= len(ds):
-      raise ValueError(f"cannot split {num_devices} devices off process {p}'s {len(ds)}: the "
-                       "trainer needs at least one")
+      raise ValueError(
+          f"cannot split {num_devices} devices off process {p}'s {len(ds)}: the "
+          "trainer needs at least one"
+      )
     off.update(sorted(ds, key=lambda d: d.id)[-num_devices:])
-  return ([d for d in devices if d not in off],
-          sorted((d for d in devices if d in off and d.process_index == jax.process_index()),
-                 key=lambda d: d.id))
+  return (
+      [d for d in devices if d not in off],
+      sorted(
+          (d for d in devices if d in off and d.process_index == jax.process_index()),
+          key=lambda d: d.id,
+      ),
+  )
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None,
-              dcn_data: int = 1) -> Mesh:
+def make_mesh(
+    data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None, dcn_data: int = 1
+) -> Mesh:
   """A (data, fsdp, tensor) mesh over all global devices (every process, multi-host ready).
 
   dcn_data > 1: a multi-slice mesh. The sizes are per slice (data = -1 fills a slice) and the
@@ -227,8 +254,9 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None,
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=axis_types)
 
 
-def logical_to_spec(logical_axes: Sequence[str | None] | None, shape=None,
-                    mesh: Mesh | None = None) -> PartitionSpec:
+def logical_to_spec(
+    logical_axes: Sequence[str | None] | None, shape=None, mesh: Mesh | None = None
+) -> PartitionSpec:
   """PartitionSpec for logical axis names. With `shape` and `mesh`, a mesh axis that does not
   divide its dimension is dropped (that dimension stays replicated) instead of failing."""
   if logical_axes is None:
@@ -237,7 +265,9 @@ def logical_to_spec(logical_axes: Sequence[str | None] | None, shape=None,
   for i, name in enumerate(logical_axes):
     axes = LOGICAL_RULES.get(name) if name is not None else None
     if name is not None and name not in LOGICAL_RULES:
-      raise ValueError(f"logical axis '{name}' has no rule in grpo_jax.parallel.sharding.LOGICAL_RULES")
+      raise ValueError(
+          f"logical axis '{name}' has no rule in grpo_jax.parallel.sharding.LOGICAL_RULES"
+      )
     axes_t = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
     if used & set(axes_t):  # a mesh axis shards at most one dimension: first one wins
       axes_t = ()
@@ -251,6 +281,7 @@ def logical_to_spec(logical_axes: Sequence[str | None] | None, shape=None,
 
 def _is_variable(x) -> bool:
   from flax import nnx
+
   return isinstance(x, nnx.Variable)
 
 
@@ -261,11 +292,13 @@ def state_shardings(state, mesh: Mesh):
   Variable holding a NamedSharding instead of its value), usable as jit in/out_shardings and
   zippable leaf-by-leaf with the state.
   """
+
   def one(v):
     if _is_variable(v):
       axes = v.get_metadata().get("logical_axes")
       return v.replace(NamedSharding(mesh, logical_to_spec(axes, np.shape(v.get_value()), mesh)))
     return NamedSharding(mesh, logical_to_spec(None, np.shape(v), mesh))
+
   return jax.tree.map(one, state, is_leaf=_is_variable)
 
 
@@ -288,16 +321,22 @@ def constrain(x: jax.Array, *logical_axes: str | None) -> jax.Array:
 
 def abstract_with(tree, shardings):
   """ShapeDtypeStructs of `tree` carrying `shardings` (a restore target)."""
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-                      shardings)
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  )
 
 
 def opt_state_shardings(optimizer, opt_state, param_shardings, mesh: Mesh):
   """Optimizer-state shardings: moments like their params, scalars (counts) replicated."""
   import optax
-  return optax.tree_map_params(optimizer, lambda _, s: s, opt_state, param_shardings,
-                               transform_non_params=lambda _: replicated(mesh))
 
+  return optax.tree_map_params(
+      optimizer,
+      lambda _, s: s,
+      opt_state,
+      param_shardings,
+      transform_non_params=lambda _: replicated(mesh),
+  )
 
 
 def traced_in(fn, mesh: Mesh):
@@ -306,8 +345,10 @@ def traced_in(fn, mesh: Mesh):
   splash attention's shard_map: attention.splash_attention) find it. Unlike `jax.set_mesh`
   around the call, this holds wherever the jitted function is traced (eval_shape, lower,
   compile-ahead threads)."""
+
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       return fn(*args, **kwargs)
+
   return wrapped

@@ -16,6 +16,7 @@ result, the src temporaries the src side's dead output) and the reshard (dst mes
 needed). Multi-controller: every process calls `move` the same way; a process that owns
 devices of one mesh only just has no local work in the other mesh's programs.
 """
+
 import time
 
 import jax
@@ -30,8 +31,9 @@ ROLE = "role"
 
 def same_layout_mesh(src: Mesh, dst: Mesh) -> Mesh:
   """`dst`'s devices (in flat order) laid out in `src`'s shape and axis names."""
-  return Mesh(np.asarray(dst.devices).reshape(src.devices.shape), src.axis_names,
-              axis_types=src.axis_types)
+  return Mesh(
+      np.asarray(dst.devices).reshape(src.devices.shape), src.axis_names, axis_types=src.axis_types
+  )
 
 
 def _ids(mesh: Mesh) -> np.ndarray:
@@ -70,16 +72,23 @@ class CrossMesh:
 
   def __init__(self, src: Mesh, dst: Mesh):
     if src.devices.size != dst.devices.size:
-      raise ValueError(f"CrossMesh needs meshes of equal size, got src {src.devices.size} and dst "
-                       f"{dst.devices.size} devices: give both meshes the same device count")
+      raise ValueError(
+          f"CrossMesh needs meshes of equal size, got src {src.devices.size} and dst "
+          f"{dst.devices.size} devices: give both meshes the same device count"
+      )
     shared = {int(i) for i in _ids(src).flat} & {int(i) for i in _ids(dst).flat}
     if shared:
-      raise ValueError(f"CrossMesh needs disjoint meshes, devices {sorted(shared)} are in both: "
-                       "build the src and dst meshes over separate devices")
+      raise ValueError(
+          f"CrossMesh needs disjoint meshes, devices {sorted(shared)} are in both: "
+          "build the src and dst meshes over separate devices"
+      )
     self.src, self.dst = src, dst
     self.same = same_layout_mesh(src, dst)  # [*src.shape]: where each src shard lands
-    self.union = Mesh(np.stack([self.same.devices, src.devices]), (ROLE, *src.axis_names),
-                      axis_types=(jax.sharding.AxisType.Auto,) * (src.devices.ndim + 1))
+    self.union = Mesh(
+        np.stack([self.same.devices, src.devices]),
+        (ROLE, *src.axis_names),
+        axis_types=(jax.sharding.AxisType.Auto,) * (src.devices.ndim + 1),
+    )
     self._dst_ids = {int(i) for i in _ids(dst).flat}
     self._programs = {}
     self.last_bytes = 0
@@ -89,18 +98,25 @@ class CrossMesh:
 
   def _src_spec(self, x) -> P:
     s = getattr(x, "sharding", None)
-    if not (isinstance(s, NamedSharding) and s.mesh.axis_names == self.src.axis_names
-            and np.array_equal(_ids(s.mesh), _ids(self.src))):
-      raise ValueError(f"CrossMesh.move: a leaf of shape {np.shape(x)} has sharding {s}, not a "
-                       "NamedSharding on the src mesh: put the tree on the src mesh first")
+    if not (
+        isinstance(s, NamedSharding)
+        and s.mesh.axis_names == self.src.axis_names
+        and np.array_equal(_ids(s.mesh), _ids(self.src))
+    ):
+      raise ValueError(
+          f"CrossMesh.move: a leaf of shape {np.shape(x)} has sharding {s}, not a "
+          "NamedSharding on the src mesh: put the tree on the src mesh first"
+      )
     return s.spec
 
   def _wanted(self, s, shape) -> NamedSharding:
     if isinstance(s, P):
       s = NamedSharding(self.dst, s)
     if not (isinstance(s, NamedSharding) and set(_ids(s.mesh).flat) == self._dst_ids):
-      raise ValueError(f"CrossMesh.move: dst sharding {s} for a leaf of shape {shape} is not a "
-                       "NamedSharding on the dst mesh: pass NamedSharding(dst, spec) or a spec")
+      raise ValueError(
+          f"CrossMesh.move: dst sharding {s} for a leaf of shape {shape} is not a "
+          "NamedSharding on the dst mesh: pass NamedSharding(dst, spec) or a spec"
+      )
     return s
 
   def _plan(self, leaves, wanted, old, dtype):
@@ -111,13 +127,16 @@ class CrossMesh:
     for x, w, o in zip(leaves, wanted, old):
       spec = self._src_spec(x)
       w = self._wanted(w, x.shape)
-      dt = jnp.dtype(dtype if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
-                     else x.dtype)
+      dt = jnp.dtype(
+          dtype if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+      )
       landed = NamedSharding(self.same, spec)
       plan.append((x.shape, dt, spec, w, x.ndim > 0 and landed.is_equivalent_to(w, x.ndim)))
       if o is not None and (o.shape != x.shape or o.dtype != dt):
-        raise ValueError(f"CrossMesh.move: donated array {o.shape} {o.dtype} does not match the "
-                         f"moved leaf {x.shape} {dt}: donate the result of the previous move")
+        raise ValueError(
+            f"CrossMesh.move: donated array {o.shape} {o.dtype} does not match the "
+            f"moved leaf {x.shape} {dt}: donate the result of the previous move"
+        )
       reuse.append(o is not None and x.ndim > 0 and o.sharding.is_equivalent_to(landed, x.ndim))
     return tuple(plan), tuple(reuse)
 
@@ -126,28 +145,33 @@ class CrossMesh:
     cast_out = [NamedSharding(self.src, spec if shape else P()) for shape, _, spec, _, _ in plan]
 
     def cast(xs):  # a copy even when the dtype stays: the union program donates it
-      return [jnp.copy(x.astype(dt)).reshape(shape or (1,))
-              for x, (shape, dt, _, _, _) in zip(xs, plan)]
+      return [
+          jnp.copy(x.astype(dt)).reshape(shape or (1,)) for x, (shape, dt, _, _, _) in zip(xs, plan)
+      ]
 
     alloc_plan = [p for p, f in zip(plan, fresh) if f]
-    alloc_out = [NamedSharding(self.same, spec if shape else P())
-                 for shape, _, spec, _, _ in alloc_plan]
+    alloc_out = [
+        NamedSharding(self.same, spec if shape else P()) for shape, _, spec, _, _ in alloc_plan
+    ]
 
     def alloc():
       return [jnp.zeros(shape or (1,), dt) for shape, dt, _, _, _ in alloc_plan]
 
     uspecs = [_union_spec(spec, len(shape)) for shape, _, spec, _, _ in plan]
-    send = jax.shard_map(lambda xs: [_send(x) for x in xs],
-                         mesh=self.union, in_specs=(uspecs,), out_specs=uspecs)
+    send = jax.shard_map(
+        lambda xs: [_send(x) for x in xs], mesh=self.union, in_specs=(uspecs,), out_specs=uspecs
+    )
     moved = [p for p in plan if not p[4]]
 
     def reshard(xs):
       return [x.reshape(shape) for x, (shape, _, _, _, _) in zip(xs, moved)]
 
-    return (jax.jit(cast, out_shardings=cast_out),
-            jax.jit(alloc, out_shardings=alloc_out) if alloc_plan else None,
-            jax.jit(send, donate_argnums=0),
-            jax.jit(reshard, out_shardings=[p[3] for p in moved]) if moved else None)
+    return (
+        jax.jit(cast, out_shardings=cast_out),
+        jax.jit(alloc, out_shardings=alloc_out) if alloc_plan else None,
+        jax.jit(send, donate_argnums=0),
+        jax.jit(reshard, out_shardings=[p[3] for p in moved]) if moved else None,
+    )
 
   # ----------------------------------------------------------------------------------- move
 
@@ -170,11 +194,18 @@ class CrossMesh:
     old = [None] * len(leaves) if donate is None else jax.tree.leaves(donate)
     for name, other in (("dst_shardings", wanted), ("donate", old)):
       if len(other) != len(leaves):
-        raise ValueError(f"CrossMesh.move: {name} has {len(other)} leaves, the tree "
-                         f"{len(leaves)}: give it the tree's structure")
+        raise ValueError(
+            f"CrossMesh.move: {name} has {len(other)} leaves, the tree "
+            f"{len(leaves)}: give it the tree's structure"
+        )
     dtype = None if dtype is None else jnp.dtype(dtype)
-    key = (treedef, tuple(_signature(x) for x in leaves), tuple(wanted), dtype,
-           tuple(o if o is None else _signature(o) for o in old))
+    key = (
+        treedef,
+        tuple(_signature(x) for x in leaves),
+        tuple(wanted),
+        dtype,
+        tuple(o if o is None else _signature(o) for o in old),
+    )
     if key not in self._programs:  # validation, layouts and programs once per signature
       plan, reuse = self._plan(leaves, wanted, old, dtype)
       self._programs[key] = plan, reuse, self._compile(plan, tuple(not r for r in reuse))
@@ -190,8 +221,11 @@ class CrossMesh:
       d = o if r else next(allocs)
       ushape = (2 * (shape[0] if shape else 1), *shape[1:])
       shards = [a.data for a in d.addressable_shards] + [a.data for a in s.addressable_shards]
-      unions.append(jax.make_array_from_single_device_arrays(
-          ushape, NamedSharding(self.union, _union_spec(spec, len(shape))), shards, dtype=dt))
+      unions.append(
+          jax.make_array_from_single_device_arrays(
+              ushape, NamedSharding(self.union, _union_spec(spec, len(shape))), shards, dtype=dt
+          )
+      )
     outs = send(unions)
 
     result, pending, back = [], [], []
@@ -203,8 +237,9 @@ class CrossMesh:
       else:
         result.append(None)
         sharding = NamedSharding(self.same, spec if shape else P())
-        pending.append(jax.make_array_from_single_device_arrays(
-            shape or (1,), sharding, landed, dtype=dt))
+        pending.append(
+            jax.make_array_from_single_device_arrays(shape or (1,), sharding, landed, dtype=dt)
+        )
     if pending:
       it = iter(reshard(pending))
       result = [next(it) if r is None else r for r in result]

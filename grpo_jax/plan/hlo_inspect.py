@@ -12,20 +12,38 @@ Each `Op` names its computation, instruction and opcode (custom calls: their tar
 result type and its operands' types. `within` is a set of computation names; None = every
 computation reachable from any while loop's body (`loop_computations`).
 """
+
 import dataclasses
 import functools
 import math
 import re
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _NAME = r"%?([\w.\-]+)"
 _HEADER = re.compile(r"^(?:ENTRY\s+)?" + _NAME + r"\s.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?" + _NAME + r"\s*=\s*")
 # Attributes that name other computations: calls=, body=, to_apply=, branch_computations={..}.
-_CALLED = re.compile(r"\b(?:calls|to_apply|condition|body|true_computation|false_computation|"
-                     r"branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+_CALLED = re.compile(
+    r"\b(?:calls|to_apply|condition|body|true_computation|false_computation|"
+    r"branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,17 +112,18 @@ def _ops_of(computation: str, lines: list[str]) -> list[Op]:
     m = _INSTR.match(line)
     if not m:
       continue
-    rest = line[m.end():]
+    rest = line[m.end() :]
     end = _closing(rest, 0) if rest.startswith("(") else rest.find(" ")
     typ, rest = rest[:end], rest[end:].lstrip()
     opcode = re.match(r"[\w\-]*", rest).group(0)
-    args = rest[len(opcode):_closing(rest, len(opcode))]
+    args = rest[len(opcode) : _closing(rest, len(opcode))]
     if opcode == "custom-call":
       target = re.search(r'custom_call_target="([^"]*)"', rest)
       opcode += ":" + (target.group(1) if target else "?")
     types[m.group(1)] = typ
-    operands = tuple(_element(types.get(n, "?"), i)
-                     for n, i in re.findall(r"%([\w.\-]+)(?:#(\d+))?", args))
+    operands = tuple(
+        _element(types.get(n, "?"), i) for n, i in re.findall(r"%([\w.\-]+)(?:#(\d+))?", args)
+    )
     ops.append(Op(computation, m.group(1), opcode, typ, operands, line))
   return ops
 
@@ -147,38 +166,55 @@ def dims(type_text: str) -> tuple:
 
 def nbytes(type_text: str) -> int:
   """Bytes of an array type (a tuple: the sum over its arrays)."""
-  return sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in shape.split(",") if d)
-             for dt, shape in _ARRAY.findall(type_text))
+  return sum(
+      _DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in shape.split(",") if d)
+      for dt, shape in _ARRAY.findall(type_text)
+  )
 
 
 def converts(hlo: str, min_elements: int, *, src="f32", dst="bf16", within=None) -> list[Op]:
   """src -> dst converts in `within` whose result has >= min_elements elements (weight-sized
   casts that run once per loop iteration)."""
-  return [o for o in _ops(hlo, within) if o.opcode == "convert" and dims(o.type)[0] == dst
-          and o.operands and dims(o.operands[0])[0] == src
-          and math.prod(dims(o.type)[1]) >= min_elements]
+  return [
+      o
+      for o in _ops(hlo, within)
+      if o.opcode == "convert"
+      and dims(o.type)[0] == dst
+      and o.operands
+      and dims(o.operands[0])[0] == src
+      and math.prod(dims(o.type)[1]) >= min_elements
+  ]
 
 
 def sorts(hlo: str, *, within=None) -> list[Op]:
   """Sort ops and sort custom calls (cub: a target containing "sort") in `within`; each Op's
   operands give the sorted shapes."""
-  return [o for o in _ops(hlo, within)
-          if o.opcode == "sort" or (o.opcode.startswith("custom-call:") and
-                                    "sort" in o.opcode.lower())]
+  return [
+      o
+      for o in _ops(hlo, within)
+      if o.opcode == "sort" or (o.opcode.startswith("custom-call:") and "sort" in o.opcode.lower())
+  ]
 
 
 def custom_call_targets(hlo: str) -> set[str]:
   """Every custom call's target in the module (e.g. "__cudnn$fmhaSoftmax", "tpu_custom_call")."""
-  return {o.opcode.split(":", 1)[1] for ops in parse(hlo).values() for o in ops
-          if o.opcode.startswith("custom-call:")}
+  return {
+      o.opcode.split(":", 1)[1]
+      for ops in parse(hlo).values()
+      for o in ops
+      if o.opcode.startswith("custom-call:")
+  }
 
 
 def copies(hlo: str, *, within=None) -> list[tuple[Op, int]]:
   """(copy op, bytes it writes) in `within`: HLO copies and memcpy-like custom calls (not the
   asynchronous copy-start/-done pairs a TPU uses to prefetch into on-chip memory)."""
-  return [(o, nbytes(o.type)) for o in _ops(hlo, within)
-          if o.opcode == "copy" or
-          (o.opcode.startswith("custom-call:") and "memcpy" in o.opcode.lower())]
+  return [
+      (o, nbytes(o.type))
+      for o in _ops(hlo, within)
+      if o.opcode == "copy"
+      or (o.opcode.startswith("custom-call:") and "memcpy" in o.opcode.lower())
+  ]
 
 
 def square_arrays(hlo: str, s: int, dtypes=("f32",)) -> list[tuple[str, str, str, tuple]]:

@@ -9,6 +9,7 @@ devices through libtpu, GPU names -> XLA:GPU's deviceless compile through the CU
 A GPU target needs jax-cuda13-plugin (+ jax-cuda13-pjrt) of jax's version and JAX_PLATFORMS=cpu
 (else the plugin looks for a CUDA driver at start-up): requirements/aot.txt, scripts/test_aot.sh.
 """
+
 import dataclasses
 import glob
 import importlib.util
@@ -21,7 +22,7 @@ import tempfile
 import jax
 import numpy as np
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 # generation -> (topology-name prefix, TensorCores per chip (the "-N" of v5p-8 counts cores),
 # topology dimensions, chip config, HBM GiB per chip, jax device_kind)
@@ -49,6 +50,7 @@ HBM_BY_KIND.update({kind: gib * GIB for kind, gib in GPUS.values()})
 @dataclasses.dataclass(frozen=True)
 class Target:
   """What to compile for: devices, their kind and HBM, and how the figures were made."""
+
   name: str
   devices: tuple
   device_kind: str
@@ -60,6 +62,7 @@ class Target:
 @dataclasses.dataclass(frozen=True)
 class Slice:
   """A TPU slice by name: what get_topology_desc needs, and the chip's kind and HBM."""
+
   topology_name: str  # e.g. "v5:2x2x1"; GPUs: "1x1xN" (partitions x hosts x GPUs per host)
   chips: int
   chip_config_name: str
@@ -86,29 +89,35 @@ def parse_topology(name: str) -> Slice:
   gen = (raw or named).group(1) if (raw or named) else None
   gen = {"v5": "v5p"}.get(gen, gen)
   if gen not in GENERATIONS:
-    raise ValueError(f"--topology={name}: use a slice name like v5p-8, v6e-8, v5e-16, v4-8 "
-                     f"(generations {', '.join(GENERATIONS)}), a raw one like v5p:2x2x1, or "
-                     f"a GPU: {', '.join(GPUS)} (h100-8: eight on one host)")
+    raise ValueError(
+        f"--topology={name}: use a slice name like v5p-8, v6e-8, v5e-16, v4-8 "
+        f"(generations {', '.join(GENERATIONS)}), a raw one like v5p:2x2x1, or "
+        f"a GPU: {', '.join(GPUS)} (h100-8: eight on one host)"
+    )
   prefix, cores, ndim, chip_config, gib, kind = GENERATIONS[gen]
   if raw:
     dims = [int(d) for d in raw.group(2).split("x")]
   else:
     chips, rem = divmod(int(named.group(2)), cores)
     if rem or chips < 1 or chips & (chips - 1) or (ndim == 3 and chips < 4):
-      raise ValueError(f"--topology={name}: {gen} slices have a power-of-two chip count"
-                       f"{' >= 4' if ndim == 3 else ''}, {cores} core(s) per chip")
+      raise ValueError(
+          f"--topology={name}: {gen} slices have a power-of-two chip count"
+          f"{' >= 4' if ndim == 3 else ''}, {cores} core(s) per chip"
+      )
     dims = [2, 2, 1] if ndim == 3 else [1, 1]
     while math.prod(dims) < chips:  # double the smallest dimension, the last one on ties
       i = max(range(ndim), key=lambda j: (-dims[j], j))
       dims[i] *= 2
-  return Slice(f"{prefix}:{'x'.join(map(str, dims))}", math.prod(dims), chip_config, kind,
-               gib * GIB)
+  return Slice(
+      f"{prefix}:{'x'.join(map(str, dims))}", math.prod(dims), chip_config, kind, gib * GIB
+  )
 
 
 def libtpu_version() -> str | None:
   """The installed libtpu's version, or None when it cannot be imported."""
   import importlib.metadata
   import importlib.util
+
   if importlib.util.find_spec("libtpu") is None:
     return None
   try:
@@ -132,6 +141,7 @@ def cuda_plugin_dir() -> str | None:
 
 def cuda_plugin_version() -> str | None:
   import importlib.metadata
+
   if cuda_plugin_dir() is None:
     return None
   try:
@@ -149,7 +159,7 @@ def gpu_target_config(device_kind: str) -> str:
     i = data.find(f'device_description_str: "{device_kind}"'.encode())
     if i < 0:
       raise ValueError(f"{path} holds no GPU target config for {device_kind!r}")
-    return data[data.rfind(b"\x00", 0, i) + 1:data.find(b"\x00", i)].decode()
+    return data[data.rfind(b"\x00", 0, i) + 1 : data.find(b"\x00", i)].decode()
 
 
 def libtpu_compile_only_env(topology: str):
@@ -158,8 +168,12 @@ def libtpu_compile_only_env(topology: str):
   once. Only variables the user has not set, and never on a TPU VM."""
   if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
     return
-  for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                     ("TPU_ACCELERATOR_TYPE", topology), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+  for key, value in (
+      ("TPU_SKIP_MDS_QUERY", "1"),
+      ("TPU_WORKER_HOSTNAMES", "localhost"),
+      ("TPU_ACCELERATOR_TYPE", topology),
+      ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+  ):
     os.environ.setdefault(key, value)
 
 
@@ -169,23 +183,37 @@ def make_target(topology: str | None = None) -> Target:
   fallback), else (no topology) all local devices."""
   if not topology:
     devices = tuple(jax.devices())
-    return Target("local", devices, devices[0].device_kind, _device_hbm(devices[0]),
-                  f"{jax.default_backend()} compiler on this machine's devices",
-                  jax.process_count())
+    return Target(
+        "local",
+        devices,
+        devices[0].device_kind,
+        _device_hbm(devices[0]),
+        f"{jax.default_backend()} compiler on this machine's devices",
+        jax.process_count(),
+    )
   spec = parse_topology(topology)
   if spec.platform == "cuda":
     return _gpu_target(topology, spec)
   version = libtpu_version()
   if version is not None:
     from jax.experimental import topologies
-    devices = tuple(topologies.get_topology_desc(
-        spec.topology_name, platform="tpu", chip_config_name=spec.chip_config_name).devices)
-    return Target(topology, devices, devices[0].device_kind,
-                  compiler_hbm(devices[0]) or spec.hbm_bytes,
-                  f"TPU compiler (libtpu {version}), topology {spec.topology_name}",
-                  len({d.process_index for d in devices}))
-  return _cpu_fallback(topology, spec, "libtpu not importable: install jax[tpu] for the TPU "
-                       "compiler's figures")
+
+    devices = tuple(
+        topologies.get_topology_desc(
+            spec.topology_name, platform="tpu", chip_config_name=spec.chip_config_name
+        ).devices
+    )
+    return Target(
+        topology,
+        devices,
+        devices[0].device_kind,
+        compiler_hbm(devices[0]) or spec.hbm_bytes,
+        f"TPU compiler (libtpu {version}), topology {spec.topology_name}",
+        len({d.process_index for d in devices}),
+    )
+  return _cpu_fallback(
+      topology, spec, "libtpu not importable: install jax[tpu] for the TPU " "compiler's figures"
+  )
 
 
 def _gpu_target(topology: str, spec: Slice) -> Target:
@@ -193,32 +221,50 @@ def _gpu_target(topology: str, spec: Slice) -> Target:
   embedded target config), else as many fake CPU devices."""
   version = cuda_plugin_version()
   if version is None:
-    return _cpu_fallback(topology, spec, "jax-cuda13-plugin not importable: pip install "
-                         "-r requirements/aot.txt for XLA:GPU's figures")
+    return _cpu_fallback(
+        topology,
+        spec,
+        "jax-cuda13-plugin not importable: pip install "
+        "-r requirements/aot.txt for XLA:GPU's figures",
+    )
   if _cudnn_version() is None:
-    raise ValueError(f"--topology={topology}: cuDNN's library is not loadable; tracing for a GPU "
-                     "(jax.nn.dot_product_attention's cuDNN kernels) asks it for its version. "
-                     "Fix: pip install -r requirements/aot.txt (nvidia-cudnn-cu13)")
+    raise ValueError(
+        f"--topology={topology}: cuDNN's library is not loadable; tracing for a GPU "
+        "(jax.nn.dot_product_attention's cuDNN kernels) asks it for its version. "
+        "Fix: pip install -r requirements/aot.txt (nvidia-cudnn-cu13)"
+    )
   from jax.experimental import topologies
+
   config = gpu_target_config(spec.device_kind)
   try:
-    devices = tuple(topologies.get_topology_desc(platform="cuda", topology=spec.topology_name,
-                                                 target_config=config).devices)
+    devices = tuple(
+        topologies.get_topology_desc(
+            platform="cuda", topology=spec.topology_name, target_config=config
+        ).devices
+    )
   except (NotImplementedError, jax.errors.JaxRuntimeError) as e:
-    raise ValueError(f"--topology={topology}: the CUDA plugin gave no compile-only devices "
-                     f"({str(e).splitlines()[0]}). Fix: JAX_PLATFORMS=cpu (set before jax "
-                     "starts; otherwise the plugin looks for a CUDA driver and is not "
-                     "registered without one)") from e
+    raise ValueError(
+        f"--topology={topology}: the CUDA plugin gave no compile-only devices "
+        f"({str(e).splitlines()[0]}). Fix: JAX_PLATFORMS=cpu (set before jax "
+        "starts; otherwise the plugin looks for a CUDA driver and is not "
+        "registered without one)"
+    ) from e
   memory = re.search(r"device_memory_size: (\d+)", config)
-  return Target(topology, devices, devices[0].device_kind,
-                int(memory.group(1)) if memory else spec.hbm_bytes,
-                f"XLA:GPU deviceless compile (jax-cuda13-plugin {version}), "
-                f"{spec.chips} x {spec.device_kind}", 1)
+  return Target(
+      topology,
+      devices,
+      devices[0].device_kind,
+      int(memory.group(1)) if memory else spec.hbm_bytes,
+      f"XLA:GPU deviceless compile (jax-cuda13-plugin {version}), "
+      f"{spec.chips} x {spec.device_kind}",
+      1,
+  )
 
 
 def _cudnn_version() -> int | None:
   try:
     from jax._src.lib import cuda_versions
+
     return cuda_versions.cudnn_get_version() if cuda_versions is not None else None
   except RuntimeError:  # "cuDNN not found."
     return None
@@ -227,12 +273,20 @@ def _cudnn_version() -> int | None:
 def _cpu_fallback(topology: str, spec: Slice, why: str) -> Target:
   cpus, chips = jax.devices("cpu"), spec.chips
   if len(cpus) < chips:
-    raise ValueError(f"--topology={topology} needs {chips} fake CPU devices without the "
-                     f"accelerator's compiler and this process has {len(cpus)}: start it with "
-                     f"XLA_FLAGS=--xla_force_host_platform_device_count={chips}, or install "
-                     "that compiler (requirements/aot.txt)")
-  return Target(topology, tuple(cpus[:chips]), spec.device_kind, spec.hbm_bytes,
-                f"XLA:CPU on {chips} fake device{'s' * (chips > 1)} ({why})", 1)
+    raise ValueError(
+        f"--topology={topology} needs {chips} fake CPU devices without the "
+        f"accelerator's compiler and this process has {len(cpus)}: start it with "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={chips}, or install "
+        "that compiler (requirements/aot.txt)"
+    )
+  return Target(
+      topology,
+      tuple(cpus[:chips]),
+      spec.device_kind,
+      spec.hbm_bytes,
+      f"XLA:CPU on {chips} fake device{'s' * (chips > 1)} ({why})",
+      1,
+  )
 
 
 def _device_hbm(device) -> int | None:
@@ -244,8 +298,10 @@ def _device_hbm(device) -> int | None:
   return int(limit) if limit else HBM_BY_KIND.get(device.device_kind)
 
 
-_OOM = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGTP]?)\) exceeds available HBM "
-                  r"\(([\d.]+)([KMGTP]?)\)")
+_OOM = re.compile(
+    r"required for HLO temporaries \(([\d.]+)([KMGTP]?)\) exceeds available HBM "
+    r"\(([\d.]+)([KMGTP]?)\)"
+)
 
 
 def _oom_figures(message: str) -> tuple[int, int] | None:
@@ -262,8 +318,9 @@ def compiler_hbm(device) -> int | None:
   """The HBM the TPU compiler lets a program use on `device`, read from its error for a
   program that cannot fit (a 1 TiB argument): exactly what it checks plans against."""
   mesh = jax.sharding.Mesh(np.asarray([device]), ("x",))
-  huge = jax.ShapeDtypeStruct((2 ** 40,), np.uint8, sharding=jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec()))
+  huge = jax.ShapeDtypeStruct(
+      (2**40,), np.uint8, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  )
   try:
     jax.jit(lambda x: x + 1).lower(huge).compile()
   except jax.errors.JaxRuntimeError as e:
@@ -290,8 +347,9 @@ def compile_program(lowered, platform: str = "", *, hlo: bool = False):
       if "invalid device ordinal" not in str(e):
         raise
       text = _dumped_hlo(dump) if hlo else None
-  compiled = lowered.compile(compiler_options={
-      "xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED"})
+  compiled = lowered.compile(
+      compiler_options={"xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED"}
+  )
   return compiled, text, {"deviceless_cub_disabled": 1}
 
 

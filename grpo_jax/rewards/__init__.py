@@ -4,6 +4,7 @@ Every reward function maps (prompts, completions, **row_fields) to one float per
 `build_reward_computer` combines named functions with weights (see computer.py); `from_config`
 builds it from config.reward.
 """
+
 from grpo_jax.rewards.computer import RewardComputer
 from grpo_jax.rewards.computer import RewardError
 from grpo_jax.rewards.computer import RewardResult

@@ -22,6 +22,7 @@ concurrently, up to min(16, CPU count) sandboxes at a time.
 
 The sandbox (process tree, guards, what each OS layer enforces) is grpo_jax/rewards/sandbox.py.
 """
+
 import json
 import os
 
@@ -36,6 +37,7 @@ _PY_LANGS = ("", "python", "py", "python3", "py3")
 
 
 # ================================================================================ extraction
+
 
 def extract_program(text: str) -> str:
   """The last ```python / ```py / ```python3 / untagged fenced block, else the whole text.
@@ -63,14 +65,18 @@ def extract_program(text: str) -> str:
 def parse_tests(ground_truth=None, extra_info=None) -> list[str]:
   """Test statements of a row: ground_truth as a list, a JSON list, a dict with "tests" /
   "test_list", or a plain string (one test); else extra_info["tests"] likewise."""
-  for src in (ground_truth, (extra_info or {}).get("tests") if isinstance(extra_info, dict)
-              else None):
+  for src in (
+      ground_truth,
+      (extra_info or {}).get("tests") if isinstance(extra_info, dict) else None,
+  ):
     tests = _as_tests(src)
     if tests:
       return tests
-  raise ValueError("code reward: the row has no test cases; give a list of test statements "
-                   "(e.g. [\"assert f(2) == 4\"]) in ground_truth (or a JSON string of one) "
-                   "or in extra_info['tests']")
+  raise ValueError(
+      "code reward: the row has no test cases; give a list of test statements "
+      '(e.g. ["assert f(2) == 4"]) in ground_truth (or a JSON string of one) '
+      "or in extra_info['tests']"
+  )
 
 
 def _as_tests(src):
@@ -116,8 +122,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> f
   return score(solution_str, parse_tests(ground_truth, extra_info), timeout_sec=timeout)
 
 
-def code_tests(prompts, completions, ground_truth=None, extra_info=None, data_source=None,
-               **_) -> list[float]:
+def code_tests(
+    prompts, completions, ground_truth=None, extra_info=None, data_source=None, **_
+) -> list[float]:
   """Reward: fraction of the row's test statements passed, each completion in its own sandbox
   (concurrently). Tests: ground_truth (list / JSON list / one statement) or extra_info["tests"]."""
   del prompts, data_source
@@ -128,5 +135,6 @@ def code_tests(prompts, completions, ground_truth=None, extra_info=None, data_so
   if n <= 1:
     return [compute_score("code", *job) for job in jobs]
   from concurrent.futures import ThreadPoolExecutor
+
   with ThreadPoolExecutor(max_workers=min(n, MAX_WORKERS, os.cpu_count() or 1)) as pool:
     return list(pool.map(lambda job: compute_score("code", *job), jobs))

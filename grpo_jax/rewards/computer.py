@@ -44,6 +44,7 @@ Where the calls run:
 The timeout bounds each call, not the batch: a function that hangs on every row costs
 rows x timeout_sec (divided by num_workers with a pool) before the step can finish.
 """
+
 import collections
 import concurrent.futures
 from concurrent.futures import process as futures_process
@@ -70,8 +71,10 @@ _MAX_FRUITLESS_RESTARTS = 5
 _POLL_SEC = 0.5
 # Calls in flight per worker: enough to keep workers busy between round trips.
 _QUEUE_DEPTH = 4
-_FIX = ("Fix the function, or set --config.reward.on_error=zero to score such rows 0 (counted "
-        "in reward/errors)")
+_FIX = (
+    "Fix the function, or set --config.reward.on_error=zero to score such rows 0 (counted "
+    "in reward/errors)"
+)
 
 
 # Value types accepted in one vectorized check (bool is not among them: it is refused per row).
@@ -116,8 +119,15 @@ def _row_fields(fields, i):
 
 class RewardComputer:
 
-  def __init__(self, specs: dict[str, tuple], weights: dict[str, float], *,
-               on_error: str = "raise", num_workers: int = 0, timeout_sec: float = 0.0):
+  def __init__(
+      self,
+      specs: dict[str, tuple],
+      weights: dict[str, float],
+      *,
+      on_error: str = "raise",
+      num_workers: int = 0,
+      timeout_sec: float = 0.0,
+  ):
     if on_error not in ON_ERROR:
       raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
     self.specs = specs
@@ -168,13 +178,20 @@ class RewardComputer:
       except RewardError as e:
         out, failures = None, [str(e)]
       if failures:
-        where = (f"reward.custom_file={arg}" if kind == "custom" else
-                 f"{arg[1]} in reward.custom_file={arg[0]}" if kind == "custom_trl" else
-                 f"'{arg}' (or drop it from reward.functions; check the rows carry the "
-                 "ground_truth/data_source it needs)")
-        raise RewardError(_one_line(
-            f"reward start-up check failed: {failures[0]} (sample row: its ground truth as the "
-            f"completion, data_source {row.get('data_source')!r}). Fix {where} before training"))
+        where = (
+            f"reward.custom_file={arg}"
+            if kind == "custom"
+            else f"{arg[1]} in reward.custom_file={arg[0]}"
+            if kind == "custom_trl"
+            else f"'{arg}' (or drop it from reward.functions; check the rows carry the "
+            "ground_truth/data_source it needs)"
+        )
+        raise RewardError(
+            _one_line(
+                f"reward start-up check failed: {failures[0]} (sample row: its ground truth as the "
+                f"completion, data_source {row.get('data_source')!r}). Fix {where} before training"
+            )
+        )
       scores[name] = float(out[0])
     return scores
 
@@ -188,9 +205,11 @@ class RewardComputer:
       return self._score_inline_timed(name, prompts, completions, fields, stop)
     if not self._told_fallback:
       self._told_fallback = True
-      logging.info("reward.timeout_sec with reward.num_workers=0, but SIGALRM is not usable here "
-                   "(not the main thread, or a timer is already running): scoring in 1 worker "
-                   "process")
+      logging.info(
+          "reward.timeout_sec with reward.num_workers=0, but SIGALRM is not usable here "
+          "(not the main thread, or a timer is already running): scoring in 1 worker "
+          "process"
+      )
     return self._score_pool(name, prompts, completions, fields, stop)
 
   def _warn(self, name, failures, n):
@@ -198,35 +217,54 @@ class RewardComputer:
       logging.warning(
           "reward function '%s' FAILED ON EVERY ROW (%d of %d) of this batch: it scores every row "
           "0 and gives no learning signal (reward.on_error=zero). First error: %s",
-          name, len(failures), n, failures[0])
+          name,
+          len(failures),
+          n,
+          failures[0],
+      )
     else:
       logging.warning(
           "reward function '%s' failed on %d of %d rows of this batch (scored 0, "
-          "reward.on_error=zero). First error: %s", name, len(failures), n, failures[0])
+          "reward.on_error=zero). First error: %s",
+          name,
+          len(failures),
+          n,
+          failures[0],
+      )
 
   # -------------------------------------------------------------------- messages and values
 
   def _checked(self, name, value, row, completion) -> float:
-    ok = (isinstance(value, (numbers.Real, np.number)) and not isinstance(value, bool)
-          and math.isfinite(float(value)))
+    ok = (
+        isinstance(value, (numbers.Real, np.number))
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )
     if not ok:
-      raise RewardError(f"reward function '{name}' returned {value!r} (not a finite number) "
-                        f"for row {row}, completion {_snippet(completion)}")
+      raise RewardError(
+          f"reward function '{name}' returned {value!r} (not a finite number) "
+          f"for row {row}, completion {_snippet(completion)}"
+      )
     return float(value)
 
   @staticmethod
   def _raised(name, e, i, completion) -> str:
-    return (f"reward function '{name}' raised {type(e).__name__}: {_one_line(e)} on row {i}, "
-            f"completion {_snippet(completion)}")
+    return (
+        f"reward function '{name}' raised {type(e).__name__}: {_one_line(e)} on row {i}, "
+        f"completion {_snippet(completion)}"
+    )
 
   def _timed_out(self, name, i, completion, where) -> str:
-    return (f"reward function '{name}' timed out after {self.timeout}s on row {i} ({where}), "
-            f"completion {_snippet(completion)}")
+    return (
+        f"reward function '{name}' timed out after {self.timeout}s on row {i} ({where}), "
+        f"completion {_snippet(completion)}"
+    )
 
   def _row_value(self, name, values, i, completion) -> float:
     if len(values) != 1:
-      raise RewardError(f"reward function '{name}' returned {len(values)} values for 1 "
-                        f"completion (row {i})")
+      raise RewardError(
+          f"reward function '{name}' returned {len(values)} values for 1 " f"completion (row {i})"
+      )
     return self._checked(name, values[0], i, completion)
 
   # ---------------------------------------------------------------------------- in-process
@@ -237,8 +275,9 @@ class RewardComputer:
     try:
       values = list(fn(prompts, completions, **fields))
       if len(values) != n:
-        raise RewardError(f"reward function '{name}' returned {len(values)} values for {n} "
-                          "completions")
+        raise RewardError(
+            f"reward function '{name}' returned {len(values)} values for {n} " "completions"
+        )
     except RewardError:
       raise
     except Exception:  # find the row(s) at fault, one at a time
@@ -278,8 +317,9 @@ class RewardComputer:
     try:
       for i in range(n):
         try:
-          values = workers.alarm_call(self.timeout, fn, [prompts[i]], [completions[i]],
-                               **_row_fields(fields, i))
+          values = workers.alarm_call(
+              self.timeout, fn, [prompts[i]], [completions[i]], **_row_fields(fields, i)
+          )
           out[i] = self._row_value(name, values, i, completions[i])
           continue
         except workers.CallTimeout:
@@ -347,8 +387,9 @@ class RewardComputer:
           source = suspects or todo
           i = source.popleft()
           try:
-            f, token = pool.submit(spec, prompts[i], completions[i],
-                                   {k: v[i] for k, v in fields.items()})
+            f, token = pool.submit(
+                spec, prompts[i], completions[i], {k: v[i] for k, v in fields.items()}
+            )
           except (futures_process.BrokenProcessPool, RuntimeError):
             source.appendleft(i)
             broken = "unusable"
@@ -358,14 +399,17 @@ class RewardComputer:
           break
         # -- wait for a result, a death, or the nearest deadline
         pool.drain()
-        deadlines = [pool.started[token][0] + self.timeout
-                     for (_, token, _, _) in inflight.values()
-                     if self.timeout and token in pool.started]
+        deadlines = [
+            pool.started[token][0] + self.timeout
+            for (_, token, _, _) in inflight.values()
+            if self.timeout and token in pool.started
+        ]
         if not pool.ever_started:  # workers still starting up
           deadlines += [submitted + WORKER_START_SEC for (_, _, submitted, _) in inflight.values()]
         wait = min([_POLL_SEC] + [max(0.0, d - time.monotonic()) for d in deadlines])
-        done, _ = concurrent.futures.wait(list(inflight), timeout=wait,
-                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        done, _ = concurrent.futures.wait(
+            list(inflight), timeout=wait, return_when=concurrent.futures.FIRST_COMPLETED
+        )
         pool.drain()
         for f in done:
           if workers.lost(f):
@@ -392,7 +436,8 @@ class RewardComputer:
             raise RewardError(
                 f"reward worker processes did not start a call within {WORKER_START_SEC:.0f}s "
                 f"(reward.num_workers={self.num_workers}): check that the reward functions "
-                "import cleanly in a fresh process")
+                "import cleanly in a fresh process"
+            )
       if not broken:
         continue  # every row scored
       # -- the pool has to go: keep what finished, sort out what was lost
@@ -412,23 +457,36 @@ class RewardComputer:
       if broken == "dead" and code == -signal.SIGTERM:
         # Terminated from outside (a preemption's SIGTERM to the whole process group, or the
         # executor stopping it because another worker died): not this row's fault.
-        logging.warning("reward function '%s': a reward worker process was terminated "
-                        "(SIGTERM); restarting the pool and re-running its row", name)
+        logging.warning(
+            "reward function '%s': a reward worker process was terminated "
+            "(SIGTERM); restarting the pool and re-running its row",
+            name,
+        )
         i, _, was_suspect = started_lost[0]
         (suspects if was_suspect else todo).appendleft(i)
       elif broken == "dead" and len(started_lost) == 1:
         i, token, _ = started_lost[0]
         progress = True
         how = workers.describe_exit(code)
-        logging.warning("reward function '%s': the worker process scoring row %d died (%s); "
-                        "restarting the reward worker pool", name, i, how)
-        if failed(f"reward function '{name}' killed the worker process scoring row {i} "
-                  f"({how}), completion {_snippet(completions[i])}"):
+        logging.warning(
+            "reward function '%s': the worker process scoring row %d died (%s); "
+            "restarting the reward worker pool",
+            name,
+            i,
+            how,
+        )
+        if failed(
+            f"reward function '{name}' killed the worker process scoring row {i} "
+            f"({how}), completion {_snippet(completions[i])}"
+        ):
           return out, failures
       elif broken == "dead" and started_lost:
-        logging.warning("reward function '%s': a reward worker process died with %d calls "
-                        "running; restarting the pool and re-running them one at a time",
-                        name, len(started_lost))
+        logging.warning(
+            "reward function '%s': a reward worker process died with %d calls "
+            "running; restarting the pool and re-running them one at a time",
+            name,
+            len(started_lost),
+        )
         suspects.extendleft(i for i, _, _ in reversed(started_lost))
       else:  # we killed it (timeout), or a worker died idle: the calls were innocent
         for i, _, was_suspect in reversed(started_lost):
@@ -437,12 +495,16 @@ class RewardComputer:
       # SIGTERM to the process group can hit workers that are still starting up.
       fruitless = 0 if progress else fruitless + 1
       if fruitless > _MAX_FRUITLESS_RESTARTS:
-        why = ("its worker processes died before starting any call" if not pool.ever_started
-               else "it broke without scoring a row")
+        why = (
+            "its worker processes died before starting any call"
+            if not pool.ever_started
+            else "it broke without scoring a row"
+        )
         raise RewardError(
             f"reward worker pool (reward.num_workers={self.num_workers}) restarted {fruitless} "
             f"times in a row for '{name}': {why}. Check that the reward functions import "
-            "cleanly in a fresh process (python -c 'import ...'), or set reward.num_workers=0")
+            "cleanly in a fresh process (python -c 'import ...'), or set reward.num_workers=0"
+        )
     return out, failures
 
   def close(self):
@@ -457,16 +519,29 @@ class RewardComputer:
 
 def from_config(reward, **overrides) -> RewardComputer:
   """build_reward_computer from config.reward (`overrides` replace its keyword values)."""
-  kwargs = dict(custom_file=reward.custom_file, custom_function=reward.custom_function,
-                custom_weight=reward.custom_weight, on_error=reward.on_error,
-                num_workers=reward.num_workers, timeout_sec=reward.timeout_sec)
+  kwargs = dict(
+      custom_file=reward.custom_file,
+      custom_function=reward.custom_function,
+      custom_weight=reward.custom_weight,
+      on_error=reward.on_error,
+      num_workers=reward.num_workers,
+      timeout_sec=reward.timeout_sec,
+  )
   kwargs.update(overrides)
   return build_reward_computer(reward.functions, reward.weights, **kwargs)
 
 
-def build_reward_computer(functions, weights, *, custom_file: str = "", custom_function: str = "",
-                          custom_weight: float = 1.0, on_error: str = "raise",
-                          num_workers: int = 0, timeout_sec: float = 0.0) -> RewardComputer:
+def build_reward_computer(
+    functions,
+    weights,
+    *,
+    custom_file: str = "",
+    custom_function: str = "",
+    custom_weight: float = 1.0,
+    on_error: str = "raise",
+    num_workers: int = 0,
+    timeout_sec: float = 0.0,
+) -> RewardComputer:
   """From config values: named functions with weights, plus an optional user file: verl's
   `compute_score` in it, or (custom_function set) that TRL-style batch function."""
   functions, weights = tuple(functions), tuple(weights)
@@ -480,10 +555,14 @@ def build_reward_computer(functions, weights, *, custom_file: str = "", custom_f
     raise ValueError("reward.custom_function needs reward.custom_file (the .py defining it)")
   if custom_file:
     scoring.load_custom_file(custom_file, custom_function)  # fail at start-up, not mid-run
-    specs[CUSTOM] = (("custom_trl", (custom_file, custom_function)) if custom_function else
-                     ("custom", custom_file))
+    specs[CUSTOM] = (
+        ("custom_trl", (custom_file, custom_function))
+        if custom_function
+        else ("custom", custom_file)
+    )
     w[CUSTOM] = float(custom_weight)
   if not specs:
     raise ValueError("no reward functions: set reward.functions or reward.custom_file")
-  return RewardComputer(specs, w, on_error=on_error, num_workers=num_workers,
-                        timeout_sec=timeout_sec)
+  return RewardComputer(
+      specs, w, on_error=on_error, num_workers=num_workers, timeout_sec=timeout_sec
+  )

@@ -5,6 +5,7 @@ list[float]`; the answer key comes in `ground_truth` (a list aligned with comple
 The values follow the Tunix/Gemma GSM8K GRPO recipe, with numbers normalized ("1,234",
 "$5", "72.0", "-3") where the recipe compared raw strings.
 """
+
 from grpo_jax.rewards import parsing
 
 
@@ -19,8 +20,7 @@ def match_format_approximately(prompts, completions, **_) -> list[float]:
   """+0.5 for each of <reasoning>, </reasoning>, <answer>, </answer> that appears exactly once,
   -0.5 for each that does not (missing or repeated). Range [-2.0, 2.0]."""
   del prompts
-  tags = (parsing.REASONING_START, parsing.REASONING_END, parsing.ANSWER_START,
-          parsing.ANSWER_END)
+  tags = (parsing.REASONING_START, parsing.REASONING_END, parsing.ANSWER_START, parsing.ANSWER_END)
   return [sum(0.5 if c.count(t) == 1 else -0.5 for t in tags) for c in completions]
 
 
@@ -52,7 +52,9 @@ def check_answer(prompts, completions, ground_truth, **_) -> list[float]:
   answer / truth: within 10% +0.5, within 20% +0.25, otherwise -1.0; an answer that does not
   parse as a number -0.5; no formatted answer at all 0.0."""
   del prompts
-  return [_check_one(parsing.answer_in_format(c), str(t)) for c, t in zip(completions, ground_truth)]
+  return [
+      _check_one(parsing.answer_in_format(c), str(t)) for c, t in zip(completions, ground_truth)
+  ]
 
 
 def check_numbers(prompts, completions, ground_truth, **_) -> list[float]:
@@ -81,8 +83,9 @@ def answer_format(prompts, completions, **_) -> list[float]:
 
 
 def _is_correct(completion: str, truth) -> bool:
-  return parsing.numbers_equal(parsing.parse_number(parsing.answer_tag(completion)),
-                               parsing.parse_number(str(truth)))
+  return parsing.numbers_equal(
+      parsing.parse_number(parsing.answer_tag(completion)), parsing.parse_number(str(truth))
+  )
 
 
 def eval_flags(completion: str, ground_truth) -> tuple[bool, bool, bool]:
@@ -98,14 +101,20 @@ def eval_flags(completion: str, ground_truth) -> tuple[bool, bool, bool]:
   guess = parsing.parse_number(parsing.answer_tag(completion))
   truth = parsing.parse_number(str(ground_truth))
   correct = parsing.numbers_equal(guess, truth)
-  partial = correct or (guess is not None and truth is not None and truth != 0 and
-                        0.9 <= guess / truth <= 1.1)
+  partial = correct or (
+      guess is not None and truth is not None and truth != 0 and 0.9 <= guess / truth <= 1.1
+  )
   stripped = completion.strip()
-  answer_only = (stripped.startswith(parsing.ANSWER_START) and
-                 stripped.endswith(parsing.ANSWER_END) and
-                 stripped.count(parsing.ANSWER_START) == 1 and
-                 stripped.count(parsing.ANSWER_END) == 1 and parsing.REASONING_START not in
-                 stripped)
-  formatted = (parsing.answer_in_format(completion) is not None or answer_only or
-               parsing.answer_in_think_format(completion) is not None)
+  answer_only = (
+      stripped.startswith(parsing.ANSWER_START)
+      and stripped.endswith(parsing.ANSWER_END)
+      and stripped.count(parsing.ANSWER_START) == 1
+      and stripped.count(parsing.ANSWER_END) == 1
+      and parsing.REASONING_START not in stripped
+  )
+  formatted = (
+      parsing.answer_in_format(completion) is not None
+      or answer_only
+      or parsing.answer_in_think_format(completion) is not None
+  )
   return correct, partial, formatted

@@ -26,6 +26,7 @@ max_length keeps the template's own text and loses prompt tokens from the left (
 end stays next to the completion); only when no prompt is left is the completion cut, keeping
 its beginning. The cut text is tokenized whole again, so only the cut itself is new.
 """
+
 import functools
 import math
 import string
@@ -52,7 +53,8 @@ METRIC = "reward/judge"  # the per-function metric name, beside reward/<function
 
 DEFAULT_TEMPLATE = (
     "Task:\n{prompt}\n\nResponse:\n{completion}\n\n"
-    "Is the response a correct and helpful answer to the task? Answer yes or no.\nAnswer:")
+    "Is the response a correct and helpful answer to the task? Answer yes or no.\nAnswer:"
+)
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -108,13 +110,16 @@ def parse_template(template: str) -> list[tuple[str, str]]:
     if field not in FIELDS:
       raise ValueError(f"has the field {{{field}}}; only {{prompt}} and {{completion}} exist")
     if spec or conversion:
-      raise ValueError(f"formats {{{field}}} with !{conversion or ''}:{spec or ''}; the "
-                       "fields take no conversion or format spec")
+      raise ValueError(
+          f"formats {{{field}}} with !{conversion or ''}:{spec or ''}; the "
+          "fields take no conversion or format spec"
+      )
     pieces.append((field, ""))
   kinds = [k for k, _ in pieces]
   if kinds.count("completion") != 1:
-    raise ValueError(f"has {kinds.count('completion')} {{completion}} fields; it needs exactly "
-                     "one")
+    raise ValueError(
+        f"has {kinds.count('completion')} {{completion}} fields; it needs exactly " "one"
+    )
   if kinds.count("prompt") > 1:
     raise ValueError(f"has {kinds.count('prompt')} {{prompt}} fields; at most one")
   return pieces
@@ -123,8 +128,9 @@ def parse_template(template: str) -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------------- validation
 
 
-def validate(config, *, data_parallel: int | None = None,
-             num_processes: int | None = None) -> list[str]:
+def validate(
+    config, *, data_parallel: int | None = None, num_processes: int | None = None
+) -> list[str]:
   """One `reward.judge.<field>=value: why. Fix: ...` line per bad value of config.reward.judge
   (empty when it is good or off). Reads config.json, the safetensors headers and the tokenizer
   when the paths exist (cheap); `data_parallel` (mesh data * fsdp) checks batch_size."""
@@ -151,22 +157,33 @@ def validate(config, *, data_parallel: int | None = None,
   else:
     for n, what in ((data_parallel, "mesh data * fsdp"), (num_processes, "JAX processes")):
       if n and j.batch_size % n:
-        fail("batch_size", f"does not split over the {n} {what}",
-             f"use a multiple of {n}, e.g. {n * -(-j.batch_size // n)}")
+        fail(
+            "batch_size",
+            f"does not split over the {n} {what}",
+            f"use a multiple of {n}, e.g. {n * -(-j.batch_size // n)}",
+        )
   if not isinstance(j.max_length, int) or j.max_length < 2:
     fail("max_length", "must be >= 2", "e.g. 2048 (template + prompt + completion tokens)")
   pieces = None
   try:
     pieces = parse_template(j.template)
   except ValueError as e:
-    fail("template", str(e), "write e.g. 'Question: {prompt} Answer: {completion} Correct?' "
-         "(literal braces as {{ }})")
+    fail(
+        "template",
+        str(e),
+        "write e.g. 'Question: {prompt} Answer: {completion} Correct?' "
+        "(literal braces as {{ }})",
+    )
   missing = False
   for field in ("path", "tokenizer_path"):
     problem = paths.check_scheme(j[field]) if j[field] else None
     if not problem and j[field] and not paths.isdir(j[field]):
-      problem = ("is not a folder", "give the judge's Hugging Face checkpoint folder" if
-                 field == "path" else "give a tokenizer folder, or \"\" for the checkpoint's")
+      problem = (
+          "is not a folder",
+          "give the judge's Hugging Face checkpoint folder"
+          if field == "path"
+          else 'give a tokenizer folder, or "" for the checkpoint\'s',
+      )
     if problem:
       fail(field, *problem)
       missing = True
@@ -184,21 +201,33 @@ def _check_checkpoint(j, fail) -> int | None:
     cfg = ModelConfig.from_hf_config(hf_cfg)
     names = hf._Checkpoint(j.path).files
   except (OSError, ValueError, KeyError) as e:
-    fail("path", f"is not a loadable checkpoint ({e})", "give a Qwen3 / Llama Hugging Face "
-         "checkpoint folder (config.json + *.safetensors)")
+    fail(
+        "path",
+        f"is not a loadable checkpoint ({e})",
+        "give a Qwen3 / Llama Hugging Face " "checkpoint folder (config.json + *.safetensors)",
+    )
     return None
   if j.mode == "classifier":
     if "score.weight" not in names:
-      fail("path", "has no score.weight (no sequence-classification head)",
-           "give a *ForSequenceClassification checkpoint, or use mode=yes_prob for a causal LM")
+      fail(
+          "path",
+          "has no score.weight (no sequence-classification head)",
+          "give a *ForSequenceClassification checkpoint, or use mode=yes_prob for a causal LM",
+      )
     else:
       num_labels = _tensor_shape(names, "score.weight")[0]
       if num_labels > 1 and isinstance(j.label_index, int) and j.label_index >= num_labels:
-        fail("label_index", f"is out of range for the head's {num_labels} labels",
-             f"use 0..{num_labels - 1}")
+        fail(
+            "label_index",
+            f"is out of range for the head's {num_labels} labels",
+            f"use 0..{num_labels - 1}",
+        )
   elif j.mode == "yes_prob" and not cfg.tie_embeddings and "lm_head.weight" not in names:
-    fail("path", "has no lm_head.weight (not a causal LM)",
-         "give a *ForCausalLM checkpoint, or use mode=classifier for a classification head")
+    fail(
+        "path",
+        "has no lm_head.weight (not a causal LM)",
+        "give a *ForCausalLM checkpoint, or use mode=classifier for a classification head",
+    )
   return cfg.vocab_size
 
 
@@ -206,19 +235,29 @@ def _check_tokenizer(j, fail, pieces, vocab_size):
   try:
     tok = _tokenizer(j.tokenizer_path or j.path)
   except (OSError, ValueError) as e:
-    fail("tokenizer_path", f"has no usable tokenizer ({e})", "point at a folder with "
-         "tokenizer.json, or vocab.json + merges.txt")
+    fail(
+        "tokenizer_path",
+        f"has no usable tokenizer ({e})",
+        "point at a folder with " "tokenizer.json, or vocab.json + merges.txt",
+    )
     return
   if vocab_size is not None and tok.vocab_size > vocab_size:
-    fail("tokenizer_path", f"gives token ids up to {tok.vocab_size - 1} but the judge's "
-         f"vocab_size is {vocab_size}", "use the tokenizer the judge was trained with")
+    fail(
+        "tokenizer_path",
+        f"gives token ids up to {tok.vocab_size - 1} but the judge's "
+        f"vocab_size is {vocab_size}",
+        "use the tokenizer the judge was trained with",
+    )
   if j.mode == "yes_prob":
     ids = {}
     for field in ("yes_token", "no_token"):
       got = tok.encode(j[field]) if isinstance(j[field], str) else []
       if len(got) != 1:
-        fail(field, f"is {len(got)} tokens {got} in the judge's tokenizer, not one",
-             "use a string that is a single token (try with or without a leading space)")
+        fail(
+            field,
+            f"is {len(got)} tokens {got} in the judge's tokenizer, not one",
+            "use a string that is a single token (try with or without a leading space)",
+        )
       else:
         ids[field] = got[0]
     if len(ids) == 2 and ids["yes_token"] == ids["no_token"] and j.normalize == "yes_no":
@@ -226,8 +265,11 @@ def _check_tokenizer(j, fail, pieces, vocab_size):
   if pieces is not None and isinstance(j.max_length, int):
     fixed = len(tok.encode("".join(t for k, t in pieces if k == "text")))
     if fixed + 1 > j.max_length:
-      fail("max_length", f"leaves no room: the template's own text is {fixed} tokens",
-           f"raise it above {fixed} plus the prompt and completion tokens")
+      fail(
+          "max_length",
+          f"leaves no room: the template's own text is {fixed} tokens",
+          f"raise it above {fixed} plus the prompt and completion tokens",
+      )
 
 
 def _tensor_shape(files: dict, name: str) -> tuple:
@@ -241,6 +283,7 @@ def _tensor_shape(files: dict, name: str) -> tuple:
 def _tokenizer(path: str):
   """The judge's tokenizer, read once for validation and the build."""
   from grpo_jax.data import build_tokenizer
+
   return build_tokenizer("hf", path)
 
 
@@ -248,7 +291,8 @@ def _load_decoder(path: str, dtype, mesh, *, lm_head: bool) -> Transformer:
   """`hf.load_hf`; a checkpoint without an LM head (a *ForSequenceClassification folder with
   untied embeddings) loads as tied when none is needed (its unembedding is never used)."""
   untied_without_head = not hf.read_hf_config(path).get("tie_word_embeddings") and (
-      "lm_head.weight" not in hf._Checkpoint(path).files)
+      "lm_head.weight" not in hf._Checkpoint(path).files
+  )
   if lm_head or not untied_without_head:
     return hf.load_hf(path, dtype, mesh=mesh)
   return hf.load_hf(path, dtype, mesh=mesh, tie_embeddings=True)
@@ -261,40 +305,60 @@ def build_judge(config, mesh) -> "Judge | None":
     return None
   for field, names in (("mode", MODES), ("normalize", NORMALIZE)):
     if j[field] not in names:
-      raise ValueError(f"reward.judge.{field}={j[field]!r}: unknown. Fix: use one of "
-                       f"{', '.join(names)}.")
+      raise ValueError(
+          f"reward.judge.{field}={j[field]!r}: unknown. Fix: use one of " f"{', '.join(names)}."
+      )
   pieces = parse_template(j.template)
   dp, procs = sharding.data_parallel_size(mesh), jax.process_count()
   if j.batch_size % dp or j.batch_size % procs:
-    raise ValueError(f"reward.judge.batch_size={j.batch_size}: does not split over mesh data * "
-                     f"fsdp = {dp} and {procs} processes. Fix: use a multiple of "
-                     f"{math.lcm(dp, procs)}.")
+    raise ValueError(
+        f"reward.judge.batch_size={j.batch_size}: does not split over mesh data * "
+        f"fsdp = {dp} and {procs} processes. Fix: use a multiple of "
+        f"{math.lcm(dp, procs)}."
+    )
   tokenizer = _tokenizer(j.tokenizer_path or j.path)
   head = yes_id = no_id = None
   if j.mode == "classifier":
     ckpt = hf._Checkpoint(j.path)
     if "score.weight" not in ckpt.files:
-      raise ValueError(f"reward.judge.path={j.path!r}: has no score.weight (no sequence-"
-                       "classification head). Fix: give a *ForSequenceClassification checkpoint, "
-                       "or use mode=yes_prob.")
+      raise ValueError(
+          f"reward.judge.path={j.path!r}: has no score.weight (no sequence-"
+          "classification head). Fix: give a *ForSequenceClassification checkpoint, "
+          "or use mode=yes_prob."
+      )
     head = np.asarray(ckpt.get("score.weight"), np.float32)  # [L, D]
     if head.shape[0] > 1 and not 0 <= j.label_index < head.shape[0]:
-      raise ValueError(f"reward.judge.label_index={j.label_index}: out of range for the head's "
-                       f"{head.shape[0]} labels. Fix: use 0..{head.shape[0] - 1}.")
+      raise ValueError(
+          f"reward.judge.label_index={j.label_index}: out of range for the head's "
+          f"{head.shape[0]} labels. Fix: use 0..{head.shape[0] - 1}."
+      )
     head = multihost.replicated(head, mesh)
   else:
     yes_id, no_id = (_single_token(tokenizer, j, f) for f in ("yes_token", "no_token"))
   model = _load_decoder(j.path, jnp.dtype(j.dtype), mesh, lm_head=j.mode == "yes_prob")
-  return Judge(model, tokenizer, mesh, mode=j.mode, pieces=pieces, head_ld=head, yes_id=yes_id,
-               no_id=no_id, normalize=j.normalize, label_index=j.label_index,
-               batch_size=j.batch_size, max_length=j.max_length)
+  return Judge(
+      model,
+      tokenizer,
+      mesh,
+      mode=j.mode,
+      pieces=pieces,
+      head_ld=head,
+      yes_id=yes_id,
+      no_id=no_id,
+      normalize=j.normalize,
+      label_index=j.label_index,
+      batch_size=j.batch_size,
+      max_length=j.max_length,
+  )
 
 
 def _single_token(tokenizer, j, field) -> int:
   ids = tokenizer.encode(j[field])
   if len(ids) != 1:
-    raise ValueError(f"reward.judge.{field}={j[field]!r}: is {len(ids)} tokens {ids} in the "
-                     "judge's tokenizer, not one. Fix: use a single-token string.")
+    raise ValueError(
+        f"reward.judge.{field}={j[field]!r}: is {len(ids)} tokens {ids} in the "
+        "judge's tokenizer, not one. Fix: use a single-token string."
+    )
   return ids[0]
 
 
@@ -304,15 +368,31 @@ def _single_token(tokenizer, j, field) -> int:
 class Judge:
   """Scores (prompt, completion) pairs with a frozen model; see the module docstring."""
 
-  def __init__(self, model: Transformer, tokenizer, mesh, *, mode, pieces, head_ld, yes_id,
-               no_id, normalize, label_index, batch_size, max_length):
+  def __init__(
+      self,
+      model: Transformer,
+      tokenizer,
+      mesh,
+      *,
+      mode,
+      pieces,
+      head_ld,
+      yes_id,
+      no_id,
+      normalize,
+      label_index,
+      batch_size,
+      max_length,
+  ):
     self.tokenizer, self.mesh, self.pieces = tokenizer, mesh, pieces
     self.max_length = max_length
     self.rows_per_call = batch_size // jax.process_count()  # this process's rows per call
     fixed = len(self._encode("", ""))
     if fixed + 1 > max_length:
-      raise ValueError(f"reward.judge.max_length={max_length}: the template's own text is "
-                       f"{fixed} tokens. Fix: raise max_length well above {fixed}.")
+      raise ValueError(
+          f"reward.judge.max_length={max_length}: the template's own text is "
+          f"{fixed} tokens. Fix: raise max_length well above {fixed}."
+      )
     graphdef, self._state = nnx.split(model)
     self._head = head_ld
 
@@ -320,8 +400,9 @@ class Judge:
       judge = nnx.merge(graphdef, state)
       h_bd = judge.hidden(ids_bt, mask_bt)[:, -1]  # left-padded: the last slot is the last token
       if mode == "classifier":
-        logits_bl = jnp.einsum("bd,ld->bl", h_bd.astype(jnp.float32), head_ld,
-                               preferred_element_type=jnp.float32)
+        logits_bl = jnp.einsum(
+            "bd,ld->bl", h_bd.astype(jnp.float32), head_ld, preferred_element_type=jnp.float32
+        )
         if logits_bl.shape[-1] == 1:
           return jax.nn.sigmoid(logits_bl[:, 0])
         return jax.nn.softmax(logits_bl, axis=-1)[:, label_index]
@@ -353,7 +434,7 @@ class Judge:
     while k > 0 and len(ids) > self.max_length:
       ids = self._encode("", self.tokenizer.decode(completion_ids[:k], skip_special=False))
       k -= len(ids) - self.max_length
-    return ids if len(ids) <= self.max_length else self._encode("", "")[-self.max_length:]
+    return ids if len(ids) <= self.max_length else self._encode("", "")[-self.max_length :]
 
   def _encode(self, prompt: str, completion: str) -> list[int]:
     fill = {"prompt": prompt, "completion": completion}
@@ -365,8 +446,8 @@ class Judge:
     mask = np.zeros_like(ids)
     mask[:, -1] = 1
     for r, row in enumerate(rows):
-      ids[r, self.max_length - len(row):] = row
-      mask[r, self.max_length - len(row):] = 1
+      ids[r, self.max_length - len(row) :] = row
+      mask[r, self.max_length - len(row) :] = 1
     return ids, mask
 
   def __call__(self, prompts: list[str], completions: list[str]) -> np.ndarray:
@@ -379,12 +460,18 @@ class Judge:
     outs = []
     with jax.set_mesh(self.mesh):
       for start in range(0, len(rows), step):
-        ids, mask = self._padded(rows[start:start + step])
-        outs.append(self._scores(self._state, self._head, multihost.to_global(ids, self.mesh),
-                                 multihost.to_global(mask, self.mesh)))
+        ids, mask = self._padded(rows[start : start + step])
+        outs.append(
+            self._scores(
+                self._state,
+                self._head,
+                multihost.to_global(ids, self.mesh),
+                multihost.to_global(mask, self.mesh),
+            )
+        )
     if not outs:
       return np.zeros((0,), np.float32)
-    scores = np.concatenate(multihost.local_rows(outs))[:len(rows)]
+    scores = np.concatenate(multihost.local_rows(outs))[: len(rows)]
     return scores.astype(np.float32)
 
   def close(self):

@@ -1,4 +1,5 @@
 """Answer extraction and number normalization shared by the rewards and the evaluation."""
+
 import re
 import unicodedata
 

@@ -4,6 +4,7 @@ Every entry has the interface `fn(prompts, completions, **row_fields) -> list[fl
 fields `ground_truth`, `data_source`, `extra_info` (lists aligned with completions). Add one
 with `@register("name")`; the config validator lists `names()` in its messages.
 """
+
 from typing import Callable
 
 from grpo_jax.rewards import code as code_lib
@@ -21,6 +22,7 @@ def register(name: str):
       raise ValueError(f"reward function '{name}' is already registered")
     _REWARDS[name] = fn
     return fn
+
   return deco
 
 
@@ -34,10 +36,20 @@ def names() -> tuple[str, ...]:
   return tuple(_REWARDS)
 
 
-for _fn in (gsm8k.match_format_exactly, gsm8k.match_format_approximately, gsm8k.check_answer,
-            gsm8k.check_numbers, gsm8k.answer_match, gsm8k.answer_format, think.correctness_reward,
-            think.digit_reward, think.hard_format_reward, think.mark_reward, rouge_lib.rouge,
-            rouge_lib.length_similarity):
+for _fn in (
+    gsm8k.match_format_exactly,
+    gsm8k.match_format_approximately,
+    gsm8k.check_answer,
+    gsm8k.check_numbers,
+    gsm8k.answer_match,
+    gsm8k.answer_format,
+    think.correctness_reward,
+    think.digit_reward,
+    think.hard_format_reward,
+    think.mark_reward,
+    rouge_lib.rouge,
+    rouge_lib.length_similarity,
+):
   register(_fn.__name__)(_fn)
 register("code_tests")(code_lib.code_tests)  # sandboxed execution of the row's tests (code.py)
 
@@ -46,5 +58,9 @@ register("code_tests")(code_lib.code_tests)  # sandboxed execution of the row's 
 def verl_default(prompts, completions, ground_truth, data_source, extra_info=None, **_):
   """verl's default_compute_score per row, dispatched on its data_source (scoring.py)."""
   return scoring.as_reward_fn(scoring.default_compute_score)(
-      prompts, completions, ground_truth=ground_truth, data_source=data_source,
-      extra_info=extra_info)
+      prompts,
+      completions,
+      ground_truth=ground_truth,
+      data_source=data_source,
+      extra_info=extra_info,
+  )

@@ -1,10 +1,12 @@
 """ROUGE-1/2/L F1 (Lin 2004) via Google's `rouge-score` package, and the summarization rewards."""
+
 import functools
 
 
 @functools.lru_cache(maxsize=1)
 def _scorer():
   from rouge_score import rouge_scorer
+
   return rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
 
 

@@ -89,6 +89,7 @@ available, falling back step by step (and saying so in the run's `mode`) if a st
              import only the modules in _PRELOAD (imported before the drop).
 
 """
+
 # This file is also the launcher script: keep module-level imports to the standard library and
 # light (the launcher imports it under `python -I -S`; subprocess, socket and ctypes must not
 # be imported here, or the program would find them already loaded).
@@ -99,51 +100,88 @@ import sys
 import time
 
 DEFAULT_TIMEOUT_SEC = 5.0
-MEMORY_BYTES = 1 << 30      # RLIMIT_AS
-FILE_BYTES = 10 << 20       # RLIMIT_FSIZE
-NPROC = 16                  # RLIMIT_NPROC (processes + threads)
-NOFILE = 64                 # RLIMIT_NOFILE
-NOBODY = 65534              # the uid/gid root drops to
-GRACE_SEC = 3.0             # the scorer's backstop beyond timeout_sec (interpreter start-up)
+MEMORY_BYTES = 1 << 30  # RLIMIT_AS
+FILE_BYTES = 10 << 20  # RLIMIT_FSIZE
+NPROC = 16  # RLIMIT_NPROC (processes + threads)
+NOFILE = 64  # RLIMIT_NOFILE
+NOBODY = 65534  # the uid/gid root drops to
+GRACE_SEC = 3.0  # the scorer's backstop beyond timeout_sec (interpreter start-up)
 MAX_REPORT_BYTES = 1 << 20  # what the scorer reads from the result pipe at most
-MAX_WORKERS = 16            # concurrent sandboxes in a batch
+MAX_WORKERS = 16  # concurrent sandboxes in a batch
 
 
 # Linux constants (os.CLONE_* exist on 3.12; the mount flags have no Python names).
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = (
-    0x00020000, 0x10000000, 0x20000000, 0x40000000)
+    0x00020000,
+    0x10000000,
+    0x20000000,
+    0x40000000,
+)
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND = 32, 1024, 2048, 4096
 _MS_REC, _MS_PRIVATE, _MS_RELATIME, _MS_STRICTATIME = 16384, 1 << 18, 1 << 21, 1 << 24
-_MOUNT_OPTS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC,
-               "noatime": _MS_NOATIME, "nodiratime": _MS_NODIRATIME, "relatime": _MS_RELATIME,
-               "strictatime": _MS_STRICTATIME}
+_MOUNT_OPTS = {
+    "nosuid": _MS_NOSUID,
+    "nodev": _MS_NODEV,
+    "noexec": _MS_NOEXEC,
+    "noatime": _MS_NOATIME,
+    "nodiratime": _MS_NODIRATIME,
+    "relatime": _MS_RELATIME,
+    "strictatime": _MS_STRICTATIME,
+}
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
 # Imported before root drops to uid 65534 when the standard library is not readable by others
 # (e.g. a Python under /root) and no mount namespace can expose it.
-_PRELOAD = ("math", "cmath", "collections", "heapq", "bisect", "itertools", "functools",
-            "operator", "string", "re", "random", "fractions", "decimal", "statistics", "typing",
-            "dataclasses", "copy", "datetime", "json", "array", "enum", "numbers", "textwrap",
-            "unicodedata", "struct", "hashlib", "queue", "io")
+_PRELOAD = (
+    "math",
+    "cmath",
+    "collections",
+    "heapq",
+    "bisect",
+    "itertools",
+    "functools",
+    "operator",
+    "string",
+    "re",
+    "random",
+    "fractions",
+    "decimal",
+    "statistics",
+    "typing",
+    "dataclasses",
+    "copy",
+    "datetime",
+    "json",
+    "array",
+    "enum",
+    "numbers",
+    "textwrap",
+    "unicodedata",
+    "struct",
+    "hashlib",
+    "queue",
+    "io",
+)
 
 
 # ============================================================================ scorer side
+
 
 class SandboxResult:
   """What one sandboxed run did. `score` = passed / total (0 if it did not load)."""
 
   def __init__(self, **kw):
-    self.passed = 0            # tests passed (only counted when the program loaded)
-    self.total = 0             # tests given
-    self.loaded = False        # the program ran to completion before the tests
-    self.load_error = None     # exception type name of a failed load
-    self.test_errors = {}      # {test index: exception type name or "timeout"}
-    self.timed_out = False     # the wall clock ran out (L killed C, or the scorer killed L)
-    self.elapsed = 0.0         # seconds, scorer's clock, start of L to clean-up done
-    self.mode = {}             # which guards were in place (launcher + child reports)
-    self.launcher_pid = None   # host pid of L (== its process group and session id)
-    self.workdir = None        # the private directory (removed when the run ends)
-    self.setup_error = None    # the sandbox itself failed (not the program)
+    self.passed = 0  # tests passed (only counted when the program loaded)
+    self.total = 0  # tests given
+    self.loaded = False  # the program ran to completion before the tests
+    self.load_error = None  # exception type name of a failed load
+    self.test_errors = {}  # {test index: exception type name or "timeout"}
+    self.timed_out = False  # the wall clock ran out (L killed C, or the scorer killed L)
+    self.elapsed = 0.0  # seconds, scorer's clock, start of L to clean-up done
+    self.mode = {}  # which guards were in place (launcher + child reports)
+    self.launcher_pid = None  # host pid of L (== its process group and session id)
+    self.workdir = None  # the private directory (removed when the run ends)
+    self.setup_error = None  # the sandbox itself failed (not the program)
     self.__dict__.update(kw)
 
   @property
@@ -153,7 +191,6 @@ class SandboxResult:
   def __repr__(self):
     keys = ("passed", "total", "loaded", "load_error", "timed_out", "elapsed", "setup_error")
     return "SandboxResult(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in keys) + ")"
-
 
 
 _INFO = None
@@ -169,20 +206,33 @@ def sandbox_info() -> dict:
       first = f"{res!r} {res.mode}"
       res = run_sandboxed(*probe, timeout_sec=10.0, namespaces=False)
       if res.setup_error or res.score != 1.0:
-        raise RuntimeError(f"code reward: the sandbox does not work here: {first}; without "
-                           f"namespaces: {res!r} {res.mode}")
+        raise RuntimeError(
+            f"code reward: the sandbox does not work here: {first}; without "
+            f"namespaces: {res!r} {res.mode}"
+        )
     _INFO = dict(res.mode)
     if not _INFO.get("pidns") or not _INFO.get("netns"):
       import logging
+
       logging.getLogger(__name__).warning(
           "code reward sandbox without namespaces (%s): network, files and signals are guarded "
-          "only by the audit hook and the OS user", _INFO)
+          "only by the audit hook and the OS user",
+          _INFO,
+      )
   return _INFO
 
 
-def run_sandboxed(program: str, tests, *, timeout_sec: float = DEFAULT_TIMEOUT_SEC,
-                  memory_bytes: int = MEMORY_BYTES, file_bytes: int = FILE_BYTES,
-                  nproc: int = NPROC, audit: bool = True, namespaces="auto") -> SandboxResult:
+def run_sandboxed(
+    program: str,
+    tests,
+    *,
+    timeout_sec: float = DEFAULT_TIMEOUT_SEC,
+    memory_bytes: int = MEMORY_BYTES,
+    file_bytes: int = FILE_BYTES,
+    nproc: int = NPROC,
+    audit: bool = True,
+    namespaces="auto",
+) -> SandboxResult:
   """Runs `program` then each of `tests` in one fresh sandbox; the detailed result.
 
   namespaces: "auto" (the probed strongest mode), True (try them), or False (none: rlimits,
@@ -225,18 +275,36 @@ def run_sandboxed(program: str, tests, *, timeout_sec: float = DEFAULT_TIMEOUT_S
     fds.remove(nonce_w)
     result_r, result_w = os.pipe()
     fds += [result_r, result_w]
-    cfg = {"program": program, "tests": tests, "workdir": workdir, "timeout": timeout_sec,
-           "memory": int(memory_bytes), "fsize": int(file_bytes), "nproc": int(nproc),
-           "nofile": NOFILE, "audit": bool(audit), "namespaces": bool(namespaces),
-           "result_fd": result_w, "nonce_fd": nonce_r, "uid": os.getuid(), "gid": os.getgid()}
+    cfg = {
+        "program": program,
+        "tests": tests,
+        "workdir": workdir,
+        "timeout": timeout_sec,
+        "memory": int(memory_bytes),
+        "fsize": int(file_bytes),
+        "nproc": int(nproc),
+        "nofile": NOFILE,
+        "audit": bool(audit),
+        "namespaces": bool(namespaces),
+        "result_fd": result_w,
+        "nonce_fd": nonce_r,
+        "uid": os.getuid(),
+        "gid": os.getgid(),
+    }
     launcher = os.path.abspath(__file__)
     if launcher.endswith((".pyc", ".pyo")):
       launcher = launcher[:-1]
     proc = subprocess.Popen(
         [sys.executable, "-I", "-S", "-B", "-X", "utf8", launcher, "--launch"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=workdir,
-        env={"HOME": workdir, "TMPDIR": workdir}, pass_fds=(result_w, nonce_r),
-        start_new_session=True, close_fds=True)
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=workdir,
+        env={"HOME": workdir, "TMPDIR": workdir},
+        pass_fds=(result_w, nonce_r),
+        start_new_session=True,
+        close_fds=True,
+    )
     res.launcher_pid = proc.pid
     for fd in (result_w, nonce_r):
       os.close(fd)
@@ -274,6 +342,7 @@ def _read_report(proc, fd, deadline, due) -> bytes:
   """Everything C writes to the result pipe, until EOF (all writers gone), the launcher's exit
   with the pipe drained, the deadline, or a caller's alarm (`due`)."""
   import select
+
   poller = select.poll()  # not select(): a trainer's fds may be numbered past FD_SETSIZE
   poller.register(fd, select.POLLIN)
   buf = bytearray()
@@ -291,7 +360,7 @@ def _read_report(proc, fd, deadline, due) -> bytes:
       if not chunk:
         break
       if len(buf) < MAX_REPORT_BYTES:
-        buf += chunk[:MAX_REPORT_BYTES - len(buf)]
+        buf += chunk[: MAX_REPORT_BYTES - len(buf)]
   return bytes(buf)
 
 
@@ -386,7 +455,7 @@ def _parse(res, report: bytes, nonce: str, n: int):
   for line in report.decode("utf-8", "replace").splitlines():
     if not line.startswith(tag):
       continue
-    parts = line[len(tag):].split(" ")
+    parts = line[len(tag) :].split(" ")
     if parts[0] == "info":
       try:
         res.mode.update(json.loads(" ".join(parts[1:])))
@@ -407,6 +476,7 @@ def _parse(res, report: bytes, nonce: str, n: int):
 
 
 # ============================================================================ launcher (L)
+
 
 def _out(kind, payload):
   os.write(1, f"{kind} {json.dumps(payload)}\n".encode())
@@ -446,6 +516,7 @@ def _wait_child(pid, deadline) -> bool:
   """Waits for C until the deadline, then SIGKILLs its process group -- before reaping C, so
   the group id cannot have been reused. With a PID namespace C's death ends everything in it."""
   import select
+
   try:
     pidfd = os.pidfd_open(pid)
   except (AttributeError, OSError):
@@ -477,9 +548,15 @@ _LIBC = []
 def _libc():
   if not _LIBC:
     import ctypes
+
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                           ctypes.c_void_p]
+    libc.mount.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_ulong,
+        ctypes.c_void_p,
+    ]
     _LIBC.append((libc, ctypes))
   return _LIBC[0]
 
@@ -503,8 +580,15 @@ def _write_file(path, text):
 def _setup_namespaces(cfg) -> dict:
   """In L: new network/mount/PID (and, not as root, user) namespaces, and a read-only view of
   every mount but the workdir. Best effort; the returned dict says what holds."""
-  mode = {"requested": True, "userns": False, "netns": False, "pidns": False, "mntns": False,
-          "readonly": False, "notes": []}
+  mode = {
+      "requested": True,
+      "userns": False,
+      "netns": False,
+      "pidns": False,
+      "mntns": False,
+      "readonly": False,
+      "notes": [],
+  }
   notes = mode["notes"]
   if not hasattr(os, "unshare"):
     notes.append("os.unshare unavailable")
@@ -519,8 +603,12 @@ def _setup_namespaces(cfg) -> dict:
       notes.append(f"unshare({flags:#x}): {e.strerror}")
   else:
     return mode
-  mode.update(userns=bool(flags & _CLONE_NEWUSER), netns=True,
-              pidns=bool(flags & _CLONE_NEWPID), mntns=bool(flags & _CLONE_NEWNS))
+  mode.update(
+      userns=bool(flags & _CLONE_NEWUSER),
+      netns=True,
+      pidns=bool(flags & _CLONE_NEWPID),
+      mntns=bool(flags & _CLONE_NEWNS),
+  )
   if mode["userns"]:
     try:
       _write_file("/proc/self/setgroups", "deny")
@@ -580,6 +668,7 @@ def _expose(dirs, notes):
 def _mountinfo():
   """(mount point, per-mount options) of every mount, outermost first."""
   import re
+
   out = []
   with open("/proc/self/mountinfo") as f:
     for line in f:
@@ -614,6 +703,7 @@ def _readonly_except(workdir, notes, expose) -> bool:
 
 # =============================================================================== child (C)
 
+
 def _child_main(cfg, mode):
   """In C (PID 1 of the new PID namespace when there is one): isolate, then run."""
   # Its own process group (same session): kill(0, ...) cannot reach L, and L can end the whole
@@ -645,6 +735,7 @@ def _child_main(cfg, mode):
 
 def _isolate_child(cfg, mode) -> dict:
   import resource
+
   _libc()  # loaded while the standard library is certainly readable
   info = {"proc": False, "uid_drop": False, "nproc_per_sandbox": False, "pdeathsig": False}
   notes = []
@@ -689,9 +780,13 @@ def _isolate_child(cfg, mode) -> dict:
     info["nproc_per_sandbox"] = True
   except (OSError, AttributeError) as e:
     notes.append(f"nested user namespace: {e}")
-  limits = [(resource.RLIMIT_AS, cfg["memory"]), (resource.RLIMIT_FSIZE, cfg["fsize"]),
-            (resource.RLIMIT_NOFILE, cfg["nofile"]), (resource.RLIMIT_NPROC, cfg["nproc"]),
-            (resource.RLIMIT_CORE, 0)]
+  limits = [
+      (resource.RLIMIT_AS, cfg["memory"]),
+      (resource.RLIMIT_FSIZE, cfg["fsize"]),
+      (resource.RLIMIT_NOFILE, cfg["nofile"]),
+      (resource.RLIMIT_NPROC, cfg["nproc"]),
+      (resource.RLIMIT_CORE, 0),
+  ]
   cpu = int(cfg["timeout"]) + 2  # >= ceil(timeout) + 1
   resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
   for which, value in limits:
@@ -714,6 +809,7 @@ def _isolate_child(cfg, mode) -> dict:
   for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
     del sys.modules[name]
   import gc
+
   gc.collect()
   return info
 
@@ -731,6 +827,7 @@ def _run(program, tests, box, out, deadline, workdir, audit):
   share of the remaining time; one nonce-tagged line per outcome. Every helper used after the
   program starts is a local, so the program cannot replace it."""
   import builtins
+
   _write, _mono, _setitimer, _exit = os.write, time.monotonic, signal.setitimer, os._exit
   _exec, _type, _str, _len, _max, _range = exec, type, str, len, max, range
   _BE, _Timeout, REAL = BaseException, _TestTimeout, signal.ITIMER_REAL
@@ -797,26 +894,72 @@ def _run(program, tests, box, out, deadline, workdir, audit):
 def _install_audit_hook(workdir):
   """The audit layer (see the module docstring). Raises PermissionError for what it blocks."""
   import builtins
+
   fspath, getpid, getcwd, lstat, readlink = os.fspath, os.getpid, os.getcwd, os.lstat, os.readlink
   _isinstance, _int, _str, _bytes, _len = isinstance, int, str, bytes, len
   deny = PermissionError
   write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-  blocked = frozenset((
-      "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
-      "os.startfile", "subprocess.Popen", "pty.spawn", "os.killpg", "os.unshare", "os.setns",
-      "sys._current_frames", "sys._current_exceptions", "sys.settrace", "sys.setprofile",
-      "sys.remote_exec", "gc.get_objects", "gc.get_referrers", "gc.get_referents"))
-  deny_imports = frozenset(("ctypes", "_ctypes", "_posixsubprocess", "_testcapi",
-                            "_testinternalcapi", "_testbuffer", "_xxsubinterpreters",
-                            "_xxinterpchannels", "_testsinglephase", "_testmultiphase",
-                            "_testclinic", "_testimportmultiple", "posix", "_signal"))
+  blocked = frozenset(
+      (
+          "os.fork",
+          "os.forkpty",
+          "os.exec",
+          "os.posix_spawn",
+          "os.spawn",
+          "os.system",
+          "os.startfile",
+          "subprocess.Popen",
+          "pty.spawn",
+          "os.killpg",
+          "os.unshare",
+          "os.setns",
+          "sys._current_frames",
+          "sys._current_exceptions",
+          "sys.settrace",
+          "sys.setprofile",
+          "sys.remote_exec",
+          "gc.get_objects",
+          "gc.get_referrers",
+          "gc.get_referents",
+      )
+  )
+  deny_imports = frozenset(
+      (
+          "ctypes",
+          "_ctypes",
+          "_posixsubprocess",
+          "_testcapi",
+          "_testinternalcapi",
+          "_testbuffer",
+          "_xxsubinterpreters",
+          "_xxinterpchannels",
+          "_testsinglephase",
+          "_testmultiphase",
+          "_testclinic",
+          "_testimportmultiple",
+          "posix",
+          "_signal",
+      )
+  )
   # event -> (indices of path arguments, indices of dir_fd arguments)
-  path_events = {"os.mkdir": ((0,), (2,)), "os.rmdir": ((0,), (1,)), "os.remove": ((0,), (1,)),
-                 "os.rename": ((0, 1), (2, 3)), "os.link": ((0, 1), (2, 3)),
-                 "os.symlink": ((1,), (2,)), "os.truncate": ((0,), ()),
-                 "os.chmod": ((0,), (2,)), "os.chown": ((0,), (3,)), "os.utime": ((0,), (3,)),
-                 "os.setxattr": ((0,), ()), "os.removexattr": ((0,), ()),
-                 "os.chflags": ((0,), ()), "os.lchflags": ((0,), ()), "os.lchmod": ((0,), ())}
+  path_events = {
+      "os.mkdir": ((0,), (2,)),
+      "os.rmdir": ((0,), (1,)),
+      "os.remove": ((0,), (1,)),
+      "os.rename": ((0, 1), (2, 3)),
+      "os.link": ((0, 1), (2, 3)),
+      "os.symlink": ((1,), (2,)),
+      "os.truncate": ((0,), ()),
+      "os.chmod": ((0,), (2,)),
+      "os.chown": ((0,), (3,)),
+      "os.utime": ((0,), (3,)),
+      "os.setxattr": ((0,), ()),
+      "os.removexattr": ((0,), ()),
+      "os.chflags": ((0,), ()),
+      "os.lchflags": ((0,), ()),
+      "os.lchmod": ((0,), ()),
+  }
+
   def realpath(path):
     """os.path.realpath with functions bound now (the program may patch os and posixpath)."""
     parts = ([] if path.startswith("/") else getcwd().split("/")[1:]) + path.split("/")
@@ -872,8 +1015,11 @@ def _install_audit_hook(workdir):
       real = realpath(path)
       if real == "/proc" or real.startswith("/proc/"):
         raise deny(f"sandbox: opening {path} is not allowed")
-      writes = (flags & write_flags) if _isinstance(flags, _int) else (
-          mode is not None and any(ch in _str(mode) for ch in "wax+"))
+      writes = (
+          (flags & write_flags)
+          if _isinstance(flags, _int)
+          else (mode is not None and any(ch in _str(mode) for ch in "wax+"))
+      )
       if writes and path != "/dev/null":
         if not (real == root or real.startswith(root + "/")):
           raise deny(f"sandbox: writing {path} is not allowed (only under {root})")

@@ -17,6 +17,7 @@ it, `fn(prompts, completions, **columns)`, with `--config.reward.custom_function
 data_source names with an organization ("openai/gsm8k", as verl's preprocessing writes them)
 are matched by their last part too.
 """
+
 import importlib.util
 import re
 import string
@@ -57,7 +58,9 @@ def qa_score(solution: str, ground_truth) -> float:
 
 
 def classification_score(solution: str, ground_truth) -> float:
-  return 1.0 if normalize_text(_final_answer(solution)) == normalize_text(str(ground_truth)) else 0.0
+  return (
+      1.0 if normalize_text(_final_answer(solution)) == normalize_text(str(ground_truth)) else 0.0
+  )
 
 
 def summarization_score(solution: str, ground_truth) -> float:
@@ -72,8 +75,9 @@ _HANDLERS = [
 ]
 
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth,
-                          extra_info=None) -> float:
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth, extra_info=None
+) -> float:
   if (data_source or "").lower() in code_lib.DATA_SOURCES:  # tests may be in extra_info
     return code_lib.compute_score(data_source, solution_str, ground_truth, extra_info)
   del extra_info
@@ -82,9 +86,11 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth,
     for names, fn in _HANDLERS:
       if any(ds == n or (n.endswith("_") and ds.startswith(n)) for n in names):
         return fn(solution_str, ground_truth)
-  raise ValueError(f"no built-in scorer for data_source '{data_source}'; built-in: "
-                   f"{', '.join(n for names, _ in _HANDLERS for n in names)}. Fix: give rows a "
-                   "known data_source or set reward.custom_file to your compute_score")
+  raise ValueError(
+      f"no built-in scorer for data_source '{data_source}'; built-in: "
+      f"{', '.join(n for names, _ in _HANDLERS for n in names)}. Fix: give rows a "
+      "known data_source or set reward.custom_file to your compute_score"
+  )
 
 
 def load_custom_file(path: str, name: str = ""):
@@ -92,8 +98,9 @@ def load_custom_file(path: str, name: str = ""):
   TRL-style batch function), with clear errors."""
   if not paths.exists(path):
     raise FileNotFoundError(f"reward.custom_file={path!r} does not exist")
-  spec = importlib.util.spec_from_file_location(f"grpo_user_reward_{abs(hash(path))}",
-                                                paths.local_copy(path, ".py"))
+  spec = importlib.util.spec_from_file_location(
+      f"grpo_user_reward_{abs(hash(path))}", paths.local_copy(path, ".py")
+  )
   module = importlib.util.module_from_spec(spec)
   try:
     spec.loader.exec_module(module)
@@ -102,15 +109,23 @@ def load_custom_file(path: str, name: str = ""):
   if name:
     fn = getattr(module, name, None)
     if not callable(fn):
-      found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-                     and getattr(v, "__module__", None) == module.__name__)
-      raise AttributeError(f"{path} defines no function {name!r} (reward.custom_function); it "
-                           f"defines {found}")
+      found = sorted(
+          k
+          for k, v in vars(module).items()
+          if callable(v)
+          and not k.startswith("_")
+          and getattr(v, "__module__", None) == module.__name__
+      )
+      raise AttributeError(
+          f"{path} defines no function {name!r} (reward.custom_function); it " f"defines {found}"
+      )
     return fn
   fn = getattr(module, "compute_score", None)
   if not callable(fn):
-    raise AttributeError(f"{path} must define compute_score(data_source, solution_str, "
-                         "ground_truth, extra_info=None) -> float")
+    raise AttributeError(
+        f"{path} must define compute_score(data_source, solution_str, "
+        "ground_truth, extra_info=None) -> float"
+    )
   return fn
 
 
@@ -119,17 +134,23 @@ def as_trl_reward_fn(fn):
   GRPOTrainer calls it: keywords prompts= and completions= (the rendered prompt texts and the
   completion texts), plus ground_truth, data_source, extra_info and every column of a parquet /
   hf_dataset row (rewards/computer.py row_fields), one list entry per completion."""
+
   def reward(prompts, completions, **fields):
     return fn(prompts=prompts, completions=completions, **fields)
+
   return reward
 
 
 def as_reward_fn(compute_score):
   """Adapts a verl compute_score to the batch reward interface."""
+
   def reward(prompts, completions, ground_truth, data_source, extra_info=None, **_):
     del prompts
     extra_info = extra_info or [None] * len(completions)
     # Keywords, as verl's reward managers call it: a user's function may order them its way.
-    return [compute_score(data_source=ds, solution_str=c, ground_truth=gt, extra_info=ei)
-            for c, gt, ds, ei in zip(completions, ground_truth, data_source, extra_info)]
+    return [
+        compute_score(data_source=ds, solution_str=c, ground_truth=gt, extra_info=ei)
+        for c, gt, ds, ei in zip(completions, ground_truth, data_source, extra_info)
+    ]
+
   return reward

@@ -4,6 +4,7 @@ The reward set of the torchrun GRPO seed (reward_func.py): a correctness reward,
 reward, a strict format reward and a per-tag partial-credit reward. Same interface as every
 reward: `fn(prompts, completions, **row_fields) -> list[float]`.
 """
+
 import re
 
 from grpo_jax.rewards import parsing
@@ -23,8 +24,9 @@ def correctness_reward(prompts, completions, ground_truth, **_) -> list[float]:
   out = []
   for c, t in zip(completions, ground_truth):
     a, t = _answer(c), str(t).strip()
-    same = a == t or parsing.numbers_equal(parsing.parse_number(a) if a else None,
-                                           parsing.parse_number(t))
+    same = a == t or parsing.numbers_equal(
+        parsing.parse_number(a) if a else None, parsing.parse_number(t)
+    )
     out.append(2.0 if a and same else 0.0)
   return out
 

@@ -3,6 +3,7 @@ decides when): reward specs resolved the same way in any process, a spawn proces
 knows which worker started which call (so a death or a hang is blamed on the right row), and
 the in-process SIGALRM timeout.
 """
+
 import concurrent.futures
 from concurrent.futures import process as futures_process
 import multiprocessing
@@ -88,7 +89,8 @@ class WorkerPool:
     self.size = size
     self._reader, self._writer = ctx.Pipe(duplex=False)
     self.executor = concurrent.futures.ProcessPoolExecutor(
-        size, mp_context=ctx, initializer=_worker_init, initargs=(tuple(specs), self._writer))
+        size, mp_context=ctx, initializer=_worker_init, initargs=(tuple(specs), self._writer)
+    )
     self.started: dict[int, tuple[float, int]] = {}  # running: token -> (monotonic time, pid)
     self.ever_started = False  # has any worker got as far as starting a call?
     self._procs: dict = {}  # pid -> multiprocessing.Process, every worker this pool had
@@ -144,6 +146,7 @@ class WorkerPool:
 
 # ---------------------------------------------------------------- in-process timeout (SIGALRM)
 
+
 class CallTimeout(BaseException):
   """Raised inside a reward call by SIGALRM. BaseException, so `except Exception` in the reward
   function does not swallow it."""
@@ -167,5 +170,8 @@ def on_alarm(signum, frame):
 
 
 def alarm_usable() -> bool:
-  return (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-          and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
+  return (
+      hasattr(signal, "setitimer")
+      and threading.current_thread() is threading.main_thread()
+      and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+  )

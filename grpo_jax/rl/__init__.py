@@ -1,4 +1,5 @@
 """GRPO math (pure jnp): advantages, KL estimators, policy losses, aggregation, and the step."""
+
 from grpo_jax.rl.advantages import advantage_metrics
 from grpo_jax.rl.advantages import dynamic_sampling_mask
 from grpo_jax.rl.advantages import group_advantages

@@ -4,6 +4,7 @@ Rewards arrive flat, group-major: `rewards` [B*G] where rows i*G .. i*G+G-1 are 
 prompt i. Every estimator returns one advantage per row (broadcast over tokens by the loss).
 Groups of size 1 and groups whose rewards are all equal get advantage 0, never NaN.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,13 +65,21 @@ def rloo(rewards_bg: jax.Array, *, eps: float = 1e-6, std_kind: str = "populatio
   return _centred(rewards_bg) * (g / (g - 1))
 
 
-def group_advantages(rewards: jax.Array, group_size: int, *, estimator: str = "grpo",
-                     eps: float = 1e-6, std_kind: str = "population") -> jax.Array:
+def group_advantages(
+    rewards: jax.Array,
+    group_size: int,
+    *,
+    estimator: str = "grpo",
+    eps: float = 1e-6,
+    std_kind: str = "population",
+) -> jax.Array:
   """Advantages [B*G] (float32) for flat group-major rewards [B*G]; see the estimators above."""
   rewards = jnp.asarray(rewards, jnp.float32)
   if rewards.ndim != 1 or rewards.shape[0] % group_size:
-    raise ValueError(f"rewards must be flat [B*G] with G={group_size} dividing its length; "
-                     f"got shape {rewards.shape}")
+    raise ValueError(
+        f"rewards must be flat [B*G] with G={group_size} dividing its length; "
+        f"got shape {rewards.shape}"
+    )
   fn = ADVANTAGE_ESTIMATORS.get(estimator)
   adv_bg = fn(rewards.reshape(-1, group_size), eps=eps, std_kind=std_kind)
   return adv_bg.reshape(-1)
@@ -98,8 +107,9 @@ def dynamic_sampling_mask(rewards: jax.Array, group_size: int) -> jax.Array:
   return jnp.repeat(keep_b, group_size)
 
 
-def overlong_penalty(lengths: jax.Array, max_len: int, buffer_len: int,
-                     factor: float = 1.0) -> jax.Array:
+def overlong_penalty(
+    lengths: jax.Array, max_len: int, buffer_len: int, factor: float = 1.0
+) -> jax.Array:
   """DAPO soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward.
 
   min(-(len - (Lmax - Lbuf)) / Lbuf * factor, 0): 0 up to Lmax - Lbuf tokens, then linear down

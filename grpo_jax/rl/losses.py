@@ -11,6 +11,7 @@ Definitions (docs/design.md):
   k1 = logp - ref;  k2 = 0.5*(logp - ref)^2;  k3 = exp(ref - logp) - (ref - logp) - 1
   token loss = PPO-clip token loss (x TIS weight) + beta * KL token value, then aggregated.
 """
+
 import dataclasses
 from typing import Callable
 
@@ -57,13 +58,29 @@ def _k3(logp, ref_logp):
   # series to d^9/9! (truncation < 2e-9 relative); above it the direct form is within 4e-7.
   small = jnp.abs(d) < 0.5
   ds = jnp.where(small, d, 0.0)
-  series = ds * ds * (1 / 2 + ds * (1 / 6 + ds * (1 / 24 + ds * (1 / 120 + ds * (
-      1 / 720 + ds * (1 / 5040 + ds * (1 / 40320 + ds / 362880)))))))
+  series = (
+      ds
+      * ds
+      * (
+          1 / 2
+          + ds
+          * (
+              1 / 6
+              + ds
+              * (
+                  1 / 24
+                  + ds
+                  * (1 / 120 + ds * (1 / 720 + ds * (1 / 5040 + ds * (1 / 40320 + ds / 362880))))
+              )
+          )
+      )
+  )
   return jnp.where(small, series, jnp.expm1(jnp.where(small, 1.0, d)) - d)
 
 
-def token_kl(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3",
-             clamp: float | None = None) -> jax.Array:
+def token_kl(
+    logp: jax.Array, ref_logp: jax.Array, kind: str = "k3", clamp: float | None = None
+) -> jax.Array:
   """Per-token estimate of KL(policy || ref) (Schulman 2020, "Approximating KL Divergence").
 
   k1 is unbiased but high variance and can be negative; k2 = 0.5 * log-ratio^2; k3
@@ -94,6 +111,7 @@ class AggMode:
     batch-level denominator, so that sum over micro-batches of weight * reduce(micro) equals
     reduce(whole batch).
   """
+
   reduce: Callable
   weight: Callable
 
@@ -101,19 +119,25 @@ class AggMode:
 def register_agg_mode(*names: str, weight: Callable):
   """Decorator: registers a reduction under `names` with its (required) micro-batch weight."""
   if not callable(weight):
-    raise TypeError(f"loss aggregation mode {', '.join(names)}: weight must be a function "
-                    "(mask_bt, total_tokens, total_rows) -> scalar, e.g. losses.row_share")
+    raise TypeError(
+        f"loss aggregation mode {', '.join(names)}: weight must be a function "
+        "(mask_bt, total_tokens, total_rows) -> scalar, e.g. losses.row_share"
+    )
+
   def deco(reduce):
     LOSS_AGG_MODES.register(*names)(AggMode(reduce, weight))
     return reduce
+
   return deco
 
 
 def _agg_mode(name: str) -> AggMode:
   mode = LOSS_AGG_MODES.get(name)
   if not isinstance(mode, AggMode):
-    raise TypeError(f"loss aggregation mode '{name}' was registered without a micro-batch "
-                    "weight: register it with losses.register_agg_mode(name, weight=...)")
+    raise TypeError(
+        f"loss aggregation mode '{name}' was registered without a micro-batch "
+        "weight: register it with losses.register_agg_mode(name, weight=...)"
+    )
   return mode
 
 
@@ -153,13 +177,19 @@ def _seq_mean_token_sum(lm, m, max_len):
 def _seq_mean_token_sum_norm(lm, m, max_len):
   del m
   if max_len is None:
-    raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' (Dr.GRPO) divides by the "
-                     "configured max completion length: pass max_completion_length")
+    raise ValueError(
+        "loss_agg_mode 'seq-mean-token-sum-norm' (Dr.GRPO) divides by the "
+        "configured max completion length: pass max_completion_length"
+    )
   return lm.sum() / (lm.shape[0] * max_len)
 
 
-def aggregate(loss_bt: jax.Array, mask_bt: jax.Array, mode: str = "seq-mean-token-mean",
-              max_completion_length: int | None = None) -> jax.Array:
+def aggregate(
+    loss_bt: jax.Array,
+    mask_bt: jax.Array,
+    mode: str = "seq-mean-token-mean",
+    max_completion_length: int | None = None,
+) -> jax.Array:
   """Reduces a [B, T] token loss to a scalar (docs/design.md's definitions).
 
   token-mean               sum(l*m) / sum(m)
@@ -174,8 +204,9 @@ def aggregate(loss_bt: jax.Array, mask_bt: jax.Array, mode: str = "seq-mean-toke
   return _agg_mode(mode).reduce(lm, m.astype(jnp.float32), max_completion_length)
 
 
-def micro_batch_weight(mode: str, mask_bt: jax.Array, total_tokens: jax.Array,
-                       total_rows: int) -> jax.Array:
+def micro_batch_weight(
+    mode: str, mask_bt: jax.Array, total_tokens: jax.Array, total_rows: int
+) -> jax.Array:
   """This micro-batch's share of the batch-level aggregation's denominator.
 
   `mask_bt` [b, T] is the micro-batch's completion mask; `total_tokens` (sum of the whole
@@ -197,8 +228,10 @@ def _clipped_surrogate(log_ratio, adv, eps_low, eps_high, clip_ratio_c):
   pg2 = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
   pg = jnp.maximum(pg1, pg2)
   clipped = pg2 > pg1  # the clipped branch binds (its gradient is 0)
-  diag = {"clip_low": clipped & (ratio < 1.0 - eps_low),
-          "clip_high": clipped & (ratio > 1.0 + eps_high)}
+  diag = {
+      "clip_low": clipped & (ratio < 1.0 - eps_low),
+      "clip_high": clipped & (ratio > 1.0 + eps_high),
+  }
   if clip_ratio_c is not None:
     pg3 = -adv * clip_ratio_c
     dual = (adv < 0) & (pg3 < pg)
@@ -226,8 +259,9 @@ def gspo(logp, old_logp, adv, mask, *, eps_low, eps_high, clip_ratio_c):
   clipped like PPO; GSPO uses much smaller ranges (e.g. eps_low 3e-4, eps_high 4e-4).
   """
   m = mask.astype(jnp.float32)
-  seq_log_ratio = (jnp.where(mask, logp - old_logp, 0).sum(-1, keepdims=True) /
-                   jnp.maximum(m.sum(-1, keepdims=True), 1))
+  seq_log_ratio = jnp.where(mask, logp - old_logp, 0).sum(-1, keepdims=True) / jnp.maximum(
+      m.sum(-1, keepdims=True), 1
+  )
   token_log_ratio = jax.lax.stop_gradient(seq_log_ratio) + logp - jax.lax.stop_gradient(logp)
   return _clipped_surrogate(token_log_ratio, adv, eps_low, eps_high, clip_ratio_c)
 
@@ -242,10 +276,24 @@ def tis_weights(trainer_logp: jax.Array, sampler_logp: jax.Array, cap: float) ->
   return jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_w), cap))
 
 
-def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps, clip_eps_high=None,
-                beta, kl_kind="k3", loss_agg_mode="seq-mean-token-mean",
-                max_completion_length=None, policy_loss_kind="ppo_clip", clip_ratio_c=None,
-                kl_clamp=None, tis_weights=None):
+def policy_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    mask,
+    *,
+    clip_eps,
+    clip_eps_high=None,
+    beta,
+    kl_kind="k3",
+    loss_agg_mode="seq-mean-token-mean",
+    max_completion_length=None,
+    policy_loss_kind="ppo_clip",
+    clip_ratio_c=None,
+    kl_clamp=None,
+    tis_weights=None,
+):
   """The GRPO objective on one batch: aggregate(PG token loss * TIS + beta * KL). -> (loss, metrics)
 
   `ref_logp` may be None when beta == 0 (no KL term). `tis_weights` [B, T] (see `tis_weights`)
@@ -262,8 +310,9 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps, clip_ep
   eps_high = clip_eps if clip_eps_high is None else clip_eps_high
 
   pg_fn = POLICY_LOSSES.get(policy_loss_kind)
-  pg_bt, ratio_bt, diag = pg_fn(logp, old_logp, adv, m, eps_low=clip_eps, eps_high=eps_high,
-                                clip_ratio_c=clip_ratio_c)
+  pg_bt, ratio_bt, diag = pg_fn(
+      logp, old_logp, adv, m, eps_low=clip_eps, eps_high=eps_high, clip_ratio_c=clip_ratio_c
+  )
   if tis_weights is not None:
     pg_bt = pg_bt * jnp.where(m, tis_weights, 0.0)
   loss_bt = pg_bt

@@ -13,6 +13,7 @@ whose small mixes a 16-bit copy would round away), optionally kept in host memor
 uses (reference.offload_to_host); LoRA's base, run without the adapters (policy.reference:
 no copy, nothing saved).
 """
+
 from absl import logging
 import jax
 
@@ -31,8 +32,11 @@ class Reference:
     self.offload = r.offload_to_host
     self.refresh_every = r.refresh_every_steps
     # The storage dtype: the compute dtype, except for an EMA refresh (refresh_mix < 1).
-    self.dtype = (config.model.param_dtype if r.refresh_every_steps and r.refresh_mix < 1
-                  else config.model.dtype)
+    self.dtype = (
+        config.model.param_dtype
+        if r.refresh_every_steps and r.refresh_mix < 1
+        else config.model.dtype
+    )
     self.params = None  # the copy (own_copy), possibly in pinned host memory
 
   def target(self) -> dict:
@@ -56,8 +60,9 @@ class Reference:
 
   def on_device(self):
     """The copy's arrays on the device (None without a copy): for compiling ahead."""
-    return _to_memory_kind(self.params, "device") if self.offload and self.own_copy else (
-        self.params)
+    return (
+        _to_memory_kind(self.params, "device") if self.offload and self.own_copy else (self.params)
+    )
 
   def logprobs(self, params, input_ids, attention_mask):
     """Per-token log-probs [N, C] of the completions under the reference; `params`: the
@@ -81,6 +86,5 @@ def _to_memory_kind(tree, kind):
   try:
     return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), tree)
   except (ValueError, NotImplementedError) as e:  # backends without host memory spaces
-    logging.log_first_n(logging.WARNING, "reference offload to %s unavailable here: %s", 1, kind,
-                        e)
+    logging.log_first_n(logging.WARNING, "reference offload to %s unavailable here: %s", 1, kind, e)
     return tree

@@ -6,6 +6,7 @@
 then `--config.loss.estimator=my_estimator`. The config validator lists `names()` in its
 messages, so a new entry is usable and documented the moment it is registered.
 """
+
 from typing import Callable
 
 
@@ -23,6 +24,7 @@ class Registry:
           raise ValueError(f"{self.what} '{name}' is already registered")
         self._fns[name] = fn
       return fn
+
     return deco
 
   def get(self, name: str) -> Callable:

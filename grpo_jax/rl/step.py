@@ -14,6 +14,7 @@ how rows are laid out over the mesh.
 `GrpoStep` (at the end) is the loop's steps 4-6 over these functions: advantages, the old and
 reference log-probs, the updates, each in its named phase (run/profiling.py).
 """
+
 import dataclasses
 import functools
 from typing import Callable
@@ -32,6 +33,7 @@ from grpo_jax.run import profiling
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
   """Plain values for `losses.policy_loss` (static under jit)."""
+
   beta: float
   clip_eps: float
   clip_eps_high: float | None = None
@@ -47,22 +49,41 @@ class LossSettings:
   def from_config(cls, config) -> "LossSettings":
     l = config.loss
     # kl_in_reward: the KL is folded into the rewards (TrainFunctions.fold_kl), not the loss.
-    return cls(beta=0.0 if config.kl_in_reward else float(config.beta), clip_eps=l.clip_eps,
-               clip_eps_high=l.clip_eps_high,
-               clip_ratio_c=l.clip_ratio_c, kl_kind=l.kl_kind, kl_clamp=l.kl_clamp,
-               loss_agg_mode=l.loss_agg_mode, policy_loss=l.policy_loss,
-               max_completion_length=config.max_completion_length, tis_cap=l.tis_cap)
+    return cls(
+        beta=0.0 if config.kl_in_reward else float(config.beta),
+        clip_eps=l.clip_eps,
+        clip_eps_high=l.clip_eps_high,
+        clip_ratio_c=l.clip_ratio_c,
+        kl_kind=l.kl_kind,
+        kl_clamp=l.kl_clamp,
+        loss_agg_mode=l.loss_agg_mode,
+        policy_loss=l.policy_loss,
+        max_completion_length=config.max_completion_length,
+        tis_cap=l.tis_cap,
+    )
 
 
-def make_optimizer(*, learning_rate: float, total_steps: int, warmup_ratio: float,
-                   end_lr_ratio: float, b1: float, b2: float, weight_decay: float,
-                   max_grad_norm: float) -> optax.GradientTransformation:
+def make_optimizer(
+    *,
+    learning_rate: float,
+    total_steps: int,
+    warmup_ratio: float,
+    end_lr_ratio: float,
+    b1: float,
+    b2: float,
+    weight_decay: float,
+    max_grad_norm: float,
+) -> optax.GradientTransformation:
   """AdamW on a linear-warmup + cosine schedule, after global-norm clipping (0 = no clip)."""
   total_steps = max(int(total_steps), 1)
   warmup = int(round(warmup_ratio * total_steps))
   schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0 if warmup else learning_rate, peak_value=learning_rate,
-      warmup_steps=warmup, decay_steps=total_steps, end_value=learning_rate * end_lr_ratio)
+      init_value=0.0 if warmup else learning_rate,
+      peak_value=learning_rate,
+      warmup_steps=warmup,
+      decay_steps=total_steps,
+      end_value=learning_rate * end_lr_ratio,
+  )
   parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm > 0 else []
   parts.append(optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
   return optax.chain(*parts)
@@ -83,16 +104,25 @@ def grpo_micro_loss(params, batch: dict, *, logprob_fn: Callable, settings: Loss
   if settings.tis_cap > 0:
     tis_bc = losses.tis_weights(old_bc, batch["sampler_logp"], settings.tis_cap)
   return losses.policy_loss(
-      logp_bc, old_bc, batch.get("ref_logp"), batch["advantages"], batch["completion_mask"],
-      clip_eps=settings.clip_eps, clip_eps_high=settings.clip_eps_high, beta=settings.beta,
-      kl_kind=settings.kl_kind, loss_agg_mode=settings.loss_agg_mode,
+      logp_bc,
+      old_bc,
+      batch.get("ref_logp"),
+      batch["advantages"],
+      batch["completion_mask"],
+      clip_eps=settings.clip_eps,
+      clip_eps_high=settings.clip_eps_high,
+      beta=settings.beta,
+      kl_kind=settings.kl_kind,
+      loss_agg_mode=settings.loss_agg_mode,
       max_completion_length=settings.max_completion_length,
-      policy_loss_kind=settings.policy_loss, clip_ratio_c=settings.clip_ratio_c,
-      kl_clamp=settings.kl_clamp, tis_weights=tis_bc)
+      policy_loss_kind=settings.policy_loss,
+      clip_ratio_c=settings.clip_ratio_c,
+      kl_clamp=settings.kl_clamp,
+      tis_weights=tis_bc,
+  )
 
 
-def accumulate_gradients(loss_fn: Callable, params, batch: dict, num_micro: int,
-                         agg_mode: str):
+def accumulate_gradients(loss_fn: Callable, params, batch: dict, num_micro: int, agg_mode: str):
   """Sum of weighted micro-batch gradients == the gradient of the whole-batch loss.
 
   `loss_fn(params, micro_batch) -> (loss, metrics)`. Micro-batches are strided views
@@ -104,13 +134,15 @@ def accumulate_gradients(loss_fn: Callable, params, batch: dict, num_micro: int,
   total_tokens = mask.sum()
 
   def micro(i_batch):
-    return jax.tree.map(lambda x: x.reshape(rows // num_micro, num_micro, *x.shape[1:])[:, i_batch],
-                        batch)
+    return jax.tree.map(
+        lambda x: x.reshape(rows // num_micro, num_micro, *x.shape[1:])[:, i_batch], batch
+    )
 
   def weighted(params, mb):
     loss, metrics = loss_fn(params, mb)
-    w = losses.micro_batch_weight(agg_mode, mb["completion_mask"].astype(jnp.float32),
-                                  total_tokens, rows)
+    w = losses.micro_batch_weight(
+        agg_mode, mb["completion_mask"].astype(jnp.float32), total_tokens, rows
+    )
     return loss * w, (loss, metrics, w)
 
   grad_fn = jax.value_and_grad(weighted, has_aux=True)
@@ -129,12 +161,12 @@ def accumulate_gradients(loss_fn: Callable, params, batch: dict, num_micro: int,
   _, metrics_shape = jax.eval_shape(loss_fn, params, micro(0))
   metrics0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape)
   (grads, loss, metrics), _ = jax.lax.scan(
-      body, (zeros, jnp.zeros((), jnp.float32), metrics0), jnp.arange(num_micro))
+      body, (zeros, jnp.zeros((), jnp.float32), metrics0), jnp.arange(num_micro)
+  )
   return loss, grads, metrics
 
 
-def apply_update(optimizer: optax.GradientTransformation, state: dict, loss, grads,
-                 metrics: dict):
+def apply_update(optimizer: optax.GradientTransformation, state: dict, loss, grads, metrics: dict):
   """One optimizer update, skipped (params and moments unchanged) when loss/grads are not finite.
 
   state: {"params", "opt_state", "nonfinite_streak" (int32), "nonfinite_total" (int32)}.
@@ -152,16 +184,26 @@ def apply_update(optimizer: optax.GradientTransformation, state: dict, loss, gra
       params=keep(new_params, state["params"]),
       opt_state=keep(new_opt, state["opt_state"]),
       nonfinite_streak=jnp.where(finite, 0, state["nonfinite_streak"] + 1),
-      nonfinite_total=state["nonfinite_total"] + (~finite).astype(jnp.int32))
-  metrics = dict(metrics, loss=loss, grad_norm=jnp.where(finite, grad_norm, 0.0),
-                 skipped=(~finite).astype(jnp.float32),
-                 nonfinite_streak=new_state["nonfinite_streak"])  # its own buffer: not donated
+      nonfinite_total=state["nonfinite_total"] + (~finite).astype(jnp.int32),
+  )
+  metrics = dict(
+      metrics,
+      loss=loss,
+      grad_norm=jnp.where(finite, grad_norm, 0.0),
+      skipped=(~finite).astype(jnp.float32),
+      nonfinite_streak=new_state["nonfinite_streak"],
+  )  # its own buffer: not donated
   return new_state, metrics
 
 
-def make_grpo_update(logprob_fn: Callable, optimizer: optax.GradientTransformation,
-                     settings: LossSettings, num_micro: int, split: Callable | None = None,
-                     combine: Callable | None = None):
+def make_grpo_update(
+    logprob_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    settings: LossSettings,
+    num_micro: int,
+    split: Callable | None = None,
+    combine: Callable | None = None,
+):
   """(state, batch) -> (state, metrics): one optimizer update on a whole rollout batch.
 
   `split(params) -> (trained, frozen)` and `combine` (LoRA: adapters vs the base): gradients,
@@ -173,10 +215,11 @@ def make_grpo_update(logprob_fn: Callable, optimizer: optax.GradientTransformati
     trained, frozen = split(state["params"])
 
     def loss_fn(params, mb):
-      return grpo_micro_loss(combine(params, frozen), mb, logprob_fn=logprob_fn,
-                             settings=settings)
+      return grpo_micro_loss(combine(params, frozen), mb, logprob_fn=logprob_fn, settings=settings)
+
     loss, grads, metrics = accumulate_gradients(
-        loss_fn, trained, batch, num_micro, settings.loss_agg_mode)
+        loss_fn, trained, batch, num_micro, settings.loss_agg_mode
+    )
     new, metrics = apply_update(optimizer, dict(state, params=trained), loss, grads, metrics)
     return dict(new, params=combine(new["params"], frozen)), metrics
 
@@ -185,9 +228,12 @@ def make_grpo_update(logprob_fn: Callable, optimizer: optax.GradientTransformati
 
 def init_state(params, optimizer: optax.GradientTransformation, split=None) -> dict:
   trained = params if split is None else split(params)[0]
-  return dict(params=params, opt_state=optimizer.init(trained),
-              nonfinite_streak=jnp.zeros((), jnp.int32),
-              nonfinite_total=jnp.zeros((), jnp.int32))
+  return dict(
+      params=params,
+      opt_state=optimizer.init(trained),
+      nonfinite_streak=jnp.zeros((), jnp.int32),
+      nonfinite_total=jnp.zeros((), jnp.int32),
+  )
 
 
 # ------------------------------------------------------------------ compiled for a run
@@ -207,6 +253,7 @@ class TrainFunctions:
   refresh(ref, params) -> ref           reference refresh: mix * params + (1 - mix) * ref
   abstract_state                        `init`'s output as a restore target
   """
+
   init: Callable
   update: Callable
   logprobs: Callable
@@ -221,8 +268,9 @@ def num_micro_batches(micro_batch_size: int, rows: int) -> int:
   if micro_batch_size <= 0 or micro_batch_size >= rows:
     return 1
   if rows % micro_batch_size:
-    raise ValueError(f"micro_batch_size={micro_batch_size} does not divide the step's {rows} "
-                     "rows")
+    raise ValueError(
+        f"micro_batch_size={micro_batch_size} does not divide the step's {rows} " "rows"
+    )
   return rows // micro_batch_size
 
 
@@ -233,17 +281,26 @@ def build(config, policy, mesh) -> TrainFunctions:
   optimizer = make_optimizer(
       learning_rate=config.optimizer.learning_rate,
       total_steps=config.num_steps * config.num_iterations,
-      warmup_ratio=config.optimizer.warmup_ratio, end_lr_ratio=config.optimizer.end_lr_ratio,
-      b1=config.optimizer.b1, b2=config.optimizer.b2,
-      weight_decay=config.optimizer.weight_decay, max_grad_norm=config.optimizer.max_grad_norm)
+      warmup_ratio=config.optimizer.warmup_ratio,
+      end_lr_ratio=config.optimizer.end_lr_ratio,
+      b1=config.optimizer.b1,
+      b2=config.optimizer.b2,
+      weight_decay=config.optimizer.weight_decay,
+      max_grad_norm=config.optimizer.max_grad_norm,
+  )
   temperature = float(config.rollout.temperature)
 
   def logprobs(params, input_ids, attention_mask):
     return policy.logprobs(params, input_ids, attention_mask, completion_len, temperature)
 
   def advantages(rewards_n):
-    adv_n = adv_lib.group_advantages(rewards_n, group, estimator=config.loss.estimator,
-                                     eps=config.loss.adv_eps, std_kind=config.loss.std_kind)
+    adv_n = adv_lib.group_advantages(
+        rewards_n,
+        group,
+        estimator=config.loss.estimator,
+        eps=config.loss.adv_eps,
+        std_kind=config.loss.std_kind,
+    )
     if config.loss.advantage_clip > 0:
       adv_n = jnp.clip(adv_n, -config.loss.advantage_clip, config.loss.advantage_clip)
     return adv_n
@@ -257,15 +314,18 @@ def build(config, policy, mesh) -> TrainFunctions:
     batch = dict(
         input_ids=jnp.concatenate([jnp.repeat(prompt_ids_bp, group, 0), rollout.tokens], 1),
         attention_mask=jnp.concatenate([jnp.repeat(prompt_mask_bp, group, 0), rollout.mask], 1),
-        completion_mask=completion_mask_nc, advantages=adv_n)
+        completion_mask=completion_mask_nc,
+        advantages=adv_n,
+    )
     if config.loss.tis_cap > 0:
       batch["sampler_logp"] = rollout.logprobs
     return batch
 
   def fold_kl(batch, rewards_n):
     mask_nc = batch["attention_mask"][:, -completion_len:]
-    kl_nc = losses.token_kl(batch["old_logp"], batch["ref_logp"], config.loss.kl_kind,
-                            config.loss.kl_clamp)
+    kl_nc = losses.token_kl(
+        batch["old_logp"], batch["ref_logp"], config.loss.kl_kind, config.loss.kl_clamp
+    )
     rewards_n = rewards_n - config.beta * jnp.where(mask_nc > 0, kl_nc, 0.0).sum(-1)
     return dict(batch, advantages=advantages(rewards_n)), rewards_n
 
@@ -273,8 +333,14 @@ def build(config, policy, mesh) -> TrainFunctions:
 
   def refresh(ref, params):
     return jax.tree.map(
-        lambda r, p: (mix * p.astype(jnp.float32) + (1 - mix) * r.astype(jnp.float32)
-                      ).astype(r.dtype) if mix < 1 else p.astype(r.dtype), ref, params)
+        lambda r, p: (mix * p.astype(jnp.float32) + (1 - mix) * r.astype(jnp.float32)).astype(
+            r.dtype
+        )
+        if mix < 1
+        else p.astype(r.dtype),
+        ref,
+        params,
+    )
 
   def init(params):
     return init_state(params, optimizer, policy.split)
@@ -284,24 +350,36 @@ def build(config, policy, mesh) -> TrainFunctions:
   abstract = jax.eval_shape(init, policy.params)
   shardings = dict(
       params=param_shardings,
-      opt_state=sharding.opt_state_shardings(optimizer, abstract["opt_state"],
-                                             trained_shardings, mesh),
-      nonfinite_streak=sharding.replicated(mesh), nonfinite_total=sharding.replicated(mesh))
-  update = make_grpo_update(logprobs, optimizer, LossSettings.from_config(config),
-                            num_micro_batches(config.micro_batch_size, rows), policy.split,
-                            policy.combine)
+      opt_state=sharding.opt_state_shardings(
+          optimizer, abstract["opt_state"], trained_shardings, mesh
+      ),
+      nonfinite_streak=sharding.replicated(mesh),
+      nonfinite_total=sharding.replicated(mesh),
+  )
+  update = make_grpo_update(
+      logprobs,
+      optimizer,
+      LossSettings.from_config(config),
+      num_micro_batches(config.micro_batch_size, rows),
+      policy.split,
+      policy.combine,
+  )
   rows2 = sharding.batch_sharding(mesh, 2)
   return TrainFunctions(
       init=jax.jit(init, out_shardings=shardings),
       # The model's forward runs in these two: traced in the mesh (activation constraints,
       # TPU splash attention's shard_map).
-      update=jax.jit(sharding.traced_in(update, mesh), donate_argnums=0,
-                     out_shardings=(shardings, sharding.replicated(mesh))),
+      update=jax.jit(
+          sharding.traced_in(update, mesh),
+          donate_argnums=0,
+          out_shardings=(shardings, sharding.replicated(mesh)),
+      ),
       logprobs=jax.jit(sharding.traced_in(logprobs, mesh), out_shardings=rows2),
       assemble=jax.jit(assemble, out_shardings=sharding.batch_sharding(mesh, 1)),
       fold_kl=jax.jit(fold_kl, out_shardings=sharding.batch_sharding(mesh, 1)),
       refresh=jax.jit(refresh, donate_argnums=0, out_shardings=param_shardings),
-      abstract_state=sharding.abstract_with(abstract, shardings))
+      abstract_state=sharding.abstract_with(abstract, shardings),
+  )
 
 
 # ------------------------------------------------------------------- the loop's steps 4-6
@@ -314,8 +392,12 @@ def old_logprobs_source(config, matches_trainer: bool) -> str:
   program than the trainer (its log-probs are then only close); else "" (none: ratio 1)."""
   if config.rollout.max_staleness > 0:
     return "sampler"
-  if (config.num_iterations > 1 or config.loss.tis_cap > 0 or config.kl_in_reward or
-      not matches_trainer):
+  if (
+      config.num_iterations > 1
+      or config.loss.tis_cap > 0
+      or config.kl_in_reward
+      or not matches_trainer
+  ):
     return "trainer"
   return ""
 
@@ -336,27 +418,35 @@ class GrpoStep:
     self.config, self.fns, self.reference, self.mesh = config, fns, reference, mesh
     self.matches_trainer = matches_trainer
     self.old_logp = old_logprobs_source(config, matches_trainer)
-    self.stats_fn = jax.jit(functools.partial(
-        metrics_lib.rollout_stats, group_size=config.num_generations,
-        advantage_clip=config.loss.advantage_clip), out_shardings=sharding.replicated(mesh))
+    self.stats_fn = jax.jit(
+        functools.partial(
+            metrics_lib.rollout_stats,
+            group_size=config.num_generations,
+            advantage_clip=config.loss.advantage_clip,
+        ),
+        out_shardings=sharding.replicated(mesh),
+    )
 
   def inputs(self, state: dict, batch) -> tuple[dict, jax.Array | None]:
     """4. Advantages per group and the [prompt; completion] rows to train on; 5. the old and
     reference log-probs. -> (the update's batch, the rewards after the KL penalty [N] when
     kl_in_reward, else None)."""
     with profiling.phase("advantages"):
-      upd = self.fns.assemble(batch.prompt["ids"], batch.prompt["mask"], batch.rollout,
-                              batch.rewards)
+      upd = self.fns.assemble(
+          batch.prompt["ids"], batch.prompt["mask"], batch.rollout, batch.rewards
+      )
     if self.old_logp == "sampler":
       upd["old_logp"] = batch.behaviour_logp
     elif self.old_logp == "trainer":
       with profiling.phase("old_logprobs"):
-        upd["old_logp"] = self.fns.logprobs(state["params"], upd["input_ids"],
-                                            upd["attention_mask"])
+        upd["old_logp"] = self.fns.logprobs(
+            state["params"], upd["input_ids"], upd["attention_mask"]
+        )
     if self.reference.enabled:
       with profiling.phase("ref_logprobs"):
-        upd["ref_logp"] = self.reference.logprobs(state["params"], upd["input_ids"],
-                                                  upd["attention_mask"])
+        upd["ref_logp"] = self.reference.logprobs(
+            state["params"], upd["input_ids"], upd["attention_mask"]
+        )
     if not self.config.kl_in_reward:
       return upd, None
     with profiling.phase("kl_in_reward"):  # rewards - beta * sum_t KL_t, the advantages again
@@ -378,8 +468,11 @@ class GrpoStep:
   def figures(self, batch, upd: dict, kl_rewards_n) -> dict:
     """The batch's scalars where its arrays live (metrics.rollout_stats; with the sampler/trainer
     log-prob gap when the sampler is another program, and the KL penalty when kl_in_reward)."""
-    mismatch = {} if self.matches_trainer else dict(sampler_logp_nc=batch.rollout.logprobs,
-                                                    trainer_logp_nc=upd["old_logp"])
+    mismatch = (
+        {}
+        if self.matches_trainer
+        else dict(sampler_logp_nc=batch.rollout.logprobs, trainer_logp_nc=upd["old_logp"])
+    )
     if kl_rewards_n is not None:
       mismatch["kl_rewards_n"] = kl_rewards_n
     return self.stats_fn(batch.rewards, upd["advantages"], batch.rollout.mask, **mismatch)

@@ -1,5 +1,6 @@
 """Rollout engines behind one interface (`make_engine`): the native jitted sampler, and vLLM
 (grpo_jax.rollout.vllm_engine, optional)."""
+
 from grpo_jax.rollout.engine import ENGINES
 from grpo_jax.rollout.engine import NativeEngine
 from grpo_jax.rollout.engine import make_engine

@@ -14,6 +14,7 @@ cross-process sum) and computes the same indices, and the chosen rows are gather
 device from the rounds' global arrays (`take`). So a step's batch is the same for any number of
 processes, like every batch of the loop.
 """
+
 import functools
 
 import jax
@@ -52,8 +53,10 @@ def take(rounds: list, groups: jax.Array, group_size: int):
   left-padded with masked columns to the widest. Jit it with row-sharded outputs."""
   rows = (groups[:, None] * group_size + jnp.arange(group_size)[None]).reshape(-1)
   cat = jax.tree.map(lambda *xs: jnp.concatenate(_left_pad_to_widest(xs), 0), *rounds)
-  return {"prompt": jax.tree.map(lambda x: x[groups], cat["prompt"]),
-          "rows": jax.tree.map(lambda x: x[rows], cat["rows"])}
+  return {
+      "prompt": jax.tree.map(lambda x: x[groups], cat["prompt"]),
+      "rows": jax.tree.map(lambda x: x[rows], cat["rows"]),
+  }
 
 
 def _left_pad_to_widest(xs):
@@ -74,27 +77,48 @@ def choose(config, first, draw, key, mesh, take_groups):
   rounds = [first]
   flags = [global_flags(first[2]["rewards"], G, mesh, B)]
   while len(rounds) <= config.loss.max_resample_rounds and sum(map(np.sum, flags)) < B:
-    rounds.append(draw(jax.random.fold_in(key, multihost.replicated(
-        np.uint32(len(rounds)), mesh))))
+    rounds.append(draw(jax.random.fold_in(key, multihost.replicated(np.uint32(len(rounds)), mesh))))
     flags.append(global_flags(rounds[-1][2]["rewards"], G, mesh, B))
-  stats = {"dynamic_sampling/rounds": len(rounds),
-           "dynamic_sampling/groups_sampled": B * len(rounds),
-           "dynamic_sampling/signal_groups_sampled": int(sum(map(np.sum, flags)))}
+  stats = {
+      "dynamic_sampling/rounds": len(rounds),
+      "dynamic_sampling/groups_sampled": B * len(rounds),
+      "dynamic_sampling/signal_groups_sampled": int(sum(map(np.sum, flags))),
+  }
   chosen = picks(flags, B)
   if len(rounds) == 1 and np.array_equal(chosen, np.arange(B)):
     return (*first, stats)
   put = functools.partial(multihost.to_global, mesh=mesh, global_rows=B * G)
   names = list(first[2]["per_function"])
   out = take_groups(
-      [{"prompt": prompt, "rows": {"rollout": rollout, "rewards": put(host["rewards"]),
-                                   **{k: put(np.asarray(host["per_function"][k], np.float32))
-                                      for k in names}}}
-       for prompt, rollout, host in rounds],
-      multihost.replicated(chosen.astype(np.int32), mesh))
+      [
+          {
+              "prompt": prompt,
+              "rows": {
+                  "rollout": rollout,
+                  "rewards": put(host["rewards"]),
+                  **{k: put(np.asarray(host["per_function"][k], np.float32)) for k in names},
+              },
+          }
+          for prompt, rollout, host in rounds
+      ],
+      multihost.replicated(chosen.astype(np.int32), mesh),
+  )
   rollout, rows = out["rows"]["rollout"], out["rows"]
   tokens, mask, truncated, rewards, per_function = multihost.local_rows(
-      (rollout.tokens, rollout.mask, rollout.truncated, rows["rewards"],
-       {k: rows[k] for k in names}))
-  host = dict(tokens=tokens, mask=mask, truncated=truncated, rewards=rewards,
-              per_function=per_function, errors=sum(h["errors"] for _, _, h in rounds))
+      (
+          rollout.tokens,
+          rollout.mask,
+          rollout.truncated,
+          rows["rewards"],
+          {k: rows[k] for k in names},
+      )
+  )
+  host = dict(
+      tokens=tokens,
+      mask=mask,
+      truncated=truncated,
+      rewards=rewards,
+      per_function=per_function,
+      errors=sum(h["errors"] for _, _, h in rounds),
+  )
   return out["prompt"], rollout, host, stats

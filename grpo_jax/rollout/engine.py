@@ -17,6 +17,7 @@ encoder-decoder policy, one with `policy.decoder_start_id`, rollout/seq2seq_samp
 vllm-tpu installed, its subclass in rollout/tpu_inference_sync.py, which writes the weights into
 tpu-inference's JAX model on device).
 """
+
 import jax
 
 from grpo_jax.parallel import multihost
@@ -31,18 +32,41 @@ ENGINES = ("native", "vllm")
 class NativeEngine:
   """The jitted group sampler on the policy's rollout weights (no copy for a native policy)."""
 
-  def __init__(self, policy, mesh, *, num_generations: int, max_prompt_length: int,
-               max_new_tokens: int, eos_ids, pad_id: int, decode_phases: int = 0,
-               decode_block: int = 0, decode_attention: str | None = None):
+  def __init__(
+      self,
+      policy,
+      mesh,
+      *,
+      num_generations: int,
+      max_prompt_length: int,
+      max_new_tokens: int,
+      eos_ids,
+      pad_id: int,
+      decode_phases: int = 0,
+      decode_block: int = 0,
+      decode_attention: str | None = None,
+  ):
     self.mesh = mesh
-    kw = dict(max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens,
-              num_generations=num_generations, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
+    kw = dict(
+        max_prompt_length=max_prompt_length,
+        max_new_tokens=max_new_tokens,
+        num_generations=num_generations,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        mesh=mesh,
+    )
     if policy.decoder_start_id is None:
-      self.sampler = Sampler(policy.sampler_graphdef, decode_phases=decode_phases,
-                             decode_block=decode_block, decode_attention=decode_attention, **kw)
+      self.sampler = Sampler(
+          policy.sampler_graphdef,
+          decode_phases=decode_phases,
+          decode_block=decode_block,
+          decode_attention=decode_attention,
+          **kw,
+      )
     else:  # encoder-decoder: prompts are the encoder's input
-      self.sampler = Seq2SeqSampler(policy.sampler_graphdef,
-                                    decoder_start_id=policy.decoder_start_id, **kw)
+      self.sampler = Seq2SeqSampler(
+          policy.sampler_graphdef, decoder_start_id=policy.decoder_start_id, **kw
+      )
     self.matches_trainer = policy.sampler_is_trainer
     # A native policy samples from the trained arrays themselves; MaxText maps them on device.
     self._to_rollout = None if policy.sampler_is_trainer else jax.jit(policy.rollout_params)
@@ -52,11 +76,16 @@ class NativeEngine:
     state = params if self._to_rollout is None else self._to_rollout(params)
     if self._to_rollout is not None and self._rollout_spec is None:  # for program()
       self._rollout_spec = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+      )
     rows = batch.get("global_rows")  # (a process without devices here has no rows)
-    return self.sampler(state, multihost.to_global(batch["prompt_ids"], self.mesh, rows),
-                        multihost.to_global(batch["prompt_mask"], self.mesh, rows), rng,
-                        generation)
+    return self.sampler(
+        state,
+        multihost.to_global(batch["prompt_ids"], self.mesh, rows),
+        multihost.to_global(batch["prompt_mask"], self.mesh, rows),
+        rng,
+        generation,
+    )
 
   def program(self, params, prompt: dict, rng, generation):
     """The sampler program `generate(params, ...)` runs for global prompt arrays shaped like
@@ -78,8 +107,16 @@ class NativeEngine:
     pass
 
 
-def make_engine(config, policy, tokenizer, mesh, *, num_generations: int | None = None,
-                max_new_tokens: int | None = None, kind: str | None = None):
+def make_engine(
+    config,
+    policy,
+    tokenizer,
+    mesh,
+    *,
+    num_generations: int | None = None,
+    max_new_tokens: int | None = None,
+    kind: str | None = None,
+):
   """The engine named by `kind` (default config.rollout.engine) for `policy` on `mesh`.
 
   num_generations / max_new_tokens default to the training rollout's (config.num_generations,
@@ -90,19 +127,29 @@ def make_engine(config, policy, tokenizer, mesh, *, num_generations: int | None 
   c = config.max_completion_length if max_new_tokens is None else max_new_tokens
   if kind == "vllm":
     if policy.decoder_start_id is not None:
-      raise ValueError("rollout.engine='vllm' serves decoder-only policies; this one is an "
-                       "encoder-decoder (model.family). Fix: --config.rollout.engine=native")
+      raise ValueError(
+          "rollout.engine='vllm' serves decoder-only policies; this one is an "
+          "encoder-decoder (model.family). Fix: --config.rollout.engine=native"
+      )
     from grpo_jax.rollout import tpu_inference_mapping
     from grpo_jax.rollout import tpu_inference_sync
+
     if tpu_inference_mapping.available():  # vLLM-TPU: on-device sync into its JAX model
       cls = tpu_inference_sync.engine_class()
     else:
       from grpo_jax.rollout import vllm_engine  # optional dependency
+
       cls = vllm_engine.VLLMEngine
     return cls.from_config(config, policy, tokenizer, mesh, num_generations=g, max_new_tokens=c)
   if kind != "native":
     raise ValueError(f"rollout.engine={kind!r}: use one of {', '.join(ENGINES)}")
-  return NativeEngine(policy, mesh, num_generations=g, max_prompt_length=config.max_prompt_length,
-                      max_new_tokens=c, eos_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-                      **config_options(config))
-
+  return NativeEngine(
+      policy,
+      mesh,
+      num_generations=g,
+      max_prompt_length=config.max_prompt_length,
+      max_new_tokens=c,
+      eos_ids=tokenizer.stop_ids,
+      pad_id=tokenizer.pad_id,
+      **config_options(config),
+  )

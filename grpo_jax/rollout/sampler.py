@@ -24,6 +24,7 @@ Randomness: step t of a call uses fold_in(rng, t); each draw covers the whole [B
 a row's sample depends on the rng and its position in the batch (same inputs + rng -> same
 tokens, on one device or a mesh).
 """
+
 import functools
 
 from flax import nnx
@@ -48,10 +49,20 @@ from grpo_jax.rollout.types import generation_config
 class Sampler:
   """Compile-once rollout generation for a model graph (see the module docstring)."""
 
-  def __init__(self, graphdef, *, max_prompt_length: int, max_new_tokens: int,
-               num_generations: int = 1, eos_ids=(), pad_id: int = 0, mesh=None,
-               decode_phases: int = 0, decode_block: int = 0,
-               decode_attention: str | None = None):
+  def __init__(
+      self,
+      graphdef,
+      *,
+      max_prompt_length: int,
+      max_new_tokens: int,
+      num_generations: int = 1,
+      eos_ids=(),
+      pad_id: int = 0,
+      mesh=None,
+      decode_phases: int = 0,
+      decode_block: int = 0,
+      decode_attention: str | None = None,
+  ):
     self.graphdef = graphdef
     self.max_prompt_length = max_prompt_length
     self.max_new_tokens = max_new_tokens
@@ -81,8 +92,9 @@ class Sampler:
       if self.mesh is not None:
         rows = sharding.batch_sharding(self.mesh, 2)
         vec = sharding.batch_sharding(self.mesh, 1)
-        kw["out_shardings"] = Rollout(tokens=rows, mask=rows, logprobs=rows, raw_logprobs=rows,
-                                      lengths=vec, truncated=vec)
+        kw["out_shardings"] = Rollout(
+            tokens=rows, mask=rows, logprobs=rows, raw_logprobs=rows, lengths=vec, truncated=vec
+        )
       self._compiled[key] = jax.jit(fn, **kw)
     return self._compiled[key]
 
@@ -104,13 +116,17 @@ class Sampler:
     gen: GenerationConfig = generation_config(generation)
     b, p = prompt_ids.shape
     if p > self.max_prompt_length:  # narrower batches (data.prompt_width) compile once each
-      raise ValueError(f"prompt_ids has {p} columns; this sampler was built for at most "
-                       f"max_prompt_length={self.max_prompt_length} (left-truncate prompts)")
+      raise ValueError(
+          f"prompt_ids has {p} columns; this sampler was built for at most "
+          f"max_prompt_length={self.max_prompt_length} (left-truncate prompts)"
+      )
     if self.mesh is not None:
       dp = sharding.data_parallel_size(self.mesh)
       if b % dp:
-        raise ValueError(f"{b} prompts do not split over the data-parallel mesh size {dp}: "
-                         f"pad the batch to a multiple of {dp}")
+        raise ValueError(
+            f"{b} prompts do not split over the data-parallel mesh size {dp}: "
+            f"pad the batch to a multiple of {dp}"
+        )
     fn = self._fn(int(gen.top_k) if not gen.is_greedy else 0, gen.top_p < 1.0, gen.is_greedy)
     temperature, top_p = self._scalars(gen)
     return fn, (state, prompt_ids, prompt_mask, rng, temperature, top_p)
@@ -121,8 +137,11 @@ class Sampler:
     key = (float(gen.temperature), float(gen.top_p))
     if key not in self._device_scalars:
       self._device_scalars[key] = tuple(
-          jax.device_put(np.float32(v)) if self.mesh is None else
-          multihost.replicated(np.float32(v), self.mesh) for v in key)
+          jax.device_put(np.float32(v))
+          if self.mesh is None
+          else multihost.replicated(np.float32(v), self.mesh)
+          for v in key
+      )
     return self._device_scalars[key]
 
   def _slots(self, end: int) -> int:
@@ -131,8 +150,9 @@ class Sampler:
     block = decode_attention_lib.BLOCK
     return -(-(end - 1) // block) * block if self.ragged else end
 
-  def _generate(self, state, prompt_ids, prompt_mask, rng, temperature, top_p, *, top_k,
-              use_top_p, greedy) -> Rollout:
+  def _generate(
+      self, state, prompt_ids, prompt_mask, rng, temperature, top_p, *, top_k, use_top_p, greedy
+  ) -> Rollout:
     model = nnx.merge(self.graphdef, state)
     # The kernels of this sampler's platform and decode attention, for every trace of it.
     model.kernels = Kernels.resolve(model.cfg, self.platform, ragged_decode=self.ragged)
@@ -145,14 +165,26 @@ class Sampler:
     cache = _constrain_cache(model.init_cache(b, p))
     logits, cache = model.prefill(prompt_ids, prompt_mask, cache)  # [B, V]
     rings = ring_sizes(model.cfg)  # local layers: window-sized completion caches
-    cache = _constrain_cache(share_prompt(
-        cache, g, self._slots(self.phase_ends[0]),
-        decode_attention_lib.BLOCK if self.ragged else 1, rings))
+    cache = _constrain_cache(
+        share_prompt(
+            cache,
+            g,
+            self._slots(self.phase_ends[0]),
+            decode_attention_lib.BLOCK if self.ragged else 1,
+            rings,
+        )
+    )
     if g > 1:
       logits = jnp.repeat(logits, g, axis=0)
     stop_ids = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
-    draw = functools.partial(sampling.sample_token, temperature=temperature, top_p=top_p,
-                             top_k=top_k, use_top_p=use_top_p, greedy=greedy)
+    draw = functools.partial(
+        sampling.sample_token,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        use_top_p=use_top_p,
+        greedy=greedy,
+    )
 
     def col(arr, v, t):
       return jax.lax.dynamic_update_slice(arr, v[:, None].astype(arr.dtype), (0, t))
@@ -162,11 +194,16 @@ class Sampler:
       token, lp, raw = draw(logits, jax.random.fold_in(rng, t))
       live = ~done & (t < c_len)  # columns past max_new_tokens (a block's rest) stay empty
       token = jnp.where(live, token, self.pad_id)
-      return dict(c, t=t + 1, token=token,
-                  done=done | (live & jnp.isin(token, stop_ids)),
-                  tokens=col(c["tokens"], token, t), mask=col(c["mask"], live, t),
-                  logprobs=col(c["logprobs"], jnp.where(live, lp, 0.0), t),
-                  raw_logprobs=col(c["raw_logprobs"], jnp.where(live, raw, 0.0), t))
+      return dict(
+          c,
+          t=t + 1,
+          token=token,
+          done=done | (live & jnp.isin(token, stop_ids)),
+          tokens=col(c["tokens"], token, t),
+          mask=col(c["mask"], live, t),
+          logprobs=col(c["logprobs"], jnp.where(live, lp, 0.0), t),
+          raw_logprobs=col(c["raw_logprobs"], jnp.where(live, raw, 0.0), t),
+      )
 
     # Token 0 comes from the prefill's logits; each loop iteration decodes the previous token
     # and draws the next, so no decode runs after the last token (no per-step lax.cond, and
@@ -183,15 +220,22 @@ class Sampler:
         return step(c)
       return jax.lax.fori_loop(0, self.block, lambda _, c: step(c), c)
 
-    init = dict(t=jnp.zeros((), jnp.int32), token=jnp.zeros((n,), jnp.int32), cache=cache,
-                done=jnp.zeros((n,), bool), tokens=jnp.full((n, cols), self.pad_id, jnp.int32),
-                mask=jnp.zeros((n, cols), jnp.int32), logprobs=jnp.zeros((n, cols), jnp.float32),
-                raw_logprobs=jnp.zeros((n, cols), jnp.float32))
+    init = dict(
+        t=jnp.zeros((), jnp.int32),
+        token=jnp.zeros((n,), jnp.int32),
+        cache=cache,
+        done=jnp.zeros((n,), bool),
+        tokens=jnp.full((n, cols), self.pad_id, jnp.int32),
+        mask=jnp.zeros((n, cols), jnp.int32),
+        logprobs=jnp.zeros((n, cols), jnp.float32),
+        raw_logprobs=jnp.zeros((n, cols), jnp.float32),
+    )
     final = record(init, init["t"], logits, init["done"])
     for i, end in enumerate(self.phase_ends):
       if i:
-        final = dict(final, cache=_constrain_cache(grow_cache(final["cache"],
-                                                              self._slots(end), rings)))
+        final = dict(
+            final, cache=_constrain_cache(grow_cache(final["cache"], self._slots(end), rings))
+        )
       final = jax.lax.while_loop(functools.partial(cond, end=end), body, final)
     out = {k: final[k][:, :c_len] for k in ("tokens", "mask", "logprobs", "raw_logprobs")}
     return Rollout(**out, lengths=out["mask"].sum(-1), truncated=~final["done"])
@@ -216,8 +260,11 @@ def _constrain_kv(x):
 
 
 def _constrain_cache(cache: dict) -> dict:
-  out = dict(cache, valid=sharding.constrain(cache["valid"], "batch", "length"),
-             pos=sharding.constrain(cache["pos"], "batch"))
+  out = dict(
+      cache,
+      valid=sharding.constrain(cache["valid"], "batch", "length"),
+      pos=sharding.constrain(cache["pos"], "batch"),
+  )
   for name in ("k", "v", "prefix_k", "prefix_v"):
     if name in cache:
       out[name] = jax.tree.map(_constrain_kv, cache[name])
@@ -229,12 +276,16 @@ def _constrain_cache(cache: dict) -> dict:
 def config_options(config) -> dict:
   """The Sampler's decode knobs from config.rollout (the loop's engine, memory_plan)."""
   r = config.rollout
-  return dict(decode_phases=r.decode_phases, decode_block=r.decode_block,
-              decode_attention=r.decode_attention)
+  return dict(
+      decode_phases=r.decode_phases,
+      decode_block=r.decode_block,
+      decode_attention=r.decode_attention,
+  )
 
 
-def phase_ends(max_new_tokens: int, decode_phases: int = 0,
-               platform: str = "cpu") -> tuple[int, ...]:
+def phase_ends(
+    max_new_tokens: int, decode_phases: int = 0, platform: str = "cpu"
+) -> tuple[int, ...]:
   """The completion lengths at which the decode loops end (the last is max_new_tokens).
 
   decode_phases 0 = auto (for the XLA decode attention; the Sampler asks for 1 with the ragged
@@ -275,8 +326,19 @@ def block_size(decode_block: int = 0, platform: str = "cpu") -> int:
 _SAMPLERS: dict = {}
 
 
-def sample(model, prompt_ids, prompt_mask, *, num_generations: int, max_new_tokens: int, rng,
-           generation="greedy", eos_ids=(), pad_id: int = 0, mesh=None) -> Rollout:
+def sample(
+    model,
+    prompt_ids,
+    prompt_mask,
+    *,
+    num_generations: int,
+    max_new_tokens: int,
+    rng,
+    generation="greedy",
+    eos_ids=(),
+    pad_id: int = 0,
+    mesh=None,
+) -> Rollout:
   """Samples `num_generations` completions per prompt (DESIGN.md's stable entry point).
 
   prompt_ids / prompt_mask: int32 [B, P], left-padded. Returns a Rollout with rows grouped by
@@ -284,11 +346,29 @@ def sample(model, prompt_ids, prompt_mask, *, num_generations: int, max_new_toke
   shapes, so repeated calls with new weights or prompts do not recompile.
   """
   graphdef, state = nnx.split(model)
-  key = (graphdef, prompt_ids.shape[1], max_new_tokens, num_generations, tuple(eos_ids),
-         pad_id, mesh)
+  key = (
+      graphdef,
+      prompt_ids.shape[1],
+      max_new_tokens,
+      num_generations,
+      tuple(eos_ids),
+      pad_id,
+      mesh,
+  )
   if key not in _SAMPLERS:
-    _SAMPLERS[key] = Sampler(graphdef, max_prompt_length=prompt_ids.shape[1],
-                             max_new_tokens=max_new_tokens, num_generations=num_generations,
-                             eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
-  return _SAMPLERS[key](state, jnp.asarray(prompt_ids, jnp.int32),
-                        jnp.asarray(prompt_mask, jnp.int32), rng, generation)
+    _SAMPLERS[key] = Sampler(
+        graphdef,
+        max_prompt_length=prompt_ids.shape[1],
+        max_new_tokens=max_new_tokens,
+        num_generations=num_generations,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        mesh=mesh,
+    )
+  return _SAMPLERS[key](
+      state,
+      jnp.asarray(prompt_ids, jnp.int32),
+      jnp.asarray(prompt_mask, jnp.int32),
+      rng,
+      generation,
+  )

@@ -11,6 +11,7 @@ Log-prob conventions (what `Rollout.logprobs` / `.raw_logprobs` hold):
   temperature-scaled, untruncated log-probs differs from this where truncation removed mass;
   the TIS weights in grpo_jax.rl correct for exactly that mismatch.
 """
+
 import jax
 import jax.numpy as jnp
 
@@ -35,8 +36,9 @@ def categorical(key: jax.Array, logits_nv: jax.Array, block: int = 256) -> jax.A
   return categorical_lse(key, logits_nv, block=block)[0]
 
 
-def categorical_lse(key: jax.Array, logits_nv: jax.Array, inv_temperature=1.0,
-                    block: int = 256) -> tuple[jax.Array, jax.Array]:
+def categorical_lse(
+    key: jax.Array, logits_nv: jax.Array, inv_temperature=1.0, block: int = 256
+) -> tuple[jax.Array, jax.Array]:
   """`categorical` from softmax(logits * inv_temperature) (inv_temperature > 0, may be traced),
   and that distribution's log-normalizer logsumexp(logits * inv_temperature) [N] from the same
   pass: the scaled logits are never formed (max(x * t) = max(x) * t for t > 0), and the mass
@@ -57,8 +59,9 @@ def categorical_lse(key: jax.Array, logits_nv: jax.Array, inv_temperature=1.0,
   cb = jnp.cumsum(p_nbk.sum(-1), axis=-1)  # [N, nb]
   u = _uniform_in(key, n, cb[:, -1])
   blk = jnp.sum(cb < u[:, None], axis=-1)  # first block whose cumulative mass reaches u
-  before = jnp.where(blk > 0, jnp.take_along_axis(cb, jnp.maximum(blk - 1, 0)[:, None], 1)[:, 0],
-                     0.0)
+  before = jnp.where(
+      blk > 0, jnp.take_along_axis(cb, jnp.maximum(blk - 1, 0)[:, None], 1)[:, 0], 0.0
+  )
   inner = jnp.take_along_axis(p_nbk, blk[:, None, None], 1)[:, 0]  # [N, block]
   ci = jnp.cumsum(inner, axis=-1)
   u_in = jnp.clip(u - before, jnp.finfo(jnp.float32).tiny, ci[:, -1])
@@ -96,8 +99,16 @@ def _uniform_in(key, n, total_n):
 _top_k = top_k  # sample_token's argument `top_k` shadows the function
 
 
-def sample_token(logits_nv: jax.Array, key: jax.Array, *, temperature, top_p, top_k: int,
-                 use_top_p: bool, greedy: bool):
+def sample_token(
+    logits_nv: jax.Array,
+    key: jax.Array,
+    *,
+    temperature,
+    top_p,
+    top_k: int,
+    use_top_p: bool,
+    greedy: bool
+):
   """-> (token [N] int32, sampled-distribution log-prob [N], raw log-prob [N]).
 
   `top_k`, `use_top_p` and `greedy` are static (they pick the compiled path); `temperature`
@@ -116,15 +127,14 @@ def sample_token(logits_nv: jax.Array, key: jax.Array, *, temperature, top_p, to
     token, lse = categorical_lse(key, logits, inv_t)
     picked = logits[rows, token]
     # raw_lse only where the temperature is not 1 (else the draw's normalizer is it).
-    raw_lse = jax.lax.cond(inv_t == 1.0, lambda: lse,
-                           lambda: jax.nn.logsumexp(logits, axis=-1))
+    raw_lse = jax.lax.cond(inv_t == 1.0, lambda: lse, lambda: jax.nn.logsumexp(logits, axis=-1))
     return token, picked * inv_t - lse, picked - raw_lse
 
   k = top_k if top_k > 0 else logits.shape[-1]
   k = min(k, logits.shape[-1])
   # Top-k of the raw logits, scaled after (1 / temperature > 0 keeps the order): the scaled
   # [N, V] logits are never formed. Without top-k (top-p alone) the vocabulary is sorted.
-  vals_nk, idx_nk = (_top_k(logits, k) if k < logits.shape[-1] else jax.lax.top_k(logits, k))
+  vals_nk, idx_nk = _top_k(logits, k) if k < logits.shape[-1] else jax.lax.top_k(logits, k)
   vals_nk = vals_nk / temperature
   neg = jnp.finfo(jnp.float32).min
   if use_top_p:

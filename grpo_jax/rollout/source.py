@@ -28,6 +28,7 @@ Rewards are host functions of the saved completions: recomputed on resume.
 
 Multi-host: each process scores its own rows of the batch (multihost.local_rows).
 """
+
 import collections
 import dataclasses
 import functools
@@ -52,6 +53,7 @@ class Scored:
   rewards: global f32 [N]; host: this process's rows (tokens, mask, truncated, rewards,
   per_function, errors); figures: host figures to log; behaviour_logp: the sampler's per-token
   log-probs [N, C] when the batch is off-policy (the old log-probs), else None."""
+
   prompt: dict
   rollout: Rollout
   rewards: jax.Array
@@ -65,6 +67,7 @@ class _Drawn:
   """A dispatched rollout: the host prompt batch, the global prompt arrays, the Rollout, the
   version of the weights that sampled it (updates applied) and the iterator state before its
   prompts were taken."""
+
   batch: dict
   prompt: dict
   rollout: Rollout
@@ -76,8 +79,19 @@ class _Drawn:
 
 class RolloutSource:
 
-  def __init__(self, config, *, engine, prompts, scorer, mesh, rng, sampler_mesh=None,
-               policy=None, ahead=None):
+  def __init__(
+      self,
+      config,
+      *,
+      engine,
+      prompts,
+      scorer,
+      mesh,
+      rng,
+      sampler_mesh=None,
+      policy=None,
+      ahead=None
+  ):
     """scorer: Scorer (step 3, on the host). mesh: the trainer's. sampler_mesh
     (placement=disaggregated; `engine` and `prompts` on it, `policy` for LoRA's split/combine):
     the sampler's, else the trainer's. The engine maps the moved weights for its sampler itself
@@ -93,12 +107,17 @@ class RolloutSource:
     self.disaggregated = self.sampler_mesh is not mesh
     self.rng = rng
     self._pending = collections.deque()  # _Drawn, oldest first
-    self._take_groups = jax.jit(functools.partial(dyn_lib.take, group_size=config.num_generations),
-                                out_shardings=sharding.batch_sharding(self.sampler_mesh, 1))
+    self._take_groups = jax.jit(
+        functools.partial(dyn_lib.take, group_size=config.num_generations),
+        out_shardings=sharding.batch_sharding(self.sampler_mesh, 1),
+    )
     self._sync_figures = {}
     if self.disaggregated:
-      self.rng = jax.random.wrap_key_data(multihost.replicated(  # the session's key, there
-          jax.random.key_data(jax.random.key(config.seed)), self.sampler_mesh))
+      self.rng = jax.random.wrap_key_data(
+          multihost.replicated(  # the session's key, there
+              jax.random.key_data(jax.random.key(config.seed)), self.sampler_mesh
+          )
+      )
       self._to_sampler = transfer.CrossMesh(mesh, self.sampler_mesh)
       self._to_trainer = transfer.CrossMesh(self.sampler_mesh, mesh)
       self._split, self._combine = policy.split, policy.combine  # LoRA: only adapters travel
@@ -130,31 +149,50 @@ class RolloutSource:
     figures, mesh = {}, self.sampler_mesh
     if self.dynamic:  # extra rounds on fresh prompts, from the current weights
       key = step_key(self.rng, step, mesh)
-      draw = lambda k: self._score(self._dispatch(weights, state, step, step, timing, key=k),
-                                   timing)
-      prompt, rollout, host, figures = dyn_lib.choose(self.config, first, draw, key, mesh,
-                                                      self._take_groups)
+      draw = lambda k: self._score(
+          self._dispatch(weights, state, step, step, timing, key=k), timing
+      )
+      prompt, rollout, host, figures = dyn_lib.choose(
+          self.config, first, draw, key, mesh, self._take_groups
+      )
     else:
       prompt, rollout, host = first
     rewards = multihost.to_global(host["rewards"], mesh, len(drawn.rollout.lengths))
     if self.disaggregated:  # to the trainer's devices, before the next rollouts start
       with profiling.phase("to_trainer") as span:
         prompt, rollout, rewards = self._to_trainer.move(
-            (prompt, rollout, rewards), jax.tree.map(
-                lambda x: sharding.batch_sharding(self.mesh, x.ndim), (prompt, rollout, rewards)))
+            (prompt, rollout, rewards),
+            jax.tree.map(
+                lambda x: sharding.batch_sharding(self.mesh, x.ndim), (prompt, rollout, rewards)
+            ),
+        )
       figures["perf/batch_transfer_sec"] = span.sec
     while len(self._pending) < self.depth and (
-        step + 1 + len(self._pending) < self.config.num_steps):
-      self._pending.append(self._dispatch(weights, state, step + 1 + len(self._pending), step,
-                                          timing))
+        step + 1 + len(self._pending) < self.config.num_steps
+    ):
+      self._pending.append(
+          self._dispatch(weights, state, step + 1 + len(self._pending), step, timing)
+      )
     if self.ahead:  # a width's first step: its step programs compiled meanwhile (the wait is
       with profiling.phase("advantages"):  # step 4's, as their first calls' compiles would be)
         self.ahead.wait(prompt["ids"].shape[1])
-    figures.update({"perf/rollout_sec": timing["rollout"], "perf/reward_sec": timing["rewards"],
-                    "rollout/staleness": step - drawn.version, **self._sync_figures,
-                    **self.engine.stats()})
-    return Scored(prompt=prompt, rollout=rollout, host=host, figures=figures, rewards=rewards,
-                  behaviour_logp=rollout.logprobs if self.depth else None)
+    figures.update(
+        {
+            "perf/rollout_sec": timing["rollout"],
+            "perf/reward_sec": timing["rewards"],
+            "rollout/staleness": step - drawn.version,
+            **self._sync_figures,
+            **self.engine.stats(),
+        }
+    )
+    return Scored(
+        prompt=prompt,
+        rollout=rollout,
+        host=host,
+        figures=figures,
+        rewards=rewards,
+        behaviour_logp=rollout.logprobs if self.depth else None,
+    )
 
   def while_updating(self, step: int):
     """Host work while the device runs the update: off-policy, the next step's rollout is
@@ -177,7 +215,8 @@ class RolloutSource:
       return
     dtype = jnp.dtype(self.config.model.dtype)
     move = lambda tree, donate=None: self._to_sampler.move(
-        tree, jax.tree.map(lambda x: x.sharding.spec, tree), dtype=dtype, donate=donate)
+        tree, jax.tree.map(lambda x: x.sharding.spec, tree), dtype=dtype, donate=donate
+    )
     with profiling.phase("weight_sync"):
       if self._split:  # LoRA: the adapters (and, the first time, the base)
         adapters, base = self._split(params)
@@ -196,8 +235,12 @@ class RolloutSource:
     trainer's programs will get: for compiling them ahead)."""
     if not self.disaggregated or prompt is None:
       return prompt
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=sharding.batch_sharding(self.mesh, x.ndim)), prompt)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=sharding.batch_sharding(self.mesh, x.ndim)
+        ),
+        prompt,
+    )
 
   # ---------------------------------------------------------------------- checkpoints
 
@@ -208,8 +251,9 @@ class RolloutSource:
       return {}
     pending = [dataclasses.asdict(d.rollout) for d in self._pending]
     if self.disaggregated:
-      pending = self._to_trainer.move(pending, jax.tree.map(
-          lambda x: sharding.batch_sharding(self.mesh, x.ndim), pending))
+      pending = self._to_trainer.move(
+          pending, jax.tree.map(lambda x: sharding.batch_sharding(self.mesh, x.ndim), pending)
+      )
     return {"pending": pending}
 
   def pending_meta(self) -> list:
@@ -222,8 +266,11 @@ class RolloutSource:
     n = len(meta.get("rollout_pending", []))
     if not n:
       return {}
-    spec = Rollout.spec(self.config.batch_size * self.config.num_generations,
-                        self.config.max_completion_length, self.mesh)
+    spec = Rollout.spec(
+        self.config.batch_size * self.config.num_generations,
+        self.config.max_completion_length,
+        self.mesh,
+    )
     return {"pending": [dataclasses.asdict(spec)] * n}
 
   def restore(self, restored: dict, meta: dict):
@@ -231,19 +278,23 @@ class RolloutSource:
     iterator positions in meta, their arrays restored (not sampled again)."""
     after, pending = self.prompts.it.get_state(), restored.get("pending", [])
     if self.disaggregated and pending:
-      pending = self._to_sampler.move(pending, jax.tree.map(
-          lambda x: sharding.batch_sharding(self.sampler_mesh, x.ndim), pending))
+      pending = self._to_sampler.move(
+          pending,
+          jax.tree.map(lambda x: sharding.batch_sharding(self.sampler_mesh, x.ndim), pending),
+      )
     for entry, arrays in zip(meta.get("rollout_pending", []), pending):
       self.prompts.it.set_state(entry["iterator"])
       batch, prompt = self.prompts.take()
-      self._pending.append(_Drawn(batch, prompt, Rollout(**arrays), entry["version"],
-                                  entry["iterator"]))
+      self._pending.append(
+          _Drawn(batch, prompt, Rollout(**arrays), entry["version"], entry["iterator"])
+      )
     self.prompts.it.set_state(after)
 
   # ------------------------------------------------------------------------- internals
 
-  def _dispatch(self, params, state: dict, step: int, version: int, timing: dict,
-                key=None) -> _Drawn:
+  def _dispatch(
+      self, params, state: dict, step: int, version: int, timing: dict, key=None
+  ) -> _Drawn:
     """Takes the next prompts and dispatches their rollout (not waited for); `params`: the
     sampler's weights, `state`: the trainer's (after `version` updates)."""
     with profiling.phase("prompts"):
@@ -271,14 +322,24 @@ class RolloutSource:
     per_function, errors)."""
     with profiling.phase("rollout") as span:  # this process's rows, on the host (one transfer)
       tokens_nc, mask_nc, truncated_n = multihost.local_rows(
-          (drawn.rollout.tokens, drawn.rollout.mask, drawn.rollout.truncated))
+          (drawn.rollout.tokens, drawn.rollout.mask, drawn.rollout.truncated)
+      )
     timing["rollout"] += span.sec
     with profiling.phase("rewards") as span:
       rewards_n, per_function, errors = self.scorer(drawn.batch, tokens_nc, mask_nc)
     timing["rewards"] += span.sec
-    return drawn.prompt, drawn.rollout, dict(
-        tokens=tokens_nc, mask=mask_nc, truncated=truncated_n, rewards=rewards_n,
-        per_function=per_function, errors=errors)
+    return (
+        drawn.prompt,
+        drawn.rollout,
+        dict(
+            tokens=tokens_nc,
+            mask=mask_nc,
+            truncated=truncated_n,
+            rewards=rewards_n,
+            per_function=per_function,
+            errors=errors,
+        ),
+    )
 
 
 class Scorer:
@@ -303,7 +364,8 @@ class Scorer:
       per_function["judge"] = self.judge(prompts_n, completions_n)
       total = total + c.reward.judge.weight * per_function["judge"]
     rewards_n = total + adv_lib.overlong_penalty(
-        mask_nc.sum(-1), c.max_completion_length, c.loss.overlong_buffer, c.loss.overlong_factor)
+        mask_nc.sum(-1), c.max_completion_length, c.loss.overlong_buffer, c.loss.overlong_factor
+    )
     return rewards_n.astype(np.float32), per_function, scored.errors
 
 
@@ -320,12 +382,14 @@ def step_key(rng, step: int, mesh):
 def decoder(tokenizer):
   """decode(tokens [C], mask [C]) -> the completion's text; decode.rows(tokens [N, C], mask)
   -> N texts, the host lists built once for the batch (host time between device programs)."""
+
   def text(ids, mask):
     return tokenizer.decode([t for t, m in zip(ids, mask) if m], skip_special=True)
 
   def decode(tokens, mask):
     return text(np.asarray(tokens).tolist(), np.asarray(mask).tolist())
 
-  decode.rows = lambda tokens, mask: list(map(text, np.asarray(tokens).tolist(),
-                                               np.asarray(mask).tolist()))
+  decode.rows = lambda tokens, mask: list(
+      map(text, np.asarray(tokens).tolist(), np.asarray(mask).tolist())
+  )
   return decode

@@ -49,6 +49,7 @@ checks that every target parameter is written exactly once with its shape unchan
 Pure functions of shapes and arrays (no vLLM, no TPU); rollout/tpu_inference_sync.py pushes
 their results into a live engine.
 """
+
 import dataclasses
 import importlib.util
 
@@ -89,6 +90,7 @@ def padded_num_heads(n: int, tp: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """tpu-inference's sizes for a model (what differs from the native config)."""
+
   vocab_rows: int  # embed/lm_head vocabulary size (Qwen3: padded to a multiple of TP)
   num_heads: int
   num_kv_heads: int  # >= the native count: KV heads repeated for tensor parallelism
@@ -96,16 +98,21 @@ class Layout:
   q_layout: str = "DNH"  # "NDH" with tpu-inference's LAYOUT_Q_PROJ_AS_NDH=1 (Qwen3 only)
 
   @classmethod
-  def expected(cls, cfg: ModelConfig, tensor_parallel_size: int = 1,
-               q_layout: str = "DNH") -> "Layout":
+  def expected(
+      cls, cfg: ModelConfig, tensor_parallel_size: int = 1, q_layout: str = "DNH"
+  ) -> "Layout":
     """What tpu-inference 0.32.0 builds for `cfg` on `tensor_parallel_size` devices."""
     tp = int(tensor_parallel_size)
     vocab = cfg.vocab_size
     if cfg.arch == "qwen3":
       vocab = -(-vocab // tp) * tp  # utils.align_to(vocab_size, tp_size)
-    return cls(vocab_rows=vocab, num_heads=padded_num_heads(cfg.num_heads, tp),
-               num_kv_heads=padded_num_heads(cfg.num_kv_heads, tp),
-               head_dim=padded_head_dim(cfg.head_dim), q_layout=q_layout)
+    return cls(
+        vocab_rows=vocab,
+        num_heads=padded_num_heads(cfg.num_heads, tp),
+        num_kv_heads=padded_num_heads(cfg.num_kv_heads, tp),
+        head_dim=padded_head_dim(cfg.head_dim),
+        q_layout=q_layout,
+    )
 
   @classmethod
   def from_target(cls, cfg: ModelConfig, shapes: dict[str, tuple]) -> "Layout":
@@ -120,15 +127,23 @@ class Layout:
     elif len(q) == 3 and q[1] == d:
       q_layout, heads, kd = "NDH", q[0], q[2]
     else:
-      raise ValueError(f"{names['q'].format(i=0)} has shape {q}: expected [D={d}, heads, "
-                       "head_dim] or [heads, D, head_dim]")
-    return cls(vocab_rows=int(shapes[names["embed"]][0]), num_heads=int(heads),
-               num_kv_heads=int(k[1]), head_dim=int(kd), q_layout=q_layout)
+      raise ValueError(
+          f"{names['q'].format(i=0)} has shape {q}: expected [D={d}, heads, "
+          "head_dim] or [heads, D, head_dim]"
+      )
+    return cls(
+        vocab_rows=int(shapes[names["embed"]][0]),
+        num_heads=int(heads),
+        num_kv_heads=int(k[1]),
+        head_dim=int(kd),
+        q_layout=q_layout,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
   """One native parameter -> one target parameter (per layer when `per_layer`)."""
+
   path: tuple  # native path; per-layer params without the layers prefix, e.g. ("attn", "q")
   name: str  # target name; "{i}" stands for the layer index
   kind: str  # the transform in to_target / from_target
@@ -139,24 +154,34 @@ def _names(cfg: ModelConfig) -> dict[str, str]:
   """Target names by role, from tpu-inference's model classes."""
   if cfg.arch == "qwen3":
     w, layer = ".weight", "model.layers.{i}."
-    out = dict(embed="model.embed_tokens.weight", final_norm="model.norm.weight",
-               lm_head="lm_head.weight",
-               q_norm=layer + "self_attn.q_norm.weight", k_norm=layer + "self_attn.k_norm.weight")
+    out = dict(
+        embed="model.embed_tokens.weight",
+        final_norm="model.norm.weight",
+        lm_head="lm_head.weight",
+        q_norm=layer + "self_attn.q_norm.weight",
+        k_norm=layer + "self_attn.k_norm.weight",
+    )
     norm = ".weight"
   elif cfg.arch == "llama3":
     w, layer, norm = ".kernel", "model.layers.{i}.", ".scale"
-    out = dict(embed="model.embed.embedding", final_norm="model.norm.scale",
-               lm_head="model.lm_head")
+    out = dict(
+        embed="model.embed.embedding", final_norm="model.norm.scale", lm_head="model.lm_head"
+    )
   else:
-    raise ValueError(f"model.arch={cfg.arch!r}: tpu-inference sync supports "
-                     f"{', '.join(ARCH_CLASSES)}")
+    raise ValueError(
+        f"model.arch={cfg.arch!r}: tpu-inference sync supports " f"{', '.join(ARCH_CLASSES)}"
+    )
   out.update(
       attn_norm=layer + "input_layernorm" + norm,
       mlp_norm=layer + "post_attention_layernorm" + norm,
-      q=layer + "self_attn.q_proj" + w, k=layer + "self_attn.k_proj" + w,
-      v=layer + "self_attn.v_proj" + w, o=layer + "self_attn.o_proj" + w,
-      gate=layer + "mlp.gate_proj" + w, up=layer + "mlp.up_proj" + w,
-      down=layer + "mlp.down_proj" + w)
+      q=layer + "self_attn.q_proj" + w,
+      k=layer + "self_attn.k_proj" + w,
+      v=layer + "self_attn.v_proj" + w,
+      o=layer + "self_attn.o_proj" + w,
+      gate=layer + "mlp.gate_proj" + w,
+      up=layer + "mlp.up_proj" + w,
+      down=layer + "mlp.down_proj" + w,
+  )
   return out
 
 
@@ -173,54 +198,79 @@ def problems(cfg: ModelConfig, tensor_parallel_size: int = 1) -> list[str]:
   if cfg.arch == "llama3" and cfg.qk_norm:
     out.append("model.qk_norm=True with arch=llama3: tpu-inference's Llama has no q/k norms")
   if cfg.arch == "qwen3" and padded_head_dim(cfg.head_dim) != cfg.head_dim:
-    out.append(f"model.head_dim={cfg.head_dim}: tpu-inference pads head_dim to "
-               f"{padded_head_dim(cfg.head_dim)}, which Qwen3's q/k RMSNorm cannot follow; use "
-               "64 or a multiple of 128")
+    out.append(
+        f"model.head_dim={cfg.head_dim}: tpu-inference pads head_dim to "
+        f"{padded_head_dim(cfg.head_dim)}, which Qwen3's q/k RMSNorm cannot follow; use "
+        "64 or a multiple of 128"
+    )
   tp = int(tensor_parallel_size)
   for field, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)):
     try:
       padded_num_heads(n, tp)
     except ValueError as e:
-      out.append(f"model.{field}={n}: {e}; use a tensor-parallel size that divides it or that "
-                 "it divides")
+      out.append(
+          f"model.{field}={n}: {e}; use a tensor-parallel size that divides it or that "
+          "it divides"
+      )
   if cfg.num_heads < tp:
-    out.append(f"model.num_heads={cfg.num_heads} < tensor_parallel_size={tp}: tpu-inference "
-               "would pad the query heads; use at most num_heads devices for vLLM")
+    out.append(
+        f"model.num_heads={cfg.num_heads} < tensor_parallel_size={tp}: tpu-inference "
+        "would pad the query heads; use at most num_heads devices for vLLM"
+    )
   if cfg.arch == "qwen3" and cfg.num_kv_heads < tp:
-    out.append(f"model.num_kv_heads={cfg.num_kv_heads} < tensor_parallel_size={tp}: "
-               f"tpu-inference {TPU_INFERENCE_VERSION}'s Qwen3 loader cannot replicate KV heads "
-               "(its start-up load fails); use at most num_kv_heads devices for vLLM")
+    out.append(
+        f"model.num_kv_heads={cfg.num_kv_heads} < tensor_parallel_size={tp}: "
+        f"tpu-inference {TPU_INFERENCE_VERSION}'s Qwen3 loader cannot replicate KV heads "
+        "(its start-up load fails); use at most num_kv_heads devices for vLLM"
+    )
   if cfg.intermediate_size % tp:
-    out.append(f"model.intermediate_size={cfg.intermediate_size} does not split over "
-               f"tensor_parallel_size={tp}")
+    out.append(
+        f"model.intermediate_size={cfg.intermediate_size} does not split over "
+        f"tensor_parallel_size={tp}"
+    )
   if cfg.arch == "llama3" and cfg.vocab_size % tp:
-    out.append(f"model.vocab_size={cfg.vocab_size} does not split over tensor_parallel_size={tp} "
-               "(tpu-inference's Llama shards the vocabulary unpadded)")
+    out.append(
+        f"model.vocab_size={cfg.vocab_size} does not split over tensor_parallel_size={tp} "
+        "(tpu-inference's Llama shards the vocabulary unpadded)"
+    )
   return out
 
 
 def rules(cfg: ModelConfig) -> list[Rule]:
   """Every native parameter with its target name and transform."""
   n = _names(cfg)
-  out = [Rule(("embed",), n["embed"], "embed", False),
-         Rule(("final_norm", "scale"), n["final_norm"], "same", False)]
+  out = [
+      Rule(("embed",), n["embed"], "embed", False),
+      Rule(("final_norm", "scale"), n["final_norm"], "same", False),
+  ]
   if not cfg.tie_embeddings:
     out.append(Rule(("lm_head",), n["lm_head"], "unembed", False))
-  layer = [(("attn_norm", "scale"), "attn_norm", "same"),
-           (("mlp_norm", "scale"), "mlp_norm", "same"),
-           (("attn", "q"), "q", "q"), (("attn", "k"), "k", "kv"), (("attn", "v"), "v", "kv"),
-           (("attn", "o"), "o", "o"), (("mlp", "gate"), "gate", "same"),
-           (("mlp", "up"), "up", "same"), (("mlp", "down"), "down", "same")]
+  layer = [
+      (("attn_norm", "scale"), "attn_norm", "same"),
+      (("mlp_norm", "scale"), "mlp_norm", "same"),
+      (("attn", "q"), "q", "q"),
+      (("attn", "k"), "k", "kv"),
+      (("attn", "v"), "v", "kv"),
+      (("attn", "o"), "o", "o"),
+      (("mlp", "gate"), "gate", "same"),
+      (("mlp", "up"), "up", "same"),
+      (("mlp", "down"), "down", "same"),
+  ]
   if cfg.arch == "qwen3":
-    layer += [(("attn", "q_norm", "scale"), "q_norm", "head_norm"),
-              (("attn", "k_norm", "scale"), "k_norm", "head_norm")]
+    layer += [
+        (("attn", "q_norm", "scale"), "q_norm", "head_norm"),
+        (("attn", "k_norm", "scale"), "k_norm", "head_norm"),
+    ]
   out += [Rule(path, n[role], kind, True) for path, role, kind in layer]
   return out
 
 
 def target_names(cfg: ModelConfig) -> list[str]:
-  return [r.name.format(i=i) for r in rules(cfg)
-          for i in (range(cfg.num_layers) if r.per_layer else [None])]
+  return [
+      r.name.format(i=i)
+      for r in rules(cfg)
+      for i in (range(cfg.num_layers) if r.per_layer else [None])
+  ]
 
 
 def _pad_to(x, axis: int, size: int):
@@ -244,15 +294,18 @@ def to_target(kind: str, x, cfg: ModelConfig, lay: Layout):
     return _pad_to(x, 1, lay.vocab_rows)
   if kind == "q":  # [D, H, K] -> [D, H, Kp] (or [H, D, Kp])
     if lay.num_heads != cfg.num_heads:
-      raise ValueError(f"tpu-inference pads {cfg.num_heads} query heads to {lay.num_heads} "
-                       "(tensor_parallel_size > num_heads): not supported")
+      raise ValueError(
+          f"tpu-inference pads {cfg.num_heads} query heads to {lay.num_heads} "
+          "(tensor_parallel_size > num_heads): not supported"
+      )
     y = _pad_to(x, 2, lay.head_dim)
     return y.transpose(1, 0, 2) if lay.q_layout == "NDH" else y
   if kind == "kv":  # [D, Hkv, K] -> [D, Hkv * r, Kp], head j <- head j // r
     r, rem = divmod(lay.num_kv_heads, cfg.num_kv_heads)
     if rem:
-      raise ValueError(f"{lay.num_kv_heads} target KV heads are not a multiple of "
-                       f"{cfg.num_kv_heads}")
+      raise ValueError(
+          f"{lay.num_kv_heads} target KV heads are not a multiple of " f"{cfg.num_kv_heads}"
+      )
     y = _pad_to(x, 2, lay.head_dim)
     return jnp.repeat(y, r, axis=1) if r > 1 else y
   if kind == "o":  # [H, K, D] -> [H, Kp, D]
@@ -277,7 +330,7 @@ def from_target(kind: str, y, cfg: ModelConfig, lay: Layout):
     y = y.transpose(1, 0, 2) if lay.q_layout == "NDH" else y
     return y[:, :, :k]
   if kind == "kv":
-    return y[:, ::lay.num_kv_heads // cfg.num_kv_heads, :k]
+    return y[:, :: lay.num_kv_heads // cfg.num_kv_heads, :k]
   if kind == "o":
     return y[:, :k, :]
   raise ValueError(f"unknown transform {kind!r}")
@@ -286,8 +339,10 @@ def from_target(kind: str, y, cfg: ModelConfig, lay: Layout):
 def native_flat(state, cfg: ModelConfig) -> dict[tuple, jax.Array]:
   """{native path: array} of a native nnx.State (scanned stacks kept whole)."""
   del cfg
-  return {tuple(p): (v.get_value() if isinstance(v, nnx.Variable) else v)
-          for p, v in nnx.to_flat_state(state)}
+  return {
+      tuple(p): (v.get_value() if isinstance(v, nnx.Variable) else v)
+      for p, v in nnx.to_flat_state(state)
+  }
 
 
 def layer_inputs(rule: Rule, flat: dict, cfg: ModelConfig):
@@ -326,8 +381,7 @@ def from_target_tree(target: dict, cfg: ModelConfig, lay: Layout) -> dict[tuple,
     if not r.per_layer:
       out[r.path] = from_target(r.kind, target[r.name], cfg, lay)
       continue
-    ys = [from_target(r.kind, target[r.name.format(i=i)], cfg, lay)
-          for i in range(cfg.num_layers)]
+    ys = [from_target(r.kind, target[r.name.format(i=i)], cfg, lay) for i in range(cfg.num_layers)]
     if cfg.scan_layers:
       out[("layers", *r.path)] = jnp.stack(ys)
     else:

@@ -16,6 +16,7 @@ mapping against tpu-inference's own model classes instantiated abstractly and ag
 checkpoint loaders fed our HF export, and the push into a sharded target state on CPU devices
 with host transfers disallowed).
 """
+
 import os
 import time
 from typing import Callable, Iterator
@@ -39,7 +40,6 @@ from grpo_jax.rollout.tpu_inference_mapping import target_params
 from grpo_jax.rollout.tpu_inference_mapping import target_shapes
 from grpo_jax.rollout.tpu_inference_mapping import to_target
 from grpo_jax.rollout.tpu_inference_mapping import to_target_tree
-
 
 # ----------------------------------------------------------------------------- the push
 
@@ -83,14 +83,16 @@ class Syncer:
           f"tpu-inference model parameters do not match the {self.cfg.arch} mapping "
           f"(grpo_jax/rollout/tpu_inference_mapping.py, read from tpu-inference "
           f"{TPU_INFERENCE_VERSION}): missing {missing[:6]}{'...' if len(missing) > 6 else ''}, "
-          f"unexpected {extra[:6]}{'...' if len(extra) > 6 else ''}")
+          f"unexpected {extra[:6]}{'...' if len(extra) > 6 else ''}"
+      )
     lay = Layout.from_target(self.cfg, shapes)
-    got = jax.eval_shape(lambda st: to_target_tree(st, self.cfg, lay),
-                         _abstract_state(self.cfg))
+    got = jax.eval_shape(lambda st: to_target_tree(st, self.cfg, lay), _abstract_state(self.cfg))
     bad = {n: (tuple(got[n].shape), shapes[n]) for n in want if tuple(got[n].shape) != shapes[n]}
     if bad:
-      raise ValueError(f"tpu-inference parameter shapes differ from the mapping's (mapped, "
-                       f"target): {dict(list(bad.items())[:6])}")
+      raise ValueError(
+          f"tpu-inference parameter shapes differ from the mapping's (mapped, "
+          f"target): {dict(list(bad.items())[:6])}"
+      )
     return lay
 
   def _fn(self, rule: Rule, lay: Layout, dtype, stacked: bool, out_sharding):
@@ -113,8 +115,9 @@ class Syncer:
       self._index[key] = jax.device_put(np.int32(i), sharding)
     return self._index[key]
 
-  def produce(self, native_state, target_state, lay: Layout
-              ) -> Iterator[tuple[str, jax.Array, jax.Array]]:
+  def produce(
+      self, native_state, target_state, lay: Layout
+  ) -> Iterator[tuple[str, jax.Array, jax.Array]]:
     """(target name, current target array, new array in its layout, dtype and sharding)."""
     params = target_params(target_state)
     flat = native_flat(native_state, self.cfg)
@@ -144,8 +147,10 @@ class Syncer:
       if name in written:
         raise ValueError(f"{name} written twice")
       if tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:
-        raise ValueError(f"{name}: mapped {tuple(new.shape)} {new.dtype} != target "
-                         f"{tuple(old.shape)} {old.dtype}")
+        raise ValueError(
+            f"{name}: mapped {tuple(new.shape)} {new.dtype} != target "
+            f"{tuple(old.shape)} {old.dtype}"
+        )
       params[name].set_value(new)
       if delete_old and old is not new and not old.is_deleted():
         old.delete()
@@ -162,13 +167,15 @@ def _replicated_on(x: jax.Array):
   if isinstance(sh, jax.sharding.NamedSharding):
     return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
   devices = sorted(sh.device_set, key=lambda d: d.id)
-  return jax.sharding.NamedSharding(jax.sharding.Mesh(np.asarray(devices), ("d",)),
-                                    jax.sharding.PartitionSpec())
+  return jax.sharding.NamedSharding(
+      jax.sharding.Mesh(np.asarray(devices), ("d",)), jax.sharding.PartitionSpec()
+  )
 
 
 def _abstract_state(cfg: ModelConfig):
   """The native nnx.State of `cfg`, shapes only (jax.ShapeDtypeStruct leaves)."""
   from grpo_jax.models.decoder.transformer import Transformer
+
   return nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
 
 
@@ -180,7 +187,8 @@ def push_into_runner(runner, syncer: Syncer, native_state, *, delete_old: bool =
     raise RuntimeError(
         "vLLM-TPU's model runner holds no nnx.State: the model did not load through "
         "tpu-inference's JAX path (MODEL_IMPL_TYPE=flax_nnx); the weight sync writes into "
-        f"that state only (got {type(state).__name__})")
+        f"that state only (got {type(state).__name__})"
+    )
   stats = syncer.push(native_state, state, delete_old=delete_old)
   if hasattr(runner, "refresh_state_leaves"):
     runner.refresh_state_leaves()
@@ -214,6 +222,7 @@ def vllm_local_devices(num_devices: int = 0) -> list:
 
 def _engine_base():
   from grpo_jax.rollout import vllm_engine
+
   return vllm_engine.VLLMEngine
 
 
@@ -230,22 +239,33 @@ def make_engine_class():
     with tensor parallelism over them.
     """
 
-    def __init__(self, model_dir: str, *, model_config: ModelConfig, devices=None,
-                 free_kv_cache: bool = False, delete_old: bool = True, **kw):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        model_config: ModelConfig,
+        devices=None,
+        free_kv_cache: bool = False,
+        delete_old: bool = True,
+        **kw,
+    ):
       os.environ.setdefault("MODEL_IMPL_TYPE", "flax_nnx")  # the JAX model, not torchax
       os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
       devices = list(devices if devices is not None else jax.local_devices())
       bad = problems(model_config, len(devices))
       if kw.get("lora_config") is not None:
-        bad.append("rollout.vllm.lora_sync='adapters' is for vLLM on CPU/GPU; on TPU the "
-                   "merged weights are written on device, chip to chip (no host copy). Fix: "
-                   "--config.rollout.vllm.lora_sync=merged")
+        bad.append(
+            "rollout.vllm.lora_sync='adapters' is for vLLM on CPU/GPU; on TPU the "
+            "merged weights are written on device, chip to chip (no host copy). Fix: "
+            "--config.rollout.vllm.lora_sync=merged"
+        )
       if bad:
         raise ValueError("vLLM-TPU rollout engine: " + "; ".join(bad))
       llm_kwargs = dict(tensor_parallel_size=len(devices), enforce_eager=False)
       if devices != list(jax.local_devices()):
-        llm_kwargs["additional_config"] = {"sharding": {"sharding_strategy": {
-            "device_indexes": [d.id for d in devices]}}}
+        llm_kwargs["additional_config"] = {
+            "sharding": {"sharding_strategy": {"device_indexes": [d.id for d in devices]}}
+        }
       llm_kwargs.update(kw.pop("llm_kwargs", None) or {})
       self.syncer = Syncer(model_config)
       self.free_kv_cache = free_kv_cache
@@ -263,7 +283,8 @@ def make_engine_class():
         t0 = time.time()
         self.llm.reset_prefix_cache()  # cached KV blocks came from the old weights
         stats = self.llm.collective_rpc(
-            _worker_push, args=(self.syncer, rollout_state, self.delete_old, self.free_kv_cache))
+            _worker_push, args=(self.syncer, rollout_state, self.delete_old, self.free_kv_cache)
+        )
         self.last_sync_bytes = int(stats[0]["bytes"]) if stats else 0
         self.last_sync_sec = time.time() - t0
         if self.verify_sync:

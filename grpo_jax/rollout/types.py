@@ -1,4 +1,5 @@
 """What every rollout engine (the native sampler, vLLM) takes and returns."""
+
 import dataclasses
 
 import jax
@@ -14,6 +15,7 @@ class GenerationConfig:
   `temperature` <= 1e-4 with `top_k=1` is greedy (the "greedy" config below); engines treat
   `top_k == 1` as argmax so no division by a tiny temperature happens.
   """
+
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
@@ -37,8 +39,10 @@ def generation_config(generation: "str | GenerationConfig") -> GenerationConfig:
   try:
     return GENERATION_CONFIGS[generation]
   except KeyError:
-    raise ValueError(f"unknown generation config {generation!r}; known: "
-                     f"{', '.join(GENERATION_CONFIGS)} (or pass a GenerationConfig)") from None
+    raise ValueError(
+        f"unknown generation config {generation!r}; known: "
+        f"{', '.join(GENERATION_CONFIGS)} (or pass a GenerationConfig)"
+    ) from None
 
 
 @jax.tree_util.register_dataclass
@@ -54,6 +58,7 @@ class Rollout:
   lengths     int32 [B*G]     completion lengths (= mask.sum(-1)).
   truncated   bool  [B*G]     True when the row hit C tokens without a stop token.
   """
+
   tokens: jax.Array
   mask: jax.Array
   logprobs: jax.Array
@@ -65,11 +70,15 @@ class Rollout:
   def spec(cls, rows: int, completion_len: int, mesh) -> "Rollout":
     """What every engine returns for `rows` completions on `mesh`, as ShapeDtypeStructs: the
     dtypes above, rows sharded over (data, fsdp) (run/compile_ahead.py lowers on it)."""
+
     def sds(dtype, *shape):
-      return jax.ShapeDtypeStruct(shape, dtype,
-                                  sharding=sharding.batch_sharding(mesh, len(shape)))
-    return cls(tokens=sds(jnp.int32, rows, completion_len),
-               mask=sds(jnp.int32, rows, completion_len),
-               logprobs=sds(jnp.float32, rows, completion_len),
-               raw_logprobs=sds(jnp.float32, rows, completion_len),
-               lengths=sds(jnp.int32, rows), truncated=sds(jnp.bool_, rows))
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape)))
+
+    return cls(
+        tokens=sds(jnp.int32, rows, completion_len),
+        mask=sds(jnp.int32, rows, completion_len),
+        logprobs=sds(jnp.float32, rows, completion_len),
+        raw_logprobs=sds(jnp.float32, rows, completion_len),
+        lengths=sds(jnp.int32, rows),
+        truncated=sds(jnp.bool_, rows),
+    )

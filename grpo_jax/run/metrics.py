@@ -13,6 +13,7 @@ Every scalar also goes, one JSON object per step, to WORKDIR/metrics.jsonl
 Only JAX process 0 writes; the other processes get a writer that does nothing, so the loop
 calls the same methods everywhere.
 """
+
 import json
 import math
 import os
@@ -33,28 +34,49 @@ class NonFiniteError(RuntimeError):
 
 # Update-metric keys of rl/step.py -> logged names (anything else logs as loss/<key>).
 _UPDATE_NAMES = {
-    "loss": "loss/total", "pg_loss": "loss/policy_loss", "kl": "loss/kl_divergence",
-    "clip_frac": "loss/clip_fraction", "clip_frac_low": "loss/clip_fraction_low",
-    "clip_frac_high": "loss/clip_fraction_high", "skipped": "loss/skipped_updates",
+    "loss": "loss/total",
+    "pg_loss": "loss/policy_loss",
+    "kl": "loss/kl_divergence",
+    "clip_frac": "loss/clip_fraction",
+    "clip_frac_low": "loss/clip_fraction_low",
+    "clip_frac_high": "loss/clip_fraction_high",
+    "skipped": "loss/skipped_updates",
 }
-_PROGRESS_KEYS = ("reward/total", "loss/kl_divergence", "loss/policy_loss",
-                  "completions/mean_length", "perf/step_time_sec")
+_PROGRESS_KEYS = (
+    "reward/total",
+    "loss/kl_divergence",
+    "loss/policy_loss",
+    "completions/mean_length",
+    "perf/step_time_sec",
+)
 
 
-def rollout_stats(rewards_n, advantages_n, mask_nc, *, group_size: int, sampler_logp_nc=None,
-                  trainer_logp_nc=None, advantage_clip: float = 0.0,
-                  kl_rewards_n=None) -> dict:
+def rollout_stats(
+    rewards_n,
+    advantages_n,
+    mask_nc,
+    *,
+    group_size: int,
+    sampler_logp_nc=None,
+    trainer_logp_nc=None,
+    advantage_clip: float = 0.0,
+    kl_rewards_n=None,
+) -> dict:
   """Scalars over the global rollout batch, computed where the arrays live (jit this with
   replicated outputs). With both log-prob arrays: the sampler/trainer gap on sampled tokens.
   advantage_clip > 0: how often the clip binds (advantages sitting at +-clip). kl_rewards_n
   (kl_in_reward): the rewards after the KL penalty."""
   std_b = rewards_n.reshape(-1, group_size).std(-1)
-  out = {"reward/std_within_group": std_b.mean(),
-         "reward/zero_std_group_fraction": (std_b == 0).astype(jnp.float32).mean(),
-         "advantages/mean": advantages_n.mean(), "advantages/std": advantages_n.std()}
+  out = {
+      "reward/std_within_group": std_b.mean(),
+      "reward/zero_std_group_fraction": (std_b == 0).astype(jnp.float32).mean(),
+      "advantages/mean": advantages_n.mean(),
+      "advantages/std": advantages_n.std(),
+  }
   if advantage_clip > 0:
-    out["advantages/clip_fraction"] = (jnp.abs(advantages_n) >= advantage_clip).astype(
-        jnp.float32).mean()
+    out["advantages/clip_fraction"] = (
+        (jnp.abs(advantages_n) >= advantage_clip).astype(jnp.float32).mean()
+    )
   if kl_rewards_n is not None:
     out["reward/kl_penalty"] = (rewards_n - kl_rewards_n).mean()
     out["reward/total_with_kl"] = kl_rewards_n.mean()
@@ -84,9 +106,18 @@ class StepLog:
 
   GAP_KEY = "rollout/logprob_abs_diff_mean"  # what max_logprob_gap bounds
 
-  def __init__(self, writer: "MetricWriter", progress: "Progress", *, num_rows: int,
-               max_consecutive_nonfinite: int, max_logprob_gap: float = 0.0,
-               gap_patience: int = 3, step_offset: int = 0, mesh=None):
+  def __init__(
+      self,
+      writer: "MetricWriter",
+      progress: "Progress",
+      *,
+      num_rows: int,
+      max_consecutive_nonfinite: int,
+      max_logprob_gap: float = 0.0,
+      gap_patience: int = 3,
+      step_offset: int = 0,
+      mesh=None,
+  ):
     """`step_offset`: TensorBoard puts GRPO step s at s + step_offset (the checkpoint's global
     step, after the SFT steps); metrics.jsonl keeps the GRPO step. `mesh`: the one the device
     figures live on (a process without devices there reads them from process 0)."""
@@ -108,11 +139,15 @@ class StepLog:
     NonFiniteError (after writing the steps up to it) when the update streak hits the limit."""
     if not self._pending:
       return {}
-    device = (multihost.read([p[4] for p in self._pending], self.mesh) if self.mesh is not None
-              else jax.device_get([p[4] for p in self._pending]))
+    device = (
+        multihost.read([p[4] for p in self._pending], self.mesh)
+        if self.mesh is not None
+        else jax.device_get([p[4] for p in self._pending])
+    )
     keys = list(self._pending[0][1]) + list(self._pending[0][2])
-    sums = multihost.sum_over_processes(np.asarray(
-        [[*p[1].values(), *p[2].values()] for p in self._pending], np.float64))
+    sums = multihost.sum_over_processes(
+        np.asarray([[*p[1].values(), *p[2].values()] for p in self._pending], np.float64)
+    )
     memory = device_memory_gib()
     pending, self._pending = self._pending, []
     scalars = {}
@@ -122,7 +157,8 @@ class StepLog:
       scalars.update(host)
       if "completions/tokens" in scalars:
         scalars["perf/rollout_tokens_per_sec"] = scalars["completions/tokens"] / max(
-            host["perf/rollout_sec"], 1e-9)
+            host["perf/rollout_sec"], 1e-9
+        )
       streak = int(dev.pop("nonfinite_streak"))
       for k, v in dev.items():
         scalars[_UPDATE_NAMES.get(k, k if "/" in k else f"loss/{k}")] = float(v)
@@ -131,15 +167,17 @@ class StepLog:
         gaps.append(scalars[self.GAP_KEY])
       self.writer.write_scalars(step, scalars, global_step=step + self.step_offset)
       if scalars.get("loss/skipped_updates"):
-        logging.warning("step %d: non-finite loss or gradients; update skipped (%d in a row)",
-                        step, streak)
+        logging.warning(
+            "step %d: non-finite loss or gradients; update skipped (%d in a row)", step, streak
+        )
       if streak >= self.max_nonfinite:
         self.writer.flush()
         raise NonFiniteError(
             f"{streak} consecutive GRPO updates had a non-finite loss or gradients (last at "
             f"step {step}); stopping. Check rewards (reward/errors), the learning rate, and "
             "param/compute dtypes; lower optimizer.learning_rate or raise "
-            "max_consecutive_nonfinite to keep going.")
+            "max_consecutive_nonfinite to keep going."
+        )
     self.writer.flush()
     self.progress.log(pending[-1][0], scalars, _PROGRESS_KEYS)
     if self.max_logprob_gap > 0 and gaps:
@@ -153,25 +191,42 @@ class StepLog:
       return
     self.gap_streak += 1
     steps = f"step {last}" if first == last else f"steps {first}-{last}"
-    fixes = ("check the weight sync (rollout.vllm.verify_sync, perf/weight_sync_sec), the "
-             "engine's dtype vs model.dtype, and correct what remains with truncated importance "
-             "sampling (loss.tis_cap, e.g. 2.0)")
+    fixes = (
+        "check the weight sync (rollout.vllm.verify_sync, perf/weight_sync_sec), the "
+        "engine's dtype vs model.dtype, and correct what remains with truncated importance "
+        "sampling (loss.tis_cap, e.g. 2.0)"
+    )
     if self.gap_streak >= self.gap_patience:
       raise RuntimeError(
           f"sampler/trainer log-prob gap {self.GAP_KEY}={gap:.4g} > rollout.max_logprob_gap="
           f"{self.max_logprob_gap:g} on {self.gap_streak} log intervals in a row (last at "
           f"{steps}); stopping: the rollouts no longer come from the weights being trained. "
-          f"Fix: {fixes}; or raise rollout.max_logprob_gap (0 = off).")
-    logging.warning("%s: sampler/trainer log-prob gap %s=%.4g > rollout.max_logprob_gap=%g "
-                    "(%d/%d in a row before the run stops). Fix: %s.", steps, self.GAP_KEY, gap,
-                    self.max_logprob_gap, self.gap_streak, self.gap_patience, fixes)
+          f"Fix: {fixes}; or raise rollout.max_logprob_gap (0 = off)."
+      )
+    logging.warning(
+        "%s: sampler/trainer log-prob gap %s=%.4g > rollout.max_logprob_gap=%g "
+        "(%d/%d in a row before the run stops). Fix: %s.",
+        steps,
+        self.GAP_KEY,
+        gap,
+        self.max_logprob_gap,
+        self.gap_streak,
+        self.gap_patience,
+        fixes,
+    )
 
 
 class MetricWriter:
   """Scalars to WORKDIR (TensorBoard events) from process 0; a no-op elsewhere."""
 
-  def __init__(self, logdir: str, *, enabled: bool | None = None, keep_rows: int | None = None,
-               purge_step: int | None = None):
+  def __init__(
+      self,
+      logdir: str,
+      *,
+      enabled: bool | None = None,
+      keep_rows: int | None = None,
+      purge_step: int | None = None,
+  ):
     """`keep_rows`: keep only the first rows of an existing metrics.jsonl, and `purge_step`:
     TensorBoard hides the earlier event files' points from this (global) step on. A resumed run
     drops what was logged after its checkpoint, which it logs again: no step appears twice."""
@@ -181,6 +236,7 @@ class MetricWriter:
     self.rows = 0  # rows in metrics.jsonl (recorded with each checkpoint)
     if self.enabled:
       from tensorboardX import SummaryWriter
+
       paths.register_tensorboard_schemes()
       logdir = os.fspath(paths.path(logdir))
       self._writer = SummaryWriter(logdir=logdir, flush_secs=30, purge_step=purge_step)

@@ -13,6 +13,7 @@ writes and resumes from, not a local `./gs:/bucket/run` per host.
 Cloud objects cannot be appended to or renamed atomically: appending rewrites the object
 from a host-side copy, and a single upload is already all-or-nothing.
 """
+
 import contextlib
 import io
 import os
@@ -181,5 +182,6 @@ def register_tensorboard_schemes():
   """TensorBoard event files on gs:// (etc.) through this layer rather than tensorboardX's own
   GCS writer (which needs google-cloud-storage)."""
   from tensorboardX import record_writer
+
   for scheme in REMOTE_SCHEMES:
     record_writer.register_writer_factory(scheme[:-3], _EventsWriterFactory())

@@ -13,6 +13,7 @@ span (`step_span`) adds up its phases' seconds by name, which the loop logs as p
 With a cloud workdir (gs://) the trace is written to a local temporary folder and copied to
 WORKDIR/profile when the window closes.
 """
+
 import collections
 import os
 import shutil
@@ -24,16 +25,32 @@ import jax
 
 from grpo_jax.run import paths
 
-
 # The named spans of one GRPO step, in loop order (train.py). "log" is the step's bookkeeping.
-PHASES = ("prompts", "rollout", "rewards", "advantages", "old_logprobs", "ref_logprobs",
-          "kl_in_reward", "update", "ref_refresh", "log")
+PHASES = (
+    "prompts",
+    "rollout",
+    "rewards",
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "kl_in_reward",
+    "update",
+    "ref_refresh",
+    "log",
+)
 # Phases only some configs have (kl_in_reward, reference.refresh_every_steps).
 OPTIONAL_PHASES = ("kl_in_reward", "ref_refresh")
 # perf/update_sec: GRPO steps 4-6, the advantages to the weights following the update (the
 # host's work for the next step meanwhile, source.while_updating, is not in it).
-UPDATE_PHASES = ("advantages", "old_logprobs", "ref_logprobs", "kl_in_reward", "update",
-                 "weight_sync", "ref_refresh")
+UPDATE_PHASES = (
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "kl_in_reward",
+    "update",
+    "weight_sync",
+    "ref_refresh",
+)
 STEP_SPAN = "grpo_step"
 PHASE_PREFIX = "phase/"
 
@@ -44,9 +61,14 @@ def device_memory() -> dict | None:
   stats = [d.memory_stats() for d in jax.local_devices()]
   if not all(stats):
     return None
-  return {k: max(s.get(key, 0) for s in stats)
-          for k, key in (("in_use", "bytes_in_use"), ("peak", "peak_bytes_in_use"),
-                         ("limit", "bytes_limit"))}
+  return {
+      k: max(s.get(key, 0) for s in stats)
+      for k, key in (
+          ("in_use", "bytes_in_use"),
+          ("peak", "peak_bytes_in_use"),
+          ("limit", "bytes_limit"),
+      )
+  }
 
 
 def log_memory(stage: str):
@@ -55,8 +77,13 @@ def log_memory(stage: str):
   m = device_memory()
   if m is not None:
     gib = 1 << 30
-    logging.info("memory after %s: %.2f GiB in use, peak %.2f GiB, of %.2f GiB per device",
-                 stage, m["in_use"] / gib, m["peak"] / gib, m["limit"] / gib)
+    logging.info(
+        "memory after %s: %.2f GiB in use, peak %.2f GiB, of %.2f GiB per device",
+        stage,
+        m["in_use"] / gib,
+        m["peak"] / gib,
+        m["limit"] / gib,
+    )
 
 
 class MemoryProfile:
@@ -77,8 +104,9 @@ class MemoryProfile:
     if peak > self._peak:
       self._peak = peak
       paths.write_atomic(self.path, jax.profiler.device_memory_profile())
-      logging.info("memory profile of step %d (peak %.2f GiB) in %s", step, peak / (1 << 30),
-                   self.path)
+      logging.info(
+          "memory profile of step %d (peak %.2f GiB) in %s", step, peak / (1 << 30), self.path
+      )
 
 
 class Span:
@@ -160,8 +188,7 @@ class StepProfiler:
   work of its steps, not just their dispatch.
   """
 
-  def __init__(self, workdir: str, start_step: int, num_steps: int,
-               python_tracer: bool = False):
+  def __init__(self, workdir: str, start_step: int, num_steps: int, python_tracer: bool = False):
     self.logdir = paths.path(workdir) / "profile"
     self.python_tracer = python_tracer
     self._tracedir = None  # where the profiler writes (a local copy for cloud workdirs)
@@ -171,12 +198,17 @@ class StepProfiler:
 
   def step_begin(self, step: int):
     if self.start >= 0 and step == self.start and not self.active:
-      logging.info("profiler: tracing steps %d..%d into %s", self.start, self.stop - 1,
-                   self.logdir)
-      self._tracedir = (tempfile.mkdtemp(prefix="grpo_profile_") if paths.is_remote(self.logdir)
-                        else os.fspath(self.logdir))
-      jax.profiler.start_trace(self._tracedir, create_perfetto_trace=True,
-                               profiler_options=trace_options(self.python_tracer))
+      logging.info("profiler: tracing steps %d..%d into %s", self.start, self.stop - 1, self.logdir)
+      self._tracedir = (
+          tempfile.mkdtemp(prefix="grpo_profile_")
+          if paths.is_remote(self.logdir)
+          else os.fspath(self.logdir)
+      )
+      jax.profiler.start_trace(
+          self._tracedir,
+          create_perfetto_trace=True,
+          profiler_options=trace_options(self.python_tracer),
+      )
       self.active = True
 
   def step_end(self, step: int, block_on=None):
@@ -184,9 +216,12 @@ class StepProfiler:
       if block_on is not None:
         jax.block_until_ready(block_on)
       self._finish()
-      logging.info("profiler: trace written to %s (open perfetto_trace.json.gz in "
-                   "ui.perfetto.dev; a summary: python benchmarks/trace_analysis.py %s)",
-                   self.logdir, self.logdir)
+      logging.info(
+          "profiler: trace written to %s (open perfetto_trace.json.gz in "
+          "ui.perfetto.dev; a summary: python benchmarks/trace_analysis.py %s)",
+          self.logdir,
+          self.logdir,
+      )
 
   def _finish(self):
     jax.profiler.stop_trace()

@@ -17,6 +17,7 @@ counters, the evaluations so far and the wall time of earlier runs. `resume_phas
 phase of the checkpoint this run resumes from (None for a fresh run); each stage restores
 its own state with `restore` when it is the one that was interrupted.
 """
+
 import contextlib
 import json
 import signal
@@ -69,12 +70,21 @@ class Session:
       paths.makedirs(workdir)
     ckpt_dir = paths.path(workdir) / "checkpoints"
     resume_step = _intact_latest(ckpt_dir)  # damaged newer ones are moved aside
-    self.ckpt = ckpt_lib.Checkpointer(ckpt_dir, max_to_keep=config.checkpoint.max_to_keep,
-                                      async_save=config.checkpoint.async_save)
+    self.ckpt = ckpt_lib.Checkpointer(
+        ckpt_dir, max_to_keep=config.checkpoint.max_to_keep, async_save=config.checkpoint.async_save
+    )
     stack.callback(self.ckpt.close)
-    self.meta = dict(phase="sft" if config.sft_steps > 0 else "grpo", sft_step=0, grpo_step=0,
-                     eval_initial=None, eval_before=None, wall_time_sec=0.0, history=[],
-                     config=resume_fields(config), metrics_rows=0)
+    self.meta = dict(
+        phase="sft" if config.sft_steps > 0 else "grpo",
+        sft_step=0,
+        grpo_step=0,
+        eval_initial=None,
+        eval_before=None,
+        wall_time_sec=0.0,
+        history=[],
+        config=resume_fields(config),
+        metrics_rows=0,
+    )
     self.resume_step, self.resume_phase = resume_step, None
     if resume_step is not None:
       logging.info("resuming from %s/%d", self.ckpt.directory, resume_step)
@@ -83,19 +93,25 @@ class Session:
       self.meta = dict(meta, config=resume_fields(config))
       self.resume_phase = meta["phase"]
     if self.is_main:
-      paths.write_atomic(paths.path(workdir) / "config.json", config.to_json_best_effort(
-          indent=2, sort_keys=True))
+      paths.write_atomic(
+          paths.path(workdir) / "config.json", config.to_json_best_effort(indent=2, sort_keys=True)
+      )
     # Rows logged after the checkpoint we resume from are dropped: they are logged again.
     resuming = resume_step is not None
-    self.writer = self.closing(metrics_lib.MetricWriter(
-        workdir, keep_rows=self.meta.get("metrics_rows") if resuming else None,
-        purge_step=resume_step + 1 if resuming else None))
+    self.writer = self.closing(
+        metrics_lib.MetricWriter(
+            workdir,
+            keep_rows=self.meta.get("metrics_rows") if resuming else None,
+            purge_step=resume_step + 1 if resuming else None,
+        )
+    )
     self.preempt = Preemption()
     stack.callback(self.preempt.restore)
     # Replicated over the mesh: every process holds it, steps fold it in without moving it.
     self.mesh = mesh
-    self.rng = jax.random.wrap_key_data(multihost.replicated(
-        jax.random.key_data(jax.random.key(config.seed)), mesh))
+    self.rng = jax.random.wrap_key_data(
+        multihost.replicated(jax.random.key_data(jax.random.key(config.seed)), mesh)
+    )
     self._wall_offset = self.meta["wall_time_sec"]  # time spent by earlier (preempted) runs
     self._last_saved = None
 
@@ -113,8 +129,9 @@ class Session:
   def restore(self, target: dict, data_iterator) -> dict:
     """The interrupted stage's state (`target`: abstract arrays with shardings) and its data
     iterator's position, from the checkpoint this run resumes from."""
-    target = dict(target, rng=jax.ShapeDtypeStruct((2,), jnp.uint32,
-                                                   sharding=sharding.replicated(self.mesh)))
+    target = dict(
+        target, rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sharding.replicated(self.mesh))
+    )
     error = None
     try:
       restored, _ = self.ckpt.restore(self.resume_step, target, data_iterator)
@@ -123,8 +140,12 @@ class Session:
     if multihost.any_process(error is not None):  # every process takes the same path
       if self.is_main:
         where = ckpt_lib.move_aside(self.ckpt.directory, self.resume_step)
-        logging.warning("checkpoint %d does not restore (%s); moved to %s", self.resume_step,
-                        error or "on another process", where)
+        logging.warning(
+            "checkpoint %d does not restore (%s); moved to %s",
+            self.resume_step,
+            error or "on another process",
+            where,
+        )
       multihost.barrier("moved_damaged_checkpoint")
       raise ckpt_lib.DamagedCheckpoint(self.resume_step, error or "failed on another process")
     self.rng = jax.random.wrap_key_data(restored.pop("rng"))
@@ -148,16 +169,21 @@ class Session:
   def stop(self, step: int, state: dict, data_iterator):
     """Saves `state` as checkpoint `step` and exits with status 0; the same command resumes."""
     self.save(step, state, data_iterator, force=True)
-    why = "preempted" if self.preempt.requested else (
-        f"max_steps_per_run={self.config.max_steps_per_run} reached")
-    logging.warning("%s: checkpoint %d written, exiting with status 0; run the same command "
-                    "again to resume", why, step)
+    why = (
+        "preempted"
+        if self.preempt.requested
+        else (f"max_steps_per_run={self.config.max_steps_per_run} reached")
+    )
+    logging.warning(
+        "%s: checkpoint %d written, exiting with status 0; run the same command " "again to resume",
+        why,
+        step,
+    )
     raise SystemExit(0)
 
   def write_summary(self, summary: dict):
     if self.is_main:
-      paths.write_atomic(paths.path(self.workdir) / "summary.json",
-                         json.dumps(summary, indent=2))
+      paths.write_atomic(paths.path(self.workdir) / "summary.json", json.dumps(summary, indent=2))
 
 
 # ------------------------------------------------------------------------- resume checks
@@ -165,14 +191,36 @@ class Session:
 # Fields a checkpoint's state and data order depend on. Changing one of the first group makes
 # the saved arrays unusable (or the step numbering wrong); the rest change what "continue
 # exactly" means and may be allowed with --config.checkpoint.allow_changes=field,field.
-_SHAPE_FIELDS = ("model.impl", "model.vocab_size", "model.hidden_size",
-                 "model.intermediate_size", "model.num_layers", "model.num_heads",
-                 "model.num_kv_heads", "model.head_dim", "model.tie_embeddings",
-                 "model.param_dtype", "model.scan_layers", "reference_model", "sft_steps",
-                 "lora.rank", "lora.target_modules", "lora.quantize_base")
-_ORDER_FIELDS = ("seed", "batch_size", "num_generations", "sft.batch_size", "tokenizer.kind",
-                 "tokenizer.path", "data.train_source", "data.train_path", "data.template",
-                 "max_prompt_length")
+_SHAPE_FIELDS = (
+    "model.impl",
+    "model.vocab_size",
+    "model.hidden_size",
+    "model.intermediate_size",
+    "model.num_layers",
+    "model.num_heads",
+    "model.num_kv_heads",
+    "model.head_dim",
+    "model.tie_embeddings",
+    "model.param_dtype",
+    "model.scan_layers",
+    "reference_model",
+    "sft_steps",
+    "lora.rank",
+    "lora.target_modules",
+    "lora.quantize_base",
+)
+_ORDER_FIELDS = (
+    "seed",
+    "batch_size",
+    "num_generations",
+    "sft.batch_size",
+    "tokenizer.kind",
+    "tokenizer.path",
+    "data.train_source",
+    "data.train_path",
+    "data.template",
+    "max_prompt_length",
+)
 
 
 def resume_fields(config) -> dict:
@@ -201,11 +249,15 @@ def check_resumable(saved: dict | None, config, step: int, workdir: str):
     return
   fixed = [k for k in changed if k in _SHAPE_FIELDS]
   diff = ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed)
-  fix = ("use a new --workdir (these fields fix the checkpoint's shapes)" if fixed else
-         "use a new --workdir, or resume anyway with --config.checkpoint.allow_changes="
-         f"{','.join(changed)}")
-  raise ValueError(f"{workdir}: checkpoint {step} was written with other settings ({diff}). "
-                   f"Fix: {fix}.")
+  fix = (
+      "use a new --workdir (these fields fix the checkpoint's shapes)"
+      if fixed
+      else "use a new --workdir, or resume anyway with --config.checkpoint.allow_changes="
+      f"{','.join(changed)}"
+  )
+  raise ValueError(
+      f"{workdir}: checkpoint {step} was written with other settings ({diff}). " f"Fix: {fix}."
+  )
 
 
 def _intact_latest(ckpt_dir) -> int | None:
@@ -223,8 +275,10 @@ def _intact_latest(ckpt_dir) -> int | None:
   earlier = ckpt_dir.parent / ckpt_lib.DAMAGED_DIR
   if damaged and step is None or step is None and earlier.exists() and any(earlier.iterdir()):
     listed = "; ".join(f"{s}: {w}" for s, w in damaged) or f"see {earlier}"
-    raise ValueError(f"no intact checkpoint is left under {ckpt_dir} ({listed}). Fix: a new "
-                     "--workdir to start over, or put back a copy of the checkpoints")
+    raise ValueError(
+        f"no intact checkpoint is left under {ckpt_dir} ({listed}). Fix: a new "
+        "--workdir to start over, or put back a copy of the checkpoints"
+    )
   # Every process has looked before any checkpoint moves: a process that lists the folder
   # after process 0 moved a damaged one aside would see no damage, skip the barrier below and
   # fall out of step with the others (seen once on 2 processes after a hard kill).
@@ -233,8 +287,8 @@ def _intact_latest(ckpt_dir) -> int | None:
     if jax.process_index() == 0:
       for s, why in damaged:
         where = ckpt_lib.move_aside(ckpt_dir, s)
-        logging.warning("checkpoint %d is damaged (%s): moved to %s; resuming from %d", s, why,
-                        where, step)
+        logging.warning(
+            "checkpoint %d is damaged (%s): moved to %s; resuming from %d", s, why, where, step
+        )
     multihost.barrier("moved_damaged_checkpoints")
   return step
-

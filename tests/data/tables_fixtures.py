@@ -4,6 +4,7 @@ verl_records: the columns verl's examples/data_preprocess/gsm8k.py writes (data_
 prompt as chat messages, ability, reward_model {style, ground_truth}, extra_info {split, index,
 answer, question}); trl_dataset: a `datasets.Dataset` with a conversational `prompt` and the
 answer in a `solution` column, plus one extra column (TRL passes it to reward functions)."""
+
 import json
 import os
 import re
@@ -27,7 +28,8 @@ def gsm8k_source(split: str = "train", n: int = 64) -> list[dict]:
 def _ascii(text: str) -> str:
   """GSM8K's few non-ASCII characters (curly quotes, accents) for the char tokenizer's alphabet."""
   import unicodedata
-  text = text.translate({0x2019: "'", 0x2018: "'", 0x201c: '"', 0x201d: '"', 0x2013: "-"})
+
+  text = text.translate({0x2019: "'", 0x2018: "'", 0x201C: '"', 0x201D: '"', 0x2013: "-"})
   return unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
 
 
@@ -39,34 +41,54 @@ def verl_gsm8k_records(split: str = "train", n: int = 64, ascii_only: bool = Fal
     if ascii_only:
       r = {k: _ascii(v) for k, v in r.items()}
     solution = re.search(r"#### (\-?[0-9\.\,]+)", r["answer"]).group(1).replace(",", "")
-    out.append(dict(
-        data_source="openai/gsm8k",
-        prompt=[{"role": "user", "content": r["question"] + " " + VERL_INSTRUCTION}],
-        ability="math", reward_model={"style": "rule", "ground_truth": solution},
-        extra_info={"split": split, "index": i, "answer": r["answer"],
-                    "question": r["question"]}))
+    out.append(
+        dict(
+            data_source="openai/gsm8k",
+            prompt=[{"role": "user", "content": r["question"] + " " + VERL_INSTRUCTION}],
+            ability="math",
+            reward_model={"style": "rule", "ground_truth": solution},
+            extra_info={
+                "split": split,
+                "index": i,
+                "answer": r["answer"],
+                "question": r["question"],
+            },
+        )
+    )
   return out
 
 
 def verl_records_from_rows(rows: list[dict], split: str = "train") -> list[dict]:
   """Our rows (e.g. the arithmetic task's) in verl's layout, demonstration in extra_info."""
-  return [dict(data_source=r["data_source"],
-               prompt=[{"role": "user", "content": r["prompt"]}], ability="math",
-               reward_model={"style": "rule", "ground_truth": r["ground_truth"]},
-               extra_info={"split": split, "index": i,
-                           "demonstration": r.get("demonstration", "")})
-          for i, r in enumerate(rows)]
+  return [
+      dict(
+          data_source=r["data_source"],
+          prompt=[{"role": "user", "content": r["prompt"]}],
+          ability="math",
+          reward_model={"style": "rule", "ground_truth": r["ground_truth"]},
+          extra_info={"split": split, "index": i, "demonstration": r.get("demonstration", "")},
+      )
+      for i, r in enumerate(rows)
+  ]
 
 
 def trl_records_from_rows(rows: list[dict]) -> list[dict]:
   """Our rows in TRL's conversational layout: prompt messages, the answer as `solution`."""
-  return [dict(prompt=[{"role": "user", "content": r["prompt"]}], solution=r["ground_truth"],
-               task=r["data_source"], target=r.get("demonstration", "")) for r in rows]
+  return [
+      dict(
+          prompt=[{"role": "user", "content": r["prompt"]}],
+          solution=r["ground_truth"],
+          task=r["data_source"],
+          target=r.get("demonstration", ""),
+      )
+      for r in rows
+  ]
 
 
 def write_parquet(records: list[dict], path: str, row_group_size: int | None = None) -> str:
   import pyarrow as pa
   import pyarrow.parquet as pq
+
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   pq.write_table(pa.Table.from_pylist(records), path, row_group_size=row_group_size)
   return path
@@ -75,6 +97,7 @@ def write_parquet(records: list[dict], path: str, row_group_size: int | None = N
 def save_dataset(records: list[dict], path: str, test_records=None) -> str:
   """datasets.save_to_disk of a Dataset, or of a DatasetDict(train, test) with test_records."""
   import datasets
+
   ds = datasets.Dataset.from_list(records)
   if test_records is not None:
     ds = datasets.DatasetDict(train=ds, test=datasets.Dataset.from_list(test_records))

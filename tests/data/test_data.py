@@ -1,5 +1,6 @@
 """Data: readers with file:line errors, the checkpointable grain iterator, templates,
 tokenizers (vs transformers' Qwen2Tokenizer), truncation, and the arithmetic task."""
+
 import json
 import os
 
@@ -29,16 +30,23 @@ def need(path):
 GOOD = {"prompt": "2+2?", "ground_truth": "4", "data_source": "math"}
 
 
-@pytest.mark.parametrize("bad_line,words", [
-    ('{"prompt": "x", "ground_truth": "1", "data_source": "math"', ["invalid JSON"]),
-    ('{"ground_truth": "1", "data_source": "math"}', ["missing field 'prompt'", "a string"]),
-    ('{"prompt": "x", "data_source": "math"}', ["missing field 'ground_truth'"]),
-    ('{"prompt": 7, "ground_truth": "1", "data_source": "math"}',
-     ["field 'prompt' should be a string or a list of chat messages, got int"]),
-    ('{"prompt": "x", "ground_truth": {"a": 1}, "data_source": "math"}',
-     ["field 'ground_truth' should be a string, a number or a list", "got dict"]),
-    ('["not", "an", "object"]', ["expected a JSON object, got list"]),
-])
+@pytest.mark.parametrize(
+    "bad_line,words",
+    [
+        ('{"prompt": "x", "ground_truth": "1", "data_source": "math"', ["invalid JSON"]),
+        ('{"ground_truth": "1", "data_source": "math"}', ["missing field 'prompt'", "a string"]),
+        ('{"prompt": "x", "data_source": "math"}', ["missing field 'ground_truth'"]),
+        (
+            '{"prompt": 7, "ground_truth": "1", "data_source": "math"}',
+            ["field 'prompt' should be a string or a list of chat messages, got int"],
+        ),
+        (
+            '{"prompt": "x", "ground_truth": {"a": 1}, "data_source": "math"}',
+            ["field 'ground_truth' should be a string, a number or a list", "got dict"],
+        ),
+        ('["not", "an", "object"]', ["expected a JSON object, got list"]),
+    ],
+)
 def test_malformed_jsonl_rows_name_file_and_line(tmp_path, bad_line, words):
   f = tmp_path / "prompts.jsonl"
   f.write_text(json.dumps(GOOD) + "\n\n" + json.dumps(GOOD) + "\n" + bad_line + "\n")
@@ -52,12 +60,20 @@ def test_malformed_jsonl_rows_name_file_and_line(tmp_path, bad_line, words):
 
 def test_prompt_file_rows_and_extra_info(tmp_path):
   f = tmp_path / "p.jsonl"
-  rows_in = [dict(GOOD, difficulty=3), {"prompt": "cap of France?", "ground_truth": ["Paris"],
-                                        "data_source": "qa", "demonstration": "Paris"}]
+  rows_in = [
+      dict(GOOD, difficulty=3),
+      {
+          "prompt": "cap of France?",
+          "ground_truth": ["Paris"],
+          "data_source": "qa",
+          "demonstration": "Paris",
+      },
+  ]
   f.write_text("\n".join(json.dumps(r) for r in rows_in))
   rows = data.read_prompt_file(str(f))
-  assert rows[0] == dict(prompt="2+2?", ground_truth="4", data_source="math",
-                         extra_info={"difficulty": 3})
+  assert rows[0] == dict(
+      prompt="2+2?", ground_truth="4", data_source="math", extra_info={"difficulty": 3}
+  )
   assert rows[1]["ground_truth"] == ["Paris"] and rows[1]["demonstration"] == "Paris"
   j = tmp_path / "p.json"
   j.write_text(json.dumps(rows_in))
@@ -133,8 +149,10 @@ def test_process_parts_of_a_global_batch_reassemble_the_single_process_batch():
   # What two processes see (rows [0, 4) and [4, 8) of each global batch of 8), concatenated,
   # is what one process sees: the data of a step does not depend on the process count.
   whole = data.make_prompt_iterator(50, batch_size=8, seed=3)
-  parts = [data.make_prompt_iterator(50, batch_size=8, seed=3, rows=np.arange(p * 4, p * 4 + 4))
-           for p in range(2)]
+  parts = [
+      data.make_prompt_iterator(50, batch_size=8, seed=3, rows=np.arange(p * 4, p * 4 + 4))
+      for p in range(2)
+  ]
   for _ in range(10):  # across an epoch boundary
     assert np.concatenate([next(it) for it in parts]).tolist() == next(whole).tolist()
   states = [it.get_state() for it in parts]
@@ -157,26 +175,34 @@ def test_eval_batches_pad_the_last_batch_with_invalid_rows():
 
 def test_chatml_template():
   text = templates.render_prompt("What is 2+2?", "chatml", "Be brief.")
-  assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?"
-                  "<|im_end|>\n<|im_start|>assistant\n")
+  assert text == (
+      "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?"
+      "<|im_end|>\n<|im_start|>assistant\n"
+  )
   assert templates.render_prompt("hi", "plain") == "hi"
   with pytest.raises(ValueError, match="unknown template 'llama'"):
     templates.render_prompt("hi", "llama")
   assert "<reasoning>" in templates.system_prompt("reasoning")
 
 
-TEXTS = ["Natalia sold clips to 48 of her friends in April.", "  leading spaces\tand\ttabs\n\n",
-         "unicode: café naïve 日本語 🙂 ½", "numbers 1234567 3.14159 -42 $1,000",
-         "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
-         "<think>\nhmm\n</think>\n<answer>\n4\n</answer>", ""]
+TEXTS = [
+    "Natalia sold clips to 48 of her friends in April.",
+    "  leading spaces\tand\ttabs\n\n",
+    "unicode: café naïve 日本語 🙂 ½",
+    "numbers 1234567 3.14159 -42 $1,000",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<think>\nhmm\n</think>\n<answer>\n4\n</answer>",
+    "",
+]
 
 
 def test_hf_tokenizer_matches_transformers_qwen2():
   need(QWEN_TOK)
   transformers = pytest.importorskip("transformers")
   ours = data.HFTokenizer(QWEN_TOK)
-  theirs = transformers.Qwen2Tokenizer(os.path.join(QWEN_TOK, "vocab.json"),
-                                       os.path.join(QWEN_TOK, "merges.txt"))
+  theirs = transformers.Qwen2Tokenizer(
+      os.path.join(QWEN_TOK, "vocab.json"), os.path.join(QWEN_TOK, "merges.txt")
+  )
   theirs.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
   for text in TEXTS:
     ids = ours.encode(text)
@@ -213,7 +239,15 @@ def test_long_prompts_are_left_truncated_and_counted():
 
 def test_bucket_width_is_the_next_power_of_two_within_bounds():
   assert [data.pipeline.bucket_width(n, 100) for n in (1, 8, 9, 16, 17, 64, 65, 100)] == [
-      8, 8, 16, 16, 32, 64, 100, 100]
+      8,
+      8,
+      16,
+      16,
+      32,
+      64,
+      100,
+      100,
+  ]
   assert data.pipeline.bucket_width(5, 6) == 6  # never wider than max_prompt_length
 
 
@@ -248,8 +282,9 @@ def test_arithmetic_split_is_fixed_and_disjoint():
 
 @pytest.mark.parametrize("digits,num_ops,ops", [(2, 1, "+"), (3, 2, "+-*"), (1, 3, "-")])
 def test_arithmetic_answers_are_correct_and_checkable(digits, num_ops, ops):
-  rows = data.arithmetic_rows(100, split="train", seed=0, digits=digits, num_ops=num_ops,
-                              ops=ops, style="reasoning")
+  rows = data.arithmetic_rows(
+      100, split="train", seed=0, digits=digits, num_ops=num_ops, ops=ops, style="reasoning"
+  )
   for r in rows:
     expr = r["prompt"].rstrip("=")
     assert int(r["ground_truth"]) == eval(expr)  # noqa: S307 - generated digits and + - *
@@ -271,9 +306,16 @@ def test_arithmetic_small_space_returns_all_problems():
 
 def _data_config(**data_fields):
   import ml_collections
+
   arith = dict(digits=2, num_ops=1, ops="+", num_train=50, num_test=20, demonstration="reasoning")
-  d = dict(train_source="arithmetic", train_path="", eval_source="arithmetic", eval_path="",
-           arithmetic=arith, heldout_rows=0)
+  d = dict(
+      train_source="arithmetic",
+      train_path="",
+      eval_source="arithmetic",
+      eval_path="",
+      arithmetic=arith,
+      heldout_rows=0,
+  )
   return ml_collections.ConfigDict(dict(seed=3, data={**d, **data_fields}))
 
 
@@ -292,7 +334,10 @@ def test_load_rows_reads_a_jsonl_file_for_one_split(tmp_path):
   train, test = data.load_rows(config)
   assert len(train) == 50 and train[0]["data_source"] == "arithmetic"
   assert test == data.read_prompt_file(str(f)) and [r["prompt"] for r in test] == [
-      "0+0?", "1+1?", "2+2?"]
+      "0+0?",
+      "1+1?",
+      "2+2?",
+  ]
 
 
 def test_heldout_rows_split_the_train_file():
@@ -306,6 +351,7 @@ def test_heldout_rows_split_the_train_file():
 def test_sources_are_the_readers_plus_arithmetic():
   from grpo_jax.data import sources
   from grpo_jax.data import tables
+
   assert set(sources.FILE_SOURCES) == set(datasets.READERS) | set(tables.READERS)
   assert set(data.SOURCES) == set(sources.FILE_SOURCES) | {"arithmetic"}
   assert set(tables.READERS) == {"parquet", "hf_dataset"}
@@ -316,10 +362,12 @@ def test_sources_are_the_readers_plus_arithmetic():
 def test_overlong_train_prompts_are_truncated_or_dropped_per_config():
   from grpo_jax.data import prompts
   from tests.test_train import tiny_config
+
   tok = data.build_tokenizer("char")
   kept, _ = prompts.prompt_data(tiny_config(max_prompt_length=5), tok)
-  dropped, _ = prompts.prompt_data(tiny_config(max_prompt_length=5, **{
-      "data.overlong_prompts": "drop"}), tok)
+  dropped, _ = prompts.prompt_data(
+      tiny_config(max_prompt_length=5, **{"data.overlong_prompts": "drop"}), tok
+  )
   assert kept.num_truncated > 0 and len(kept) == 64  # "12+34=" is 6 characters
   assert len(dropped) == len(kept) - kept.num_truncated and dropped.num_truncated == 0
   assert all(len(tok.encode(t)) <= 5 for t in dropped.texts)
@@ -333,12 +381,14 @@ def test_next_prompts_prefetch_gives_the_same_batches_and_leaves_the_iterator_al
   from grpo_jax.parallel import sharding
   from grpo_jax.data import prompts
   from tests.test_train import tiny_config
+
   config = tiny_config()
   tok = data.build_tokenizer("char")
   prompt_data, _ = prompts.prompt_data(config, tok)
   mesh = sharding.make_mesh(-1, 1, 1)
-  plain_it, ahead_it = (data.make_prompt_iterator(len(prompt_data), batch_size=8, seed=3)
-                        for _ in range(2))
+  plain_it, ahead_it = (
+      data.make_prompt_iterator(len(prompt_data), batch_size=8, seed=3) for _ in range(2)
+  )
   plain = prompts.NextPrompts(config, prompt_data, plain_it, mesh)
   ahead = prompts.NextPrompts(config, prompt_data, ahead_it, mesh)
   for step in range(12):  # past the end of epoch 1 (8 batches of 8 of the 64 rows)

@@ -1,6 +1,7 @@
 """Parquet (verl's layout) and Hugging Face datasets (TRL's) as data sources: the rows they
 give, chat-message prompts through every template, the column map, extra columns as reward
 keywords, and bad rows refused at start-up naming the file, row and column."""
+
 import os
 
 import pytest
@@ -36,8 +37,12 @@ def test_verl_gsm8k_parquet_reads_as_verl_wrote_it(tmp_path):
     assert r["columns"]["reward_model"] == rec["reward_model"]
     assert r["columns"]["ability"] == "math" and "prompt" not in r["columns"]
   # verl's data_source name reaches the built-in scorer (math by the last part of the name).
-  assert scoring.default_compute_score("openai/gsm8k", f"so #### {rows[0]['ground_truth']}",
-                                       rows[0]["ground_truth"]) == 1.0
+  assert (
+      scoring.default_compute_score(
+          "openai/gsm8k", f"so #### {rows[0]['ground_truth']}", rows[0]["ground_truth"]
+      )
+      == 1.0
+  )
 
 
 def test_parquet_folder_and_glob_read_every_file_in_order(tmp_path):
@@ -47,8 +52,7 @@ def test_parquet_folder_and_glob_read_every_file_in_order(tmp_path):
   (tmp_path / "d" / "notes.txt").write_text("not data")
   whole = tables.read_parquet(str(tmp_path / "d"))
   globbed = tables.read_parquet(str(tmp_path / "d" / "part-*.parquet"))
-  assert [r["prompt"][0]["content"] for r in whole] == [
-      r["prompt"][0]["content"] for r in records]
+  assert [r["prompt"][0]["content"] for r in whole] == [r["prompt"][0]["content"] for r in records]
   assert whole == globbed
   with pytest.raises(DataError, match=r"part-\[7-9\]\.parquet: no file matches"):
     tables.read_parquet(str(tmp_path / "d" / "part-[7-9].parquet"))
@@ -68,10 +72,10 @@ def test_hf_dataset_layouts_with_a_column_map(tmp_path, layout):
     assert [r["prompt"] for r in got] == [t["prompt"] for t in test]
   else:
     import datasets
+
     ds = datasets.Dataset.from_list(records)
     if layout == "csv":  # csv holds flat columns: a string prompt
-      ds = datasets.Dataset.from_list([dict(r, prompt=r["prompt"][0]["content"])
-                                       for r in records])
+      ds = datasets.Dataset.from_list([dict(r, prompt=r["prompt"][0]["content"]) for r in records])
     path = str(tmp_path / f"rows.{layout}")
     {"parquet": ds.to_parquet, "jsonl": ds.to_json, "csv": ds.to_csv}[layout](path)
   got = tables.read_hf_dataset(path, cols)
@@ -101,20 +105,31 @@ def test_messages_render_like_strings_and_keep_their_own_system_turn():
   for template in ("chatml", "plain"):
     for system in ("", "Answer briefly."):
       assert templates.render_prompt(user, template, system) == templates.render_prompt(
-          "12+3=", template, system)
+          "12+3=", template, system
+      )
   own = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
   assert templates.render_prompt(own, "chatml", "config system") == (
-      "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n")
+      "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+  )
   assert templates.render_prompt(own, "plain", "config system") == "S\n\nU\n"
   turns = own + [{"role": "assistant", "content": "A"}, {"role": "user", "content": "V"}]
   assert templates.render_prompt(turns, "chatml").count("<|im_start|>") == 5
-  with pytest.raises(ValueError, match=r"prompt row 1 .*'plain' renders a system turn and one "
-                     r"user turn; this prompt has the turns \['system', 'user', 'assistant', "
-                     r"'user'\]\. Fix: data.template=chatml"):
-    pipeline.PromptData([{"prompt": "1+1="}, {"prompt": turns}], tok, template="plain",
-                        system_prompt="", max_prompt_length=32)
-  with pytest.raises(ValueError, match="data.template='tokenizer': the char tokenizer has no "
-                     "chat template"):
+  with pytest.raises(
+      ValueError,
+      match=r"prompt row 1 .*'plain' renders a system turn and one "
+      r"user turn; this prompt has the turns \['system', 'user', 'assistant', "
+      r"'user'\]\. Fix: data.template=chatml",
+  ):
+    pipeline.PromptData(
+        [{"prompt": "1+1="}, {"prompt": turns}],
+        tok,
+        template="plain",
+        system_prompt="",
+        max_prompt_length=32,
+    )
+  with pytest.raises(
+      ValueError, match="data.template='tokenizer': the char tokenizer has no " "chat template"
+  ):
     templates.render_prompt(user, "tokenizer", "", tok)
 
 
@@ -125,6 +140,7 @@ def test_messages_through_the_tokenizer_folder_chat_template():
     chat_template = open(os.path.join(folder, "chat_template.jinja")).read()
     special_tokens = {"eos_token": "<eos>"}
     path = folder
+
   turns = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
   text = templates.render_prompt(turns, "tokenizer", "", Tok())
   assert "S" in text and "U" in text
@@ -133,8 +149,10 @@ def test_messages_through_the_tokenizer_folder_chat_template():
 
 def test_jsonl_prompt_files_accept_messages(tmp_path):
   p = tmp_path / "rows.jsonl"
-  p.write_text('{"prompt": [{"role": "user", "content": "2+2="}], "ground_truth": 4, '
-               '"data_source": "arithmetic"}\n')
+  p.write_text(
+      '{"prompt": [{"role": "user", "content": "2+2="}], "ground_truth": 4, '
+      '"data_source": "arithmetic"}\n'
+  )
   (row,) = data_readers.read_prompt_file(str(p))
   assert row["prompt"] == [{"role": "user", "content": "2+2="}] and row["ground_truth"] == "4"
 
@@ -151,19 +169,23 @@ def test_extra_columns_reach_reward_functions_as_keywords(tmp_path):
       "seen = []\n"
       "def accuracy(prompts, completions, solution, task, **kwargs):\n"
       "  assert set(kwargs) >= {'ground_truth', 'data_source', 'extra_info', 'target'}\n"
-      "  return [float(c.strip() == s) for c, s in zip(completions, solution)]\n")
-  rc = computer.build_reward_computer((), (), custom_file=str(plugin),
-                                      custom_function="accuracy")
+      "  return [float(c.strip() == s) for c, s in zip(completions, solution)]\n"
+  )
+  rc = computer.build_reward_computer((), (), custom_file=str(plugin), custom_function="accuracy")
   out = rc([r["prompt"] for r in rows], [rows[0]["ground_truth"], "x", "y", "z"], got)
   assert out.total.tolist() == [1.0, 0.0, 0.0, 0.0]
   assert rc.check(got[0]) == {"custom": 1.0}
-  with pytest.raises(AttributeError, match=r"defines no function 'acc' \(reward.custom_function"
-                     r"\); it defines \['accuracy'\]"):
+  with pytest.raises(
+      AttributeError,
+      match=r"defines no function 'acc' \(reward.custom_function" r"\); it defines \['accuracy'\]",
+  ):
     computer.build_reward_computer((), (), custom_file=str(plugin), custom_function="acc")
   # verl's compute_score sees the same rows: extra_info is the dict of the other columns.
   verl = tmp_path / "verl_reward.py"
-  verl.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                  "  return float(extra_info['solution'] == ground_truth)\n")
+  verl.write_text(
+      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+      "  return float(extra_info['solution'] == ground_truth)\n"
+  )
   rc = computer.build_reward_computer((), (), custom_file=str(verl))
   assert rc(["p"] * 4, ["c"] * 4, got).total.tolist() == [1.0] * 4
 
@@ -177,16 +199,27 @@ def _verl(tmp_path, change, name="bad.parquet", at=2):
   return fx.write_parquet(records, str(tmp_path / name))
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda r: r.update(prompt=7), r"bad.parquet: row 2: column 'prompt' should be a string or "
-     r"a list of chat messages"),
-    (lambda r: r.update(prompt=[{"role": "user", "content": "  "}]),
-     r"bad.parquet: row 2: column 'prompt' is an empty prompt .*Fix: fill or drop the row"),
-    (lambda r: r["reward_model"].update(ground_truth=None),
-     r"bad.parquet: row 2: column 'reward_model.ground_truth' is empty \(null\)\. Fix:"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            lambda r: r.update(prompt=7),
+            r"bad.parquet: row 2: column 'prompt' should be a string or "
+            r"a list of chat messages",
+        ),
+        (
+            lambda r: r.update(prompt=[{"role": "user", "content": "  "}]),
+            r"bad.parquet: row 2: column 'prompt' is an empty prompt .*Fix: fill or drop the row",
+        ),
+        (
+            lambda r: r["reward_model"].update(ground_truth=None),
+            r"bad.parquet: row 2: column 'reward_model.ground_truth' is empty \(null\)\. Fix:",
+        ),
+    ],
+)
 def test_bad_parquet_rows_name_file_row_and_column(tmp_path, change, message):
   import pyarrow as pa
+
   try:
     path = _verl(tmp_path, change)
   except (pa.ArrowInvalid, pa.ArrowTypeError):  # a type pyarrow cannot mix in one column:
@@ -204,9 +237,12 @@ def test_bad_tables_are_one_line_with_the_fix(tmp_path):
   records = fx.verl_records_from_rows(arithmetic_rows(4, split="train", seed=0))
   no_prompt = [{k: v for k, v in r.items() if k != "prompt"} for r in records]
   path = fx.write_parquet(no_prompt, str(tmp_path / "np.parquet"))
-  with pytest.raises(DataError, match=r"np.parquet: no column 'prompt' for the prompt \(columns: "
-                     r"\['ability', 'data_source', 'extra_info', 'reward_model'\]\)\. Fix: "
-                     r"--config.data.columns.prompt=<one of them>"):
+  with pytest.raises(
+      DataError,
+      match=r"np.parquet: no column 'prompt' for the prompt \(columns: "
+      r"\['ability', 'data_source', 'extra_info', 'reward_model'\]\)\. Fix: "
+      r"--config.data.columns.prompt=<one of them>",
+  ):
     tables.read_parquet(path)
   garbage = tmp_path / "junk.parquet"
   garbage.write_bytes(b"this is not parquet at all")
@@ -215,22 +251,31 @@ def test_bad_tables_are_one_line_with_the_fix(tmp_path):
   with pytest.raises(DataError, match=r"message 0 should be \{'role': str, 'content': str\}"):
     data_readers.check_prompt([{"role": "user"}], "f: row 0")
   import datasets
-  trl = datasets.Dataset.from_list(fx.trl_records_from_rows(arithmetic_rows(4, split="train",
-                                                                            seed=0)))
+
+  trl = datasets.Dataset.from_list(
+      fx.trl_records_from_rows(arithmetic_rows(4, split="train", seed=0))
+  )
   datasets.DatasetDict(train=trl, holdout=trl).save_to_disk(str(tmp_path / "dd"))
-  with pytest.raises(DataError, match=r"dd: a DatasetDict with splits \['train', 'holdout'\] and "
-                     r"none named test / validation / eval\. Fix: point data.eval_path at "):
+  with pytest.raises(
+      DataError,
+      match=r"dd: a DatasetDict with splits \['train', 'holdout'\] and "
+      r"none named test / validation / eval\. Fix: point data.eval_path at ",
+  ):
     tables.read_hf_dataset(str(tmp_path / "dd"), {"ground_truth": "solution"}, split="test")
-  path = fx.write_parquet([dict(r, extra_info="text") for r in records],
-                          str(tmp_path / "ei.parquet"))
-  with pytest.raises(DataError, match=r"ei.parquet: row 0: column 'extra_info' should be a "
-                     r"struct/dict, got str"):
+  path = fx.write_parquet(
+      [dict(r, extra_info="text") for r in records], str(tmp_path / "ei.parquet")
+  )
+  with pytest.raises(
+      DataError,
+      match=r"ei.parquet: row 0: column 'extra_info' should be a " r"struct/dict, got str",
+  ):
     tables.read_parquet(path)
 
 
 def test_parquet_on_gs_as_a_file_a_folder_and_a_glob(tmp_path, gcs):
   """verl's files on cloud storage (the offline GCS emulator): read through the path layer."""
   from grpo_jax.run import paths
+
   records = fx.verl_records_from_rows(arithmetic_rows(12, split="train", seed=0))
   for i, part in enumerate((records[:5], records[5:])):
     local = fx.write_parquet(part, str(tmp_path / f"p{i}.parquet"))

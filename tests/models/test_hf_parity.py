@@ -1,4 +1,5 @@
 """Logit parity with `transformers` (the ground truth) and Hugging Face checkpoint round trips."""
+
 import json
 import os
 
@@ -17,27 +18,67 @@ transformers = pytest.importorskip("transformers")
 
 QWEN3 = [
     # tied, heads, kv heads, head_dim (!= hidden/heads), theta, vocab (odd)
-    dict(tie_word_embeddings=False, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-         rope_theta=10000.0, vocab_size=97),
-    dict(tie_word_embeddings=True, num_attention_heads=8, num_key_value_heads=1, head_dim=16,
-         rope_theta=1e6, vocab_size=131),
-    dict(tie_word_embeddings=False, num_attention_heads=6, num_key_value_heads=6, head_dim=8,
-         rope_theta=333.0, vocab_size=64, attention_bias=True),
+    dict(
+        tie_word_embeddings=False,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        rope_theta=10000.0,
+        vocab_size=97,
+    ),
+    dict(
+        tie_word_embeddings=True,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=16,
+        rope_theta=1e6,
+        vocab_size=131,
+    ),
+    dict(
+        tie_word_embeddings=False,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        head_dim=8,
+        rope_theta=333.0,
+        vocab_size=64,
+        attention_bias=True,
+    ),
 ]
 LLAMA = [
-    dict(tie_word_embeddings=True, num_attention_heads=8, num_key_value_heads=2, vocab_size=101,
-         rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 32}),
-    dict(tie_word_embeddings=False, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
-         vocab_size=77, rope_theta=10000.0),
+    dict(
+        tie_word_embeddings=True,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=101,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    dict(
+        tie_word_embeddings=False,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        vocab_size=77,
+        rope_theta=10000.0,
+    ),
 ]
 
 
 def hf_model(kind, kw, seed=0):
   torch.manual_seed(seed)
-  common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                max_position_embeddings=256, attn_implementation="eager")
+  common = dict(
+      hidden_size=64,
+      intermediate_size=96,
+      num_hidden_layers=2,
+      max_position_embeddings=256,
+      attn_implementation="eager",
+  )
   if kind == "qwen3":
     cfg = transformers.Qwen3Config(**common, **kw)
     model = transformers.Qwen3ForCausalLM(cfg)
@@ -62,8 +103,11 @@ def left_padded_batch(vocab, seed=0, b=4, t=13):
 def hf_logits(model, ids, mask):
   pos = np.maximum(np.cumsum(mask, -1) - 1, 0)
   with torch.no_grad():
-    return model(torch.tensor(ids), attention_mask=torch.tensor(mask),
-                 position_ids=torch.tensor(pos)).logits.float().numpy()
+    return (
+        model(torch.tensor(ids), attention_mask=torch.tensor(mask), position_ids=torch.tensor(pos))
+        .logits.float()
+        .numpy()
+    )
 
 
 def assert_parity(ours, theirs, mask, tol=1e-5):
@@ -101,16 +145,19 @@ def test_save_hf_round_trip(kind, kw, tmp_path):
   model.save_pretrained(tmp_path / "src", safe_serialization=True)
   ours = load_hf(str(tmp_path / "src"))
   save_hf(ours, str(tmp_path / "out"))
-  back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"),
-                                                           attn_implementation="eager")
+  back = transformers.AutoModelForCausalLM.from_pretrained(
+      str(tmp_path / "out"), attn_implementation="eager"
+  )
   ids, mask = left_padded_batch(kw["vocab_size"], seed=2)
   np.testing.assert_array_equal(hf_logits(back, ids, mask), hf_logits(model, ids, mask))
   # And our own loader reads what we wrote, sharded too.
   save_hf(ours, str(tmp_path / "sharded"), max_shard_bytes=30_000)
   assert os.path.exists(tmp_path / "sharded" / "model.safetensors.index.json")
   again = load_hf(str(tmp_path / "sharded"))
-  np.testing.assert_array_equal(np.asarray(again(jnp.asarray(ids), jnp.asarray(mask))),
-                                np.asarray(ours(jnp.asarray(ids), jnp.asarray(mask))))
+  np.testing.assert_array_equal(
+      np.asarray(again(jnp.asarray(ids), jnp.asarray(mask))),
+      np.asarray(ours(jnp.asarray(ids), jnp.asarray(mask))),
+  )
 
 
 def test_bf16_load_and_save(tmp_path):
@@ -145,8 +192,7 @@ def test_load_directly_into_mesh_shardings(tmp_path):
 def test_missing_files(tmp_path):
   with pytest.raises(FileNotFoundError, match="config.json: missing"):
     load_hf(str(tmp_path))
-  (tmp_path / "config.json").write_text(json.dumps(
-      hf_model("qwen3", QWEN3[0]).config.to_dict()))
+  (tmp_path / "config.json").write_text(json.dumps(hf_model("qwen3", QWEN3[0]).config.to_dict()))
   with pytest.raises(FileNotFoundError, match="no model.safetensors"):
     load_hf(str(tmp_path))
   with pytest.raises(FileNotFoundError, match="not a directory"):
@@ -163,6 +209,7 @@ def test_unsupported_architecture(tmp_path):
 def test_logit_softcapping_is_refused_not_ignored():
   """No supported family soft-caps logits; a config that asks for it is refused by name."""
   from grpo_jax.models.decoder.config import ModelConfig
+
   cfg = hf_model("qwen3", QWEN3[0]).config.to_dict()
   cfg["final_logit_softcapping"] = 30.0
   with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
@@ -175,8 +222,9 @@ def test_shape_mismatch_names_tensor_and_shapes(tmp_path):
   cfg = json.loads((tmp_path / "config.json").read_text())
   cfg["intermediate_size"] = 80  # the file holds 96
   (tmp_path / "config.json").write_text(json.dumps(cfg))
-  with pytest.raises(ValueError, match=r"mlp.gate_proj.weight: checkpoint has \(96, 64\).*"
-                                       r"implies \(80, 64\)"):
+  with pytest.raises(
+      ValueError, match=r"mlp.gate_proj.weight: checkpoint has \(96, 64\).*" r"implies \(80, 64\)"
+  ):
     load_hf(str(tmp_path))
 
 

@@ -7,6 +7,7 @@ built base; the loop keeps no reference copy and checkpoints no base, and resume
 HF export (merged) and the PEFT export load in transformers / peft with our logits; the int8 base
 stays within a stated tolerance of the float base.
 """
+
 import importlib.util
 import json
 import os
@@ -78,12 +79,16 @@ def test_adapted_forward_equals_merged_and_numpy_and_b_zero_is_the_base(scan):
     np.testing.assert_allclose(got[1] if scan else got, want, atol=1e-6)
   # B = 0 (the default init): the adapted model is the base, bit for bit
   adapters, base_state = lora.split(pol.params)
-  assert len(jax.tree.leaves(adapters)) == 2 * 7 * c.model.num_layers // (c.model.num_layers
-                                                                           if scan else 1)
-  assert all(isinstance(v, nnx.LoRAParam) for v in jax.tree.leaves(
-      adapters, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-  np.testing.assert_array_equal(logits(pol.graphdef, lora.zero_delta(pol.params), ids, mask),
-                                base_logits)
+  assert len(jax.tree.leaves(adapters)) == 2 * 7 * c.model.num_layers // (
+      c.model.num_layers if scan else 1
+  )
+  assert all(
+      isinstance(v, nnx.LoRAParam)
+      for v in jax.tree.leaves(adapters, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  )
+  np.testing.assert_array_equal(
+      logits(pol.graphdef, lora.zero_delta(pol.params), ids, mask), base_logits
+  )
 
 
 def test_update_moves_only_adapters_and_moments_cover_only_them():
@@ -93,13 +98,19 @@ def test_update_moves_only_adapters_and_moments_cover_only_them():
   pol = build.make_policy(c, mesh)
   # adapters are sharded like the rows / columns of the weight they adapt; rank replicated
   f = dict(nnx.to_flat_state(pol.params))
-  assert f[("layers", 0, "attn", "q_lora_a")].get_value().sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
-  assert f[("layers", 0, "attn", "q_lora_b")].get_value().sharding.spec == jax.sharding.PartitionSpec(
-      None, "tensor", None)
+  assert f[
+      ("layers", 0, "attn", "q_lora_a")
+  ].get_value().sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
+  assert f[
+      ("layers", 0, "attn", "q_lora_b")
+  ].get_value().sharding.spec == jax.sharding.PartitionSpec(None, "tensor", None)
   fns = step_lib.build(c, pol, mesh)
   state = fns.init(pol.params)
-  mu = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(
-      state["opt_state"]) if "lora" in jax.tree_util.keystr(k)]
+  mu = [
+      jax.tree_util.keystr(k)
+      for k, _ in jax.tree_util.tree_leaves_with_path(state["opt_state"])
+      if "lora" in jax.tree_util.keystr(k)
+  ]
   n_opt = sum(x.size for x in jax.tree.leaves(state["opt_state"]) if x.ndim)
   n_adapters = sum(x.size for x in jax.tree.leaves(lora.split(pol.params)[0]))
   assert mu and n_opt == 2 * n_adapters  # Adam's two moments, for the adapters only
@@ -107,9 +118,12 @@ def test_update_moves_only_adapters_and_moments_cover_only_them():
   rows, C = c.batch_size * c.num_generations, c.max_completion_length
   ids, _ = batch(b=rows, t=c.max_prompt_length + C)
   rng = np.random.default_rng(1)
-  upd = dict(input_ids=ids, attention_mask=jnp.ones_like(ids),
-             completion_mask=jnp.ones((rows, C), jnp.int32),
-             advantages=jnp.asarray(rng.standard_normal(rows), jnp.float32))
+  upd = dict(
+      input_ids=ids,
+      attention_mask=jnp.ones_like(ids),
+      completion_mask=jnp.ones((rows, C), jnp.int32),
+      advantages=jnp.asarray(rng.standard_normal(rows), jnp.float32),
+  )
   state, metrics = fns.update(state, upd)
   assert float(metrics["grad_norm"]) > 0
   after = {k: np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(state["params"])}
@@ -166,7 +180,7 @@ def test_loop_keeps_no_reference_checkpoints_adapters_and_resumes_exactly(tmp_pa
   for x, y in zip(jax.tree.leaves(sa["train"]), jax.tree.leaves(sb["train"])):
     np.testing.assert_array_equal(x, y)
   if _have("torch", "transformers", "peft"):  # infer --export_peft of the trained run: the
-    _export_and_load(tmp_path, straight, kw)     # adapters + the SFT'd base they go with
+    _export_and_load(tmp_path, straight, kw)  # adapters + the SFT'd base they go with
 
 
 def _export_and_load(tmp_path, workdir, kw):
@@ -175,18 +189,36 @@ def _export_and_load(tmp_path, workdir, kw):
   import torch
   import transformers
   import peft
+
   out, merged = tmp_path / "peft", tmp_path / "merged"
-  args = [f"--config.{k}={v}" for k, v in kw.items()] + ["--config.lora.rank=4",
-                                                         "--config.lora.alpha=8.0"]
-  r = subprocess.run([sys.executable, "-m", "grpo_jax.infer", "--config=configs/tiny.py",
-                      f"--workdir={workdir}", f"--export_peft={out}", f"--export_hf={merged}",
-                      *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  args = [f"--config.{k}={v}" for k, v in kw.items()] + [
+      "--config.lora.rank=4",
+      "--config.lora.alpha=8.0",
+  ]
+  r = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "grpo_jax.infer",
+          "--config=configs/tiny.py",
+          f"--workdir={workdir}",
+          f"--export_peft={out}",
+          f"--export_hf={merged}",
+          *args,
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   assert json.load(open(out / "adapter_config.json"))["base_model_name_or_path"] == str(
-      out / "base")
+      out / "base"
+  )
   model = peft.PeftModel.from_pretrained(
-      transformers.AutoModelForCausalLM.from_pretrained(out / "base"), out).eval()
+      transformers.AutoModelForCausalLM.from_pretrained(out / "base"), out
+  ).eval()
   want = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
   ids = torch.tensor(np.random.default_rng(0).integers(3, 60, (2, 9)))
   with torch.no_grad():
@@ -206,8 +238,13 @@ def test_export_hf_merged_and_peft_adapters_load_with_our_logits(tmp_path):
   import peft
   from grpo_jax.models.decoder import hf
   from grpo_jax.models.lora import peft as peft_export
-  c = lora_config(**{"lora.init": "normal", "lora.target_modules":
-                     r"layers/\d+/(attn/(q|v|o)|mlp/down)|layers/1/mlp/(gate|up)"})
+
+  c = lora_config(
+      **{
+          "lora.init": "normal",
+          "lora.target_modules": r"layers/\d+/(attn/(q|v|o)|mlp/down)|layers/1/mlp/(gate|up)",
+      }
+  )
   mesh = one_device_mesh()
   pol, plain = build.make_policy(c, mesh), policy_lib.native_policy(c, mesh)
   ids, mask = batch()
@@ -216,8 +253,16 @@ def test_export_hf_merged_and_peft_adapters_load_with_our_logits(tmp_path):
 
   def torch_logits(model):
     with torch.no_grad():
-      return model(torch.tensor(np.asarray(ids)), attention_mask=torch.tensor(np.asarray(mask)),
-                   position_ids=torch.tensor(pos)).logits.float().numpy()
+      return (
+          model(
+              torch.tensor(np.asarray(ids)),
+              attention_mask=torch.tensor(np.asarray(mask)),
+              position_ids=torch.tensor(pos),
+          )
+          .logits.float()
+          .numpy()
+      )
+
   keep = np.asarray(mask) > 0
   pol.save_hf(pol.params, str(tmp_path / "merged"))  # --export_hf
   merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
@@ -233,8 +278,9 @@ def test_export_hf_merged_and_peft_adapters_load_with_our_logits(tmp_path):
     assert np.abs(torch_logits(model) - ours)[keep].max() > 1e-3
 
 
-@pytest.mark.parametrize("qtype,tol", [("int8", 0.15),
-                                      pytest.param("int4", 3.0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "qtype,tol", [("int8", 0.15), pytest.param("int4", 3.0, marks=pytest.mark.slow)]
+)
 def test_quantized_base_is_within_tolerance_of_the_float_base(qtype, tol):
   """Weight-only, per output channel (qwix absmax). Max |logit diff| over the tiny random model's
   logits (|logit| up to ~3-5): int8 <= 0.15 (measured 0.099); int4 (16 levels) <= 3.0."""
@@ -255,20 +301,23 @@ def test_quantized_base_is_within_tolerance_of_the_float_base(qtype, tol):
 def test_validation_explains_bad_values():
   def errors(**kw):
     return " | ".join(configuration.validate(lora_config(**kw), num_devices=8))
+
   assert "lora.rank=200 > min(d_in, d_out) = min(128, 64) of attn/k" in errors(**{"lora.rank": 200})
   e = errors(**{"lora.target_modules": "attn/q"})
   assert "matches no weight" in e and "layers/0/attn/q" in e and "layers/0/mlp/down" in e
   assert "cannot be trained" in errors(**{"lora.quantize_base": "int8", "sft_steps": 5})
   assert "lora.dropout=0.1" in errors(**{"lora.dropout": 0.1})
   assert "refresh_every_steps" in errors(**{"beta": 0.1, "reference.refresh_every_steps": 2})
-  assert "target every layer" in errors(**{"model.scan_layers": True,
-                                           "lora.target_modules": r"layers/0/attn/q"})
+  assert "target every layer" in errors(
+      **{"model.scan_layers": True, "lora.target_modules": r"layers/0/attn/q"}
+  )
   assert errors() == ""
 
 
 def _load(name):
-  spec = importlib.util.spec_from_file_location(f"cfg_{name}", os.path.join(ROOT, "configs",
-                                                                              f"{name}.py"))
+  spec = importlib.util.spec_from_file_location(
+      f"cfg_{name}", os.path.join(ROOT, "configs", f"{name}.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config()

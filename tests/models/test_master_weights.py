@@ -1,6 +1,7 @@
 """f32 master weights: bf16 storage cannot absorb small AdamW steps; the shipped real-model
 configs keep f32 weights with bf16 compute, validation warns about the bad combination, and
 the frozen reference is stored in the compute dtype (same forward pass, half the bytes)."""
+
 import importlib.util
 import os
 
@@ -18,8 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _config(name, **overrides):
-  spec = importlib.util.spec_from_file_location(f"cfg_{name}",
-                                                os.path.join(ROOT, "configs", f"{name}.py"))
+  spec = importlib.util.spec_from_file_location(
+      f"cfg_{name}", os.path.join(ROOT, "configs", f"{name}.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   c = module.get_config()
@@ -34,10 +36,21 @@ def _config(name, **overrides):
 
 def _fraction_changed(param_dtype, lr, steps=5):
   """Fraction of all weight elements that differ after `steps` AdamW updates at `lr`."""
-  c = _config("tiny", **{"model.param_dtype": param_dtype, "model.dtype": "bfloat16",
-                         "optimizer.learning_rate": lr, "optimizer.warmup_ratio": 0.0,
-                         "optimizer.weight_decay": 0.0, "num_steps": 1000, "batch_size": 4,
-                         "num_generations": 2, "micro_batch_size": 0, "beta": 0.0})
+  c = _config(
+      "tiny",
+      **{
+          "model.param_dtype": param_dtype,
+          "model.dtype": "bfloat16",
+          "optimizer.learning_rate": lr,
+          "optimizer.warmup_ratio": 0.0,
+          "optimizer.weight_decay": 0.0,
+          "num_steps": 1000,
+          "batch_size": 4,
+          "num_generations": 2,
+          "micro_batch_size": 0,
+          "beta": 0.0,
+      },
+  )
   mesh = build.make_mesh(c)
   policy = build.make_policy(c, mesh)
   fns = step_lib.build(c, policy, mesh)
@@ -46,14 +59,18 @@ def _fraction_changed(param_dtype, lr, steps=5):
   n, p, comp = 8, c.max_prompt_length, c.max_completion_length
   rng = np.random.default_rng(0)
   ids = rng.integers(3, c.model.vocab_size, (n, p + comp)).astype(np.int32)
-  batch = dict(input_ids=ids, attention_mask=np.ones_like(ids),
-               completion_mask=np.ones((n, comp), np.int32),
-               advantages=rng.choice([-1.0, 1.0], n).astype(np.float32))
+  batch = dict(
+      input_ids=ids,
+      attention_mask=np.ones_like(ids),
+      completion_mask=np.ones((n, comp), np.int32),
+      advantages=rng.choice([-1.0, 1.0], n).astype(np.float32),
+  )
   for _ in range(steps):
     state, _ = fns.update(state, jax.tree.map(jnp.asarray, batch))
   after = jax.tree.map(np.asarray, state["params"])
-  changed = sum(int((a != b).sum()) for a, b in zip(jax.tree.leaves(after),
-                                                      jax.tree.leaves(before)))
+  changed = sum(
+      int((a != b).sum()) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before))
+  )
   return changed / sum(x.size for x in jax.tree.leaves(before))
 
 
@@ -94,8 +111,11 @@ def test_reference_is_stored_in_the_compute_dtype_with_the_same_forward():
   theirs = policy.logprobs(ref, ids, mask, 8)
   np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
   # Restore targets (abstract values) get the same dtypes, shardings kept.
-  abstract = policy_lib.as_reference(jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), policy.params),
-      c.model.dtype)
+  abstract = policy_lib.as_reference(
+      jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), policy.params
+      ),
+      c.model.dtype,
+  )
   for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(ref)):
     assert (a.shape, a.dtype) == (r.shape, r.dtype) and a.sharding == r.sharding

@@ -1,5 +1,6 @@
 """MaxText as the policy (models/maxtext/adapter.py): parity with the native decoder, the weight
 mapping, GRPO steps, checkpoints, and MaxText's random-init loss. Skips without maxtext."""
+
 import math
 import os
 
@@ -28,12 +29,15 @@ def test_qwix_sparsity_modules_are_real_or_placeholders_that_say_why():
   that fails on use with the cause; with a qwix that has them nothing is replaced."""
   import importlib.util
   import sys
+
   quantizations = mta.import_maxtext("maxtext.layers.quantizations")
   moe = mta.import_maxtext("maxtext.layers.moe")
   assert quantizations.sparsity is sys.modules["qwix._src.core.sparsity"]
   assert moe.sparsity_module is sys.modules["qwix.contrib.sparsity.sparsity_module"]
-  for module, attr in ((quantizations.sparsity, "SparsityRule"),
-                       (moe.sparsity_module, "SparsityModule")):
+  for module, attr in (
+      (quantizations.sparsity, "SparsityRule"),
+      (moe.sparsity_module, "SparsityModule"),
+  ):
     if getattr(module, "PLACEHOLDER", False):
       with pytest.raises(ImportError, match="weight sparsity with fp8 quantization"):
         getattr(module, attr)
@@ -65,8 +69,8 @@ def left_padded(rng, vocab, lengths, total):
   ids = np.zeros((len(lengths), total), np.int32)
   mask = np.zeros((len(lengths), total), np.int32)
   for i, n in enumerate(lengths):
-    ids[i, total - n:] = rng.integers(1, vocab, n)
-    mask[i, total - n:] = 1
+    ids[i, total - n :] = rng.integers(1, vocab, n)
+    mask[i, total - n :] = 1
   return jnp.asarray(ids), jnp.asarray(mask)
 
 
@@ -74,9 +78,14 @@ def mesh_1():
   return sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("scan,tied", [  # suite time: -m slow runs the unscanned/untied ones
-    pytest.param(False, False, marks=pytest.mark.slow),
-    pytest.param(True, False, marks=pytest.mark.slow), (True, True)])
+@pytest.mark.parametrize(
+    "scan,tied",
+    [  # suite time: -m slow runs the unscanned/untied ones
+        pytest.param(False, False, marks=pytest.mark.slow),
+        pytest.param(True, False, marks=pytest.mark.slow),
+        (True, True),
+    ],
+)
 def test_same_weights_same_logits_as_native(scan, tied):
   config = tiny_qwen3(**{"model.scan_layers": scan, "model.tie_embeddings": tied})
   mesh = sharding.make_mesh(-1, 1, 1)
@@ -91,7 +100,8 @@ def test_same_weights_same_logits_as_native(scan, tied):
   ids, mask = left_padded(np.random.default_rng(0), 101, [20, 13, 7, 20, 3, 16, 20, 9], 20)
   parts = mta.build_parts(config, mesh)
   mt_logits = jax.jit(lambda p, i, m: mta.forward(parts.graphdef, p, parts.rest, i, m))(
-      mt.params, ids, mask)
+      mt.params, ids, mask
+  )
   nat = nnx.merge(native.graphdef, native.params)
   nat_logits = nat(ids, mask)
   if tied:
@@ -115,23 +125,51 @@ def test_same_weights_same_logits_as_native(scan, tied):
 # Gemma 3 (blocks of 6 + a remainder, local/global RoPE bases, linear scaling), windows of 4
 # over 20-token rows; the "off" overrides must change the native logits (the feature is live).
 FAMILIES = {
-    "llama3": ({"model.arch": "llama3", "model.qk_norm": False, "model.rope_theta": 5e5,
-                "model.rope_scaling_factor": 8.0, "model.num_layers": 2},
-               {"model.rope_scaling_factor": 0.0}),
-    "gemma2": ({"model.arch": "gemma2", "model.qk_norm": False, "model.num_layers": 4,
-                "model.sliding_window": 4, "model.sliding_window_pattern": 2,
-                "model.query_pre_attn_scalar": 12.0, "model.attn_logit_softcap": 5.0},
-               {"model.attn_logit_softcap": 0.0, "model.sliding_window": 64}),
-    "gemma3": ({"model.arch": "gemma3", "model.num_layers": 8, "model.sliding_window": 4,
-                "model.sliding_window_pattern": 6, "model.query_pre_attn_scalar": 24.0,
-                "model.rope_local_theta": 1e4, "model.rope_linear_factor": 2.0},
-               {"model.rope_linear_factor": 1.0, "model.sliding_window": 64}),
+    "llama3": (
+        {
+            "model.arch": "llama3",
+            "model.qk_norm": False,
+            "model.rope_theta": 5e5,
+            "model.rope_scaling_factor": 8.0,
+            "model.num_layers": 2,
+        },
+        {"model.rope_scaling_factor": 0.0},
+    ),
+    "gemma2": (
+        {
+            "model.arch": "gemma2",
+            "model.qk_norm": False,
+            "model.num_layers": 4,
+            "model.sliding_window": 4,
+            "model.sliding_window_pattern": 2,
+            "model.query_pre_attn_scalar": 12.0,
+            "model.attn_logit_softcap": 5.0,
+        },
+        {"model.attn_logit_softcap": 0.0, "model.sliding_window": 64},
+    ),
+    "gemma3": (
+        {
+            "model.arch": "gemma3",
+            "model.num_layers": 8,
+            "model.sliding_window": 4,
+            "model.sliding_window_pattern": 6,
+            "model.query_pre_attn_scalar": 24.0,
+            "model.rope_local_theta": 1e4,
+            "model.rope_linear_factor": 2.0,
+        },
+        {"model.rope_linear_factor": 1.0, "model.sliding_window": 64},
+    ),
 }
 
 
-@pytest.mark.parametrize("family,scan", [  # suite time: -m slow runs llama3 and gemma2
-    pytest.param("llama3", True, marks=pytest.mark.slow),
-    pytest.param("gemma2", False, marks=pytest.mark.slow), ("gemma3", True)])
+@pytest.mark.parametrize(
+    "family,scan",
+    [  # suite time: -m slow runs llama3 and gemma2
+        pytest.param("llama3", True, marks=pytest.mark.slow),
+        pytest.param("gemma2", False, marks=pytest.mark.slow),
+        ("gemma3", True),
+    ],
+)
 def test_families_same_weights_same_logits_as_native(family, scan):
   """MaxText's llama2 / gemma2 / gemma3 blocks on the mapped weights == the native decoder."""
   on, off = FAMILIES[family]
@@ -140,13 +178,15 @@ def test_families_same_weights_same_logits_as_native(family, scan):
   mt = mta.maxtext_policy(config, mesh)
   native = policy_lib.native_policy(config, mesh)
   got = nnx.to_pure_dict(jax.jit(mt.rollout_params)(mt.params))
-  for (k, a), b in zip(jax.tree_util.tree_leaves_with_path(got),
-                       jax.tree.leaves(nnx.to_pure_dict(native.params))):
+  for (k, a), b in zip(
+      jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(nnx.to_pure_dict(native.params))
+  ):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7, err_msg=str(k))
   ids, mask = left_padded(np.random.default_rng(0), 101, [20, 13, 7, 20], 20)
   parts = mta.build_parts(config, mesh)
   mt_logits = jax.jit(lambda p, i, m: mta.forward(parts.graphdef, p, parts.rest, i, m))(
-      mt.params, ids, mask)
+      mt.params, ids, mask
+  )
   nat_logits = nnx.merge(native.graphdef, native.params)(ids, mask)
   m = np.asarray(mask, bool)
   diff = np.abs(np.asarray(mt_logits) - np.asarray(nat_logits))[m]
@@ -181,8 +221,9 @@ def test_weight_mapping_round_trips_exactly(native_scan, mt_scan):
   cfg = policy_lib.model_config_from(config)
   rng = np.random.default_rng(2)
   native = nnx.state(nnx.eval_shape(lambda: mta.Transformer(cfg, rngs=nnx.Rngs(0))))
-  native = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32),
-                        nnx.to_pure_dict(native))
+  native = jax.tree.map(
+      lambda x: rng.standard_normal(x.shape).astype(np.float32), nnx.to_pure_dict(native)
+  )
   mt = mta.native_to_maxtext(native, cfg, scan_layers=mt_scan)
   if mt_scan:
     assert mt["decoder"]["layers"]["self_attention"]["query"]["kernel"].shape == (64, 2, 4, 24)
@@ -220,18 +261,34 @@ def test_two_grpo_updates_match_native():
   full_mask = jnp.concatenate([mask, cmask], 1)
   adv = jnp.asarray(rng.standard_normal(B * G), jnp.float32)
   settings = step_lib.LossSettings.from_config(config)
-  opt = step_lib.make_optimizer(learning_rate=1e-2, total_steps=4, warmup_ratio=0.0,
-                                end_lr_ratio=1.0, b1=0.9, b2=0.99, weight_decay=0.0,
-                                max_grad_norm=1.0)
+  opt = step_lib.make_optimizer(
+      learning_rate=1e-2,
+      total_steps=4,
+      warmup_ratio=0.0,
+      end_lr_ratio=1.0,
+      b1=0.9,
+      b2=0.99,
+      weight_decay=0.0,
+      max_grad_norm=1.0,
+  )
   losses = {}
   finals = {}
   for impl in ("native", "maxtext"):
-    pol = (mta.maxtext_policy(config, mesh) if impl == "maxtext"
-           else policy_lib.native_policy(config, mesh))
+    pol = (
+        mta.maxtext_policy(config, mesh)
+        if impl == "maxtext"
+        else policy_lib.native_policy(config, mesh)
+    )
     lp = lambda p, i, m: pol.logprobs(p, i, m, L, 1.0)  # noqa: E731
     old = jax.jit(lp)(pol.params, ids, full_mask)
-    batch = dict(input_ids=ids, attention_mask=full_mask, completion_mask=cmask,
-                 advantages=adv, old_logp=old, ref_logp=old - 0.01)
+    batch = dict(
+        input_ids=ids,
+        attention_mask=full_mask,
+        completion_mask=cmask,
+        advantages=adv,
+        old_logp=old,
+        ref_logp=old - 0.01,
+    )
     update = jax.jit(step_lib.make_grpo_update(lp, opt, settings, 2))
     state = step_lib.init_state(pol.params, opt)
     out = []
@@ -261,34 +318,43 @@ def test_maxtext_init_loss_is_explained_and_the_adapter_init_is_sane():
   """MaxText's own init (embedding N(0,1), tied unnormalized logits) gives a loss ~0.7 * D; the
   adapter's default (native fan-in init) gives ~log V."""
   mesh = mesh_1()
-  base = {"model.tie_embeddings": True, "model.vocab_size": 256, "model.hidden_size": 64,
-          "model.head_dim": 16}
+  base = {
+      "model.tie_embeddings": True,
+      "model.vocab_size": 256,
+      "model.hidden_size": 64,
+      "model.head_dim": 16,
+  }
   sane = _init_loss(tiny_qwen3(**base), mesh)
   assert abs(sane - math.log(256)) < 0.5, sane
   wild = _init_loss(tiny_qwen3(**{**base, "model.maxtext.native_init": False}), mesh)
   assert 25 < wild < 70, wild  # ENVIRONMENT.md saw 44.6 with MaxText's own tiny config
   # The mechanism: with |e|^2 ~ D the "repeat the input token" logit dominates; a wider model
   # has a proportionally larger loss.
-  wider = _init_loss(tiny_qwen3(**{**base, "model.maxtext.native_init": False,
-                                   "model.hidden_size": 128}), mesh)
+  wider = _init_loss(
+      tiny_qwen3(**{**base, "model.maxtext.native_init": False, "model.hidden_size": 128}), mesh
+  )
   assert wider > 1.5 * wild, (wild, wider)
 
 
 def test_maxtext_checkpoint_loads_scanned_into_unscanned(tmp_path):
   """MaxText's Orbax layout (<step>/items with {"params": {"params": ...}}), either layer form."""
   import orbax.checkpoint as ocp
+
   mesh = mesh_1()
   src = mta.maxtext_policy(tiny_qwen3(**{"model.scan_layers": True}), mesh)
   tree = {"params": {"params": nnx.to_pure_dict(src.params)}}
   ocp.PyTreeCheckpointer().save(str(tmp_path / "7" / "items"), tree)
   for scan in (True, False):
-    config = tiny_qwen3(**{"model.scan_layers": scan,
-                           "model.maxtext_checkpoint": str(tmp_path / "7")})
+    config = tiny_qwen3(
+        **{"model.scan_layers": scan, "model.maxtext_checkpoint": str(tmp_path / "7")}
+    )
     pol = mta.maxtext_policy(config, mesh)
     a = nnx.to_pure_dict(jax.jit(pol.rollout_params)(pol.params))
     b = nnx.to_pure_dict(jax.jit(src.rollout_params)(src.params))
-    flat_b = {jax.tree_util.keystr(k).replace("'", ""): v
-              for k, v in jax.tree_util.tree_leaves_with_path(b)}
+    flat_b = {
+        jax.tree_util.keystr(k).replace("'", ""): v
+        for k, v in jax.tree_util.tree_leaves_with_path(b)
+    }
     if not scan:  # compare layer 1 of the unscanned model with slice 1 of the scanned one
       q = flat_b["[layers][attn][q]"]
       np.testing.assert_array_equal(np.asarray(a["layers"][1]["attn"]["q"]), np.asarray(q)[1])
@@ -304,6 +370,7 @@ def test_maxtext_checkpoint_loads_scanned_into_unscanned(tmp_path):
 def test_loop_runs_with_tiny_maxtext_config(tmp_path):
   """configs/tiny_maxtext.py: the GRPO loop, checkpoint and resume with a MaxText policy."""
   from configs import tiny_maxtext
+
   config = tiny_maxtext.get_config()
   config.num_steps = 2
   config.sft_steps = 3
@@ -316,9 +383,14 @@ def test_loop_runs_with_tiny_maxtext_config(tmp_path):
   assert train.run(config, str(tmp_path / "run"))["final_step"] == 3
 
 
-@pytest.mark.parametrize("family", [  # suite time: -m slow runs Llama 3.1 and Gemma 3
-    "qwen3", pytest.param("llama3", marks=pytest.mark.slow),
-    pytest.param("gemma3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "family",
+    [  # suite time: -m slow runs Llama 3.1 and Gemma 3
+        "qwen3",
+        pytest.param("llama3", marks=pytest.mark.slow),
+        pytest.param("gemma3", marks=pytest.mark.slow),
+    ],
+)
 def test_two_loop_steps_with_the_maxtext_policy(tmp_path, family):
   """train.run with model.impl=maxtext (scanned, untied as qwen3-8b, with a reference): two GRPO
   steps that move the policy, the native sampler drawing from the mapped weights with log-probs
@@ -326,13 +398,23 @@ def test_two_loop_steps_with_the_maxtext_policy(tmp_path, family):
   (2 layers: MaxText's remainder block alone) as in FAMILIES."""
   from tests.test_train import grpo_rows
   from tests.test_train import tiny_config
+
   family_fields = {} if family == "qwen3" else {**FAMILIES[family][0], "model.num_layers": 2}
   if family == "gemma3":
     family_fields["model.query_pre_attn_scalar"] = 0.0  # head_dim's
-  config = tiny_config(**{"model.impl": "maxtext", "model.scan_layers": True,
-                          "model.tie_embeddings": False, "model.maxtext.remat_policy": "full",
-                          "model.maxtext.attention": "dot_product", "num_steps": 2,
-                          "beta": 0.04, "save_interval_steps": 2, **family_fields})
+  config = tiny_config(
+      **{
+          "model.impl": "maxtext",
+          "model.scan_layers": True,
+          "model.tie_embeddings": False,
+          "model.maxtext.remat_policy": "full",
+          "model.maxtext.attention": "dot_product",
+          "num_steps": 2,
+          "beta": 0.04,
+          "save_interval_steps": 2,
+          **family_fields,
+      }
+  )
   summary = train.run(config, str(tmp_path / "run"))
   assert summary["final_step"] == 2
   assert os.path.isdir(tmp_path / "run" / "checkpoints" / "2")
@@ -347,6 +429,7 @@ def test_two_loop_steps_with_the_maxtext_policy(tmp_path, family):
 def test_qwen3_8b_builds_abstractly_with_the_published_shapes():
   """configs/qwen3_8b.py with impl=maxtext: MaxText's model has exactly the native parameters."""
   from configs import qwen3_8b
+
   config = qwen3_8b.get_config()
   config.model.impl = "maxtext"
   mesh = sharding.make_mesh(1, -1, 1)
@@ -364,6 +447,7 @@ def test_hf_checkpoint_loads_into_the_maxtext_policy(tmp_path):
   """model.hf_path with impl=maxtext: the HF weights, mapped into MaxText's layout, give the
   same log-probs as the native decoder loaded from the same folder; save_hf round trips."""
   from grpo_jax.models.decoder import hf
+
   config = tiny_qwen3(**{"model.scan_layers": True})
   mesh = mesh_1()
   src = policy_lib.native_policy(tiny_qwen3(seed=7), mesh)
@@ -378,6 +462,8 @@ def test_hf_checkpoint_loads_into_the_maxtext_policy(tmp_path):
   np.testing.assert_allclose(a, b, atol=1e-4)
   mt.save_hf(mt.params, str(tmp_path / "back"))
   again = hf.load_hf(str(tmp_path / "back"))
-  np.testing.assert_allclose(np.asarray(again(ids, mask))[np.asarray(mask, bool)],
-                             np.asarray(nnx.merge(native.graphdef, native.params)(ids, mask))[
-                                 np.asarray(mask, bool)], atol=1e-5)
+  np.testing.assert_allclose(
+      np.asarray(again(ids, mask))[np.asarray(mask, bool)],
+      np.asarray(nnx.merge(native.graphdef, native.params)(ids, mask))[np.asarray(mask, bool)],
+      atol=1e-5,
+  )

@@ -1,4 +1,5 @@
 """The native decoder's modes agree, remat/scan change nothing numerically, sharded init works."""
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,12 @@ from grpo_jax.models.decoder.transformer import _write_kv as write_kv
 from grpo_jax.models import token_logprobs
 from grpo_jax.models.decoder.config import REMAT_POLICIES
 
-CFGS = {"qwen3": PRESETS["tiny-qwen3"], "llama3": PRESETS["tiny-llama3"],
-        "gemma2": PRESETS["tiny-gemma2"], "gemma3": PRESETS["tiny-gemma3"]}
+CFGS = {
+    "qwen3": PRESETS["tiny-qwen3"],
+    "llama3": PRESETS["tiny-llama3"],
+    "gemma2": PRESETS["tiny-gemma2"],
+    "gemma3": PRESETS["tiny-gemma3"],
+}
 
 
 def prompts_and_completions(vocab, seed=0):
@@ -42,9 +47,13 @@ def repeat_cache(cache: dict, n: int) -> dict:
   """Each row's cache repeated n times, group-major (row i -> rows i*n .. i*n+n-1): the plain
   layout of a group's caches, the reference for share_prompt's."""
   rep = lambda x: jnp.repeat(x, n, axis=x.ndim - 4)  # noqa: E731  (the batch axis)
-  return dict(k=jax.tree.map(rep, cache["k"]), v=jax.tree.map(rep, cache["v"]),
-              valid=jnp.repeat(cache["valid"], n, axis=0), index=cache["index"],
-              pos=jnp.repeat(cache["pos"], n, axis=0))
+  return dict(
+      k=jax.tree.map(rep, cache["k"]),
+      v=jax.tree.map(rep, cache["v"]),
+      valid=jnp.repeat(cache["valid"], n, axis=0),
+      index=cache["index"],
+      pos=jnp.repeat(cache["pos"], n, axis=0),
+  )
 
 
 def reference_attention(q_bthk, cache_k, cache_v, k1, v1, q_slot_bt, valid_bs, window, softcap):
@@ -58,12 +67,16 @@ def reference_attention(q_bthk, cache_k, cache_v, k1, v1, q_slot_bt, valid_bs, w
 
   def cap(x):
     return jnp.tanh(x / softcap) * softcap if softcap else x
-  logits = cap(jnp.einsum("btgrk,bgsk->bgrts", q, cache_k, preferred_element_type=jnp.float32) *
-               kd**-0.5)
+
+  logits = cap(
+      jnp.einsum("btgrk,bgsk->bgrts", q, cache_k, preferred_element_type=jnp.float32) * kd**-0.5
+  )
   allowed = attention.slot_mask(q_slot_bt, jnp.arange(s), valid_bs, window)
   logits = jnp.where(allowed[:, None, None], logits, jnp.finfo(jnp.float32).min)
-  own = cap(jnp.einsum("btgrk,btgk->bgrt", q, k1, preferred_element_type=jnp.float32)[..., None] *
-            kd**-0.5)
+  own = cap(
+      jnp.einsum("btgrk,btgk->bgrt", q, k1, preferred_element_type=jnp.float32)[..., None]
+      * kd**-0.5
+  )
   probs = jax.nn.softmax(jnp.concatenate([logits, own], axis=-1), axis=-1).astype(cache_v.dtype)
   out = jnp.einsum("bgrts,bgsk->bgrtk", probs[..., :-1], cache_v)
   out = out + jnp.einsum("bgrt,btgk->bgrtk", probs[..., -1], v1)
@@ -79,15 +92,31 @@ def reference_decode(model, token_b, cache):
 
   def step(block, x, cache_kv, local):
     q, k, v = block.attn.project_qkv(block.attn_norm(x), positions, local)
-    a = reference_attention(q, *cache_kv, k, v, q_slot, cache["valid"], block._window(local),
-                            block.cfg.attn_logit_softcap)
+    a = reference_attention(
+        q,
+        *cache_kv,
+        k,
+        v,
+        q_slot,
+        cache["valid"],
+        block._window(local),
+        block.cfg.attn_logit_softcap
+    )
     return block._residual(x, a, model.kernels), (k, v)
+
   x, (ks, vs) = model._run_layers(step, model._embed(token_b[:, None]), (cache["k"], cache["v"]))
   logits = model.logits_from_hidden(model.final_norm(x))[:, 0]
-  valid = jax.lax.dynamic_update_slice(cache["valid"], jnp.ones_like(cache["valid"][:, :1]),
-                                       (0, index))
-  cache = dict(cache, k=write_kv(cache["k"], ks, index), v=write_kv(cache["v"], vs, index),
-               valid=valid, index=index + 1, pos=cache["pos"] + 1)
+  valid = jax.lax.dynamic_update_slice(
+      cache["valid"], jnp.ones_like(cache["valid"][:, :1]), (0, index)
+  )
+  cache = dict(
+      cache,
+      k=write_kv(cache["k"], ks, index),
+      v=write_kv(cache["v"], vs, index),
+      valid=valid,
+      index=index + 1,
+      pos=cache["pos"] + 1,
+  )
   return logits, cache
 
 
@@ -121,10 +150,17 @@ def decode_logprobs(model, prompt, pmask, comp, repeat=1, shared=False, referenc
   return jnp.stack(out, 1)
 
 
-@pytest.mark.parametrize("arch,scan", [  # suite time: -m slow runs the other two
-    ("qwen3", True), ("llama3", False), pytest.param("qwen3", False, marks=pytest.mark.slow),
-    pytest.param("llama3", True, marks=pytest.mark.slow),
-    ("gemma3", True), pytest.param("gemma2", False, marks=pytest.mark.slow)])  # windows < rows
+@pytest.mark.parametrize(
+    "arch,scan",
+    [  # suite time: -m slow runs the other two
+        ("qwen3", True),
+        ("llama3", False),
+        pytest.param("qwen3", False, marks=pytest.mark.slow),
+        pytest.param("llama3", True, marks=pytest.mark.slow),
+        ("gemma3", True),
+        pytest.param("gemma2", False, marks=pytest.mark.slow),
+    ],
+)  # windows < rows
 def test_prefill_decode_equals_training_forward(arch, scan):
   model = build_model(CFGS[arch].replace(scan_layers=scan), seed=1)
   prompt, pmask, comp, cmask = prompts_and_completions(model.cfg.vocab_size)
@@ -189,9 +225,11 @@ def test_decode_writes_then_reads_like_read_then_append(softcap):
   cache_k = jax.random.normal(ks[1], (b, hkv, s, kd))
   cache_v = jax.random.normal(ks[2], (b, hkv, s, kd))
   k1, v1 = (jax.random.normal(kk, (b, 1, hkv, kd)) for kk in ks[3:5])
-  prefix = (jax.random.normal(ks[5], (b // g, hkv, p, kd)),
-            jax.random.normal(ks[6], (b // g, hkv, p, kd)),
-            jnp.asarray([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], jnp.int32))
+  prefix = (
+      jax.random.normal(ks[5], (b // g, hkv, p, kd)),
+      jax.random.normal(ks[6], (b // g, hkv, p, kd)),
+      jnp.asarray([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], jnp.int32),
+  )
   slot = 5
   valid = np.ones((b, s), np.int32)
   valid[1, :3] = 0  # slots a row has not written
@@ -200,9 +238,15 @@ def test_decode_writes_then_reads_like_read_then_append(softcap):
   written_k, written_v = (c.at[:, :, slot].set(n[:, 0]) for c, n in ((cache_k, k1), (cache_v, v1)))
   valid[:, slot] = 1
   q_slot = jnp.full((b, 1), slot)
-  got = attention.cache_attention(q, written_k, written_v,
-                               attention.slot_mask(q_slot, jnp.arange(s), jnp.asarray(valid)),
-                               prefix, attention.prefix_mask(prefix[2], q_slot), softcap=softcap)
+  got = attention.cache_attention(
+      q,
+      written_k,
+      written_v,
+      attention.slot_mask(q_slot, jnp.arange(s), jnp.asarray(valid)),
+      prefix,
+      attention.prefix_mask(prefix[2], q_slot),
+      softcap=softcap,
+  )
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
 
 
@@ -247,8 +291,10 @@ def test_scanned_equals_unscanned_on_same_weights():
   np.testing.assert_allclose(scanned(ids, mask), plain(ids, mask), atol=1e-5)
 
 
-REMAT_CASES = [(p, False) for p in REMAT_POLICIES if p != "none"] + [("full", True),
-                                                                      ("offload_dots", True)]
+REMAT_CASES = [(p, False) for p in REMAT_POLICIES if p != "none"] + [
+    ("full", True),
+    ("offload_dots", True),
+]
 
 
 @pytest.mark.parametrize("policy,scan", REMAT_CASES)
@@ -318,12 +364,14 @@ def test_logprob_helpers_match_log_softmax_with_gradients():
   for temp in (1.0, 0.7):
     want = ref(h, w, temp)
     np.testing.assert_allclose(token_logprobs(h @ w, tok, temp), want, atol=1e-5)
-    np.testing.assert_allclose(chunked_token_logprobs(h, w, tok, temp, chunk_size=8), want,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        chunked_token_logprobs(h, w, tok, temp, chunk_size=8), want, atol=1e-5
+    )
     g_ref = jax.grad(lambda h, w: ref(h, w, temp).sum(), (0, 1))(h, w)
     for remat in (True, False):  # logits recomputed in the backward pass, or kept
-      g = jax.grad(lambda h, w: chunked_token_logprobs(h, w, tok, temp, 8, remat).sum(),
-                   (0, 1))(h, w)
+      g = jax.grad(lambda h, w: chunked_token_logprobs(h, w, tok, temp, 8, remat).sum(), (0, 1))(
+          h, w
+      )
       for a, b in zip(g, g_ref):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
 
@@ -354,30 +402,34 @@ def test_padding_tokens_do_not_change_real_logits():
   mask = jnp.concatenate([pmask, cmask], 1)
   garbage = jnp.where(mask > 0, ids, jax.random.randint(jax.random.key(0), ids.shape, 0, 97))
   a, b = model(ids, mask), model(garbage, mask)
-  np.testing.assert_allclose(np.asarray(a)[np.asarray(mask) > 0],
-                             np.asarray(b)[np.asarray(mask) > 0], atol=1e-6)
+  np.testing.assert_allclose(
+      np.asarray(a)[np.asarray(mask) > 0], np.asarray(b)[np.asarray(mask) > 0], atol=1e-6
+  )
 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_swiglu_custom_vjp_matches_autodiff(fused):
   """The hand-written SwiGLU backward (gate/up as one GEMM or two) equals autodiff of
   silu(x @ w_gate) * (x @ w_up), f32 to ~1e-6 relative; bf16 inputs give bf16 gradients."""
+
   def swiglu(*a):
     return layers.swiglu(*a, fused)
+
   k = jax.random.split(jax.random.key(0), 4)
   x = jax.random.normal(k[0], (48, 32))
   wg, wu = (jax.random.normal(kk, (32, 80)) * 0.2 for kk in k[1:3])
   dh = jax.random.normal(k[3], (48, 80))
   ours = jax.grad(lambda *a: jnp.sum(swiglu(*a) * dh), argnums=(0, 1, 2))(x, wg, wu)
-  ref = jax.grad(lambda x, wg, wu: jnp.sum(jax.nn.silu(x @ wg) * (x @ wu) * dh),
-                 argnums=(0, 1, 2))(x, wg, wu)
-  np.testing.assert_allclose(swiglu(x, wg, wu), jax.nn.silu(x @ wg) * (x @ wu),
-                             rtol=1e-6, atol=1e-6)
+  ref = jax.grad(lambda x, wg, wu: jnp.sum(jax.nn.silu(x @ wg) * (x @ wu) * dh), argnums=(0, 1, 2))(
+      x, wg, wu
+  )
+  np.testing.assert_allclose(
+      swiglu(x, wg, wu), jax.nn.silu(x @ wg) * (x @ wu), rtol=1e-6, atol=1e-6
+  )
   for a, b in zip(ours, ref):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
   bf = [a.astype(jnp.bfloat16) for a in (x, wg, wu)]
-  grads = jax.grad(lambda *a: jnp.sum(swiglu(*a).astype(jnp.float32)),
-                   argnums=(0, 1, 2))(*bf)
+  grads = jax.grad(lambda *a: jnp.sum(swiglu(*a).astype(jnp.float32)), argnums=(0, 1, 2))(*bf)
   assert all(g.dtype == jnp.bfloat16 for g in grads)
 
 
@@ -416,6 +468,7 @@ def test_fused_attention_path_equals_masked_attention(scan):
 
   def loss(model):  # linear in the hidden states (a sum of squares of an RMSNorm output is
     return jnp.sum(jnp.where(m, model.hidden(ids, mask), 0) * probe)  # ~constant: no gradient)
+
   g_masked, g_fused = nnx.grad(loss)(masked), nnx.grad(loss)(fused)
   for a, b in zip(jax.tree.leaves(nnx.state(g_masked)), jax.tree.leaves(nnx.state(g_fused))):
     np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4)  # gradients of size ~10-70
@@ -431,7 +484,10 @@ def test_attention_impl_auto_picks_the_fused_kernel_on_gpu_only():
     assert Kernels.resolve(cfg.replace(attention_impl="fused"), platform).fused_attention
   # The gate/up GEMM fusion is an XLA:CPU tuning only.
   assert [Kernels.resolve(cfg, p).fuse_gate_up for p in ("cpu", "gpu", "tpu")] == [
-      True, False, False]
+      True,
+      False,
+      False,
+  ]
 
 
 def test_splash_attention_equals_causal_attention_under_a_mesh():
@@ -442,12 +498,18 @@ def test_splash_attention_equals_causal_attention_under_a_mesh():
   b, t, h, g, kd = 4, 200, 4, 2, 128
   q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, kd)), jnp.float32) for n in (h, g, g))
   want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-  dwant = jax.grad(lambda q, k: jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True)
-                                        ** 2), argnums=(0, 1))(q, k)
+  dwant = jax.grad(
+      lambda q, k: jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2),
+      argnums=(0, 1),
+  )(q, k)
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   splash = jax.jit(lambda q, k, v: attention.splash_attention(q, k, v, interpret=True))
-  dsplash = jax.jit(jax.grad(lambda q, k: jnp.sum(attention.splash_attention(
-      q, k, v, interpret=True) ** 2), argnums=(0, 1)))
+  dsplash = jax.jit(
+      jax.grad(
+          lambda q, k: jnp.sum(attention.splash_attention(q, k, v, interpret=True) ** 2),
+          argnums=(0, 1),
+      )
+  )
   with jax.set_mesh(mesh):
     got = splash(q, k, v)
     dgot = dsplash(q, k)

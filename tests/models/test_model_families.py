@@ -1,5 +1,6 @@
 """`grpo_jax.models.load_hf` / `save_hf` pick the family by config.json / the module: the
 decoders and T5 through one entry point, an unknown architecture refused in one line."""
+
 import json
 
 from flax import nnx
@@ -27,10 +28,12 @@ def test_load_hf_reads_a_t5_folder_as_t5(tmp_path):
   ids = rng.integers(2, 256, (2, 7)).astype(np.int32)
   dec = rng.integers(2, 256, (2, 5)).astype(np.int32)
   mask, dmask = np.ones_like(ids), np.ones_like(dec)
-  np.testing.assert_array_equal(np.asarray(got(ids, mask, dec, dmask)),
-                                np.asarray(ref(ids, mask, dec, dmask)))
-  np.testing.assert_allclose(np.asarray(got(ids, mask, dec, dmask)),
-                             np.asarray(t5(ids, mask, dec, dmask)), atol=1e-6)
+  np.testing.assert_array_equal(
+      np.asarray(got(ids, mask, dec, dmask)), np.asarray(ref(ids, mask, dec, dmask))
+  )
+  np.testing.assert_allclose(
+      np.asarray(got(ids, mask, dec, dmask)), np.asarray(t5(ids, mask, dec, dmask)), atol=1e-6
+  )
 
 
 def test_load_hf_reads_a_decoder_folder_as_the_decoder(tmp_path):
@@ -43,12 +46,15 @@ def test_load_hf_reads_a_decoder_folder_as_the_decoder(tmp_path):
 
 
 def test_an_unknown_architecture_names_the_supported_ones(tmp_path):
-  (tmp_path / "config.json").write_text(json.dumps(
-      {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-  with pytest.raises(ValueError, match=r"config.json: unsupported architecture \(model_type="
-                     r"'gpt2', architectures=\['GPT2LMHeadModel'\]\)\. Supported: decoder .*"
-                     r"model_type qwen3, llama, gemma2, gemma3_text, gemma3; t5 .*model_type t5"):
+  (tmp_path / "config.json").write_text(
+      json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+  )
+  with pytest.raises(
+      ValueError,
+      match=r"config.json: unsupported architecture \(model_type="
+      r"'gpt2', architectures=\['GPT2LMHeadModel'\]\)\. Supported: decoder .*"
+      r"model_type qwen3, llama, gemma2, gemma3_text, gemma3; t5 .*model_type t5",
+  ):
     models.load_hf(str(tmp_path))
   # architectures alone pick the family when model_type is missing
-  assert families.family_of({"architectures": ["T5ForConditionalGeneration"]}).name.startswith(
-      "t5")
+  assert families.family_of({"architectures": ["T5ForConditionalGeneration"]}).name.startswith("t5")

@@ -1,4 +1,5 @@
 """T5 (encoder-decoder): logit parity with transformers, HF round trip, the seq2seq sampler."""
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -19,15 +20,40 @@ transformers = pytest.importorskip("transformers")
 # d_model / heads / d_kv, bucket counts and distances small enough that the tiny sequences
 # below reach the log-spaced and the last (clamped) buckets, tied (scaled) and untied heads.
 CONFIGS = {
-    "gated-untied": dict(vocab_size=97, d_model=48, d_kv=12, d_ff=80, num_heads=4,
-                         relative_attention_num_buckets=8, relative_attention_max_distance=6,
-                         feed_forward_proj="gated-gelu", untie=True),
-    "gated-tied": dict(vocab_size=131, d_model=64, d_kv=8, d_ff=96, num_heads=6,
-                       relative_attention_num_buckets=12, relative_attention_max_distance=9,
-                       feed_forward_proj="gated-gelu", num_decoder_layers=3, untie=False),
-    "relu-tied": dict(vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_heads=2,
-                      relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                      feed_forward_proj="relu", untie=False),
+    "gated-untied": dict(
+        vocab_size=97,
+        d_model=48,
+        d_kv=12,
+        d_ff=80,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=6,
+        feed_forward_proj="gated-gelu",
+        untie=True,
+    ),
+    "gated-tied": dict(
+        vocab_size=131,
+        d_model=64,
+        d_kv=8,
+        d_ff=96,
+        num_heads=6,
+        relative_attention_num_buckets=12,
+        relative_attention_max_distance=9,
+        feed_forward_proj="gated-gelu",
+        num_decoder_layers=3,
+        untie=False,
+    ),
+    "relu-tied": dict(
+        vocab_size=64,
+        d_model=32,
+        d_kv=16,
+        d_ff=64,
+        num_heads=2,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        feed_forward_proj="relu",
+        untie=False,
+    ),
 }
 
 
@@ -35,9 +61,16 @@ def hf_model(kw, seed=0):
   kw = dict(kw)
   untie = kw.pop("untie")
   torch.manual_seed(seed)
-  cfg = transformers.T5Config(num_layers=2, decoder_start_token_id=0, pad_token_id=0,
-                              eos_token_id=1, dropout_rate=0.0, tie_word_embeddings=not untie,
-                              attn_implementation="eager", **kw)
+  cfg = transformers.T5Config(
+      num_layers=2,
+      decoder_start_token_id=0,
+      pad_token_id=0,
+      eos_token_id=1,
+      dropout_rate=0.0,
+      tie_word_embeddings=not untie,
+      attn_implementation="eager",
+      **kw
+  )
   model = transformers.T5ForConditionalGeneration(cfg)
   with torch.no_grad():  # non-trivial norm scales (so their mapping is tested), own head
     for name, p in model.named_parameters():
@@ -54,7 +87,7 @@ def batch(vocab, seed=0, b=3, p=11, c=9):
   ids = rng.integers(2, vocab, (b, p))
   enc_mask = np.ones((b, p), np.int64)
   enc_mask[1, :4] = 0  # left-padded
-  enc_mask[2, p - 6:] = 0  # right-padded
+  enc_mask[2, p - 6 :] = 0  # right-padded
   dec = rng.integers(2, vocab, (b, c))
   dec[:, 0] = 0  # decoder start token
   dec_mask = (np.arange(c)[None] < np.array([c, 5, 2])[:, None]).astype(np.int64)
@@ -63,9 +96,16 @@ def batch(vocab, seed=0, b=3, p=11, c=9):
 
 def hf_logits(model, ids, mask, dec, dec_mask):
   with torch.no_grad():
-    return model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                 decoder_input_ids=torch.tensor(dec),
-                 decoder_attention_mask=torch.tensor(dec_mask)).logits.float().numpy()
+    return (
+        model(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            decoder_input_ids=torch.tensor(dec),
+            decoder_attention_mask=torch.tensor(dec_mask),
+        )
+        .logits.float()
+        .numpy()
+    )
 
 
 def max_diff(ours, theirs, mask):
@@ -74,8 +114,15 @@ def max_diff(ours, theirs, mask):
 
 def test_config_from_hf_dicts():
   base = dict(vocab_size=32128, d_model=512, d_kv=64, d_ff=1024, num_layers=8, num_heads=6)
-  flan = T5Config.from_hf_dict(dict(base, tie_word_embeddings=False, feed_forward_proj="gated-gelu",
-                                    num_decoder_layers=None, eos_token_id=[1, 2]))
+  flan = T5Config.from_hf_dict(
+      dict(
+          base,
+          tie_word_embeddings=False,
+          feed_forward_proj="gated-gelu",
+          num_decoder_layers=None,
+          eos_token_id=[1, 2],
+      )
+  )
   assert (flan.tie_word_embeddings, flan.scale_decoder_outputs) == (False, False)
   assert (flan.num_decoder_layers, flan.eos_token_id, flan.activation) == (8, 1, "gelu_new")
   t5 = T5Config.from_hf_dict(base)  # original T5: tied, scaled, ReLU
@@ -112,10 +159,17 @@ def test_saved_folder_loads_in_transformers_with_equal_logits(pair, tmp_path):
   hf, ours = pair
   save_t5_hf(ours, None, str(tmp_path))
   back = transformers.T5ForConditionalGeneration.from_pretrained(
-      str(tmp_path), attn_implementation="eager").eval()
+      str(tmp_path), attn_implementation="eager"
+  ).eval()
   ids, mask, dec, dec_mask = batch(97, seed=3)
-  assert max_diff(hf_logits(back, ids, mask, dec, dec_mask),
-                  hf_logits(hf, ids, mask, dec, dec_mask), dec_mask) <= 1e-6
+  assert (
+      max_diff(
+          hf_logits(back, ids, mask, dec, dec_mask),
+          hf_logits(hf, ids, mask, dec, dec_mask),
+          dec_mask,
+      )
+      <= 1e-6
+  )
   again = load_t5_hf(str(tmp_path))  # and the params survive ours -> HF -> ours exactly
   for a, b in zip(jax.tree.leaves(nnx.state(ours)), jax.tree.leaves(nnx.state(again))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -132,15 +186,28 @@ def prompts(vocab, seed=0, b=3, p=10):
 _logprobs = nnx.jit(t5_logprobs, static_argnums=5)
 
 
-@pytest.mark.parametrize("gen,temperature", [(GenerationConfig(temperature=1.0), 1.0),
-                                             (GenerationConfig(temperature=0.6), 0.6),
-                                             ("standard", 1.0)])
+@pytest.mark.parametrize(
+    "gen,temperature",
+    [
+        (GenerationConfig(temperature=1.0), 1.0),
+        (GenerationConfig(temperature=0.6), 0.6),
+        ("standard", 1.0),
+    ],
+)
 def test_sampled_logprobs_equal_teacher_forced(pair, gen, temperature):
   _, ours = pair
   ids, mask = prompts(97)
   g = 3
-  r = sample_seq2seq(ours, ids, mask, num_generations=g, max_new_tokens=8, rng=jax.random.key(1),
-                     generation=gen, eos_ids=(5, 9, 11))
+  r = sample_seq2seq(
+      ours,
+      ids,
+      mask,
+      num_generations=g,
+      max_new_tokens=8,
+      rng=jax.random.key(1),
+      generation=gen,
+      eos_ids=(5, 9, 11),
+  )
   m = np.asarray(r.mask) > 0
   assert 0 < (~np.asarray(r.truncated)).sum() < len(m)  # stops and full rows both exercised
   train = _logprobs(ours, ids, mask, r.tokens, r.mask, temperature)
@@ -166,9 +233,10 @@ def test_greedy_equals_transformers_generate(pair):
     eos = int(free[0, 5])
     out = hf.generate(torch.tensor(np.asarray(ids)), eos_token_id=eos, pad_token_id=0, **kw)
   want = np.zeros((3, new), np.int64)
-  want[:, :out.shape[1] - 1] = out[:, 1:].numpy()  # after the decoder start token
-  r = sample_seq2seq(ours, ids, mask, num_generations=2, max_new_tokens=new, rng=jax.random.key(0),
-                     eos_ids=(eos,))
+  want[:, : out.shape[1] - 1] = out[:, 1:].numpy()  # after the decoder start token
+  r = sample_seq2seq(
+      ours, ids, mask, num_generations=2, max_new_tokens=new, rng=jax.random.key(0), eos_ids=(eos,)
+  )
   np.testing.assert_array_equal(np.asarray(r.tokens), np.repeat(want, 2, 0))
   stops = [1 + int(np.argmax(w == eos)) if (w == eos).any() else new for w in want]
   np.testing.assert_array_equal(np.asarray(r.lengths), np.repeat(stops, 2))
@@ -216,6 +284,7 @@ def test_mesh_load_and_sampler_equal_single_device(pair, tmp_path):
   """Sharded load (data=2, fsdp=2, tensor=2) and the sampler on that mesh: same logits and
   tokens as on one device."""
   from grpo_jax.parallel import sharding
+
   _, ours = pair
   save_t5_hf(ours, None, str(tmp_path))
   mesh = sharding.make_mesh(2, 2, 2)
@@ -227,8 +296,13 @@ def test_mesh_load_and_sampler_equal_single_device(pair, tmp_path):
   with jax.set_mesh(mesh):
     got = nnx.jit(lambda m, *a: m(*a))(sharded, ids, mask, dec, jnp.ones_like(dec))
   np.testing.assert_allclose(np.asarray(got), np.asarray(ours(ids, mask, dec)), atol=1e-5)
-  kw = dict(num_generations=2, max_new_tokens=8, rng=jax.random.key(3), generation="standard",
-            eos_ids=(5, 9))
+  kw = dict(
+      num_generations=2,
+      max_new_tokens=8,
+      rng=jax.random.key(3),
+      generation="standard",
+      eos_ids=(5, 9),
+  )
   r0 = sample_seq2seq(ours, ids, mask, **kw)
   r1 = sample_seq2seq(sharded, ids, mask, mesh=mesh, **kw)
   np.testing.assert_array_equal(np.asarray(r1.tokens), np.asarray(r0.tokens))

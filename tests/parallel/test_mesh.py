@@ -1,5 +1,6 @@
 """Mesh shapes from config.mesh: per-slice sizes, the DCN data factor (mesh.dcn_data), the
 one-line validation messages, and a 2-process (2 x 4 fake CPU devices) multi-slice mesh."""
+
 import os
 import socket
 import subprocess
@@ -44,27 +45,33 @@ def _ids(array):
 # ------------------------------------------------------------------------- shape resolution
 
 
-@pytest.mark.parametrize("sizes,devices,dcn,ici,global_shape", [
-    ((-1, 1, 1), 8, 1, (8, 1, 1), (8, 1, 1)),
-    ((-1, 1, 1), 8, 2, (4, 1, 1), (8, 1, 1)),     # data=-1 fills one slice
-    ((-1, 2, 1), 16, 2, (4, 2, 1), (8, 2, 1)),
-    ((1, -1, 2), 16, 4, (1, 2, 2), (4, 2, 2)),
-    ((2, 2, 2), 16, 2, (2, 2, 2), (4, 2, 2)),
-])
+@pytest.mark.parametrize(
+    "sizes,devices,dcn,ici,global_shape",
+    [
+        ((-1, 1, 1), 8, 1, (8, 1, 1), (8, 1, 1)),
+        ((-1, 1, 1), 8, 2, (4, 1, 1), (8, 1, 1)),  # data=-1 fills one slice
+        ((-1, 2, 1), 16, 2, (4, 2, 1), (8, 2, 1)),
+        ((1, -1, 2), 16, 4, (1, 2, 2), (4, 2, 2)),
+        ((2, 2, 2), 16, 2, (2, 2, 2), (4, 2, 2)),
+    ],
+)
 def test_resolve_per_slice_and_global(sizes, devices, dcn, ici, global_shape):
   assert sharding.resolve_ici_shape(sizes, devices, dcn) == ici
   assert sharding.resolve_mesh_shape(sizes, devices, dcn) == global_shape
   assert sharding.data_parallel_size(global_shape) == global_shape[0] * global_shape[1]
 
 
-@pytest.mark.parametrize("sizes,devices,dcn,words", [
-    ((3, 1, 1), 8, 2, ["does not fit the 4 devices of one slice", "mesh.dcn_data=2"]),
-    ((2, 2, 2), 8, 2, ["does not fit the 4 devices of one slice"]),
-    ((1, 1, 2), 8, 2, ["uses 2 devices", "a slice has 4", "make data * fsdp * tensor = 4"]),
-    ((-1, 1, 1), 8, 3, ["mesh.dcn_data=3 does not split 8 devices"]),
-    ((-1, -1, 1), 8, 2, ["at most one axis may be -1"]),
-    ((3, 1, 1), 8, 1, ["does not fit 8 devices"]),  # dcn_data=1: the old wording
-])
+@pytest.mark.parametrize(
+    "sizes,devices,dcn,words",
+    [
+        ((3, 1, 1), 8, 2, ["does not fit the 4 devices of one slice", "mesh.dcn_data=2"]),
+        ((2, 2, 2), 8, 2, ["does not fit the 4 devices of one slice"]),
+        ((1, 1, 2), 8, 2, ["uses 2 devices", "a slice has 4", "make data * fsdp * tensor = 4"]),
+        ((-1, 1, 1), 8, 3, ["mesh.dcn_data=3 does not split 8 devices"]),
+        ((-1, -1, 1), 8, 2, ["at most one axis may be -1"]),
+        ((3, 1, 1), 8, 1, ["does not fit 8 devices"]),  # dcn_data=1: the old wording
+    ],
+)
 def test_resolve_errors_name_the_shape(sizes, devices, dcn, words):
   with pytest.raises(ValueError) as e:
     sharding.resolve_mesh_shape(sizes, devices, dcn)
@@ -75,12 +82,15 @@ def test_resolve_errors_name_the_shape(sizes, devices, dcn, words):
 # ----------------------------------------------------------------- device layout (fake devices)
 
 
-@pytest.mark.parametrize("ici,dcn,rows", [
-    ((4, 1, 1), 2, [[0], [1], [2], [3], [4], [5], [6], [7]]),  # 2 granules of 2 processes each
-    ((2, 1, 1), 4, [[0], [1], [2], [3], [4], [5], [6], [7]]),  # one process per DCN slice
-    ((2, 2, 1), 2, [[0, 1], [2, 3], [4, 5], [6, 7]]),
-    ((1, 4, 1), 2, [[0, 1, 2, 3], [4, 5, 6, 7]]),  # fsdp spans 2 processes inside a DCN slice
-])
+@pytest.mark.parametrize(
+    "ici,dcn,rows",
+    [
+        ((4, 1, 1), 2, [[0], [1], [2], [3], [4], [5], [6], [7]]),  # 2 granules of 2 processes each
+        ((2, 1, 1), 4, [[0], [1], [2], [3], [4], [5], [6], [7]]),  # one process per DCN slice
+        ((2, 2, 1), 2, [[0, 1], [2, 3], [4, 5], [6, 7]]),
+        ((1, 4, 1), 2, [[0, 1, 2, 3], [4, 5, 6, 7]]),  # fsdp spans 2 processes inside a DCN slice
+    ],
+)
 def test_hybrid_layout_puts_dcn_outermost_on_data(ici, dcn, rows):
   devices = _fake_devices(8, per_process=2)
   array = sharding.hybrid_device_array(ici, dcn, devices)
@@ -88,7 +98,7 @@ def test_hybrid_layout_puts_dcn_outermost_on_data(ici, dcn, rows):
   assert _ids(array).reshape(array.shape[0], -1).tolist() == rows
   half = array.shape[0] // dcn
   for s in range(dcn):  # DCN slice s = the s-th block of `data`, its own processes only
-    procs = {d.process_index for d in array[s * half:(s + 1) * half].ravel()}
+    procs = {d.process_index for d in array[s * half : (s + 1) * half].ravel()}
     assert procs == set(range(s * 4 // dcn, (s + 1) * 4 // dcn))
 
 
@@ -124,8 +134,9 @@ def test_dcn_data_1_is_the_mesh_as_before(data, fsdp, tensor):
   assert config.mesh.dcn_data == 1  # the default
   mesh = build.make_mesh(config)
   shape = sharding.resolve_mesh_shape((data, fsdp, tensor), jax.device_count())
-  before = jax.make_mesh(shape, sharding.MESH_AXES,
-                         axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices())
+  before = jax.make_mesh(
+      shape, sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices()
+  )
   assert mesh.axis_names == sharding.MESH_AXES
   assert mesh.shape == before.shape
   assert (mesh.devices == before.devices).all()
@@ -139,10 +150,12 @@ def test_dcn_data_2_needs_two_processes_here():
 def test_maxtext_layout_keeps_the_dcn_order():
   """impl=maxtext re-lays our mesh over MaxText's axes: same devices in the same data order."""
   from grpo_jax.models.maxtext import adapter as maxtext_adapter
+
   devices = np.asarray(jax.devices()[::-1]).reshape(4, 2, 1)  # any order: it must survive
   base = jax.sharding.Mesh(devices, sharding.MESH_AXES)
-  mt = SimpleNamespace(mesh_axes=["data", "stage", "fsdp", "fsdp_transpose", "sequence",
-                                  "tensor", "expert"])
+  mt = SimpleNamespace(
+      mesh_axes=["data", "stage", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert"]
+  )
   mesh = maxtext_adapter.maxtext_mesh(mt, base)
   assert mesh.shape["data"] == 4 and mesh.shape["fsdp"] == 2
   assert (mesh.devices.reshape(4, 2) == devices.reshape(4, 2)).all()
@@ -164,24 +177,66 @@ def test_valid_multi_slice_config():
   assert _errors(_config(dcn_data=1), processes=1) == []
 
 
-@pytest.mark.parametrize("mesh,devices,processes,words", [
-    (dict(dcn_data=3), 8, 2,
-     ["mesh.dcn_data=3: must divide the 2 JAX processes", "Fix: use a divisor of 2"]),
-    (dict(dcn_data=2), 8, 1, ["mesh.dcn_data=2: must divide the 1 JAX process", "Fix: use 1"]),
-    (dict(dcn_data=0), 8, 2, ["mesh.dcn_data=0: must be an integer >= 1", "Fix: use 1"]),
-    (dict(dcn_data=-1), 8, 2, ["mesh.dcn_data=-1: must be an integer >= 1"]),
-    (dict(dcn_data=2, data=3), 8, 2,
-     ["mesh.data=3:", "does not fit the 4 devices of one slice",
-      "Fix: make data * fsdp * tensor equal the 4 devices per DCN slice (8 devices / "
-      "mesh.dcn_data=2)"]),
-    (dict(dcn_data=2, data=1, fsdp=1, tensor=1), 8, 2,
-     ["mesh.data=1:", "uses 1 devices but a slice has 4", "equal the 4 devices per DCN slice"]),
-    (dict(data=1, tensor=8), 8, 1,
-     ["mesh.tensor=8: does not divide the model's 4 attention heads", "Fix: use a divisor of 4"]),
-    (dict(data=3), 8, 1, ["mesh.data=3:", "Fix: make data * fsdp * tensor equal the 8 available"]),
-], ids=["dcn-not-dividing-processes", "dcn-one-process", "dcn-zero", "dcn-negative",
-        "bad-product-per-slice", "too-small-per-slice", "tensor-not-dividing-heads",
-        "bad-product-single-slice"])
+@pytest.mark.parametrize(
+    "mesh,devices,processes,words",
+    [
+        (
+            dict(dcn_data=3),
+            8,
+            2,
+            ["mesh.dcn_data=3: must divide the 2 JAX processes", "Fix: use a divisor of 2"],
+        ),
+        (dict(dcn_data=2), 8, 1, ["mesh.dcn_data=2: must divide the 1 JAX process", "Fix: use 1"]),
+        (dict(dcn_data=0), 8, 2, ["mesh.dcn_data=0: must be an integer >= 1", "Fix: use 1"]),
+        (dict(dcn_data=-1), 8, 2, ["mesh.dcn_data=-1: must be an integer >= 1"]),
+        (
+            dict(dcn_data=2, data=3),
+            8,
+            2,
+            [
+                "mesh.data=3:",
+                "does not fit the 4 devices of one slice",
+                "Fix: make data * fsdp * tensor equal the 4 devices per DCN slice (8 devices / "
+                "mesh.dcn_data=2)",
+            ],
+        ),
+        (
+            dict(dcn_data=2, data=1, fsdp=1, tensor=1),
+            8,
+            2,
+            [
+                "mesh.data=1:",
+                "uses 1 devices but a slice has 4",
+                "equal the 4 devices per DCN slice",
+            ],
+        ),
+        (
+            dict(data=1, tensor=8),
+            8,
+            1,
+            [
+                "mesh.tensor=8: does not divide the model's 4 attention heads",
+                "Fix: use a divisor of 4",
+            ],
+        ),
+        (
+            dict(data=3),
+            8,
+            1,
+            ["mesh.data=3:", "Fix: make data * fsdp * tensor equal the 8 available"],
+        ),
+    ],
+    ids=[
+        "dcn-not-dividing-processes",
+        "dcn-one-process",
+        "dcn-zero",
+        "dcn-negative",
+        "bad-product-per-slice",
+        "too-small-per-slice",
+        "tensor-not-dividing-heads",
+        "bad-product-single-slice",
+    ],
+)
 def test_bad_mesh_gives_one_line(mesh, devices, processes, words):
   errors = _errors(_config(**mesh), devices, processes)
   assert len(errors) == 1, errors
@@ -193,12 +248,16 @@ def test_batch_checks_count_the_dcn_factor():
   config = _config(dcn_data=2)
   config.batch_size, config.num_generations = 8, 4  # 8 prompts over a data axis of 16
   errors = _errors(config, devices=16)
-  assert errors == ["batch_size=8: the prompts of a step do not divide over the data-parallel "
-                    "mesh size data * fsdp (data includes mesh.dcn_data=2) = 16. Fix: use a "
-                    "multiple of 16."]
+  assert errors == [
+      "batch_size=8: the prompts of a step do not divide over the data-parallel "
+      "mesh size data * fsdp (data includes mesh.dcn_data=2) = 16. Fix: use a "
+      "multiple of 16."
+  ]
   config.batch_size, config.micro_batch_size = 16, 8
-  assert any(e.startswith("micro_batch_size=8: not divisible by the data-parallel mesh size 16")
-             for e in _errors(config, devices=16))
+  assert any(
+      e.startswith("micro_batch_size=8: not divisible by the data-parallel mesh size 16")
+      for e in _errors(config, devices=16)
+  )
 
 
 # ------------------------------------------------------------------- two processes, dcn_data=2
@@ -259,11 +318,18 @@ def test_two_processes_dcn_data_2(tmp_path):
   script = tmp_path / "dcn_mesh.py"
   script.write_text(textwrap.dedent(_SCRIPT))
   port = str(_free_port())
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  procs = [subprocess.Popen([sys.executable, str(script), str(pid), port, ROOT], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for pid in range(2)]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  procs = [
+      subprocess.Popen(
+          [sys.executable, str(script), str(pid), port, ROOT],
+          cwd=ROOT,
+          env=env,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE,
+          text=True,
+      )
+      for pid in range(2)
+  ]
   try:
     outs = [p.communicate(timeout=120) for p in procs]
   finally:

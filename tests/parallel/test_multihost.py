@@ -6,6 +6,7 @@ parameters as one uninterrupted single-process run.
 The two-process job's workdir is gs://bucket/pair on an offline GCS emulator
 (tests/fake_gcs.py, the `gcs` fixture): checkpoints (tensorstore's gcs driver), events, metrics.jsonl and
 summary.json go over the same clients as on Google Cloud, and the restarts resume from there."""
+
 import json
 import os
 import signal
@@ -23,18 +24,27 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SFT_STEPS, NUM_STEPS = 10, 6
-ARGS = ["--config=configs/tiny.py", f"--config.sft_steps={SFT_STEPS}",
-        "--config.sft.stop_at_accuracy=0", f"--config.num_steps={NUM_STEPS}",
-        "--config.batch_size=8", "--config.num_generations=4",
-        "--config.data.arithmetic.num_train=128", "--config.eval.num_examples=32",
-        "--config.eval.batch_size=16", "--config.log_interval_steps=1",
-        "--config.save_interval_steps=2",
-        # Issue 18's knobs that touch the data and the reference ride along: DAPO dynamic
-        # sampling (its choice of groups over extra rounds must not depend on the process
-        # count), advantage clipping, a KL term against a reference refreshed every 3 steps.
-        "--config.loss.advantage_clip=2.0", "--config.loss.dynamic_sampling=True",
-        "--config.loss.max_resample_rounds=2", "--config.beta=0.02",
-        "--config.reference.refresh_every_steps=3"]
+ARGS = [
+    "--config=configs/tiny.py",
+    f"--config.sft_steps={SFT_STEPS}",
+    "--config.sft.stop_at_accuracy=0",
+    f"--config.num_steps={NUM_STEPS}",
+    "--config.batch_size=8",
+    "--config.num_generations=4",
+    "--config.data.arithmetic.num_train=128",
+    "--config.eval.num_examples=32",
+    "--config.eval.batch_size=16",
+    "--config.log_interval_steps=1",
+    "--config.save_interval_steps=2",
+    # Issue 18's knobs that touch the data and the reference ride along: DAPO dynamic
+    # sampling (its choice of groups over extra rounds must not depend on the process
+    # count), advantage clipping, a KL term against a reference refreshed every 3 steps.
+    "--config.loss.advantage_clip=2.0",
+    "--config.loss.dynamic_sampling=True",
+    "--config.loss.max_resample_rounds=2",
+    "--config.beta=0.02",
+    "--config.reference.refresh_every_steps=3",
+]
 # Final params of the two jobs agree to this. Measured: 1.9e-5 with the knobs above (< 1e-5
 # without): the meshes' last-bit gradient differences grow through AdamW's normalized steps
 # where gradients are tiny; a real divergence (a skipped or repeated step, other data) moves
@@ -57,10 +67,27 @@ def _launch_pair(workdir, *args, kill_when=None, base=ARGS):
   env = dict(os.environ, LOCAL_DEVICES="4", PYTHON=sys.executable)
   env.pop("XLA_FLAGS", None)  # the launcher sets the per-process device count
   logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
-  procs = [subprocess.Popen(
-      ["bash", "launch/multihost.sh", f"127.0.0.1:{port}", "2", str(pid), "--",
-       f"--workdir={workdir}", *base, *args], cwd=ROOT, env=env, stderr=logs[pid],
-      stdout=subprocess.DEVNULL, text=True) for pid in range(2)]
+  procs = [
+      subprocess.Popen(
+          [
+              "bash",
+              "launch/multihost.sh",
+              f"127.0.0.1:{port}",
+              "2",
+              str(pid),
+              "--",
+              f"--workdir={workdir}",
+              *base,
+              *args,
+          ],
+          cwd=ROOT,
+          env=env,
+          stderr=logs[pid],
+          stdout=subprocess.DEVNULL,
+          text=True,
+      )
+      for pid in range(2)
+  ]
   if kill_when is not None:
     deadline = time.time() + 600
     while any(p.poll() is None for p in procs) and time.time() < deadline:
@@ -78,10 +105,15 @@ def _launch_pair(workdir, *args, kill_when=None, base=ARGS):
 
 
 def _launch_single(workdir, *args, base=ARGS):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  p = subprocess.run([sys.executable, "-m", "grpo_jax.main", f"--workdir={workdir}", *base,
-                      *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  p = subprocess.run(
+      [sys.executable, "-m", "grpo_jax.main", f"--workdir={workdir}", *base, *args],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert p.returncode == 0, p.stderr[-3000:]
 
 
@@ -91,10 +123,20 @@ def _logged(workdir) -> dict[tuple[str, int], dict]:
   out = {}
   for line in (workdir / "metrics.jsonl").read_text().splitlines():
     row = json.loads(line)
-    what = ("sft" if "sft/loss" in row else "grpo" if "loss/policy_loss" in row else
-            "eval" if any(k.startswith("eval/") for k in row) else "other")
-    out[what, row["step"]] = {k: v for k, v in row.items() if isinstance(v, (int, float))
-                              and not any(u in k for u in _UNTIMED)}
+    what = (
+        "sft"
+        if "sft/loss" in row
+        else "grpo"
+        if "loss/policy_loss" in row
+        else "eval"
+        if any(k.startswith("eval/") for k in row)
+        else "other"
+    )
+    out[what, row["step"]] = {
+        k: v
+        for k, v in row.items()
+        if isinstance(v, (int, float)) and not any(u in k for u in _UNTIMED)
+    }
   return out
 
 
@@ -103,8 +145,9 @@ def _final_params(workdir):
   path = workdir / "checkpoints" / str(step) / "state"
   meta = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
   restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-  state = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
-      restore_args=restore_args))
+  state = ocp.PyTreeCheckpointer().restore(
+      path, args=ocp.args.PyTreeRestore(restore_args=restore_args)
+  )
   return step, state["train"]["params"]
 
 
@@ -150,8 +193,13 @@ def test_two_processes_equal_one_through_stop_kill_and_resume(tmp_path, gcs):
     for k, v in ref[step].items():
       worst[k] = max(worst.get(k, 0.0), abs(v - got[step][k]) / max(1.0, abs(v)))
   assert max(worst.values()) <= 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
-  for k in ("reward/total", "loss/policy_loss", "loss/grad_norm", "sft/loss",
-            "eval/accuracy/greedy"):
+  for k in (
+      "reward/total",
+      "loss/policy_loss",
+      "loss/grad_norm",
+      "sft/loss",
+      "eval/accuracy/greedy",
+  ):
     assert k in worst
   assert max(ref[k].get("dynamic_sampling/rounds", 0) for k in ref) > 1  # resampling ran
 
@@ -159,17 +207,28 @@ def test_two_processes_equal_one_through_stop_kill_and_resume(tmp_path, gcs):
   assert s1 == s2 == SFT_STEPS + NUM_STEPS
   diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), p1, p2)
   assert max(jax.tree.leaves(diffs)) <= PARAM_TOL, diffs
-  print(f"1x8 {single_sec:.1f}s; 2x4 stop+kill+resume {pair_sec:.1f}s (kill rcs "
-        f"{[rc for rc, _ in killed]}); "
-        f"max metric diff {max(worst.values()):.2e}; max param diff "
-        f"{max(jax.tree.leaves(diffs)):.2e}")
+  print(
+      f"1x8 {single_sec:.1f}s; 2x4 stop+kill+resume {pair_sec:.1f}s (kill rcs "
+      f"{[rc for rc, _ in killed]}); "
+      f"max metric diff {max(worst.values()):.2e}; max param diff "
+      f"{max(jax.tree.leaves(diffs)):.2e}"
+  )
 
 
-LORA_ARGS = ["--config=configs/tiny_lora.py", "--config.sft_steps=4", "--config.sft.stop_at_accuracy=0",
-             "--config.num_steps=3", "--config.batch_size=8", "--config.num_generations=4",
-             "--config.data.arithmetic.num_train=64", "--config.eval.num_examples=16",
-             "--config.eval.batch_size=16", "--config.log_interval_steps=1",
-             "--config.save_interval_steps=1", "--config.beta=0.05"]
+LORA_ARGS = [
+    "--config=configs/tiny_lora.py",
+    "--config.sft_steps=4",
+    "--config.sft.stop_at_accuracy=0",
+    "--config.num_steps=3",
+    "--config.batch_size=8",
+    "--config.num_generations=4",
+    "--config.data.arithmetic.num_train=64",
+    "--config.eval.num_examples=16",
+    "--config.eval.batch_size=16",
+    "--config.log_interval_steps=1",
+    "--config.save_interval_steps=1",
+    "--config.beta=0.05",
+]
 
 
 @pytest.mark.slow  # ~2 min: LoRA over 2 processes (the default suite runs the full-model pair)
@@ -197,10 +256,18 @@ def test_lora_two_processes_equal_one_through_a_resume(tmp_path, gcs):
   assert max(jax.tree.leaves(diffs)) <= PARAM_TOL, diffs
 
 
-TABLE_ARGS = ["--config=configs/tiny.py", "--config.sft_steps=2", "--config.sft.stop_at_accuracy=0",
-              "--config.num_steps=2", "--config.batch_size=8", "--config.num_generations=4",
-              "--config.data.arithmetic.num_train=32", "--config.data.arithmetic.num_test=16",
-              "--config.eval.batch_size=16", "--config.log_interval_steps=1"]
+TABLE_ARGS = [
+    "--config=configs/tiny.py",
+    "--config.sft_steps=2",
+    "--config.sft.stop_at_accuracy=0",
+    "--config.num_steps=2",
+    "--config.batch_size=8",
+    "--config.num_generations=4",
+    "--config.data.arithmetic.num_train=32",
+    "--config.data.arithmetic.num_test=16",
+    "--config.eval.batch_size=16",
+    "--config.log_interval_steps=1",
+]
 
 
 @pytest.mark.slow  # ~35 s (suite time): the tables' rows enter the same pipeline as any source's
@@ -213,16 +280,30 @@ def test_two_processes_read_table_sources_like_one_reads_the_same_rows(tmp_path)
   from tests.data import tables_fixtures as fx
   from tests.test_train import tiny_config
   from grpo_jax import data as data_lib
-  train_rows, eval_rows = data_lib.load_rows(tiny_config(**{
-      "data.arithmetic.num_train": 32, "data.arithmetic.num_test": 16}))
+
+  train_rows, eval_rows = data_lib.load_rows(
+      tiny_config(**{"data.arithmetic.num_train": 32, "data.arithmetic.num_test": 16})
+  )
   tr = fx.write_parquet(fx.verl_records_from_rows(train_rows), str(tmp_path / "train.parquet"))
   # One column map serves both splits: the eval folder names its fields as the defaults do.
-  ev = fx.save_dataset([dict(prompt=[{"role": "user", "content": r["prompt"]}],
-                             ground_truth=r["ground_truth"], data_source=r["data_source"])
-                        for r in eval_rows], str(tmp_path / "eval_ds"))
-  tables = ["--config.data.train_source=parquet", f"--config.data.train_path={tr}",
-            "--config.data.columns.demonstration=extra_info.demonstration",
-            "--config.data.eval_source=hf_dataset", f"--config.data.eval_path={ev}"]
+  ev = fx.save_dataset(
+      [
+          dict(
+              prompt=[{"role": "user", "content": r["prompt"]}],
+              ground_truth=r["ground_truth"],
+              data_source=r["data_source"],
+          )
+          for r in eval_rows
+      ],
+      str(tmp_path / "eval_ds"),
+  )
+  tables = [
+      "--config.data.train_source=parquet",
+      f"--config.data.train_path={tr}",
+      "--config.data.columns.demonstration=extra_info.demonstration",
+      "--config.data.eval_source=hf_dataset",
+      f"--config.data.eval_path={ev}",
+  ]
   single, pair = epath.Path(tmp_path / "single"), epath.Path(tmp_path / "pair")
   _launch_single(single, base=TABLE_ARGS)
   for rc, err in _launch_pair(pair, *tables, base=TABLE_ARGS):

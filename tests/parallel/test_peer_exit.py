@@ -1,7 +1,9 @@
 """When one process of a 2-process job dies, the other stops within seconds (not JAX's ~100 s
 heartbeat abort) with one line that says so and how to resume, exit status 75, and the details
 in WORKDIR/error.log; relaunching both resumes from the last checkpoint to the same numbers as
-a run never interrupted (grpo_jax/parallel/peers.py, the watchdog; main.py, the collective's error)."""
+a run never interrupted (grpo_jax/parallel/peers.py, the watchdog; main.py, the collective's error).
+"""
+
 import json
 import os
 import re
@@ -20,8 +22,12 @@ from tests.parallel import test_multihost as multihost_test
 # Well below JAX's own abort (heartbeat_timeout_seconds=100): the watchdog's 10 s, a 1 s poll,
 # and slack for 2 busy CPU cores.
 EXIT_WITHIN_SEC = 30
-FAST_ARGS = [*multihost_test.ARGS, "--config.sft_steps=2", "--config.num_steps=20",
-             "--config.save_interval_steps=1"]
+FAST_ARGS = [
+    *multihost_test.ARGS,
+    "--config.sft_steps=2",
+    "--config.num_steps=20",
+    "--config.save_interval_steps=1",
+]
 
 
 class _FakeClient:
@@ -42,6 +48,7 @@ class _FakeClient:
 
 class _Recording(peers.Watchdog):
   """Records what the watchdog would end the process for, instead of ending it."""
+
   ended = None
 
   def _end(self, pid, detail, what):
@@ -113,14 +120,20 @@ stuck_in_a_collective()
 
 
 def test_watchdog_ends_the_process_with_one_line_and_the_details_in_the_log(tmp_path):
-  p = subprocess.run([sys.executable, "-c", _SILENT_PEER, str(tmp_path)],
-                     cwd=multihost_test.ROOT, capture_output=True, text=True, timeout=60)
+  p = subprocess.run(
+      [sys.executable, "-c", _SILENT_PEER, str(tmp_path)],
+      cwd=multihost_test.ROOT,
+      capture_output=True,
+      text=True,
+      timeout=60,
+  )
   assert p.returncode == peers.EXIT_PEER_GONE == 75
   log = tmp_path / "error.process_1.log"
   assert p.stderr.endswith(
       "\nerror: JAX process 0 of 2 is gone (killed or crashed); this process stops too. Relaunch "
       "every process with the same command: the run resumes from the last checkpoint in "
-      f"{tmp_path}. (details: {log})\n"), p.stderr
+      f"{tmp_path}. (details: {log})\n"
+  ), p.stderr
   text = log.read_text()
   assert text.startswith("JAX process 0 of 2 is gone (killed or crashed): last heartbeat '3'")
   main_thread = text.split("Thread MainThread:\n", 1)[1].split("\nThread ", 1)[0]
@@ -131,11 +144,14 @@ def test_lost_peer_names_what_the_collective_said():
   wrapped = OSError(
       "writing a checkpoint under /w/checkpoints failed (at step 4): UNKNOWN: Gloo AllGather "
       "failed: [external/gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:33682: "
-      "Connection reset by peer. Fix: free space or fix write access there")
+      "Connection reset by peer. Fix: free space or fix write access there"
+  )
   assert peers.lost_peer(wrapped) == "Gloo AllGather failed: Connection reset by peer"
-  assert peers.lost_peer(RuntimeError(
-      "UNKNOWN: Gloo all-reduce failed: [pair.cc:547] Connection closed by peer [::1]:1")) == (
-          "Gloo all-reduce failed: Connection closed by peer")
+  assert peers.lost_peer(
+      RuntimeError(
+          "UNKNOWN: Gloo all-reduce failed: [pair.cc:547] Connection closed by peer [::1]:1"
+      )
+  ) == ("Gloo all-reduce failed: Connection closed by peer")
   assert peers.lost_peer(RuntimeError("Connection reset by peer")) is None  # not a collective
   assert peers.lost_peer(ValueError("Gloo all-reduce failed: bad shape")) is None
 
@@ -145,10 +161,26 @@ def _start_pair(workdir, *args):
   env = dict(os.environ, LOCAL_DEVICES="4", PYTHON=sys.executable)
   env.pop("XLA_FLAGS", None)  # the launcher sets the per-process device count
   logs = [open(os.path.join(os.path.dirname(workdir), f"stderr.{i}"), "w+") for i in range(2)]
-  procs = [subprocess.Popen(
-      ["bash", "launch/multihost.sh", f"127.0.0.1:{port}", "2", str(pid), "--",
-       f"--workdir={workdir}", *args], cwd=multihost_test.ROOT, env=env, stderr=logs[pid],
-      stdout=subprocess.DEVNULL, text=True) for pid in range(2)]
+  procs = [
+      subprocess.Popen(
+          [
+              "bash",
+              "launch/multihost.sh",
+              f"127.0.0.1:{port}",
+              "2",
+              str(pid),
+              "--",
+              f"--workdir={workdir}",
+              *args,
+          ],
+          cwd=multihost_test.ROOT,
+          env=env,
+          stderr=logs[pid],
+          stdout=subprocess.DEVNULL,
+          text=True,
+      )
+      for pid in range(2)
+  ]
   return procs, logs
 
 
@@ -201,9 +233,11 @@ def test_stalled_peer_ends_the_other_within_seconds(tmp_path):
   line = _last_line(stderr)
   assert rc == peers.EXIT_PEER_GONE, stderr[-3000:]
   assert took < EXIT_WITHIN_SEC
-  assert line == ("error: JAX process 1 of 2 is gone (killed or crashed); this process stops "
-                  "too. Relaunch every process with the same command: the run resumes from the "
-                  f"last checkpoint in {workdir}. (details: {workdir}/error.log)"), line
+  assert line == (
+      "error: JAX process 1 of 2 is gone (killed or crashed); this process stops "
+      "too. Relaunch every process with the same command: the run resumes from the "
+      f"last checkpoint in {workdir}. (details: {workdir}/error.log)"
+  ), line
   assert "Check failure" not in stderr and "Fatal Python error" not in stderr
   log = open(os.path.join(workdir, "error.log")).read()
   assert "JAX process 1 of 2 is gone" in log and "last heartbeat" in log
@@ -219,12 +253,19 @@ def test_killed_peer_ends_the_other_within_seconds(tmp_path):
   line = _last_line(stderr)
   assert rc == peers.EXIT_PEER_GONE, stderr[-3000:]
   assert took < EXIT_WITHIN_SEC
-  hint = ("this process stops too. Relaunch every process with the same command: the run "
-          f"resumes from the last checkpoint in {workdir}.")
+  hint = (
+      "this process stops too. Relaunch every process with the same command: the run "
+      f"resumes from the last checkpoint in {workdir}."
+  )
   assert re.fullmatch(  # the collective failed at once, or the watchdog found the peer silent
       r"error: (a peer JAX process is gone \(Gloo [\w-]+ failed: [\w ]+\)|"
-      r"JAX process 1 of 2 is gone \(killed or crashed\)); " + re.escape(hint) +
-      r" \((traceback|details): " + re.escape(f"{workdir}/error.log") + r"\)", line), line
+      r"JAX process 1 of 2 is gone \(killed or crashed\)); "
+      + re.escape(hint)
+      + r" \((traceback|details): "
+      + re.escape(f"{workdir}/error.log")
+      + r"\)",
+      line,
+  ), line
   assert "Check failure" not in stderr and "Fatal Python error" not in stderr
   assert os.path.getsize(os.path.join(workdir, "error.log")) > 500
   print(f"process 0 exited {took:.1f} s after kill -9 of process 1: {line[:80]}")
@@ -241,8 +282,9 @@ def test_relaunch_after_a_killed_peer_resumes_to_the_same_numbers(tmp_path):
 
   ckpt = multihost_test.SFT_STEPS + 2  # GRPO step 2's
   committed = run / "checkpoints" / str(ckpt) / "commit_success.txt"
-  rc, took, stderr = _kill_one(str(run), signal.SIGKILL, args=multihost_test.ARGS,
-                               ready=committed.exists)
+  rc, took, stderr = _kill_one(
+      str(run), signal.SIGKILL, args=multihost_test.ARGS, ready=committed.exists
+  )
   assert rc == peers.EXIT_PEER_GONE and took < EXIT_WITHIN_SEC, stderr[-3000:]
   assert not (run / "summary.json").exists()
 

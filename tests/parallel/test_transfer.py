@@ -1,6 +1,7 @@
 """grpo_jax.parallel.transfer.CrossMesh: trees moved between two disjoint meshes, on one process (8 fake
 devices split 4/4) and on two (jax.distributed over 127.0.0.1): values, the cast, shardings,
 donated buffers reused, both directions."""
+
 import os
 import socket
 import subprocess
@@ -23,8 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _meshes(src_shape=(1, 4, 1), dst_shape=(1, 4, 1)):
   d = jax.devices()
-  return (sharding.make_mesh(*src_shape, devices=d[:4]),
-          sharding.make_mesh(*dst_shape, devices=d[4:]))
+  return (
+      sharding.make_mesh(*src_shape, devices=d[:4]),
+      sharding.make_mesh(*dst_shape, devices=d[4:]),
+  )
 
 
 def _put(value, mesh, spec):
@@ -38,13 +41,13 @@ def _ids(x):
 # (src mesh, src spec, dst mesh, dst spec, shape, dtype)
 CASES = [
     ((1, 4, 1), P("fsdp", None), (1, 4, 1), P("fsdp", None), (8, 6), np.float32),  # same layout
-    ((1, 4, 1), P("fsdp", None), (4, 1, 1), P("data", None), (8, 6), np.float32),   # other shape
+    ((1, 4, 1), P("fsdp", None), (4, 1, 1), P("data", None), (8, 6), np.float32),  # other shape
     ((1, 4, 1), P(None, "fsdp"), (1, 2, 2), P("fsdp", "tensor"), (6, 8), np.float32),
     ((2, 2, 1), P(("data", "fsdp")), (1, 1, 4), P(None), (16,), np.float32),
-    ((1, 4, 1), P(), (1, 4, 1), P(), (5, 3), np.float32),                           # replicated
+    ((1, 4, 1), P(), (1, 4, 1), P(), (5, 3), np.float32),  # replicated
     ((1, 4, 1), P(), (1, 4, 1), P("fsdp"), (8,), np.float32),
-    ((1, 4, 1), P(), (2, 2, 1), P(), (), np.float32),                               # scalar
-    ((1, 4, 1), P("fsdp", None), (1, 2, 2), P(None, "tensor"), (8, 4), np.int32),   # no cast
+    ((1, 4, 1), P(), (2, 2, 1), P(), (), np.float32),  # scalar
+    ((1, 4, 1), P("fsdp", None), (1, 2, 2), P(None, "tensor"), (8, 4), np.int32),  # no cast
     ((4, 1, 1), P(("data", "fsdp"), None), (1, 4, 1), P(("data", "fsdp"), None), (8, 3), bool),
 ]
 
@@ -72,28 +75,42 @@ def test_tree_in_both_directions_with_donation_and_one_program_set():
   into the first one's buffers; then sampler -> trainer a rollout batch (int, bool, f32)."""
   src, dst = _meshes((1, 4, 1), (1, 2, 2))
   rng = np.random.default_rng(0)
-  params = {"embed": rng.normal(size=(16, 8)).astype(np.float32),
-            "mlp": {"up": rng.normal(size=(8, 12)).astype(np.float32),
-                    "down": rng.normal(size=(12, 8)).astype(np.float32)},
-            "scale": np.float32(0.5), "step": np.int32(7)}
-  specs = {"embed": P("fsdp", None), "mlp": {"up": P("fsdp", None), "down": P(None, "fsdp")},
-           "scale": P(), "step": P()}
-  want = {"embed": P(("fsdp", "tensor"), None),
-          "mlp": {"up": P(None, "tensor"), "down": P("tensor")},
-          "scale": P(), "step": P()}
+  params = {
+      "embed": rng.normal(size=(16, 8)).astype(np.float32),
+      "mlp": {
+          "up": rng.normal(size=(8, 12)).astype(np.float32),
+          "down": rng.normal(size=(12, 8)).astype(np.float32),
+      },
+      "scale": np.float32(0.5),
+      "step": np.int32(7),
+  }
+  specs = {
+      "embed": P("fsdp", None),
+      "mlp": {"up": P("fsdp", None), "down": P(None, "fsdp")},
+      "scale": P(),
+      "step": P(),
+  }
+  want = {
+      "embed": P(("fsdp", "tensor"), None),
+      "mlp": {"up": P(None, "tensor"), "down": P("tensor")},
+      "scale": P(),
+      "step": P(),
+  }
   want = jax.tree.map(lambda s: NamedSharding(dst, s), want)
   tree = jax.tree.map(lambda v, s: _put(v, src, s), params, specs)
   cm = transfer.CrossMesh(src, dst)
   first = cm.move(tree, want, dtype=jnp.bfloat16)
-  embed_ptrs = {a.device.id: a.data.unsafe_buffer_pointer()
-                for a in first["embed"].addressable_shards}
+  embed_ptrs = {
+      a.device.id: a.data.unsafe_buffer_pointer() for a in first["embed"].addressable_shards
+  }
   with jax.transfer_guard("disallow"):  # device to device only: the loop's guard holds
     second = cm.move(tree, want, dtype=jnp.bfloat16, donate=first)
   assert all(x.is_deleted() for x in jax.tree.leaves(first))
   assert not any(x.is_deleted() for x in jax.tree.leaves(tree))
   # embed lands where it is wanted (row block i on dst device i): the donated buffers are reused
-  assert embed_ptrs == {a.device.id: a.data.unsafe_buffer_pointer()
-                        for a in second["embed"].addressable_shards}
+  assert embed_ptrs == {
+      a.device.id: a.data.unsafe_buffer_pointer() for a in second["embed"].addressable_shards
+  }
   for got, ref, w in zip(jax.tree.leaves(second), jax.tree.leaves(params), jax.tree.leaves(want)):
     moved = jnp.bfloat16 if np.issubdtype(np.asarray(ref).dtype, np.floating) else ref.dtype
     assert got.sharding == w and got.dtype == moved
@@ -103,9 +120,11 @@ def test_tree_in_both_directions_with_donation_and_one_program_set():
   assert len(cm._programs) == 2  # per (structure, landing buffers), not per call or leaf
 
   rows = sharding.batch_sharding
-  batch = {"tokens_bt": np.arange(8 * 5, dtype=np.int32).reshape(8, 5),
-           "mask_bt": np.arange(8 * 5).reshape(8, 5) % 3 > 0,
-           "logp_bt": -np.arange(8 * 5, dtype=np.float32).reshape(8, 5) / 10}
+  batch = {
+      "tokens_bt": np.arange(8 * 5, dtype=np.int32).reshape(8, 5),
+      "mask_bt": np.arange(8 * 5).reshape(8, 5) % 3 > 0,
+      "logp_bt": -np.arange(8 * 5, dtype=np.float32).reshape(8, 5) / 10,
+  }
   on_dst = {k: jax.device_put(v, rows(dst)) for k, v in batch.items()}
   back = transfer.CrossMesh(dst, src).move(on_dst, rows(src))
   for k, v in batch.items():
@@ -123,8 +142,10 @@ def test_nnx_state_moves_and_loads_into_a_module():
   twin = nnx.Linear(8, 16, rngs=nnx.Rngs(1), param_dtype=jnp.bfloat16)
   nnx.update(twin, out)
   x = np.ones((2, 8), np.float32)
-  ref = np.asarray(x @ np.asarray(model.kernel[...].astype(jnp.bfloat16), np.float32) +
-                   np.asarray(model.bias[...].astype(jnp.bfloat16), np.float32))
+  ref = np.asarray(
+      x @ np.asarray(model.kernel[...].astype(jnp.bfloat16), np.float32)
+      + np.asarray(model.bias[...].astype(jnp.bfloat16), np.float32)
+  )
   np.testing.assert_allclose(np.asarray(twin(x), np.float32), ref, rtol=1e-2)
   assert twin.kernel[...].sharding == NamedSharding(dst, P())
 
@@ -132,11 +153,13 @@ def test_nnx_state_moves_and_loads_into_a_module():
 def test_bad_meshes_and_arguments_say_the_fix():
   d = jax.devices()
   with pytest.raises(ValueError, match="same device count"):
-    transfer.CrossMesh(sharding.make_mesh(1, 4, 1, devices=d[:4]),
-                       sharding.make_mesh(1, 2, 1, devices=d[4:6]))
+    transfer.CrossMesh(
+        sharding.make_mesh(1, 4, 1, devices=d[:4]), sharding.make_mesh(1, 2, 1, devices=d[4:6])
+    )
   with pytest.raises(ValueError, match=r"devices \[2, 3\] are in both"):
-    transfer.CrossMesh(sharding.make_mesh(1, 4, 1, devices=d[:4]),
-                       sharding.make_mesh(1, 4, 1, devices=d[2:6]))
+    transfer.CrossMesh(
+        sharding.make_mesh(1, 4, 1, devices=d[:4]), sharding.make_mesh(1, 4, 1, devices=d[2:6])
+    )
   src, dst = _meshes()
   cm = transfer.CrossMesh(src, dst)
   x = _put(np.zeros((4, 4), np.float32), src, P("fsdp"))
@@ -151,7 +174,7 @@ def test_bad_meshes_and_arguments_say_the_fix():
 
 # --------------------------------------------------------------------------- two processes
 
-_SCRIPT = r'''
+_SCRIPT = r"""
 import sys
 pid, port, root, layout = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 sys.path.insert(0, root)
@@ -215,7 +238,7 @@ batch = {k: make(v, dst, P(("data", "fsdp"), None)) for k, v in rows.items()}
 back = transfer.CrossMesh(dst, src).move(batch, P(("data", "fsdp"), None))
 m = check(back, rows)
 print(f"process {pid}: ok {n} {m}", flush=True)
-'''
+"""
 
 
 def _free_port() -> int:
@@ -233,9 +256,17 @@ def test_two_processes(tmp_path, layout):
   port = str(_free_port())
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)  # the script sets 2 devices per process
-  procs = [subprocess.Popen([sys.executable, str(script), str(pid), port, ROOT, layout],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True) for pid in range(2)]
+  procs = [
+      subprocess.Popen(
+          [sys.executable, str(script), str(pid), port, ROOT, layout],
+          cwd=ROOT,
+          env=env,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE,
+          text=True,
+      )
+      for pid in range(2)
+  ]
   try:
     outs = [p.communicate(timeout=120) for p in procs]
   finally:

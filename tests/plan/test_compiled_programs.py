@@ -19,6 +19,7 @@ attention is on. Decode activations (MLP [rows, F] = 16 x 768, attention probabi
 [rows, Hkv, P + C, H / Hkv] = 16 x 2 x 144 x 2) stay under (a)'s weight size, and S = 144 / 96
 is no other dimension of the model.
 """
+
 import glob
 import math
 import os
@@ -56,8 +57,9 @@ def small_qwen3(scan_layers: bool):
 def _target(name: str):
   if name == "h100":
     if tpu_targets.cuda_plugin_version() is None:
-      pytest.skip("jax-cuda13-plugin not installed (XLA:GPU's deviceless compile): "
-                  "scripts/test_aot.sh")
+      pytest.skip(
+          "jax-cuda13-plugin not installed (XLA:GPU's deviceless compile): " "scripts/test_aot.sh"
+      )
   elif tpu_targets.libtpu_version() is None:
     pytest.skip("libtpu not installed (the TPU compiler): scripts/test_aot.sh")
   else:
@@ -72,9 +74,11 @@ class Programs(dict):
     return f"Programs({self['platform']}, rows={self['rows']}, {sorted(self['hlo'])})"
 
 
-@pytest.fixture(scope="module", params=[("h100", False), ("h100", True), ("v5p-8", False),
-                                        ("v5p-8", True)],
-                ids=lambda p: f"{p[0]}-{'scan' if p[1] else 'layers'}")
+@pytest.fixture(
+    scope="module",
+    params=[("h100", False), ("h100", True), ("v5p-8", False), ("v5p-8", True)],
+    ids=lambda p: f"{p[0]}-{'scan' if p[1] else 'layers'}",
+)
 def programs(request, tmp_path_factory):
   """-> Programs: the sampler, log-prob pass and update compiled for the target."""
   name, scan = request.param
@@ -82,11 +86,12 @@ def programs(request, tmp_path_factory):
   out = tmp_path_factory.mktemp(f"hlo_{name}_{scan}")
   _, mesh = mp.plan(small_qwen3(scan), target, log=lambda _: None, dump_hlo=str(out))
   dp = mesh["data"] * mesh["fsdp"]
-  hlo = {os.path.basename(p)[:-len(".hlo.txt")]: open(p).read()
-         for p in glob.glob(str(out / "*.hlo.txt"))}
+  hlo = {
+      os.path.basename(p)[: -len(".hlo.txt")]: open(p).read()
+      for p in glob.glob(str(out / "*.hlo.txt"))
+  }
   assert {"sampler", "logprobs", "update_save_dots_mb8"} <= set(hlo), sorted(hlo)
-  return Programs(platform=target.devices[0].platform, rows=B * G // dp, prompts=B // dp,
-                  hlo=hlo)
+  return Programs(platform=target.devices[0].platform, rows=B * G // dp, prompts=B // dp, hlo=hlo)
 
 
 def decode_step(p) -> frozenset:
@@ -107,28 +112,40 @@ def test_decode_step_casts_no_weights(programs):
   hlo = programs["hlo"]["sampler"]
   casts = hi.converts(hlo, SMALLEST_WEIGHT, within=decode_step(programs))
   if casts:
-    pytest.fail("f32 -> bf16 converts of weight size per decode step: " +
-                _show([f"{o.operands[0]} -> {o.type} ({o.computation})" for o in casts]))
+    pytest.fail(
+        "f32 -> bf16 converts of weight size per decode step: "
+        + _show([f"{o.operands[0]} -> {o.type} ({o.computation})" for o in casts])
+    )
 
 
 def test_decode_step_sorts_no_vocabulary(programs):
   hlo = programs["hlo"]["sampler"]
-  sorts = [o for o in hi.sorts(hlo, within=decode_step(programs))
-           if any(VOCAB in hi.dims(t)[1] for t in o.operands)]
+  sorts = [
+      o
+      for o in hi.sorts(hlo, within=decode_step(programs))
+      if any(VOCAB in hi.dims(t)[1] for t in o.operands)
+  ]
   if sorts:
-    pytest.fail("sorts over the vocabulary per decode step: " +
-                _show([f"{o.opcode}({', '.join(o.operands)})" for o in sorts]))
+    pytest.fail(
+        "sorts over the vocabulary per decode step: "
+        + _show([f"{o.opcode}({', '.join(o.operands)})" for o in sorts])
+    )
 
 
 def test_decode_step_updates_the_kv_cache_in_place(programs):
   hlo = programs["hlo"]["sampler"]
   layer_cache = programs["rows"] * KV_HEADS * C * HEAD_DIM * 2  # one layer's keys, bf16
   # Copies in the cache's dtype (small f32 ones, e.g. the top-k candidates' layout, are not it).
-  big = [(o, n) for o, n in hi.copies(hlo, within=decode_step(programs))
-         if n >= layer_cache and hi.dims(o.type)[0] == "bf16"]
+  big = [
+      (o, n)
+      for o, n in hi.copies(hlo, within=decode_step(programs))
+      if n >= layer_cache and hi.dims(o.type)[0] == "bf16"
+  ]
   if big:
-    pytest.fail(f"bf16 copies of >= one layer's cache ({layer_cache} bytes) per decode step: " +
-                _show([f"{o.type} {n} bytes ({o.computation})" for o, n in big]))
+    pytest.fail(
+        f"bf16 copies of >= one layer's cache ({layer_cache} bytes) per decode step: "
+        + _show([f"{o.type} {n} bytes ({o.computation})" for o, n in big])
+    )
 
 
 @pytest.mark.parametrize("program", ["update_save_dots_mb8", "logprobs", "sampler"])
@@ -139,8 +156,10 @@ def test_no_attention_scores_with_fused_attention(programs, program):
   s = P if program == "sampler" else P + C  # the sampler's only [S, S] attention: its prefill
   scores = hi.square_arrays(hlo, s, dtypes=("f32", "bf16", "f16"))
   if scores:
-    pytest.fail(f"[..., {s}, {s}] score arrays in {program}: " +
-                _show([f"{dt}{list(shape)} {name} ({comp})" for comp, name, dt, shape in scores]))
+    pytest.fail(
+        f"[..., {s}, {s}] score arrays in {program}: "
+        + _show([f"{dt}{list(shape)} {name} ({comp})" for comp, name, dt, shape in scores])
+    )
   # And the kernel is there (so a padded length cannot hide XLA's scores from the check above).
   kernel = FUSED_KERNEL[programs["platform"]]
   targets = hi.custom_call_targets(hlo)
@@ -155,17 +174,27 @@ def test_gpu_decode_attention_reads_written_slots_only(programs):
   hlo = programs["hlo"]["sampler"]
   within = decode_step(programs)
   ops = [o for name, ops in hi.parse(hlo).items() if name in within for o in ops]
-  kernels = [o for o in ops if o.opcode == "custom-call:__gpu$xla.gpu.triton"
-             and "ragged_decode_attention" in o.line]
+  kernels = [
+      o
+      for o in ops
+      if o.opcode == "custom-call:__gpu$xla.gpu.triton" and "ragged_decode_attention" in o.line
+  ]
   prompt_keys = programs["prompts"] * KV_HEADS * P * HEAD_DIM  # fewer than a layer's cache
-  kv_dots = [o for o in ops if o.opcode == "dot" for t in o.operands
-             if hi.dims(t)[1][-1:] == (HEAD_DIM,) and HIDDEN not in hi.dims(t)[1]
-             and math.prod(hi.dims(t)[1]) >= prompt_keys]
+  kv_dots = [
+      o
+      for o in ops
+      if o.opcode == "dot"
+      for t in o.operands
+      if hi.dims(t)[1][-1:] == (HEAD_DIM,)
+      and HIDDEN not in hi.dims(t)[1]
+      and math.prod(hi.dims(t)[1]) >= prompt_keys
+  ]
   if programs["platform"] != "gpu":
     assert not kernels, "TPU: the XLA decode attention (the ragged kernel is Triton's)"
     return
   assert len(kernels) >= 2, f"{len(kernels)} ragged decode kernels per decode step (2 layers)"
   if kv_dots:
-    pytest.fail("dots over a layer's keys/values per decode step: " +
-                _show([f"{o.type} <- {', '.join(o.operands)} ({o.computation})"
-                       for o in kv_dots]))
+    pytest.fail(
+        "dots over a layer's keys/values per decode step: "
+        + _show([f"{o.type} <- {', '.join(o.operands)} ({o.computation})" for o in kv_dots])
+    )

@@ -2,6 +2,7 @@
 temporaries, the JSON rows, the sampler's weight copy, --dump_hlo's files, the fallback lines
 (no libtpu, no CUDA plugin), and TPU / H100 compiles when their compilers are here
 (scripts/test_aot.sh)."""
+
 import json
 import os
 import subprocess
@@ -17,8 +18,18 @@ from grpo_jax.models import build
 from grpo_jax.rl import step as step_lib
 from tests.conftest import ROOT
 
-JSON_KEYS = {"params", "optimizer", "reference", "temp", "kv_cache", "host_offload", "total",
-             "hbm_capacity", "device_kind", "num_devices"}
+JSON_KEYS = {
+    "params",
+    "optimizer",
+    "reference",
+    "temp",
+    "kv_cache",
+    "host_offload",
+    "total",
+    "hbm_capacity",
+    "device_kind",
+    "num_devices",
+}
 
 
 def _deep_config(**over):
@@ -40,9 +51,15 @@ def _deep_config(**over):
 def remat_rows(tmp_path_factory):
   target = mp.make_target()  # the test process's 8 CPU devices
   dump = tmp_path_factory.mktemp("hlo")
-  rows, mesh_shape = mp.plan(_deep_config(), target, remat_policies=["none", "full"],
-                             micro_batches=[0], functions=("update",), log=lambda _: None,
-                             dump_hlo=str(dump))
+  rows, mesh_shape = mp.plan(
+      _deep_config(),
+      target,
+      remat_policies=["none", "full"],
+      micro_batches=[0],
+      functions=("update",),
+      log=lambda _: None,
+      dump_hlo=str(dump),
+  )
   return target, {r.remat: r for r in rows}, mesh_shape, dump
 
 
@@ -80,14 +97,18 @@ def test_json_rows_have_the_planner_keys(remat_rows):
   for obj in out:
     assert JSON_KEYS <= set(obj)
     assert obj["num_devices"] == 8 and obj["function"] == "update"
-    assert obj["total"] == sum(obj[k] for k in ("params", "optimizer", "reference",
-                                                "rollout_weights", "temp", "kv_cache", "io"))
+    assert obj["total"] == sum(
+        obj[k]
+        for k in ("params", "optimizer", "reference", "rollout_weights", "temp", "kv_cache", "io")
+    )
 
 
 def test_dump_hlo_writes_each_program_under_its_name(remat_rows):
   _, rows, _, dump = remat_rows
   assert sorted(p.name for p in dump.iterdir()) == [
-      "update_full_mb256.hlo.txt", "update_none_mb256.hlo.txt"]  # all 32 * 8 rows at once
+      "update_full_mb256.hlo.txt",
+      "update_none_mb256.hlo.txt",
+  ]  # all 32 * 8 rows at once
   text = (dump / "update_full_mb256.hlo.txt").read_text()
   assert text.startswith("HloModule") and "ENTRY" in text
 
@@ -96,6 +117,7 @@ def test_native_sampler_counts_its_compute_dtype_copy():
   """The native sampler casts f32 master weights to bf16 (and unstacks scanned layers) once
   per rollout inside its program: rollout_w = the params in the compute dtype, taken out of
   its temporaries; none when it can read the params as they are."""
+
   def weight_copy(param_dtype, dtype, scan):
     c = _deep_config()
     c.model.param_dtype, c.model.dtype, c.model.scan_layers = param_dtype, dtype, scan
@@ -103,6 +125,7 @@ def test_native_sampler_counts_its_compute_dtype_copy():
     policy = build.make_policy(c, mesh, abstract=True)
     params = step_lib.build(c, policy, mesh).abstract_state["params"]
     return mp.sampler_weight_copy_bytes(c, policy, params), mp.shard_bytes(params)
+
   copy, params = weight_copy("float32", "bfloat16", True)
   assert copy == params // 2
   assert weight_copy("float32", "bfloat16", False) == (params // 2, params)
@@ -113,8 +136,15 @@ def test_native_sampler_counts_its_compute_dtype_copy():
   rows, _ = mp.plan(c, mp.make_target(), functions=("sampler",), log=lambda _: None)
   (row,) = rows
   assert row.rollout_weights == row.params // 2 > 0
-  assert row.total == (row.params + row.optimizer + row.reference + row.rollout_weights +
-                       row.temp + row.kv_cache + row.io)
+  assert row.total == (
+      row.params
+      + row.optimizer
+      + row.reference
+      + row.rollout_weights
+      + row.temp
+      + row.kv_cache
+      + row.io
+  )
 
 
 def test_disaggregated_plans_each_role_on_its_half():
@@ -135,8 +165,10 @@ def test_disaggregated_plans_each_role_on_its_half():
   assert update.optimizer >= 2 * update.params and update.reference == update.params // 2
   assert sampler.params == update.params // 2  # bf16 of the same shards (data-parallel mesh)
   assert sampler.optimizer == sampler.reference == sampler.rollout_weights == 0
-  n = sum(x.size for x in jax.tree.leaves(build.make_policy(c, build.make_mesh(c),
-                                                            abstract=True).params))
+  n = sum(
+      x.size
+      for x in jax.tree.leaves(build.make_policy(c, build.make_mesh(c), abstract=True).params)
+  )
   assert got["transfer_bytes"] == 2 * n
 
 
@@ -167,9 +199,21 @@ def test_cli_writes_json_for_a_topology(tmp_path):
   out = tmp_path / "plan.json"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   proc = subprocess.run(
-      [sys.executable, "-m", "grpo_jax.memory_plan", "--config=configs/tiny.py",
-       "--topology=v5p-8", "--functions=logprobs", f"--json={out}"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+      [
+          sys.executable,
+          "-m",
+          "grpo_jax.memory_plan",
+          "--config=configs/tiny.py",
+          "--topology=v5p-8",
+          "--functions=logprobs",
+          f"--json={out}",
+      ],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "logprobs" in proc.stdout and "FITS" in proc.stdout
   if mp.libtpu_version() is None:
@@ -189,16 +233,28 @@ def test_cli_plans_an_h100(tmp_path):
   out, dump = tmp_path / "plan.json", tmp_path / "hlo"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   proc = subprocess.run(
-      [sys.executable, "-m", "grpo_jax.memory_plan", "--config=configs/tiny.py",
-       "--topology=h100", "--functions=logprobs", f"--json={out}", f"--dump_hlo={dump}"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+      [
+          sys.executable,
+          "-m",
+          "grpo_jax.memory_plan",
+          "--config=configs/tiny.py",
+          "--topology=h100",
+          "--functions=logprobs",
+          f"--json={out}",
+          f"--dump_hlo={dump}",
+      ],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   (row,) = json.loads(out.read_text())
   assert row["num_devices"] == 1 and row["device_kind"] == "NVIDIA H100 80GB HBM3"
   assert (dump / "logprobs.hlo.txt").read_text().startswith("HloModule")
   if mp.cuda_plugin_version() is None:
-    assert ("note: XLA:CPU on 1 fake device (jax-cuda13-plugin not importable" in
-            proc.stderr)
+    assert "note: XLA:CPU on 1 fake device (jax-cuda13-plugin not importable" in proc.stderr
     assert row["hbm_capacity"] == 80 * mp.GIB
   else:
     assert "note:" not in proc.stderr and "XLA:GPU deviceless compile" in row["compiler"]
@@ -207,8 +263,10 @@ def test_cli_plans_an_h100(tmp_path):
 
 @pytest.fixture(scope="module")
 def v6e_8():
-  pytest.importorskip("libtpu", reason="libtpu not installed: pip install 'jax[tpu]' to plan "
-                      "with the TPU compiler")
+  pytest.importorskip(
+      "libtpu",
+      reason="libtpu not installed: pip install 'jax[tpu]' to plan " "with the TPU compiler",
+  )
   mp.libtpu_compile_only_env("v6e-8")
   return mp.make_target("v6e-8")
 
@@ -217,12 +275,20 @@ def test_compiles_for_a_tpu_topology(v6e_8):
   target = v6e_8
   assert len(target.devices) == 8 and target.devices[0].platform == "tpu"
   assert "TPU compiler" in target.compiler
-  rows, _ = mp.plan(tiny.get_config(), target, functions=("update",), micro_batches=[0],
-                    log=lambda _: None)
+  rows, _ = mp.plan(
+      tiny.get_config(), target, functions=("update",), micro_batches=[0], log=lambda _: None
+  )
   (row,) = rows
-  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
-      mp.build.make_policy(tiny.get_config(), mp.build.make_mesh(
-          tiny.get_config(), devices=target.devices), abstract=True).params))
+  num_params = sum(
+      int(np.prod(x.shape))
+      for x in jax.tree.leaves(
+          mp.build.make_policy(
+              tiny.get_config(),
+              mp.build.make_mesh(tiny.get_config(), devices=target.devices),
+              abstract=True,
+          ).params
+      )
+  )
   assert row.params == 4 * num_params  # data=-1: the params are replicated, float32
   # The HBM the compiler itself allows a v6e chip (31.24 GiB with libtpu 0.0.50).
   assert 30 * mp.GIB < target.hbm_bytes <= 32 * mp.GIB
@@ -230,9 +296,11 @@ def test_compiles_for_a_tpu_topology(v6e_8):
 
 
 def test_compiler_out_of_hbm_message_is_read():
-  msg = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
-         "memory required for HLO temporaries (126.43G) exceeds available HBM (95.73G). HLO "
-         "module: jit_update.")
+  msg = (
+      "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
+      "memory required for HLO temporaries (126.43G) exceeds available HBM (95.73G). HLO "
+      "module: jit_update."
+  )
   assert mp._oom_figures(msg) == (int(126.43 * mp.GIB), int(95.73 * mp.GIB))
   assert mp._oom_figures("INTERNAL: something else") is None
 
@@ -241,7 +309,7 @@ def test_a_plan_the_tpu_compiler_refuses_does_not_fit(v6e_8):
   """A 4 GiB-per-layer MLP (x2 layers, replicated: data=-1) cannot fit a 32 GiB chip: the
   compiler refuses it and the row says so with the bytes from its message."""
   c = tiny.get_config()
-  c.model.intermediate_size = 2 ** 23  # 3 * 128 * 2^23 * 4 bytes = 12 GiB of MLP per layer
+  c.model.intermediate_size = 2**23  # 3 * 128 * 2^23 * 4 bytes = 12 GiB of MLP per layer
   rows, _ = mp.plan(c, v6e_8, functions=("logprobs",), log=lambda _: None)
   (row,) = rows
   assert row.compiled["oom_available"] == v6e_8.hbm_bytes

@@ -9,6 +9,7 @@ and the test process (the "trainer") unaffected. Each sandbox case runs under th
   audit_only  no namespaces: rlimits (+ uid drop as root) + audit hook (the fallback path)
 
 Timings are printed (`pytest -s tests/rewards/test_code_reward.py` shows them)."""
+
 import json
 import os
 import resource
@@ -34,6 +35,7 @@ def fenced(program, lang="python"):
 
 
 # ------------------------------------------------------------------------------- scoring
+
 
 def test_correct_program_scores_one():
   assert code.score(fenced(GOOD), TESTS) == 1.0
@@ -99,6 +101,7 @@ def _launchers():
 def test_a_callers_alarm_interrupts_cleanly():
   """The reward computer's in-process timeout (a repeating SIGALRM) may land anywhere in a run:
   the run stops early, cleans up (no process, no workdir left), then the caller's handler runs."""
+
   class Timeout(BaseException):
     pass
 
@@ -125,19 +128,26 @@ def test_a_callers_alarm_interrupts_cleanly():
       assert signal.getsignal(signal.SIGALRM) is on_alarm
   finally:
     signal.signal(signal.SIGALRM, previous)
-  print(f"\n[code_tests] {interrupted} runs interrupted by SIGALRM: "
-        f"{time.monotonic() - t0:.2f}s in all")
+  print(
+      f"\n[code_tests] {interrupted} runs interrupted by SIGALRM: "
+      f"{time.monotonic() - t0:.2f}s in all"
+  )
   assert interrupted == 27
   for _ in range(20):
     if not _launchers():
       break
     time.sleep(0.05)
   assert not _launchers()
-  assert not [d for d in os.listdir(tempfile.gettempdir()) if d.startswith("grpo_code_")
-              and os.path.getmtime(os.path.join(tempfile.gettempdir(), d)) >= t0_wall - 1]
+  assert not [
+      d
+      for d in os.listdir(tempfile.gettempdir())
+      if d.startswith("grpo_code_")
+      and os.path.getmtime(os.path.join(tempfile.gettempdir(), d)) >= t0_wall - 1
+  ]
 
 
 # ---------------------------------------------------------------- registration and routing
+
 
 def test_registered_reward_and_verl_routing():
   fn = registry.get("code_tests")
@@ -146,16 +156,23 @@ def test_registered_reward_and_verl_routing():
   ground_truth = [TESTS, json.dumps(TESTS), TESTS, None]
   extra_info = [None, {}, None, {"tests": TESTS, "timeout_sec": 4}]
   t0 = time.monotonic()
-  out = fn(["q"] * 4, completions, ground_truth=ground_truth, data_source=["code"] * 4,
-           extra_info=extra_info)
+  out = fn(
+      ["q"] * 4,
+      completions,
+      ground_truth=ground_truth,
+      data_source=["code"] * 4,
+      extra_info=extra_info,
+  )
   print(f"\n[code_tests] batch of 4: {time.monotonic() - t0:.2f}s")
   assert out == pytest.approx([1.0, 2 / 3, 0.0, 1.0])
   # verl's default routing: data_source code / code_generation; tests may sit in extra_info.
   assert scoring.default_compute_score("code", fenced(GOOD), TESTS) == 1.0
-  assert scoring.default_compute_score("code_generation", fenced(square), None,
-                                       {"tests": TESTS}) == pytest.approx(2 / 3)
-  assert registry.get("verl_default")(["q"], [fenced(GOOD)], ground_truth=[TESTS],
-                                      data_source=["code"], extra_info=[None]) == [1.0]
+  assert scoring.default_compute_score(
+      "code_generation", fenced(square), None, {"tests": TESTS}
+  ) == pytest.approx(2 / 3)
+  assert registry.get("verl_default")(
+      ["q"], [fenced(GOOD)], ground_truth=[TESTS], data_source=["code"], extra_info=[None]
+  ) == [1.0]
   with pytest.raises(ValueError, match="no test cases"):
     code.compute_score("code", fenced(GOOD), None, {})
   assert code.parse_tests({"test_list": TESTS}) == TESTS
@@ -164,9 +181,11 @@ def test_registered_reward_and_verl_routing():
 
 # ------------------------------------------------------------------------- the sandbox suite
 
-GUARDS = {"full": dict(namespaces="auto", audit=True),
-          "os_only": dict(namespaces=True, audit=False),
-          "audit_only": dict(namespaces=False, audit=True)}
+GUARDS = {
+    "full": dict(namespaces="auto", audit=True),
+    "os_only": dict(namespaces=True, audit=False),
+    "audit_only": dict(namespaces=False, audit=True),
+}
 
 
 @pytest.fixture(params=list(GUARDS), scope="module")
@@ -174,21 +193,36 @@ def guards(request):
   info = code.sandbox_info()
   if request.param == "full":
     print(f"\n[sandbox] this machine: {json.dumps(info, sort_keys=True)}")
-  if request.param == "os_only" and not (info.get("pidns") and info.get("netns") and
-                                         info.get("readonly") and info.get("proc")):
+  if request.param == "os_only" and not (
+      info.get("pidns") and info.get("netns") and info.get("readonly") and info.get("proc")
+  ):
     pytest.skip(f"no PID/network/read-only mount namespaces here: {info.get('notes')}")
   return request.param
 
 
 def _trainer_state():
-  limits = {r: resource.getrlimit(r) for r in (resource.RLIMIT_AS, resource.RLIMIT_CPU,
-                                               resource.RLIMIT_NPROC, resource.RLIMIT_FSIZE,
-                                               resource.RLIMIT_NOFILE)}
+  limits = {
+      r: resource.getrlimit(r)
+      for r in (
+          resource.RLIMIT_AS,
+          resource.RLIMIT_CPU,
+          resource.RLIMIT_NPROC,
+          resource.RLIMIT_FSIZE,
+          resource.RLIMIT_NOFILE,
+      )
+  }
   with open("/proc/self/mountinfo") as f:
     mounts = f.read()
-  return (limits, os.getcwd(), os.readlink("/proc/self/ns/mnt"),
-          os.readlink("/proc/self/ns/net"), mounts, os.geteuid(),
-          signal.getsignal(signal.SIGALRM), signal.getsignal(signal.SIGINT))
+  return (
+      limits,
+      os.getcwd(),
+      os.readlink("/proc/self/ns/mnt"),
+      os.readlink("/proc/self/ns/net"),
+      mounts,
+      os.geteuid(),
+      signal.getsignal(signal.SIGALRM),
+      signal.getsignal(signal.SIGINT),
+  )
 
 
 def _leftovers(res):
@@ -215,8 +249,10 @@ def run(guards, case, program, tests, *, expect, timeout=3.0):
   """One contained run: the expected score, in time, no leftovers, the trainer unaffected."""
   before = _trainer_state()
   res = code.run_sandboxed(program, tests, timeout_sec=timeout, **GUARDS[guards])
-  print(f"\n[sandbox {guards:>10}] {case:<16} score={res.score:.3f} elapsed={res.elapsed:.2f}s "
-        f"timed_out={res.timed_out} errors={res.test_errors} load_error={res.load_error}")
+  print(
+      f"\n[sandbox {guards:>10}] {case:<16} score={res.score:.3f} elapsed={res.elapsed:.2f}s "
+      f"timed_out={res.timed_out} errors={res.test_errors} load_error={res.load_error}"
+  )
   assert res.setup_error is None, res.setup_error
   assert res.score == pytest.approx(expect), (res, res.test_errors, res.mode)
   assert res.elapsed < timeout + SLACK
@@ -235,10 +271,18 @@ def test_infinite_loop(guards):
   res = run(guards, "infinite loop", "while True:\n  pass\n", TESTS, expect=0.0, timeout=1.0)
   assert res.load_error == "timeout"
   # One that swallows the per-test alarm: the wall clock ends it; tests reported so far count.
-  stubborn = GOOD + ("def stubborn():\n  while True:\n    try:\n      while True:\n        pass\n"
-                     "    except BaseException:\n      pass\n")
-  res = run(guards, "stubborn loop", stubborn, [TESTS[0], "stubborn()", TESTS[1]],
-            expect=1 / 3, timeout=1.0)
+  stubborn = GOOD + (
+      "def stubborn():\n  while True:\n    try:\n      while True:\n        pass\n"
+      "    except BaseException:\n      pass\n"
+  )
+  res = run(
+      guards,
+      "stubborn loop",
+      stubborn,
+      [TESTS[0], "stubborn()", TESTS[1]],
+      expect=1 / 3,
+      timeout=1.0,
+  )
   assert res.timed_out and res.elapsed >= 0.9
 
 
@@ -270,24 +314,35 @@ def spawn(n):
 
 
 def test_fork_bomb(guards):
-  res = run(guards, "fork bomb", FORK_BOMB,
-            [TESTS[0], "assert bomb(0.5) > 100", "assert spawn(100) >= 100"], expect=1 / 3)
+  res = run(
+      guards,
+      "fork bomb",
+      FORK_BOMB,
+      [TESTS[0], "assert bomb(0.5) > 100", "assert spawn(100) >= 100"],
+      expect=1 / 3,
+  )
   assert set(res.test_errors) == {1, 2}
 
 
 def test_memory_bomb(guards):
   program = GOOD + "def hog():\n  return bytearray(10 * 2**30)\n"
-  run(guards, "memory bomb", program,
+  run(
+      guards,
+      "memory bomb",
+      program,
       [TESTS[0], "assert len(hog()) > 0", "x = [0] * (10 * 2**30 // 8)", TESTS[1]],
-      expect=2 / 4)
+      expect=2 / 4,
+  )
 
 
 def test_writing_outside_its_directory(guards, tmp_path):
   token = secrets.token_hex(4)
-  outside = [str(tmp_path / "escape.txt"),
-             os.path.join(os.path.expanduser("~"), f"grpo_escape_{token}"),
-             os.path.join(os.getcwd(), f"grpo_escape_{token}"),  # the trainer's cwd
-             f"/tmp/grpo_escape_{token}"]
+  outside = [
+      str(tmp_path / "escape.txt"),
+      os.path.join(os.path.expanduser("~"), f"grpo_escape_{token}"),
+      os.path.join(os.getcwd(), f"grpo_escape_{token}"),  # the trainer's cwd
+      f"/tmp/grpo_escape_{token}",
+  ]
   if os.path.isdir("/dev/shm"):
     outside.append(f"/dev/shm/grpo_escape_{token}")
   program = """
@@ -307,9 +362,11 @@ def try_os_open(path):
   except OSError:
     return False
 """
-  tests = ([f"assert try_write({p!r})" for p in outside] +
-           [f"assert try_os_open({p + '_os'!r})" for p in outside] +
-           ["assert try_write('inside.txt')", "assert open('inside.txt').read() == 'escaped'"])
+  tests = (
+      [f"assert try_write({p!r})" for p in outside]
+      + [f"assert try_os_open({p + '_os'!r})" for p in outside]
+      + ["assert try_write('inside.txt')", "assert open('inside.txt').read() == 'escaped'"]
+  )
   try:
     run(guards, "write outside", program, tests, expect=2 / len(tests))
   finally:
@@ -330,12 +387,20 @@ def environ_of(pid):
   except OSError:
     return b""
 """
-  run(guards, "parent env", program,
-      ["assert True", "assert 'GRPO_TEST_SECRET' in os.environ",
-       # passes: the sandbox's own env (LC_CTYPE is Python's PEP 538 locale coercion)
-       "assert set(os.environ) <= {'HOME', 'TMPDIR', 'LC_CTYPE'}",
-       f"assert b'GRPO_TEST_SECRET' in environ_of({os.getpid()})",
-       "assert b'GRPO_TEST_SECRET' in environ_of(os.getppid())"], expect=2 / 5)
+  run(
+      guards,
+      "parent env",
+      program,
+      [
+          "assert True",
+          "assert 'GRPO_TEST_SECRET' in os.environ",
+          # passes: the sandbox's own env (LC_CTYPE is Python's PEP 538 locale coercion)
+          "assert set(os.environ) <= {'HOME', 'TMPDIR', 'LC_CTYPE'}",
+          f"assert b'GRPO_TEST_SECRET' in environ_of({os.getpid()})",
+          "assert b'GRPO_TEST_SECRET' in environ_of(os.getppid())",
+      ],
+      expect=2 / 5,
+  )
 
 
 def test_opening_a_socket(guards):
@@ -370,9 +435,17 @@ def test_killing_its_parent(guards):
   me = os.getpid()
   program = "import os, signal, time\n"
   expect = 2 / 3 if guards == "os_only" else 1 / 3
-  run(guards, "kill parent", program,
-      ["assert True", f"os.kill({me}, signal.SIGKILL)",
-       "os.kill(os.getppid(), signal.SIGKILL); time.sleep(0.5)"], expect=expect)
+  run(
+      guards,
+      "kill parent",
+      program,
+      [
+          "assert True",
+          f"os.kill({me}, signal.SIGKILL)",
+          "os.kill(os.getppid(), signal.SIGKILL); time.sleep(0.5)",
+      ],
+      expect=expect,
+  )
   assert os.getpid() == me  # still here
 
 
@@ -387,5 +460,11 @@ def flood(mib):
   sys.stdout.flush()
   return True
 """
-  run(guards, "1 GiB stdout", program, ["assert True", "assert flood(1024)"], expect=1.0,
-      timeout=5.0)
+  run(
+      guards,
+      "1 GiB stdout",
+      program,
+      ["assert True", "assert flood(1024)"],
+      expect=1.0,
+      timeout=5.0,
+  )

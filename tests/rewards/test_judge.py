@@ -3,6 +3,7 @@ same judge text (classifier heads with 1 and 3 labels, yes-token probability nor
 yes/no and over the vocabulary), padded batches across several jitted calls on an 8-device
 mesh, prompt truncation that keeps the completion, a hand-set judge whose ranking and values
 we predict, and one validation line per bad value."""
+
 import functools
 import os
 import shutil
@@ -20,8 +21,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 QWEN_TOK = os.path.join(SHARED_DATA, "qwen_tokenizer")
-pytestmark = pytest.mark.skipif(not os.path.isdir(QWEN_TOK),
-                                reason=f"the Qwen tokenizer files are not at {QWEN_TOK}")
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir(QWEN_TOK), reason=f"the Qwen tokenizer files are not at {QWEN_TOK}"
+)
 
 VOCAB = 151669  # the Qwen tokenizer's ids with Qwen3's added tokens (HFTokenizer's vocab_size)
 TEMPLATE = "Question: {prompt}\nAnswer: {completion}\nIs the answer right?"
@@ -42,9 +44,18 @@ PAIRS = [  # different lengths: left padding differs per row
 
 def _qwen3_config(**kw):
   return transformers.Qwen3Config(
-      vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-      rope_theta=10000.0, attn_implementation="eager", **kw)
+      vocab_size=VOCAB,
+      hidden_size=32,
+      intermediate_size=64,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      head_dim=8,
+      max_position_embeddings=512,
+      rope_theta=10000.0,
+      attn_implementation="eager",
+      **kw,
+  )
 
 
 def _save(model, folder):
@@ -68,12 +79,24 @@ def folders(tmp_path_factory):
   """Tiny random judges saved as HF folders with the Qwen tokenizer files beside them."""
   out = {}
   torch.manual_seed(0)
-  out["cls1"] = _save(_perturb(transformers.Qwen3ForSequenceClassification(
-      _qwen3_config(num_labels=1, tie_word_embeddings=False)), 1),
-      tmp_path_factory.mktemp("cls1"))
-  out["cls3"] = _save(_perturb(transformers.Qwen3ForSequenceClassification(
-      _qwen3_config(num_labels=3, tie_word_embeddings=True)), 2),
-      tmp_path_factory.mktemp("cls3"))
+  out["cls1"] = _save(
+      _perturb(
+          transformers.Qwen3ForSequenceClassification(
+              _qwen3_config(num_labels=1, tie_word_embeddings=False)
+          ),
+          1,
+      ),
+      tmp_path_factory.mktemp("cls1"),
+  )
+  out["cls3"] = _save(
+      _perturb(
+          transformers.Qwen3ForSequenceClassification(
+              _qwen3_config(num_labels=3, tie_word_embeddings=True)
+          ),
+          2,
+      ),
+      tmp_path_factory.mktemp("cls3"),
+  )
   lm = _perturb(transformers.Qwen3ForCausalLM(_qwen3_config(tie_word_embeddings=False)), 3)
   with torch.no_grad():  # opposite, large yes/no rows: p(yes) varies and is far above 1/V
     u = torch.nn.functional.normalize(torch.randn(32), dim=0)
@@ -90,8 +113,14 @@ def mesh():
 
 def _config(path, **kw):
   j = judge_lib.default_config()
-  j.update(path=path, template=TEMPLATE, batch_size=8, max_length=48, dtype="float32",
-           tokenizer_path=QWEN_TOK)  # read once for all judges (each folder has a copy too)
+  j.update(
+      path=path,
+      template=TEMPLATE,
+      batch_size=8,
+      max_length=48,
+      dtype="float32",
+      tokenizer_path=QWEN_TOK,
+  )  # read once for all judges (each folder has a copy too)
   j.update(kw)
   return ml_collections.ConfigDict({"reward": {"judge": j}})
 
@@ -105,8 +134,11 @@ def _hf_logits(folder, texts, out):
   """transformers' own tokenizer and forward, one unpadded text at a time: the logits of
   the classification head, or the next-token logits after each text."""
   tok = _hf_tokenizer()
-  cls = (transformers.AutoModelForSequenceClassification if out == "cls" else
-         transformers.AutoModelForCausalLM)
+  cls = (
+      transformers.AutoModelForSequenceClassification
+      if out == "cls"
+      else transformers.AutoModelForCausalLM
+  )
   model = cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
   rows = []
   with torch.no_grad():
@@ -124,8 +156,9 @@ def _texts(pairs):
 @pytest.mark.parametrize("name,label_index", [("cls1", 0), ("cls3", 2)])
 def test_classifier_matches_transformers(folders, mesh, name, label_index):
   own_tokenizer = {"tokenizer_path": ""} if name == "cls1" else {}  # the folder's copy
-  judge = judge_lib.build_judge(_config(folders[name], mode="classifier",
-                                        label_index=label_index, **own_tokenizer), mesh)
+  judge = judge_lib.build_judge(
+      _config(folders[name], mode="classifier", label_index=label_index, **own_tokenizer), mesh
+  )
   prompts, completions = zip(*PAIRS)  # 11 rows: two jitted calls of 8, the second padded
   ours = judge(list(prompts), list(completions))
   logits = _hf_logits(folders[name], _texts(PAIRS), "cls")
@@ -158,7 +191,8 @@ def test_yes_prob_matches_transformers(folders, mesh, lm_judge):
   last = np.stack(_hf_logits(folders["lm"], _texts(PAIRS), "lm"))  # [n, V]
   for judge, want in [
       (lm_judge, np.exp(last[:, yes] - np.logaddexp(last[:, yes], last[:, no]))),
-      (vocab_judge, np.exp(last[:, yes] - np.logaddexp.reduce(last, axis=-1)))]:
+      (vocab_judge, np.exp(last[:, yes] - np.logaddexp.reduce(last, axis=-1))),
+  ]:
     ours = judge(list(prompts), list(completions))
     np.testing.assert_allclose(ours, want, atol=1e-7, rtol=1e-4)
     # Worth comparing: yes/no probabilities that vary, vocabulary probabilities far above 1/V.
@@ -173,7 +207,7 @@ def test_long_prompt_loses_its_start_and_the_completion_stays(folders, lm_judge)
   ids = judge.encode(prompt, completion)
   text = tok.decode(ids, skip_special=False)
   head, rest = text.split("\n", 1)
-  kept = head[len("Question: "):]
+  kept = head[len("Question: ") :]
   assert 44 <= len(ids) <= 48 and head.startswith("Question: ")
   assert kept and prompt.endswith(kept) and len(kept) < len(prompt) / 2  # its end, cut
   assert rest == f"Answer: {completion}\nIs the answer right?"
@@ -183,7 +217,7 @@ def test_long_prompt_loses_its_start_and_the_completion_stays(folders, lm_judge)
   text = tok.decode(judge.encode(prompt, long_completion), skip_special=False)
   assert text.startswith("Question: \nAnswer: step0 step1")
   assert text.endswith("\nIs the answer right?")
-  cut = text[len("Question: \nAnswer: "):-len("\nIs the answer right?")]
+  cut = text[len("Question: \nAnswer: ") : -len("\nIs the answer right?")]
   assert long_completion.startswith(cut) and len(cut) < len(long_completion)
   # Scored as exactly those ids, next to a short row in the same padded batch.
   scores = judge([prompt, "Capital of France?"], [completion, "Paris"])
@@ -206,7 +240,8 @@ def test_hand_set_judge_prefers_the_right_completion(tmp_path, mesh, mode):
   torch.manual_seed(5)
   if mode == "classifier":
     model = transformers.Qwen3ForSequenceClassification(
-        _qwen3_config(num_labels=1, tie_word_embeddings=False))
+        _qwen3_config(num_labels=1, tie_word_embeddings=False)
+    )
   else:
     model = transformers.Qwen3ForCausalLM(_qwen3_config(tie_word_embeddings=False))
   with torch.no_grad():
@@ -222,8 +257,7 @@ def test_hand_set_judge_prefers_the_right_completion(tmp_path, mesh, mode):
       model.lm_head.weight[yes] = torch.tensor(direction)
       model.lm_head.weight[no] = torch.tensor(-direction)
   folder = _save(model.eval(), tmp_path / "judge")
-  judge = judge_lib.build_judge(_config(folder, mode=mode, template="{prompt}\n{completion}"),
-                                mesh)
+  judge = judge_lib.build_judge(_config(folder, mode=mode, template="{prompt}\n{completion}"), mesh)
   completions = ["The sum is 4, which is correct", "The sum is 5, which is wrong"]
   scores = judge(["What is 2+2?"] * 2, completions)
   logit = lambda tok: (2 if mode == "yes_prob" else 1) * direction @ _rmsnorm(emb[tok])
@@ -243,7 +277,8 @@ def test_validation_names_each_bad_value(folders):
   assert _lines(folders["cls1"], mode="classifier") == []
   assert _lines(folders["cls3"], mode="classifier", label_index=2) == []
   assert _lines(folders["lm"], mode="scorer") == [
-      "reward.judge.mode='scorer': unknown judge mode. Fix: use one of classifier, yes_prob."]
+      "reward.judge.mode='scorer': unknown judge mode. Fix: use one of classifier, yes_prob."
+  ]
   bad = [  # (overrides, the field its one line names, words the line holds)
       (dict(normalize="softmax"), "normalize", "yes_no, vocab"),
       (dict(template="Answer: {prompt}"), "template", "0 {completion} fields"),
@@ -267,7 +302,8 @@ def test_validation_names_each_bad_value(folders):
   for path, kw, field, words in [
       ("/no/such/judge", {}, "path", "is not a folder"),
       (folders["cls1"], {}, "path", "no lm_head.weight"),  # yes_prob on a classifier
-      (folders["cls3"], dict(mode="classifier", label_index=3), "label_index", "3 labels")]:
+      (folders["cls3"], dict(mode="classifier", label_index=3), "label_index", "3 labels"),
+  ]:
     lines = _lines(path, **kw)
     assert len(lines) == 1 and lines[0].startswith(f"reward.judge.{field}="), lines
     assert words in lines[0], lines
@@ -286,5 +322,16 @@ def test_build_judge_off_and_refusals(folders, mesh):
   with pytest.raises(KeyError, match="lm_head.weight is missing"):  # no silent tied head
     judge_lib.build_judge(_config(folders["cls1"], mode="yes_prob"), mesh)
   assert set(judge_lib.default_config()) == {
-      "path", "mode", "weight", "template", "yes_token", "no_token", "normalize",
-      "label_index", "batch_size", "max_length", "tokenizer_path", "dtype"}
+      "path",
+      "mode",
+      "weight",
+      "template",
+      "yes_token",
+      "no_token",
+      "normalize",
+      "label_index",
+      "batch_size",
+      "max_length",
+      "tokenizer_path",
+      "dtype",
+  }

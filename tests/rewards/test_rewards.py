@@ -1,5 +1,6 @@
 """Rewards: table-driven values on hand-written completions and real GSM8K rows, plug-ins,
 bad reward functions, ROUGE, and the process pool's timeout."""
+
 import os
 
 import numpy as np
@@ -34,8 +35,14 @@ GSM8K_TABLE = [
     ("The answer is 72.", "72", 0.0, -2.0, 0.0, 0.0),  # no tags at all
     ("<answer>72</answer>", "72", 0.0, 0.0, 0.0, 1.5),  # answer only: not the full format
     ("<reasoning>r</reasoning><answer>72</answer> trailing text", "72", 0.0, 2.0, 0.0, 1.5),
-    ("<reasoning>a</reasoning><reasoning>b</reasoning><answer>72</answer>", "72", 3.0, 0.0, 3.0,
-     1.5),  # two tags once (+1), two repeated (-1)
+    (
+        "<reasoning>a</reasoning><reasoning>b</reasoning><answer>72</answer>",
+        "72",
+        3.0,
+        0.0,
+        3.0,
+        1.5,
+    ),  # two tags once (+1), two repeated (-1)
     # Tunix's regex (lazy groups, fullmatch) spans both answers: "72</answer><answer>5" does
     # not parse as one number (-0.5); check_numbers reads the last answer tag ("5").
     ("<reasoning>r</reasoning><answer>72</answer><answer>5</answer>", "72", 3.0, 0.0, -0.5, 0.0),
@@ -51,8 +58,12 @@ GSM8K_TABLE = [
 def test_gsm8k_rewards_table(row):
   completion, truth, exact, approx, answer, numbers = row
   kw = dict(prompts=["q"], completions=[completion], ground_truth=[truth])
-  got = (gsm8k.match_format_exactly(**kw)[0], gsm8k.match_format_approximately(**kw)[0],
-         gsm8k.check_answer(**kw)[0], gsm8k.check_numbers(**kw)[0])
+  got = (
+      gsm8k.match_format_exactly(**kw)[0],
+      gsm8k.match_format_approximately(**kw)[0],
+      gsm8k.check_answer(**kw)[0],
+      gsm8k.check_numbers(**kw)[0],
+  )
   assert got == (exact, approx, answer, numbers)
 
 
@@ -103,30 +114,50 @@ THINK_TABLE = [
 def test_think_rewards_table(row):
   completion, truth, correct, digit, hard, mark = row
   kw = dict(prompts=["q"], completions=[completion], ground_truth=[truth])
-  got = (think.correctness_reward(**kw)[0], think.digit_reward(**kw)[0],
-         think.hard_format_reward(**kw)[0], think.mark_reward(**kw)[0])
+  got = (
+      think.correctness_reward(**kw)[0],
+      think.digit_reward(**kw)[0],
+      think.hard_format_reward(**kw)[0],
+      think.mark_reward(**kw)[0],
+  )
   assert got == (correct, digit, hard, mark)
 
 
-@pytest.mark.parametrize("text,value", [
-    ("1,234", 1234.0), ("$5", 5.0), ("72.0", 72.0), ("-3", -3.0), (" 42 dollars", 42.0),
-    ("−7", -7.0), (".5", 0.5), ("3 and 4", None), ("abc", None), ("", None), (None, None),
-    ("1,234,567.25", 1234567.25)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("1,234", 1234.0),
+        ("$5", 5.0),
+        ("72.0", 72.0),
+        ("-3", -3.0),
+        (" 42 dollars", 42.0),
+        ("−7", -7.0),
+        (".5", 0.5),
+        ("3 and 4", None),
+        ("abc", None),
+        ("", None),
+        (None, None),
+        ("1,234,567.25", 1234567.25),
+    ],
+)
 def test_parse_number(text, value):
   assert parsing.parse_number(text) == value
 
 
-@pytest.mark.parametrize("source,solution,truth,score", [
-    ("gsm8k", "so it is <answer>18</answer>", "18", 1.0),
-    ("math", "the total is 3 + 4 = 7", "7", 1.0),
-    ("math_algebra", "x = 7.0", "7", 1.0),
-    ("math", "<answer>8</answer>", "7", 0.0),
-    ("qa", "<answer>The Eiffel Tower!</answer>", "eiffel tower", 1.0),
-    ("triviaqa", "Paris", ["paris", "Paris, France"], 1.0),
-    ("qa", "London", ["paris"], 0.0),
-    ("classification", "<answer>Positive</answer>", "positive", 1.0),
-    ("classification", "negative", "positive", 0.0),
-])
+@pytest.mark.parametrize(
+    "source,solution,truth,score",
+    [
+        ("gsm8k", "so it is <answer>18</answer>", "18", 1.0),
+        ("math", "the total is 3 + 4 = 7", "7", 1.0),
+        ("math_algebra", "x = 7.0", "7", 1.0),
+        ("math", "<answer>8</answer>", "7", 0.0),
+        ("qa", "<answer>The Eiffel Tower!</answer>", "eiffel tower", 1.0),
+        ("triviaqa", "Paris", ["paris", "Paris, France"], 1.0),
+        ("qa", "London", ["paris"], 0.0),
+        ("classification", "<answer>Positive</answer>", "positive", 1.0),
+        ("classification", "negative", "positive", 0.0),
+    ],
+)
 def test_verl_dispatch(source, solution, truth, score):
   assert scoring.default_compute_score(source, solution, truth) == score
 
@@ -184,18 +215,23 @@ def test_weighted_sum_and_per_function_values():
 
 def test_plugin_file_by_path(tmp_path):
   f = tmp_path / "my_reward.py"
-  f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-               "  return float(solution_str.strip() == ground_truth) + extra_info['i'] / 100\n")
+  f.write_text(
+      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+      "  return float(solution_str.strip() == ground_truth) + extra_info['i'] / 100\n"
+  )
   rc = rewards.build_reward_computer((), (), custom_file=str(f), custom_weight=2.0)
   res = rc(["p"] * 3, ["7", "8", " 7 "], _rows(3))
   np.testing.assert_allclose(res.total, [2.0, 0.02, 2.04], rtol=1e-6)
   assert list(res.per_function) == ["custom"]
 
 
-@pytest.mark.parametrize("body,err", [
-    ("", "must define compute_score"),
-    ("import not_a_module_xyz\n", "importing the reward file failed: ModuleNotFoundError"),
-])
+@pytest.mark.parametrize(
+    "body,err",
+    [
+        ("", "must define compute_score"),
+        ("import not_a_module_xyz\n", "importing the reward file failed: ModuleNotFoundError"),
+    ],
+)
 def test_bad_plugin_file_fails_at_start_up(tmp_path, body, err):
   f = tmp_path / "bad.py"
   f.write_text(body)
@@ -207,25 +243,29 @@ def test_bad_plugin_file_fails_at_start_up(tmp_path, body, err):
 
 def _plugin(tmp_path, body):
   f = tmp_path / "r.py"
-  f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-               + body)
+  f.write_text(
+      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" + body
+  )
   return str(f)
 
 
-RAISING = ("  if 'boom' in solution_str:\n    raise KeyError('missing key')\n  return 1.0\n")
-NAN = ("  return float('nan') if 'boom' in solution_str else 1.0\n")
-STRING = ("  return 'high' if 'boom' in solution_str else 1.0\n")
-BOOL = ("  return True if 'boom' in solution_str else 1.0\n")
-HUGE = ("  return 10 ** 400 if 'boom' in solution_str else 1\n")
+RAISING = "  if 'boom' in solution_str:\n    raise KeyError('missing key')\n  return 1.0\n"
+NAN = "  return float('nan') if 'boom' in solution_str else 1.0\n"
+STRING = "  return 'high' if 'boom' in solution_str else 1.0\n"
+BOOL = "  return True if 'boom' in solution_str else 1.0\n"
+HUGE = "  return 10 ** 400 if 'boom' in solution_str else 1\n"
 
 
-@pytest.mark.parametrize("body,words", [
-    (RAISING, ["'custom' raised KeyError", "row 1", "'xx boom yy'"]),
-    (NAN, ["'custom' returned nan", "row 1", "'xx boom yy'"]),
-    (STRING, ["'custom' returned 'high'", "row 1"]),
-    (BOOL, ["'custom' returned True", "row 1"]),
-    (HUGE, ["'custom' raised OverflowError", "row 1"]),
-])
+@pytest.mark.parametrize(
+    "body,words",
+    [
+        (RAISING, ["'custom' raised KeyError", "row 1", "'xx boom yy'"]),
+        (NAN, ["'custom' returned nan", "row 1", "'xx boom yy'"]),
+        (STRING, ["'custom' returned 'high'", "row 1"]),
+        (BOOL, ["'custom' returned True", "row 1"]),
+        (HUGE, ["'custom' raised OverflowError", "row 1"]),
+    ],
+)
 def test_bad_reward_fails_fast_by_default_naming_function_row_and_snippet(tmp_path, body, words):
   rc = rewards.build_reward_computer((), (), custom_file=_plugin(tmp_path, body))
   with pytest.raises(rewards.RewardError) as e:
@@ -237,8 +277,7 @@ def test_bad_reward_fails_fast_by_default_naming_function_row_and_snippet(tmp_pa
 
 @pytest.mark.parametrize("body", [RAISING, NAN, STRING, BOOL, HUGE])
 def test_bad_reward_scores_zero_and_is_counted_when_asked(tmp_path, body):
-  rc = rewards.build_reward_computer((), (), custom_file=_plugin(tmp_path, body),
-                                     on_error="zero")
+  rc = rewards.build_reward_computer((), (), custom_file=_plugin(tmp_path, body), on_error="zero")
   res = rc(["p"] * 4, ["fine", "boom", "fine", "boom"], _rows(4))
   np.testing.assert_array_equal(res.total, [1.0, 0.0, 1.0, 0.0])
   assert res.errors == 2
@@ -249,13 +288,18 @@ def test_unknown_reward_name_lists_known_ones():
     rewards.build_reward_computer(("nope",), (1.0,))
 
 
-SLOW = ("  import time\n  if 'slow' in solution_str:\n    time.sleep(30)\n  return 1.0\n")
+SLOW = "  import time\n  if 'slow' in solution_str:\n    time.sleep(30)\n  return 1.0\n"
 
 
 def test_process_pool_scores_and_times_out(tmp_path):
-  rc = rewards.build_reward_computer(("check_answer",), (1.0,),
-                                     custom_file=_plugin(tmp_path, SLOW), num_workers=2,
-                                     timeout_sec=3.0, on_error="zero")
+  rc = rewards.build_reward_computer(
+      ("check_answer",),
+      (1.0,),
+      custom_file=_plugin(tmp_path, SLOW),
+      num_workers=2,
+      timeout_sec=3.0,
+      on_error="zero",
+  )
   try:
     comps = ["<reasoning>r</reasoning><answer>7</answer>", "slow", "fast"]
     res = rc(["p"] * 3, comps, _rows(3))
@@ -270,8 +314,9 @@ def test_process_pool_scores_and_times_out(tmp_path):
 
 
 def test_process_pool_timeout_fails_fast_by_default(tmp_path):
-  rc = rewards.build_reward_computer((), (), custom_file=_plugin(tmp_path, SLOW), num_workers=1,
-                                     timeout_sec=2.0)
+  rc = rewards.build_reward_computer(
+      (), (), custom_file=_plugin(tmp_path, SLOW), num_workers=1, timeout_sec=2.0
+  )
   try:
     with pytest.raises(rewards.RewardError, match="'custom' timed out after 2.0s on row 0"):
       rc(["p"], ["slow"], _rows(1))

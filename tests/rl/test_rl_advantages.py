@@ -1,4 +1,5 @@
 """Advantage estimators and DAPO helpers vs NumPy references written here, independently."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,9 +69,14 @@ def test_dr_grpo_and_rloo_match_numpy(name, r, g):
 @pytest.mark.parametrize("std_kind", ["population", "sample"])
 def test_degenerate_groups_give_finite_zeros(estimator, std_kind):
   # 0.1 and 1.1 are not exact in binary: their group mean is off by ~1e-9.
-  for r, g in [(jnp.full((12,), 7.0), 4), (jnp.arange(5.0), 1), (jnp.zeros(6), 6),
-               (jnp.full((8,), 0.1), 8), (jnp.full((6,), 1.1), 3),
-               (jnp.array([0.1] * 7 + [1 / 3] * 7), 7)]:
+  for r, g in [
+      (jnp.full((12,), 7.0), 4),
+      (jnp.arange(5.0), 1),
+      (jnp.zeros(6), 6),
+      (jnp.full((8,), 0.1), 8),
+      (jnp.full((6,), 1.1), 3),
+      (jnp.array([0.1] * 7 + [1 / 3] * 7), 7),
+  ]:
     a = adv_lib.group_advantages(r, g, estimator=estimator, std_kind=std_kind, eps=0.0)
     assert np.all(np.asarray(a) == 0.0), (estimator, g, a)
 
@@ -112,7 +118,7 @@ def test_advantage_metrics():
 def test_dynamic_sampling_mask():
   r = np.array([1, 1, 1, 0, 1, 0, 2, 2, 2, 3, 3, 3], np.float32)
   got = np.asarray(adv_lib.dynamic_sampling_mask(jnp.asarray(r), 3))
-  want = np.repeat([r[i:i + 3].std() > 0 for i in range(0, 12, 3)], 3)
+  want = np.repeat([r[i : i + 3].std() > 0 for i in range(0, 12, 3)], 3)
   np.testing.assert_array_equal(got, want)
 
 

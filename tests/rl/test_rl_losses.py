@@ -3,6 +3,7 @@
 The references below are written independently (float64 NumPy, loops where clearer) from the
 definitions in docs/design.md and the cited papers; they never call grpo_jax code.
 """
+
 import itertools
 
 import jax
@@ -46,8 +47,22 @@ def np_aggregate(l, m, mode, max_len):
   return float(np.mean(rows))
 
 
-def np_policy_loss(logp, old, ref, adv, mask, eps_lo, eps_hi, beta, kl_kind, mode, max_len,
-                   kind="ppo_clip", clip_c=None, tis=None):
+def np_policy_loss(
+    logp,
+    old,
+    ref,
+    adv,
+    mask,
+    eps_lo,
+    eps_hi,
+    beta,
+    kl_kind,
+    mode,
+    max_len,
+    kind="ppo_clip",
+    clip_c=None,
+    tis=None,
+):
   logp = np.where(mask > 0, logp, 0.0).astype(np.float64)
   old = np.where(mask > 0, old, 0.0).astype(np.float64)
   B, T = logp.shape
@@ -188,12 +203,15 @@ def test_dr_grpo_norm_requires_max_len():
     losses.aggregate(jnp.ones((2, 3)), jnp.ones((2, 3)), "seq-mean-token-sum-norm")
 
 
-GRID = list(itertools.product(
-    [0, 1],  # seed
-    AGG_MODES,
-    [("k3", 0.04), ("k1", 0.1), ("k2", 0.5), ("k3", 0.0)],
-    [(0.2, None), (0.2, 0.28)],  # clip_eps, clip_eps_high
-    [False, True]))  # per-token advantages
+GRID = list(
+    itertools.product(
+        [0, 1],  # seed
+        AGG_MODES,
+        [("k3", 0.04), ("k1", 0.1), ("k2", 0.5), ("k3", 0.0)],
+        [(0.2, None), (0.2, 0.28)],  # clip_eps, clip_eps_high
+        [False, True],
+    )
+)  # per-token advantages
 
 
 @pytest.mark.parametrize("seed,mode,kl,clip,adv_tok", GRID)
@@ -203,9 +221,18 @@ def test_ppo_clip_loss_matches_numpy(seed, mode, kl, clip, adv_tok):
   logp, old, ref, adv, mask = make_batch(seed, adv_per_token=adv_tok, scale=0.4)
   ref_arg = None if beta == 0 else jnp.asarray(ref)
   loss, metrics = losses.policy_loss(
-      jnp.asarray(logp), jnp.asarray(old), ref_arg, jnp.asarray(adv), jnp.asarray(mask),
-      clip_eps=eps, clip_eps_high=eps_hi, beta=beta, kl_kind=kl_kind, loss_agg_mode=mode,
-      max_completion_length=7)
+      jnp.asarray(logp),
+      jnp.asarray(old),
+      ref_arg,
+      jnp.asarray(adv),
+      jnp.asarray(mask),
+      clip_eps=eps,
+      clip_eps_high=eps_hi,
+      beta=beta,
+      kl_kind=kl_kind,
+      loss_agg_mode=mode,
+      max_completion_length=7,
+  )
   want = np_policy_loss(logp, old, ref, adv, mask, eps, eps_hi or eps, beta, kl_kind, mode, 7)
   close(loss, want)
   assert all(np.isfinite(np.asarray(v)) for v in metrics.values())
@@ -213,9 +240,17 @@ def test_ppo_clip_loss_matches_numpy(seed, mode, kl, clip, adv_tok):
 
 def test_metrics_match_numpy():
   logp, old, ref, adv, mask = make_batch(3, B=6, T=9, scale=0.5)
-  _, m = losses.policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(ref),
-                            jnp.asarray(adv), jnp.asarray(mask), clip_eps=0.2,
-                            clip_eps_high=0.3, beta=0.1, kl_kind="k3")
+  _, m = losses.policy_loss(
+      jnp.asarray(logp),
+      jnp.asarray(old),
+      jnp.asarray(ref),
+      jnp.asarray(adv),
+      jnp.asarray(mask),
+      clip_eps=0.2,
+      clip_eps_high=0.3,
+      beta=0.1,
+      kl_kind="k3",
+  )
   sel = mask > 0
   r = np.exp(logp[sel].astype(np.float64) - old[sel])
   A = np.broadcast_to(adv[:, None], mask.shape)[sel]
@@ -233,23 +268,43 @@ def test_metrics_match_numpy():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_dual_clip_matches_numpy(seed):
   logp, old, ref, adv, mask = make_batch(seed, scale=2.0)  # big ratios -> dual clip binds
-  loss, m = losses.policy_loss(jnp.asarray(logp), jnp.asarray(old), None, jnp.asarray(adv),
-                               jnp.asarray(mask), clip_eps=0.2, beta=0.0, clip_ratio_c=3.0,
-                               loss_agg_mode="token-mean")
-  close(loss, np_policy_loss(logp, old, ref, adv, mask, 0.2, 0.2, 0, "k3", "token-mean", 7,
-                             clip_c=3.0))
+  loss, m = losses.policy_loss(
+      jnp.asarray(logp),
+      jnp.asarray(old),
+      None,
+      jnp.asarray(adv),
+      jnp.asarray(mask),
+      clip_eps=0.2,
+      beta=0.0,
+      clip_ratio_c=3.0,
+      loss_agg_mode="token-mean",
+  )
+  close(
+      loss,
+      np_policy_loss(logp, old, ref, adv, mask, 0.2, 0.2, 0, "k3", "token-mean", 7, clip_c=3.0),
+  )
   assert "dual_clip_frac" in m
 
 
 @pytest.mark.parametrize("seed,mode", itertools.product([0, 1], AGG_MODES))
 def test_gspo_matches_numpy(seed, mode):
   logp, old, ref, adv, mask = make_batch(seed, scale=0.01)
-  loss, _ = losses.policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(ref),
-                               jnp.asarray(adv), jnp.asarray(mask), clip_eps=3e-4,
-                               clip_eps_high=4e-4, beta=0.02, loss_agg_mode=mode,
-                               max_completion_length=7, policy_loss_kind="gspo")
-  close(loss, np_policy_loss(logp, old, ref, adv, mask, 3e-4, 4e-4, 0.02, "k3", mode, 7,
-                             kind="gspo"))
+  loss, _ = losses.policy_loss(
+      jnp.asarray(logp),
+      jnp.asarray(old),
+      jnp.asarray(ref),
+      jnp.asarray(adv),
+      jnp.asarray(mask),
+      clip_eps=3e-4,
+      clip_eps_high=4e-4,
+      beta=0.02,
+      loss_agg_mode=mode,
+      max_completion_length=7,
+      policy_loss_kind="gspo",
+  )
+  close(
+      loss, np_policy_loss(logp, old, ref, adv, mask, 3e-4, 4e-4, 0.02, "k3", mode, 7, kind="gspo")
+  )
 
 
 def test_gspo_gradient_is_sequence_ratio_times_token_grad():
@@ -259,27 +314,41 @@ def test_gspo_gradient_is_sequence_ratio_times_token_grad():
   old = logp + jnp.asarray(rng.normal(size=(2, 5)) * 1e-5, jnp.float32)
   adv = jnp.array([1.0, -0.5])
   mask = jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], jnp.float32)
-  g = jax.grad(lambda l: losses.policy_loss(l, old, None, adv, mask, clip_eps=0.2, beta=0.0,
-                                            policy_loss_kind="gspo")[0])(logp)
-  s = np.exp([(np.asarray(logp - old)[b] * np.asarray(mask)[b]).sum() / mask[b].sum()
-              for b in range(2)])
+  g = jax.grad(
+      lambda l: losses.policy_loss(
+          l, old, None, adv, mask, clip_eps=0.2, beta=0.0, policy_loss_kind="gspo"
+      )[0]
+  )(logp)
+  s = np.exp(
+      [(np.asarray(logp - old)[b] * np.asarray(mask)[b]).sum() / mask[b].sum() for b in range(2)]
+  )
   want = -np.asarray(adv)[:, None] * s[:, None] / np.asarray(mask).sum(1, keepdims=True) / 2
   np.testing.assert_allclose(g, want * np.asarray(mask), rtol=1e-5, atol=1e-8)
 
 
 def test_tis_weights_and_loss():
   logp, old, ref, adv, mask = make_batch(4)
-  sampler = (np.nan_to_num(old) + np.random.default_rng(0).normal(size=old.shape) * 0.5
-             ).astype(np.float32)
+  sampler = (np.nan_to_num(old) + np.random.default_rng(0).normal(size=old.shape) * 0.5).astype(
+      np.float32
+  )
   w = np.asarray(losses.tis_weights(jnp.asarray(np.nan_to_num(old)), jnp.asarray(sampler), 2.0))
   want_w = np.minimum(np.exp(np.nan_to_num(old).astype(np.float64) - sampler), 2.0)
   np.testing.assert_allclose(w, want_w, rtol=1e-6)
   assert w.max() <= 2.0
-  loss, _ = losses.policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(ref),
-                               jnp.asarray(adv), jnp.asarray(mask), clip_eps=0.2, beta=0.05,
-                               tis_weights=jnp.asarray(w), loss_agg_mode="token-mean")
-  close(loss, np_policy_loss(logp, old, ref, adv, mask, 0.2, 0.2, 0.05, "k3", "token-mean", 7,
-                             tis=w))
+  loss, _ = losses.policy_loss(
+      jnp.asarray(logp),
+      jnp.asarray(old),
+      jnp.asarray(ref),
+      jnp.asarray(adv),
+      jnp.asarray(mask),
+      clip_eps=0.2,
+      beta=0.05,
+      tis_weights=jnp.asarray(w),
+      loss_agg_mode="token-mean",
+  )
+  close(
+      loss, np_policy_loss(logp, old, ref, adv, mask, 0.2, 0.2, 0.05, "k3", "token-mean", 7, tis=w)
+  )
 
 
 def test_extreme_log_ratios_are_finite():
@@ -288,13 +357,25 @@ def test_extreme_log_ratios_are_finite():
   ref = jnp.array([[-50.0, 50.0, -1.0, 0.0]])
   mask = jnp.ones((1, 4))
   for adv in (jnp.array([1.0]), jnp.array([-1.0])):
-    f = lambda l: losses.policy_loss(l, old, ref, adv, mask, clip_eps=0.2, beta=0.1,
-                                     kl_clamp=10.0, clip_ratio_c=3.0)[0]
+    f = lambda l: losses.policy_loss(
+        l, old, ref, adv, mask, clip_eps=0.2, beta=0.1, kl_clamp=10.0, clip_ratio_c=3.0
+    )[0]
     val, g = jax.value_and_grad(f)(logp)
     assert np.isfinite(val) and np.all(np.isfinite(g)), (val, g)
-    want = np_policy_loss(np.asarray(logp), np.asarray(old), np.asarray(ref), np.asarray(adv),
-                          np.asarray(mask), 0.2, 0.2, 0.0, "k3", "seq-mean-token-mean", None,
-                          clip_c=3.0)
+    want = np_policy_loss(
+        np.asarray(logp),
+        np.asarray(old),
+        np.asarray(ref),
+        np.asarray(adv),
+        np.asarray(mask),
+        0.2,
+        0.2,
+        0.0,
+        "k3",
+        "seq-mean-token-mean",
+        None,
+        clip_c=3.0,
+    )
     d = np.clip(np.asarray(ref - logp, np.float64), -MAX_LR, MAX_LR)
     want += 0.1 * np.clip(np.exp(d) - d - 1, -10, 10).mean()
     close(val, want, rtol=1e-5)
@@ -302,12 +383,26 @@ def test_extreme_log_ratios_are_finite():
 
 def test_beta_zero_with_no_reference():
   logp, old, _, adv, mask = make_batch(6)
-  loss, m = losses.policy_loss(jnp.asarray(logp), jnp.asarray(old), None, jnp.asarray(adv),
-                               jnp.asarray(mask), clip_eps=0.2, beta=0.0)
+  loss, m = losses.policy_loss(
+      jnp.asarray(logp),
+      jnp.asarray(old),
+      None,
+      jnp.asarray(adv),
+      jnp.asarray(mask),
+      clip_eps=0.2,
+      beta=0.0,
+  )
   assert float(m["kl"]) == 0.0 and np.isfinite(float(loss))
   with pytest.raises(ValueError, match="ref_logp"):
-    losses.policy_loss(jnp.asarray(logp), jnp.asarray(old), None, jnp.asarray(adv),
-                       jnp.asarray(mask), clip_eps=0.2, beta=0.1)
+    losses.policy_loss(
+        jnp.asarray(logp),
+        jnp.asarray(old),
+        None,
+        jnp.asarray(adv),
+        jnp.asarray(mask),
+        clip_eps=0.2,
+        beta=0.1,
+    )
 
 
 # ------------------------------------------------------------------------- gradients
@@ -332,9 +427,19 @@ def test_gradient_matches_finite_differences(kl_kind, mode):
     ref = logp + jnp.asarray(rng.normal(size=(B, T)) * 0.3)
     adv = jnp.asarray(rng.normal(size=B))
     mask = jnp.asarray((np.arange(T)[None] < np.array([5, 3, 1])[:, None]).astype(np.float64))
-    f = lambda l: losses.policy_loss(l, old, ref, adv, mask, clip_eps=0.2, clip_eps_high=0.3,
-                                     beta=0.2, kl_kind=kl_kind, loss_agg_mode=mode,
-                                     max_completion_length=T)[0]
+    f = lambda l: losses.policy_loss(
+        l,
+        old,
+        ref,
+        adv,
+        mask,
+        clip_eps=0.2,
+        clip_eps_high=0.3,
+        beta=0.2,
+        kl_kind=kl_kind,
+        loss_agg_mode=mode,
+        max_completion_length=T,
+    )[0]
     g = np.asarray(jax.grad(f)(logp))
     h = 1e-6
     fd = np.zeros((B, T))
@@ -344,8 +449,18 @@ def test_gradient_matches_finite_differences(kl_kind, mode):
         fd[b, t] = (f(logp + e) - f(logp - e)) / (2 * h)
     np.testing.assert_allclose(g, fd, rtol=1e-6, atol=1e-9)
     # Clipped tokens get no policy-gradient: with beta=0 their gradient is exactly 0.
-    f0 = lambda l: losses.policy_loss(l, old, None, adv, mask, clip_eps=0.2, clip_eps_high=0.3,
-                                      beta=0.0, loss_agg_mode=mode, max_completion_length=T)[0]
+    f0 = lambda l: losses.policy_loss(
+        l,
+        old,
+        None,
+        adv,
+        mask,
+        clip_eps=0.2,
+        clip_eps_high=0.3,
+        beta=0.0,
+        loss_agg_mode=mode,
+        max_completion_length=T,
+    )[0]
     g0 = np.asarray(jax.grad(f0)(logp))
     r = np.exp(np.asarray(logp - old))
     A = np.broadcast_to(np.asarray(adv)[:, None], (B, T))
@@ -354,14 +469,23 @@ def test_gradient_matches_finite_differences(kl_kind, mode):
     assert (clipped & m).any() and (~clipped & m).any()
     assert np.all(g0[clipped] == 0)
     assert np.all(g0[~clipped & m] != 0)
+
   _f64(run)
 
 
 def test_masked_positions_get_exactly_zero_gradient_even_with_nan():
   logp, old, ref, adv, mask = make_batch(8)
-  g = jax.grad(lambda l: losses.policy_loss(
-      l, jnp.asarray(old), jnp.asarray(ref), jnp.asarray(adv), jnp.asarray(mask),
-      clip_eps=0.2, beta=0.1)[0])(jnp.asarray(logp))
+  g = jax.grad(
+      lambda l: losses.policy_loss(
+          l,
+          jnp.asarray(old),
+          jnp.asarray(ref),
+          jnp.asarray(adv),
+          jnp.asarray(mask),
+          clip_eps=0.2,
+          beta=0.1,
+      )[0]
+  )(jnp.asarray(logp))
   g = np.asarray(g)
   assert np.all(np.isfinite(g))
   assert np.all(g[mask == 0] == 0)
@@ -385,5 +509,4 @@ def test_unknown_names():
   with pytest.raises(ValueError, match="unknown loss aggregation mode"):
     losses.aggregate(x, x, "mean")
   with pytest.raises(ValueError, match="unknown policy loss 'ppo'"):
-    losses.policy_loss(x, x, None, jnp.zeros(1), x, clip_eps=0.2, beta=0.0,
-                       policy_loss_kind="ppo")
+    losses.policy_loss(x, x, None, jnp.zeros(1), x, clip_eps=0.2, beta=0.0, policy_loss_kind="ppo")

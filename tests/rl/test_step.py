@@ -1,4 +1,5 @@
 """The jitted update: gradient accumulation is exact, and non-finite updates are skipped."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,7 @@ def _logprob_fn(params, input_ids, attention_mask):
   """A tiny differentiable 'model': log-softmax of a per-token embedding times a matrix."""
   h = params["emb"][input_ids] * attention_mask[..., None]
   logits = h @ params["out"]
-  logp = jax.nn.log_softmax(logits[:, -L - 1:-1], -1)
+  logp = jax.nn.log_softmax(logits[:, -L - 1 : -1], -1)
   return jnp.take_along_axis(logp, input_ids[:, -L:, None], -1)[..., 0]
 
 
@@ -24,9 +25,13 @@ def _batch(seed, beta):
   lengths = rng.integers(1, L + 1, B)  # ragged completions
   cmask = (np.arange(L)[None] < lengths[:, None]).astype(np.int32)
   amask = np.concatenate([np.ones((B, S - L), np.int32), cmask], 1)
-  batch = dict(input_ids=ids, attention_mask=amask, completion_mask=cmask,
-               advantages=rng.normal(size=B).astype(np.float32),
-               old_logp=np.log(rng.uniform(0.05, 0.5, (B, L))).astype(np.float32))
+  batch = dict(
+      input_ids=ids,
+      attention_mask=amask,
+      completion_mask=cmask,
+      advantages=rng.normal(size=B).astype(np.float32),
+      old_logp=np.log(rng.uniform(0.05, 0.5, (B, L))).astype(np.float32),
+  )
   if beta:
     batch["ref_logp"] = np.log(rng.uniform(0.05, 0.5, (B, L))).astype(np.float32)
   return jax.tree.map(jnp.asarray, batch)
@@ -34,15 +39,16 @@ def _batch(seed, beta):
 
 def _params(seed=0):
   rng = np.random.default_rng(seed)
-  return {"emb": jnp.asarray(rng.normal(size=(V, 8)), jnp.float32),
-          "out": jnp.asarray(rng.normal(size=(8, V)), jnp.float32)}
+  return {
+      "emb": jnp.asarray(rng.normal(size=(V, 8)), jnp.float32),
+      "out": jnp.asarray(rng.normal(size=(8, V)), jnp.float32),
+  }
 
 
 @pytest.mark.parametrize("mode", sorted(losses.LOSS_AGG_MODES.names()))
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 def test_micro_batches_give_the_whole_batch_gradient(mode, beta):
-  settings = step.LossSettings(beta=beta, clip_eps=0.2, loss_agg_mode=mode,
-                               max_completion_length=L)
+  settings = step.LossSettings(beta=beta, clip_eps=0.2, loss_agg_mode=mode, max_completion_length=L)
   params, batch = _params(), _batch(1, beta)
 
   def loss_fn(p, mb):
@@ -51,20 +57,29 @@ def test_micro_batches_give_the_whole_batch_gradient(mode, beta):
   ref_loss, ref_grads, ref_metrics = step.accumulate_gradients(loss_fn, params, batch, 1, mode)
   for n in (2, 4, 16):
     loss, grads, metrics = jax.jit(step.accumulate_gradients, static_argnums=(0, 3, 4))(
-        loss_fn, params, batch, n, mode)
+        loss_fn, params, batch, n, mode
+    )
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for k in ref_grads:
       np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, err_msg=k)
   # The whole-batch loss is the definition in docs/design.md (policy_loss on all rows at once).
   direct, _ = losses.policy_loss(
-      _logprob_fn(params, batch["input_ids"], batch["attention_mask"]), batch["old_logp"],
-      batch.get("ref_logp"), batch["advantages"], batch["completion_mask"], clip_eps=0.2,
-      beta=beta, loss_agg_mode=mode, max_completion_length=L)
+      _logprob_fn(params, batch["input_ids"], batch["attention_mask"]),
+      batch["old_logp"],
+      batch.get("ref_logp"),
+      batch["advantages"],
+      batch["completion_mask"],
+      clip_eps=0.2,
+      beta=beta,
+      loss_agg_mode=mode,
+      max_completion_length=L,
+  )
   np.testing.assert_allclose(ref_loss, direct, rtol=1e-6)
 
 
 def test_nonfinite_update_is_skipped():
   import optax
+
   opt = optax.adamw(1e-2)
   params = _params()
   state = step.init_state(params, opt)

@@ -1,5 +1,6 @@
 """Both rollout engines satisfy one interface (grpo_jax/rollout/engine.py): the native engine
 always, vLLM when installed. Same call, same Rollout contract, same optional figures."""
+
 import importlib.util
 import os
 
@@ -27,8 +28,9 @@ _GREEDY = {}  # kind -> (tokens, mask) of a greedy rollout, compared across engi
 @pytest.fixture(scope="module")
 def setup():
   os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-  spec = importlib.util.spec_from_file_location("cfg_tiny", os.path.join(ROOT, "configs",
-                                                                          "tiny.py"))
+  spec = importlib.util.spec_from_file_location(
+      "cfg_tiny", os.path.join(ROOT, "configs", "tiny.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config()
@@ -39,8 +41,9 @@ def setup():
   policy = build.make_policy(config, mesh)
   tok = data_lib.build_tokenizer("char")
   rows = data_lib.arithmetic_rows(B, split="test", seed=0)
-  data = data_lib.PromptData(rows, tok, template="plain", system_prompt="",
-                             max_prompt_length=config.max_prompt_length)
+  data = data_lib.PromptData(
+      rows, tok, template="plain", system_prompt="", max_prompt_length=config.max_prompt_length
+  )
   return dict(config=config, mesh=mesh, policy=policy, tok=tok, batch=data.batch(np.arange(B)))
 
 
@@ -68,8 +71,9 @@ def test_engine_contract(setup, kind):
     assert (np.diff(mask, axis=1) <= 0).all()  # 1 up to the stop token, then 0
     np.testing.assert_array_equal(lengths, mask.sum(-1))
     assert (tokens[mask == 0] == tok.pad_id).all()
-    eos_at_end = np.array([m.sum() > 0 and t[m.sum() - 1] in tok.stop_ids
-                           for t, m in zip(tokens, mask)])
+    eos_at_end = np.array(
+        [m.sum() > 0 and t[m.sum() - 1] in tok.stop_ids for t, m in zip(tokens, mask)]
+    )
     np.testing.assert_array_equal(truncated, ~eos_at_end)
     assert (lengths[truncated] == c).all()
     assert (logp[mask == 0] == 0).all() and (logp[mask == 1] <= 0).all()
@@ -77,8 +81,9 @@ def test_engine_contract(setup, kind):
     # trainer's program, within the cross-engine tolerance of tests/rollout/test_vllm.py otherwise.
     ids = np.concatenate([np.repeat(s["batch"]["prompt_ids"], G, 0), tokens], 1)
     am = np.concatenate([np.repeat(s["batch"]["prompt_mask"], G, 0), mask], 1)
-    trainer = np.asarray(completion_logprobs(nnx.merge(policy.graphdef, policy.params), ids,
-                                             am, c, 1.0))
+    trainer = np.asarray(
+        completion_logprobs(nnx.merge(policy.graphdef, policy.params), ids, am, c, 1.0)
+    )
     tol = 1e-5 if engine.matches_trainer else 1e-4
     assert np.abs((trainer - logp) * mask).max() <= tol
     stats = engine.stats()

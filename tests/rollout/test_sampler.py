@@ -1,4 +1,5 @@
 """The rollout sampler: exact log-probs, greedy parity with transformers, sampling statistics."""
+
 from flax import nnx
 import jax
 import jax.extend
@@ -39,12 +40,21 @@ def trainer_logprobs(model, prompt_ids, prompt_mask, r, g, temperature=1.0):
   return completion_logprobs(model, ids, mask, r.tokens.shape[1], temperature)
 
 
-@pytest.mark.parametrize("gen", ["greedy", "standard", "liberal",
-                                 GenerationConfig(temperature=1.0)])
+@pytest.mark.parametrize(
+    "gen", ["greedy", "standard", "liberal", GenerationConfig(temperature=1.0)]
+)
 def test_sampled_logprobs_equal_training_forward(model, gen):
   ids, mask = prompts(CFG.vocab_size)
-  r = sample(model, ids, mask, num_generations=3, max_new_tokens=9, rng=jax.random.key(1),
-             generation=gen, eos_ids=(5, 9))
+  r = sample(
+      model,
+      ids,
+      mask,
+      num_generations=3,
+      max_new_tokens=9,
+      rng=jax.random.key(1),
+      generation=gen,
+      eos_ids=(5, 9),
+  )
   m = np.asarray(r.mask) > 0
   train = np.asarray(trainer_logprobs(model, ids, mask, r, 3))
   assert np.abs(train - np.asarray(r.raw_logprobs))[m].max() <= 1e-5
@@ -62,8 +72,14 @@ def test_decode_phases_keep_tokens_and_logprobs(scan):
   graphdef, state = nnx.split(model)
   out = {}
   for phases in (1, 3):
-    s = Sampler(graphdef, max_prompt_length=7, max_new_tokens=24, num_generations=3,
-                eos_ids=(5,), decode_phases=phases)
+    s = Sampler(
+        graphdef,
+        max_prompt_length=7,
+        max_new_tokens=24,
+        num_generations=3,
+        eos_ids=(5,),
+        decode_phases=phases,
+    )
     assert len(s.phase_ends) == phases and s.phase_ends[-1] == 24
     out[phases] = s(state, ids, mask, jax.random.key(4), GenerationConfig(temperature=1.0))
   np.testing.assert_array_equal(out[1].tokens, out[3].tokens)
@@ -93,20 +109,37 @@ def test_phase_ends():
 def test_temperature_logprobs_match_scaled_forward(model):
   ids, mask = prompts(CFG.vocab_size, seed=2)
   gen = GenerationConfig(temperature=0.6)
-  r = sample(model, ids, mask, num_generations=2, max_new_tokens=6, rng=jax.random.key(2),
-             generation=gen)
+  r = sample(
+      model, ids, mask, num_generations=2, max_new_tokens=6, rng=jax.random.key(2), generation=gen
+  )
   train = np.asarray(trainer_logprobs(model, ids, mask, r, 2, temperature=0.6))
   np.testing.assert_allclose(np.asarray(r.logprobs), train * np.asarray(r.mask), atol=1e-5)
 
 
 def test_eos_stops_rows_and_masks_the_rest(model):
   ids, mask = prompts(CFG.vocab_size, seed=3, b=8)
-  free = sample(model, ids, mask, num_generations=2, max_new_tokens=12, rng=jax.random.key(3),
-                generation=GenerationConfig(temperature=1.5))
+  free = sample(
+      model,
+      ids,
+      mask,
+      num_generations=2,
+      max_new_tokens=12,
+      rng=jax.random.key(3),
+      generation=GenerationConfig(temperature=1.5),
+  )
   toks = np.asarray(free.tokens)
   stop = int(toks[0, 4])  # a token row 0 emits mid-way: make it a stop token
-  r = sample(model, ids, mask, num_generations=2, max_new_tokens=12, rng=jax.random.key(3),
-             generation=GenerationConfig(temperature=1.5), eos_ids=(stop,), pad_id=-7)
+  r = sample(
+      model,
+      ids,
+      mask,
+      num_generations=2,
+      max_new_tokens=12,
+      rng=jax.random.key(3),
+      generation=GenerationConfig(temperature=1.5),
+      eos_ids=(stop,),
+      pad_id=-7,
+  )
   t, m = np.asarray(r.tokens), np.asarray(r.mask)
   saw_stop = False
   for row in range(t.shape[0]):
@@ -114,9 +147,9 @@ def test_eos_stops_rows_and_masks_the_rest(model):
     if len(hits):  # same rng -> same tokens up to and including the first stop
       k = hits[0]
       saw_stop = True
-      np.testing.assert_array_equal(t[row, :k + 1], toks[row, :k + 1])
-      assert m[row, :k + 1].all() and not m[row, k + 1:].any()
-      assert (t[row, k + 1:] == -7).all()
+      np.testing.assert_array_equal(t[row, : k + 1], toks[row, : k + 1])
+      assert m[row, : k + 1].all() and not m[row, k + 1 :].any()
+      assert (t[row, k + 1 :] == -7).all()
       assert r.lengths[row] == k + 1 and not r.truncated[row]
     else:
       assert m[row].all() and r.truncated[row]
@@ -166,8 +199,7 @@ def draws(logits_v, **kw):
   logits = jnp.broadcast_to(jnp.asarray(logits_v, jnp.float32), (N_DRAWS, len(logits_v)))
   kw = dict(dict(temperature=1.0, top_p=1.0, top_k=0, use_top_p=False, greedy=False), **kw)
   # logits as an argument, not a closure constant (XLA would constant-fold the sort slowly)
-  tok, lp, raw = jax.jit(lambda x, k: sampling.sample_token(x, k, **kw))(logits,
-                                                                        jax.random.key(11))
+  tok, lp, raw = jax.jit(lambda x, k: sampling.sample_token(x, k, **kw))(logits, jax.random.key(11))
   return np.asarray(tok), np.asarray(lp), np.asarray(raw)
 
 
@@ -227,9 +259,9 @@ def test_top_p_support_is_the_smallest_nucleus(top_p, top_k):
     order = order[:top_k]
   p = np.exp(LOGITS[order] - LOGITS[order].max())
   p /= p.sum()
-  keep = order[:np.searchsorted(np.cumsum(p), top_p) + 1]
+  keep = order[: np.searchsorted(np.cumsum(p), top_p) + 1]
   assert set(np.unique(tok)) == set(keep)
-  q = p[:len(keep)] / p[:len(keep)].sum()
+  q = p[: len(keep)] / p[: len(keep)].sum()
   q_of = dict(zip(keep, q))
   np.testing.assert_allclose(lp, np.log([q_of[t] for t in tok]), atol=1e-5)
 
@@ -253,8 +285,12 @@ def test_mesh_results_equal_single_device(model):
   kw = dict(max_prompt_length=7, max_new_tokens=6, num_generations=2, eos_ids=(3,))
   single = Sampler(graphdef, **kw)(state, ids, mask, jax.random.key(4), "standard")
   on_mesh = Sampler(graphdef, mesh=mesh, **kw)(
-      sharded_state, jax.device_put(ids, sharding.batch_sharding(mesh)),
-      jax.device_put(mask, sharding.batch_sharding(mesh)), jax.random.key(4), "standard")
+      sharded_state,
+      jax.device_put(ids, sharding.batch_sharding(mesh)),
+      jax.device_put(mask, sharding.batch_sharding(mesh)),
+      jax.random.key(4),
+      "standard",
+  )
   assert on_mesh.tokens.sharding.spec[0] == sharding.BATCH_AXES
   np.testing.assert_array_equal(single.tokens, on_mesh.tokens)
   np.testing.assert_array_equal(single.mask, on_mesh.mask)
@@ -266,35 +302,52 @@ def test_greedy_equals_transformers_generate(tmp_path):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   from grpo_jax.models import load_hf
+
   torch.manual_seed(0)
-  cfg = transformers.Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=96,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=24, rope_theta=10000.0,
-                                 max_position_embeddings=128, attn_implementation="eager",
-                                 tie_word_embeddings=False)
+  cfg = transformers.Qwen3Config(
+      vocab_size=97,
+      hidden_size=64,
+      intermediate_size=96,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      head_dim=24,
+      rope_theta=10000.0,
+      max_position_embeddings=128,
+      attn_implementation="eager",
+      tie_word_embeddings=False,
+  )
   hf = transformers.Qwen3ForCausalLM(cfg).eval()
   hf.save_pretrained(tmp_path, safe_serialization=True)
   ours = load_hf(str(tmp_path))
   ids, mask = prompts(97, seed=6)
   new = 10
   with torch.no_grad():
-    out = hf.generate(torch.tensor(np.asarray(ids)), attention_mask=torch.tensor(np.asarray(mask)),
-                      max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
-                      eos_token_id=None)
-  want = out[:, ids.shape[1]:].numpy()
+    out = hf.generate(
+        torch.tensor(np.asarray(ids)),
+        attention_mask=torch.tensor(np.asarray(mask)),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+  want = out[:, ids.shape[1] :].numpy()
   r = sample(ours, ids, mask, num_generations=1, max_new_tokens=new, rng=jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(r.tokens), want)
 
 
-@pytest.mark.parametrize("v,k,ties", [(151936, 50, False), (151936, 50, True), (32000, 20, True),
-                                      (5000, 7, False), (96, 50, False)])
+@pytest.mark.parametrize(
+    "v,k,ties",
+    [(151936, 50, False), (151936, 50, True), (32000, 20, True), (5000, 7, False), (96, 50, False)],
+)
 def test_two_level_top_k_equals_lax_top_k(v, k, ties):
   """sampling.top_k (block maxima, then the k best blocks) == lax.top_k: values and indices,
   ties to the lower index, -inf entries included."""
   rng = np.random.default_rng(v + k)
   x = (rng.integers(-20, 5, (6, v)) if ties else rng.standard_normal((6, v))).astype(np.float32)
   x[1] = 0.0  # one all-tied row
-  x[2, k // 2:] = -np.inf  # fewer than k finite entries
+  x[2, k // 2 :] = -np.inf  # fewer than k finite entries
   want = jax.lax.top_k(jnp.asarray(x), k)
   got = jax.jit(sampling.top_k, static_argnums=1)(jnp.asarray(x), k)
   np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
@@ -315,12 +368,14 @@ def test_decode_loop_reads_compute_dtype_weights_made_once(scan):
   """f32 master weights, bf16 compute: the sampler's program casts the weights (and unstacks
   scanned layers) once, before its loops; no weight-sized convert and no slice of a stacked
   weight inside a decode loop (no reliance on the compiler's loop-invariant motion)."""
-  cfg = CFG.replace(param_dtype="float32", dtype="bfloat16", scan_layers=scan,
-                    remat_policy="save_dots")
+  cfg = CFG.replace(
+      param_dtype="float32", dtype="bfloat16", scan_layers=scan, remat_policy="save_dots"
+  )
   model = build_model(cfg, seed=0)
   graphdef, state = nnx.split(model)
-  sampler = Sampler(graphdef, max_prompt_length=7, max_new_tokens=16, num_generations=2,
-                    decode_phases=2)
+  sampler = Sampler(
+      graphdef, max_prompt_length=7, max_new_tokens=16, num_generations=2, decode_phases=2
+  )
   ids, mask = prompts(cfg.vocab_size)
   fn, args = sampler._call(state, ids, mask, jax.random.key(0), "standard")
   jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
@@ -333,6 +388,7 @@ def test_decode_loop_reads_compute_dtype_weights_made_once(scan):
       yield eqn
       for sub in jax.extend.core.jaxprs_in_params(eqn.params):
         yield from walk(sub)
+
   for body in bodies:
     for eqn in walk(body):
       if eqn.primitive.name == "convert_element_type":
@@ -355,8 +411,15 @@ def test_decode_blocks_keep_tokens_logprobs_and_stops(model):
   for eos in [(), (5, 9, 11, 13)]:
     runs = []
     for block, phases in [(1, 1), (8, 1), (3, 3), (5, 2)]:
-      s = Sampler(graphdef, max_prompt_length=7, max_new_tokens=21, num_generations=3,
-                  eos_ids=eos, decode_phases=phases, decode_block=block)
+      s = Sampler(
+          graphdef,
+          max_prompt_length=7,
+          max_new_tokens=21,
+          num_generations=3,
+          eos_ids=eos,
+          decode_phases=phases,
+          decode_block=block,
+      )
       runs.append(s(state, ids, mask, jax.random.key(2), "standard"))
       assert runs[-1].tokens.shape == (12, 21)
     for r in runs[1:]:
@@ -374,6 +437,7 @@ def test_ragged_decode_attention_equals_xla_attention(length):
   past them (garbage there changes nothing); GQA groups of 2, 2 prompts x 4 rows."""
   from grpo_jax.models.decoder import decode_attention
   from grpo_jax.models.decoder import attention
+
   b, g, hkv, r, kd, s, p = 2, 4, 2, 2, 32, 128, 64
   ks = jax.random.split(jax.random.key(0), 6)
   q = jax.random.normal(ks[0], (b * g, 1, hkv * r, kd))
@@ -384,8 +448,14 @@ def test_ragged_decode_attention_equals_xla_attention(length):
   p_valid = (jnp.arange(p)[None] >= jnp.array([[5], [40]])).astype(jnp.int32)
   valid = jnp.broadcast_to(jnp.arange(s) < length, (b * g, s)).astype(jnp.int32)
   allowed = attention.slot_mask(jnp.full((b * g, 1), length - 1), jnp.arange(s), valid)
-  want = attention.cache_attention(q, k, v, allowed, (pk, pv, p_valid), attention.prefix_mask(
-      p_valid, jnp.zeros((b * g, 1), jnp.int32)))
+  want = attention.cache_attention(
+      q,
+      k,
+      v,
+      allowed,
+      (pk, pv, p_valid),
+      attention.prefix_mask(p_valid, jnp.zeros((b * g, 1), jnp.int32)),
+  )
   assert decode_attention.supports(q, k, pk, interpret=True)
   got = decode_attention.ragged(q, k, v, length, (pk, pv, p_valid), interpret=True)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
@@ -410,8 +480,15 @@ def test_ragged_decode_sampler_equals_xla_sampler(block):
   with pytest.raises(ValueError, match="decode_attention='flash'"):
     Sampler(graphdef, max_prompt_length=7, max_new_tokens=8, decode_attention="flash")
   for impl in ("xla", "pallas"):
-    s = Sampler(graphdef, max_prompt_length=7, max_new_tokens=24, num_generations=3,
-                eos_ids=(5,), decode_attention=impl, decode_block=block)
+    s = Sampler(
+        graphdef,
+        max_prompt_length=7,
+        max_new_tokens=24,
+        num_generations=3,
+        eos_ids=(5,),
+        decode_attention=impl,
+        decode_block=block,
+    )
     assert s.ragged == (impl == "pallas") and len(s.phase_ends) == 1
     out[impl] = s(state, ids, mask, jax.random.key(4), GenerationConfig(temperature=1.0))
   assert len(Sampler(graphdef, max_prompt_length=7, max_new_tokens=128).phase_ends) == 4

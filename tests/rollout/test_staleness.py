@@ -1,5 +1,6 @@
 """Off-policy rollouts (rollout.max_staleness) and the sampler's placement (rollout.placement):
 the loop's RolloutSource, on the tiny config."""
+
 import os
 
 import jax
@@ -12,8 +13,13 @@ from tests.test_train import flat
 from tests.test_train import grpo_rows
 from tests.test_train import tiny_config
 
-KEYS = ("reward/total", "loss/policy_loss", "completions/mean_length", "loss/grad_norm",
-        "rollout/staleness")
+KEYS = (
+    "reward/total",
+    "loss/policy_loss",
+    "completions/mean_length",
+    "loss/grad_norm",
+    "rollout/staleness",
+)
 
 
 def test_one_step_off_resumes_exactly_with_its_rollout_in_flight(tmp_path):
@@ -24,8 +30,7 @@ def test_one_step_off_resumes_exactly_with_its_rollout_in_flight(tmp_path):
   train.run(tiny_config(num_steps=6, **{"rollout.max_staleness": 1}), straight)
   split = str(tmp_path / "split")
   with pytest.raises(SystemExit):
-    train.run(tiny_config(num_steps=6, max_steps_per_run=3, **{"rollout.max_staleness": 1}),
-              split)
+    train.run(tiny_config(num_steps=6, max_steps_per_run=3, **{"rollout.max_staleness": 1}), split)
   _, saved = checkpoint_state(split, 3)
   assert len(saved["pending"]) == 1  # the rollout of step 4 travelled with checkpoint 3
   train.run(tiny_config(num_steps=6, max_steps_per_run=3, **{"rollout.max_staleness": 1}), split)
@@ -35,7 +40,8 @@ def test_one_step_off_resumes_exactly_with_its_rollout_in_flight(tmp_path):
     for k in KEYS:
       assert ra[k] == rb[k], (ra["step"], k, ra[k], rb[k])
   fa, fb = flat(checkpoint_state(straight, 6)[1]["train"]), flat(
-      checkpoint_state(split, 6)[1]["train"])
+      checkpoint_state(split, 6)[1]["train"]
+  )
   for k in fa:
     np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
 
@@ -47,7 +53,8 @@ def test_one_step_off_resumes_exactly_with_its_rollout_in_flight(tmp_path):
   assert c[0]["loss/policy_loss"] == pytest.approx(a[0]["loss/policy_loss"], abs=1e-5)
   assert c[0]["reward/total"] == a[0]["reward/total"]
   assert c[1]["completions/mean_length"] != a[1]["completions/mean_length"] or (
-      c[1]["reward/total"] != a[1]["reward/total"])
+      c[1]["reward/total"] != a[1]["reward/total"]
+  )
 
 
 def test_disaggregated_on_policy_equals_colocated(tmp_path):
@@ -57,8 +64,7 @@ def test_disaggregated_on_policy_equals_colocated(tmp_path):
   col = str(tmp_path / "col")
   train.run(tiny_config(num_steps=3), col)
   dis = str(tmp_path / "dis")
-  train.run(tiny_config(num_steps=3, **{"rollout.placement": "disaggregated"}),
-            dis)
+  train.run(tiny_config(num_steps=3, **{"rollout.placement": "disaggregated"}), dis)
   a, b = grpo_rows(col), grpo_rows(dis)
   for ra, rb in zip(a, b, strict=True):
     for k in KEYS:
@@ -66,17 +72,27 @@ def test_disaggregated_on_policy_equals_colocated(tmp_path):
   assert all(r["perf/weight_sync_gb"] > 0 and r["perf/weight_sync_gb_per_sec"] > 0 for r in b)
 
 
-PAIR_ARGS = ["--config=configs/tiny.py", "--config.sft_steps=0",
-             "--config.sft.stop_at_accuracy=0", "--config.save_interval_steps=2",
-             "--config.num_steps=4",
-             "--config.batch_size=8", "--config.num_generations=4",
-             "--config.data.arithmetic.num_train=64", "--config.eval.num_examples=16",
-             "--config.eval.batch_size=16", "--config.log_interval_steps=1",
-             "--config.optimizer.learning_rate=3e-3",
-             "--config.reward.custom_file=tests/data/digit_count_reward.py",
-             "--config.report_at_end=False", "--config.beta=0.02",
-             "--config.loss.dynamic_sampling=True", "--config.loss.max_resample_rounds=1",
-             "--config.rollout.placement=disaggregated", "--config.rollout.max_staleness=1"]
+PAIR_ARGS = [
+    "--config=configs/tiny.py",
+    "--config.sft_steps=0",
+    "--config.sft.stop_at_accuracy=0",
+    "--config.save_interval_steps=2",
+    "--config.num_steps=4",
+    "--config.batch_size=8",
+    "--config.num_generations=4",
+    "--config.data.arithmetic.num_train=64",
+    "--config.eval.num_examples=16",
+    "--config.eval.batch_size=16",
+    "--config.log_interval_steps=1",
+    "--config.optimizer.learning_rate=3e-3",
+    "--config.reward.custom_file=tests/data/digit_count_reward.py",
+    "--config.report_at_end=False",
+    "--config.beta=0.02",
+    "--config.loss.dynamic_sampling=True",
+    "--config.loss.max_resample_rounds=1",
+    "--config.rollout.placement=disaggregated",
+    "--config.rollout.max_staleness=1",
+]
 
 
 def test_disaggregated_two_processes_equal_one_through_a_resume(tmp_path):
@@ -85,6 +101,7 @@ def test_disaggregated_two_processes_equal_one_through_a_resume(tmp_path):
   process x 8 devices run straight: the weights and batches cross processes only by the
   collectives of parallel/transfer.py."""
   from tests.parallel import test_multihost as mh
+
   single, pair = tmp_path / "single", tmp_path / "pair"
   mh._launch_single(str(single), base=PAIR_ARGS)
   for _ in range(2):
@@ -133,6 +150,7 @@ def test_disaggregated_kill_9_of_the_sampler_process_then_relaunch_resumes_exact
   from grpo_jax.parallel import peers
   from tests.parallel import test_multihost as mh
   from tests.parallel import test_peer_exit as pe
+
   args = [*PAIR_ARGS, "--config.num_steps=6", "--config.sft_steps=4"]
   ref, run = epath.Path(tmp_path / "ref"), epath.Path(tmp_path / "run")
   for rc, err in mh._launch_pair(ref, base=args):

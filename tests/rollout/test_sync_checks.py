@@ -1,6 +1,8 @@
 """Checks around the rollout engine's weights that need no vLLM: the sampler/trainer log-prob
 gap stop in StepLog (rollout.max_logprob_gap), the vLLM sync settings' validation, and the
-probe/tolerance helpers of rollout/vllm_engine.py (tests/rollout/test_vllm.py runs the real sync)."""
+probe/tolerance helpers of rollout/vllm_engine.py (tests/rollout/test_vllm.py runs the real sync).
+"""
+
 import logging
 
 import numpy as np
@@ -15,6 +17,7 @@ GAP = "rollout/logprob_abs_diff_mean"
 
 
 class _Writer:
+
   def __init__(self):
     self.rows = []
 
@@ -27,15 +30,25 @@ class _Writer:
 
 def _log(max_logprob_gap, patience=3):
   writer = _Writer()
-  log = metrics_lib.StepLog(writer, metrics_lib.Progress(100), num_rows=1,
-                            max_consecutive_nonfinite=5, max_logprob_gap=max_logprob_gap,
-                            gap_patience=patience)
+  log = metrics_lib.StepLog(
+      writer,
+      metrics_lib.Progress(100),
+      num_rows=1,
+      max_consecutive_nonfinite=5,
+      max_logprob_gap=max_logprob_gap,
+      gap_patience=patience,
+  )
   return log, writer
 
 
 def _step(log, step, gap):
-  log.add(step, means={}, totals={}, host={}, device={GAP: np.float32(gap),
-                                                       "nonfinite_streak": np.int32(0)})
+  log.add(
+      step,
+      means={},
+      totals={},
+      host={},
+      device={GAP: np.float32(gap), "nonfinite_streak": np.int32(0)},
+  )
 
 
 def test_gap_over_the_threshold_warns_then_stops_after_patience(caplog):
@@ -82,9 +95,14 @@ def test_gap_check_off_by_default_and_without_the_metric():
   assert log.gap_streak == 0
 
 
-@pytest.mark.parametrize("field,value", [("rollout.max_logprob_gap", -0.1),
-                                         ("rollout.vllm.sync_tolerance", -1e-3),
-                                         ("rollout.vllm.sync_timeout_sec", -1.0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("rollout.max_logprob_gap", -0.1),
+        ("rollout.vllm.sync_tolerance", -1e-3),
+        ("rollout.vllm.sync_timeout_sec", -1.0),
+    ],
+)
 def test_sync_settings_are_validated(field, value):
   config = common.base()
   node = config
@@ -92,8 +110,11 @@ def test_sync_settings_are_validated(field, value):
   for part in parents:
     node = node[part]
   node[leaf] = value
-  errors = [e for e in configuration.validate(config, num_devices=1, num_processes=1)
-            if e.startswith(f"{field}=")]
+  errors = [
+      e
+      for e in configuration.validate(config, num_devices=1, num_processes=1)
+      if e.startswith(f"{field}=")
+  ]
   assert len(errors) == 1 and "must be >= 0" in errors[0] and "Fix:" in errors[0]
 
 

@@ -12,6 +12,7 @@ LlamaForCausalLM built abstractly on CPU (nnx.eval_shape) have exactly the mappe
 shapes; its own checkpoint loaders, fed our HF export, produce exactly our mapped arrays; the
 push writes into the model its loader built, keeping its shardings.
 """
+
 import importlib.util
 import types
 
@@ -33,16 +34,37 @@ from grpo_jax.rollout import tpu_inference_sync as tis
 
 
 def qwen3(**kw):
-  base = dict(arch="qwen3", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
-              num_heads=4, num_kv_heads=2, head_dim=64, tie_embeddings=False,
-              max_position_embeddings=256)
+  base = dict(
+      arch="qwen3",
+      vocab_size=97,
+      hidden_size=64,
+      intermediate_size=96,
+      num_layers=2,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=64,
+      tie_embeddings=False,
+      max_position_embeddings=256,
+  )
   return ModelConfig(**{**base, **kw})
 
 
 def llama3(**kw):
-  base = dict(arch="llama3", vocab_size=104, hidden_size=64, intermediate_size=128,
-              num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, qk_norm=False,
-              rope_theta=5e5, rms_norm_eps=1e-5, tie_embeddings=True, max_position_embeddings=256)
+  base = dict(
+      arch="llama3",
+      vocab_size=104,
+      hidden_size=64,
+      intermediate_size=128,
+      num_layers=2,
+      num_heads=8,
+      num_kv_heads=2,
+      head_dim=8,
+      qk_norm=False,
+      rope_theta=5e5,
+      rms_norm_eps=1e-5,
+      tie_embeddings=True,
+      max_position_embeddings=256,
+  )
   return ModelConfig(**{**base, **kw})
 
 
@@ -67,8 +89,14 @@ def flat_np(state):
 def expected_shapes(cfg, tp, q_layout):
   """tpu-inference 0.32.0's parameter shapes, written out from its model code (qwen3.py,
   llama3.py, utils.get_padded_head_dim / get_padded_num_heads / align_to)."""
-  d, f, h, g, k, v = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.head_dim, cfg.vocab_size)
+  d, f, h, g, k, v = (
+      cfg.hidden_size,
+      cfg.intermediate_size,
+      cfg.num_heads,
+      cfg.num_kv_heads,
+      cfg.head_dim,
+      cfg.vocab_size,
+  )
   kp = 64 if k == 64 else -(-k // 128) * 128
   gp = max(g, tp)
   if cfg.arch == "qwen3":
@@ -76,21 +104,34 @@ def expected_shapes(cfg, tp, q_layout):
     out = {"model.embed_tokens.weight": (vp, d), "model.norm.weight": (d,)}
     if not cfg.tie_embeddings:
       out["lm_head.weight"] = (d, vp)
-    per = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
-           "self_attn.q_proj.weight": (d, h, kp) if q_layout == "DNH" else (h, d, kp),
-           "self_attn.k_proj.weight": (d, gp, kp), "self_attn.v_proj.weight": (d, gp, kp),
-           "self_attn.o_proj.weight": (h, kp, d), "self_attn.q_norm.weight": (kp,),
-           "self_attn.k_norm.weight": (kp,), "mlp.gate_proj.weight": (d, f),
-           "mlp.up_proj.weight": (d, f), "mlp.down_proj.weight": (f, d)}
+    per = {
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (d, h, kp) if q_layout == "DNH" else (h, d, kp),
+        "self_attn.k_proj.weight": (d, gp, kp),
+        "self_attn.v_proj.weight": (d, gp, kp),
+        "self_attn.o_proj.weight": (h, kp, d),
+        "self_attn.q_norm.weight": (kp,),
+        "self_attn.k_norm.weight": (kp,),
+        "mlp.gate_proj.weight": (d, f),
+        "mlp.up_proj.weight": (d, f),
+        "mlp.down_proj.weight": (f, d),
+    }
   else:
     out = {"model.embed.embedding": (v, d), "model.norm.scale": (d,)}
     if not cfg.tie_embeddings:
       out["model.lm_head"] = (d, v)
-    per = {"input_layernorm.scale": (d,), "post_attention_layernorm.scale": (d,),
-           "self_attn.q_proj.kernel": (d, h, kp), "self_attn.k_proj.kernel": (d, gp, kp),
-           "self_attn.v_proj.kernel": (d, gp, kp), "self_attn.o_proj.kernel": (h, kp, d),
-           "mlp.gate_proj.kernel": (d, f), "mlp.up_proj.kernel": (d, f),
-           "mlp.down_proj.kernel": (f, d)}
+    per = {
+        "input_layernorm.scale": (d,),
+        "post_attention_layernorm.scale": (d,),
+        "self_attn.q_proj.kernel": (d, h, kp),
+        "self_attn.k_proj.kernel": (d, gp, kp),
+        "self_attn.v_proj.kernel": (d, gp, kp),
+        "self_attn.o_proj.kernel": (h, kp, d),
+        "mlp.gate_proj.kernel": (d, f),
+        "mlp.up_proj.kernel": (d, f),
+        "mlp.down_proj.kernel": (f, d),
+    }
   for i in range(cfg.num_layers):
     out.update({f"model.layers.{i}.{n}": s for n, s in per.items()})
   return out
@@ -109,9 +150,13 @@ def test_names_shapes_and_round_trip(case):
   assert set(names) == set(want)
   state = native(cfg)
   # Every native parameter is read by exactly one rule.
-  used = [(("layers", *r.path) if cfg.scan_layers else ("layers", i, *r.path)) if r.per_layer
-          else r.path for r in tim.rules(cfg)
-          for i in (range(cfg.num_layers) if r.per_layer and not cfg.scan_layers else [0])]
+  used = [
+      (("layers", *r.path) if cfg.scan_layers else ("layers", i, *r.path))
+      if r.per_layer
+      else r.path
+      for r in tim.rules(cfg)
+      for i in (range(cfg.num_layers) if r.per_layer and not cfg.scan_layers else [0])
+  ]
   assert sorted(map(str, used)) == sorted(map(str, tim.native_flat(state, cfg)))
   target = tim.to_target_tree(state, cfg, lay, jnp.bfloat16)
   assert {n: tuple(a.shape) for n, a in target.items()} == want
@@ -159,8 +204,10 @@ def _loader_view(cfg, tp, q_layout, model=None):
       y = w
     if "embed_tokens" in name or name == "lm_head.weight":
       rows = tim.Layout.expected(cfg, tp).vocab_rows
-      y = np.pad(y, ((0, rows - y.shape[0]), (0, 0)) if "embed" in name else
-                 ((0, 0), (0, rows - y.shape[1])))
+      y = np.pad(
+          y,
+          ((0, rows - y.shape[0]), (0, 0)) if "embed" in name else ((0, 0), (0, rows - y.shape[1])),
+      )
     if qwen:
       out[name] = y
     else:  # Llama: the names of LlamaForCausalLM.load_weights' mapping table
@@ -175,13 +222,16 @@ def _loader_view(cfg, tp, q_layout, model=None):
   return model, out
 
 
-@pytest.mark.parametrize("case", ["qwen3-untied-scan-tp1", "qwen3-ndh-scan-tp2",
-                                  "llama3-untied-scan-tp4", "llama3-tied-tp1"])
+@pytest.mark.parametrize(
+    "case",
+    ["qwen3-untied-scan-tp1", "qwen3-ndh-scan-tp2", "llama3-untied-scan-tp4", "llama3-tied-tp1"],
+)
 def test_mapping_equals_the_checkpoint_loaders_transform(case):
   cfg, tp, q_layout = CASES[case]
   model, theirs = _loader_view(cfg, tp, q_layout)
-  ours = tim.to_target_tree(nnx.state(model, nnx.Param), cfg,
-                            tim.Layout.expected(cfg, tp, q_layout))
+  ours = tim.to_target_tree(
+      nnx.state(model, nnx.Param), cfg, tim.Layout.expected(cfg, tp, q_layout)
+  )
   assert set(ours) == set(theirs)
   for n in ours:
     np.testing.assert_array_equal(np.asarray(ours[n]), theirs[n], err_msg=n)
@@ -197,8 +247,10 @@ def test_padded_heads_compute_the_same_attention():
   state = native(cfg, seed=5)
   flat = flat_np(state)
   w = {n: flat[("layers", 0, "attn", n)] for n in "qkvo"}
-  t = {n: np.asarray(tim.to_target(kind, w[n], cfg, lay))
-       for n, kind in zip("qkvo", ("q", "kv", "kv", "o"))}
+  t = {
+      n: np.asarray(tim.to_target(kind, w[n], cfg, lay))
+      for n, kind in zip("qkvo", ("q", "kv", "kv", "o"))
+  }
   x = np.random.default_rng(0).normal(size=(2, 5, cfg.hidden_size)).astype(np.float32)
 
   def attn(q_w, k_w, v_w, o_w):
@@ -211,8 +263,12 @@ def test_padded_heads_compute_the_same_attention():
     p /= p.sum(-1, keepdims=True)
     return np.einsum("bhts,bshk,hkd->btd", p, v[:, :, kv], o_w)
 
-  np.testing.assert_allclose(attn(t["q"], t["k"], t["v"], t["o"]),
-                             attn(w["q"], w["k"], w["v"], w["o"]), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+      attn(t["q"], t["k"], t["v"], t["o"]),
+      attn(w["q"], w["k"], w["v"], w["o"]),
+      rtol=1e-5,
+      atol=1e-5,
+  )
 
 
 def test_problems_name_the_field():
@@ -255,6 +311,7 @@ def test_trainer_mesh_leaves_vllm_its_chips():
   import os
   from grpo_jax import configuration
   from grpo_jax.models import build
+
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   spec = iu.spec_from_file_location("cfg_tiny", os.path.join(root, "configs", "tiny.py"))
   module = iu.module_from_spec(spec)
@@ -283,11 +340,17 @@ def fake_target_state(cfg, tp, devices, dtype=jnp.bfloat16, q_layout="DNH"):
   mesh = Mesh(np.asarray(devices), ("model",))
   lay = tim.Layout.expected(cfg, tp, q_layout)
   shapes = expected_shapes(cfg, tp, q_layout)
-  specs = {"q_proj": (None, "model", None) if q_layout == "DNH" else ("model", None, None),
-           "k_proj": (None, "model", None), "v_proj": (None, "model", None),
-           "o_proj": ("model", None, None), "gate_proj": (None, "model"),
-           "up_proj": (None, "model"), "down_proj": ("model", None),
-           "embed": ("model", None), "lm_head": (None, "model")}
+  specs = {
+      "q_proj": (None, "model", None) if q_layout == "DNH" else ("model", None, None),
+      "k_proj": (None, "model", None),
+      "v_proj": (None, "model", None),
+      "o_proj": ("model", None, None),
+      "gate_proj": (None, "model"),
+      "up_proj": (None, "model"),
+      "down_proj": ("model", None),
+      "embed": ("model", None),
+      "lm_head": (None, "model"),
+  }
   tree = {}
   for name, shape in shapes.items():
     spec = next((s for k, s in specs.items() if k in name), (None,) * len(shape))
@@ -307,8 +370,9 @@ PLACEMENTS = {  # trainer devices, vLLM devices (by index), tensor-parallel size
 }
 
 
-@pytest.mark.parametrize("where,scan", [("same_chips", True), ("other_chips", False),
-                                        ("local_subset", True)])
+@pytest.mark.parametrize(
+    "where,scan", [("same_chips", True), ("other_chips", False), ("local_subset", True)]
+)
 def test_push_on_device_keeps_target_shardings(where, scan):
   """The trainer's sharded params (data x fsdp x tensor mesh) land in the target's own
   shardings, device to device: no host transfer happens (guards on), the old buffers are freed,
@@ -322,8 +386,9 @@ def test_push_on_device_keeps_target_shardings(where, scan):
   model = build_model(cfg, seed=7, mesh=mesh)
   params = nnx.state(model, nnx.Param)
   target, lay = fake_target_state(cfg, tp, [devs[i] for i in vllm])
-  before = {n: (v.get_value(), v.get_value().sharding)
-            for n, v in tim.target_params(target).items()}
+  before = {
+      n: (v.get_value(), v.get_value().sharding) for n, v in tim.target_params(target).items()
+  }
   syncer = tis.Syncer(cfg)
   with jax.transfer_guard_host_to_device("disallow"), jax.transfer_guard_device_to_host("disallow"):
     stats = syncer.push(params, target)
@@ -337,8 +402,9 @@ def test_push_on_device_keeps_target_shardings(where, scan):
     assert old.is_deleted(), n
   got = tim.from_target_tree({n: v.get_value() for n, v in after.items()}, cfg, lay)
   for p, x in flat_np(params).items():
-    np.testing.assert_array_equal(np.asarray(got[p]), np.asarray(jnp.asarray(x, jnp.bfloat16)),
-                                  err_msg=str(p))
+    np.testing.assert_array_equal(
+        np.asarray(got[p]), np.asarray(jnp.asarray(x, jnp.bfloat16)), err_msg=str(p)
+    )
 
 
 def test_maxtext_policy_weights_push_into_the_tpu_inference_layout():
@@ -349,17 +415,29 @@ def test_maxtext_policy_weights_push_into_the_tpu_inference_layout():
   mapping modules) and the whole state against the checkpoint loaders' transform of the HF
   folder the engine boots vLLM from."""
   from tests.conftest import maxtext_unusable
+
   if maxtext_unusable():
     pytest.skip(maxtext_unusable())
   if jax.device_count() < 8:
     pytest.skip("needs 8 (fake) devices")
   from configs import tiny
   from grpo_jax.models import build
+
   config = tiny.get_config()
   config.model.impl = "maxtext"
   # A vocabulary that MaxText's tensor axis divides; Qwen3's head_dim 64 (tpu-inference keeps it).
-  config.model.update(dict(vocab_size=98, hidden_size=64, intermediate_size=96, num_heads=4,
-                           num_kv_heads=2, head_dim=64, tie_embeddings=False, scan_layers=True))
+  config.model.update(
+      dict(
+          vocab_size=98,
+          hidden_size=64,
+          intermediate_size=96,
+          num_heads=4,
+          num_kv_heads=2,
+          head_dim=64,
+          tie_embeddings=False,
+          scan_layers=True,
+      )
+  )
   config.model.maxtext.attention = "dot_product"
   config.mesh.update(dict(data=1, fsdp=2, tensor=2))
   devs = jax.devices()
@@ -376,18 +454,26 @@ def test_maxtext_policy_weights_push_into_the_tpu_inference_layout():
   bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)  # noqa: E731
   for i in range(cfg.num_layers):
     pre = f"model.layers.{i}."
-    np.testing.assert_array_equal(got[pre + "self_attn.q_proj.weight"][..., :k],
-                                  bf16(dec["self_attention"]["query"]["kernel"][:, i]))
-    np.testing.assert_array_equal(got[pre + "self_attn.k_norm.weight"][:k],
-                                  bf16(dec["self_attention"]["key_norm"]["scale"][:, i]))
-    np.testing.assert_array_equal(got[pre + "mlp.gate_proj.weight"],
-                                  bf16(dec["mlp"]["wi_0"]["kernel"][:, i]))
-    np.testing.assert_array_equal(got[pre + "mlp.down_proj.weight"],
-                                  bf16(dec["mlp"]["wo"]["kernel"][:, i]))
-  np.testing.assert_array_equal(got["model.embed_tokens.weight"][:cfg.vocab_size],
-                                bf16(mt["token_embedder"]["embedding"]))
-  np.testing.assert_array_equal(got["lm_head.weight"][:, :cfg.vocab_size],
-                                bf16(mt["decoder"]["logits_dense"]["kernel"]))
+    np.testing.assert_array_equal(
+        got[pre + "self_attn.q_proj.weight"][..., :k],
+        bf16(dec["self_attention"]["query"]["kernel"][:, i]),
+    )
+    np.testing.assert_array_equal(
+        got[pre + "self_attn.k_norm.weight"][:k],
+        bf16(dec["self_attention"]["key_norm"]["scale"][:, i]),
+    )
+    np.testing.assert_array_equal(
+        got[pre + "mlp.gate_proj.weight"], bf16(dec["mlp"]["wi_0"]["kernel"][:, i])
+    )
+    np.testing.assert_array_equal(
+        got[pre + "mlp.down_proj.weight"], bf16(dec["mlp"]["wo"]["kernel"][:, i])
+    )
+  np.testing.assert_array_equal(
+      got["model.embed_tokens.weight"][: cfg.vocab_size], bf16(mt["token_embedder"]["embedding"])
+  )
+  np.testing.assert_array_equal(
+      got["lm_head.weight"][:, : cfg.vocab_size], bf16(mt["decoder"]["logits_dense"]["kernel"])
+  )
 
   boot = nnx.merge(policy.sampler_graphdef, rollout)  # the HF folder vLLM boots from
   _, theirs = _loader_view(cfg, tp, "DNH", model=boot)
@@ -412,8 +498,10 @@ def test_push_refuses_a_foreign_state():
 # ------------------------------------------------- against tpu-inference's own definitions
 
 HAVE_TPU_INFERENCE = importlib.util.find_spec("tpu_inference") is not None
-needs_ti = pytest.mark.skipif(not HAVE_TPU_INFERENCE, reason="tpu-inference not installed "
-                              "(scripts/test_tpu_pins.sh --full installs vllm-tpu)")
+needs_ti = pytest.mark.skipif(
+    not HAVE_TPU_INFERENCE,
+    reason="tpu-inference not installed " "(scripts/test_tpu_pins.sh --full installs vllm-tpu)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -425,10 +513,12 @@ def ti():
   from tpu_inference.layers.common.sharding import MESH_AXIS_NAMES
   from tpu_inference.models.jax.llama3 import LlamaForCausalLM
   from tpu_inference.models.jax.qwen3 import Qwen3ForCausalLM
+
   if getattr(jax_parallel_state, "_PP", None) is None:
     jax_parallel_state._PP = jax_parallel_state.GroupCoordinator(0, 1)
-  return types.SimpleNamespace(axes=MESH_AXIS_NAMES, classes={
-      "qwen3": Qwen3ForCausalLM, "llama3": LlamaForCausalLM})
+  return types.SimpleNamespace(
+      axes=MESH_AXIS_NAMES, classes={"qwen3": Qwen3ForCausalLM, "llama3": LlamaForCausalLM}
+  )
 
 
 def ti_mesh(ti, tp):
@@ -440,24 +530,40 @@ def ti_config(cfg, tp, weights=None):
   """The slice of vllm.config.VllmConfig these model classes and loaders read."""
   from transformers import LlamaConfig
   from transformers import Qwen3Config
+
   fields = {k: v for k, v in cfg.to_hf_config().items() if k != "torch_dtype"}
   hfc = (Qwen3Config if cfg.arch == "qwen3" else LlamaConfig)(**fields)
   mc = types.SimpleNamespace(
-      hf_config=hfc, dtype=jnp.float32, runner_type="generate", model="/nonexistent",
-      get_vocab_size=lambda: hfc.vocab_size, get_head_size=lambda: hfc.head_dim,
-      get_hidden_size=lambda: hfc.hidden_size, is_multimodal_model=False,
-      get_total_num_kv_heads=lambda: hfc.num_key_value_heads)
+      hf_config=hfc,
+      dtype=jnp.float32,
+      runner_type="generate",
+      model="/nonexistent",
+      get_vocab_size=lambda: hfc.vocab_size,
+      get_head_size=lambda: hfc.head_dim,
+      get_hidden_size=lambda: hfc.hidden_size,
+      is_multimodal_model=False,
+      get_total_num_kv_heads=lambda: hfc.num_key_value_heads,
+  )
   if weights is not None:  # StandardWeightLoader's iterator hook (the RunAI streamer's)
     mc.runai_model_weights_iterator = weights
   return types.SimpleNamespace(
-      model_config=mc, quant_config=None, speculative_config=None, additional_config={},
+      model_config=mc,
+      quant_config=None,
+      speculative_config=None,
+      additional_config={},
       parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
       cache_config=types.SimpleNamespace(cache_dtype="auto"),
-      load_config=types.SimpleNamespace(download_dir=None, load_format="auto"))
+      load_config=types.SimpleNamespace(download_dir=None, load_format="auto"),
+  )
 
 
-TI_CASES = ["qwen3-untied-scan-tp1", "qwen3-tied-tp2", "qwen3-hd128-tp1", "llama3-tied-tp1",
-            "llama3-untied-scan-tp4"]
+TI_CASES = [
+    "qwen3-untied-scan-tp1",
+    "qwen3-tied-tp2",
+    "qwen3-hd128-tp1",
+    "llama3-tied-tp1",
+    "llama3-untied-scan-tp4",
+]
 
 
 @needs_ti
@@ -474,8 +580,9 @@ def test_abstract_tpu_inference_model_has_the_mapped_names_and_shapes(ti, case):
 
 
 @needs_ti
-@pytest.mark.parametrize("case", ["qwen3-tied-tp2", "qwen3-untied-scan-tp1",
-                                  "llama3-untied-scan-tp4", "llama3-tied-tp1"])
+@pytest.mark.parametrize(
+    "case", ["qwen3-tied-tp2", "qwen3-untied-scan-tp1", "llama3-untied-scan-tp4", "llama3-tied-tp1"]
+)
 def test_tpu_inference_loader_equals_mapping_and_push_overwrites_it(ti, case):
   """tpu-inference's own checkpoint loader (Qwen3: JaxAutoWeightsLoader via load_weights;
   Llama: StandardWeightLoader) fed our HF export builds exactly our mapped arrays; then the

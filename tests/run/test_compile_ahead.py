@@ -3,6 +3,7 @@ worker thread, or `wait` before the rollout / step 4), so the loop's own calls f
 compiled, for the loop's variants (reference or not, old log-probs + KL fold + TIS, LoRA,
 widths that change between steps); turned off, the main thread compiles them (the probe can
 see a miss)."""
+
 import contextlib
 import os
 import threading
@@ -33,8 +34,13 @@ def compiles():
     if event == "/jax/core/compile/backend_compile_duration":
       name = kw.get("fun_name", "")  # "jit(update)"
       ahead = any(f.filename.endswith(MODULE) for f in traceback.extract_stack())
-      seen.append(("ahead" if ahead else threading.current_thread().name,
-                   name[4:-1] if name[:4] == "jit(" else name))
+      seen.append(
+          (
+              "ahead" if ahead else threading.current_thread().name,
+              name[4:-1] if name[:4] == "jit(" else name,
+          )
+      )
+
   jax.monitoring.register_event_duration_secs_listener(on)
   try:
     yield seen
@@ -51,16 +57,20 @@ def _alternate_widths(monkeypatch) -> set:
   def width(self, indices, mode):
     used.add(8 if int(indices[0]) % 2 else 16)
     return 8 if int(indices[0]) % 2 else 16
+
   monkeypatch.setattr(train.data_lib.PromptData, "width", width)
   return used
 
 
-@pytest.mark.parametrize("overrides", [
-    pytest.param({"beta": 0.08}, marks=pytest.mark.slow),    # reference (also in the 3rd)
-    {"num_steps": 4, "widths": "alternate"},                 # beta 0 (tiny.py); 2 widths
-    {"kl_in_reward": True, "beta": 0.08, "num_iterations": 2, "loss.tis_cap": 2.0},  # fold_kl
-    {"lora.rank": 4, "lora.alpha": 8.0, "beta": 0.08},       # reference = the LoRA base
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({"beta": 0.08}, marks=pytest.mark.slow),  # reference (also in the 3rd)
+        {"num_steps": 4, "widths": "alternate"},  # beta 0 (tiny.py); 2 widths
+        {"kl_in_reward": True, "beta": 0.08, "num_iterations": 2, "loss.tis_cap": 2.0},  # fold_kl
+        {"lora.rank": 4, "lora.alpha": 8.0, "beta": 0.08},  # reference = the LoRA base
+    ],
+)
 def test_step_programs_compile_in_the_background(tmp_path, monkeypatch, overrides):
   overrides = dict(overrides)
   widths = _alternate_widths(monkeypatch) if overrides.pop("widths", None) else {8}
@@ -86,8 +96,11 @@ def test_the_next_width_is_submitted_while_the_device_samples(tmp_path, monkeypa
   compiles during that step's sampling, rewards and update), not at the end of the step."""
   widths = _alternate_widths(monkeypatch)
   events = []
-  generate, submit, local_rows = (NativeEngine.generate, compile_ahead.CompileAhead.submit,
-                                  multihost.local_rows)
+  generate, submit, local_rows = (
+      NativeEngine.generate,
+      compile_ahead.CompileAhead.submit,
+      multihost.local_rows,
+  )
 
   def on_generate(self, params, batch, rng, generation):
     events.append("generate")
@@ -102,6 +115,7 @@ def test_the_next_width_is_submitted_while_the_device_samples(tmp_path, monkeypa
   def on_rows(tree):
     events.append("rows")  # the rollout's results read: the step goes on to the rewards
     return local_rows(tree)
+
   monkeypatch.setattr(NativeEngine, "generate", on_generate)
   monkeypatch.setattr(compile_ahead.CompileAhead, "submit", on_submit)
   monkeypatch.setattr(multihost, "local_rows", on_rows)
@@ -110,13 +124,17 @@ def test_the_next_width_is_submitted_while_the_device_samples(tmp_path, monkeypa
   submits = [i for i, e in enumerate(events) if e.startswith("submit")]
   assert len(submits) == 2 and submits[0] == 0, events  # the first before the loop
   i = submits[1]
-  assert events[i - 1:i + 2] == ["generate", events[i], "rows"], events
+  assert events[i - 1 : i + 2] == ["generate", events[i], "rows"], events
 
 
 def test_turned_off_the_loop_compiles_at_first_call(tmp_path):
   with compiles() as seen:
-    train.run(tiny_config(**{"eval.generation_configs": (), "compile_ahead": False, "beta": 0.08,
-                             "num_steps": 1}), str(tmp_path))
+    train.run(
+        tiny_config(
+            **{"eval.generation_configs": (), "compile_ahead": False, "beta": 0.08, "num_steps": 1}
+        ),
+        str(tmp_path),
+    )
   main = {name for thread, name in seen if thread == "MainThread"}
   assert {"update", "logprobs", "assemble", "rollout_stats", "_generate"} <= main
   assert not any(where == "ahead" for where, _ in seen)
@@ -125,6 +143,7 @@ def test_turned_off_the_loop_compiles_at_first_call(tmp_path):
 def test_a_failed_compile_is_logged_and_the_run_goes_on(tmp_path, monkeypatch):
   def broken(self, *args):
     raise RuntimeError("boom")
+
   monkeypatch.setattr(compile_ahead.CompileAhead, "_programs", broken)
   warnings = []
   monkeypatch.setattr(compile_ahead.logging, "warning", lambda msg, *a: warnings.append(msg % a))
@@ -137,6 +156,7 @@ def test_a_failed_compile_is_logged_and_the_run_goes_on(tmp_path, monkeypatch):
 def test_maxtext_policy_programs_compile_ahead(tmp_path, monkeypatch):
   pytest.importorskip("maxtext")
   from configs import tiny_maxtext
+
   widths = _alternate_widths(monkeypatch)
   config = tiny_maxtext.get_config()
   config.num_steps, config.sft_steps, config.beta = 4, 0, 0.08

@@ -1,5 +1,6 @@
 """The path layer (grpo_jax/run/paths.py) on a local folder and on gs:// (an offline GCS emulator):
 every reader and writer of user paths goes through it, so each is tried on both."""
+
 import json
 import os
 import sys
@@ -51,8 +52,7 @@ def test_safetensors_round_trip_with_ranged_reads(root):
   b = np.arange(5, dtype=np.int32)
   fn = f"{root}/ckpt/model.safetensors"
   paths.makedirs(f"{root}/ckpt")
-  safetensors_io.write(fn, [("a", a.shape, a.dtype, lambda: a), ("b", b.shape, b.dtype,
-                                                                 lambda: b)])
+  safetensors_io.write(fn, [("a", a.shape, a.dtype, lambda: a), ("b", b.shape, b.dtype, lambda: b)])
   f = safetensors_io.SafetensorsFile(fn)
   np.testing.assert_array_equal(f.get("a"), a)
   np.testing.assert_array_equal(f.get("b"), b)
@@ -66,23 +66,31 @@ def test_data_tokenizer_and_reward_file_from_any_path(root):
     paths.write_atomic(f"{root}/tok/{name}", text)
   tok = tokenizers.build_tokenizer("hf", f"{root}/tok")
   assert tok.encode("hi") == [2] and tok.decode([2, 0]) == "hih" and tok.eos_id == 3
-  paths.write_atomic(f"{root}/r/my_reward.py",
-                     "def compute_score(data_source, solution_str, ground_truth, "
-                     "extra_info=None):\n  return float(solution_str == ground_truth)\n")
+  paths.write_atomic(
+      f"{root}/r/my_reward.py",
+      "def compute_score(data_source, solution_str, ground_truth, "
+      "extra_info=None):\n  return float(solution_str == ground_truth)\n",
+  )
   fn = scoring.load_custom_file(f"{root}/r/my_reward.py")
   assert fn("x", "2", "2") == 1.0
 
 
 def test_validation_checks_existence_through_the_layer(gcs):
   from configs import tiny
+
   cfg = tiny.get_config()
   paths.write_atomic(f"{gcs}/data/train.jsonl", "{}\n")
   cfg.data.train_source, cfg.data.train_path = "gsm8k", f"{gcs}/data/train.jsonl"
   cfg.model.maxtext_checkpoint = f"{gcs}/mt/0/items"  # seed-style path, missing
   errors = configuration.validate(cfg)
   assert not any("data.train_path" in e for e in errors), errors
-  assert any(e.startswith("model.maxtext_checkpoint='gs://bucket/mt/0/items': the MaxText "
-                          "checkpoint does not exist") for e in errors), errors
+  assert any(
+      e.startswith(
+          "model.maxtext_checkpoint='gs://bucket/mt/0/items': the MaxText "
+          "checkpoint does not exist"
+      )
+      for e in errors
+  ), errors
 
 
 def test_cloud_scheme_without_its_package_is_one_clear_line(monkeypatch):
@@ -91,14 +99,18 @@ def test_cloud_scheme_without_its_package_is_one_clear_line(monkeypatch):
   assert why == "gs:// paths need the gcsfs package" and fix == "pip install -e '.[gcs]'"
   assert paths.check_scheme("/tmp/run") is None
   from configs import tiny
+
   cfg = tiny.get_config()
   cfg.tokenizer.path = "gs://bucket/tok"
-  assert ("tokenizer.path='gs://bucket/tok': gs:// paths need the gcsfs package. Fix: pip "
-          "install -e '.[gcs]'.") in configuration.validate(cfg)
+  assert (
+      "tokenizer.path='gs://bucket/tok': gs:// paths need the gcsfs package. Fix: pip "
+      "install -e '.[gcs]'."
+  ) in configuration.validate(cfg)
 
 
 def test_epath_is_what_orbax_gets(gcs):
   from grpo_jax.run import checkpoint
+
   ckpt = checkpoint.Checkpointer(f"{gcs}/run/checkpoints", max_to_keep=1, async_save=False)
   assert ckpt.directory == f"{gcs}/run/checkpoints"
   ckpt.close()

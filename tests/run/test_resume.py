@@ -2,6 +2,7 @@
 ends bit-identical to an uninterrupted one), a workdir written with other settings is refused
 in one line, metrics.jsonl holds every step once after a resume, and errors after start-up end
 in one line with the traceback in WORKDIR/error.log."""
+
 import json
 import os
 import subprocess
@@ -20,9 +21,15 @@ from tests.test_train import tiny_config
 
 def _damage(ckpt, how):
   state = os.path.join(ckpt, "state")
-  data_files = sorted((os.path.join(r, f) for r, _, fs in os.walk(state) for f in fs
-                       if os.sep + "d" + os.sep in os.path.join(r, f)),
-                      key=os.path.getsize)
+  data_files = sorted(
+      (
+          os.path.join(r, f)
+          for r, _, fs in os.walk(state)
+          for f in fs
+          if os.sep + "d" + os.sep in os.path.join(r, f)
+      ),
+      key=os.path.getsize,
+  )
   if how == "empty _METADATA":
     open(os.path.join(state, "_METADATA"), "w").close()
   elif how == "deleted array file":
@@ -32,6 +39,7 @@ def _damage(ckpt, how):
       f.truncate(os.path.getsize(data_files[-1]) // 2)
   elif how == "missing item":
     import shutil
+
     shutil.rmtree(os.path.join(ckpt, "data"))
 
 
@@ -42,11 +50,15 @@ def straight(tmp_path_factory):
   return workdir
 
 
-@pytest.mark.parametrize("how", [
-    "truncated array file",  # seen when restoring; before restoring (slow, suite time):
-    pytest.param("empty _METADATA", marks=pytest.mark.slow),
-    pytest.param("deleted array file", marks=pytest.mark.slow),
-    pytest.param("missing item", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "truncated array file",  # seen when restoring; before restoring (slow, suite time):
+        pytest.param("empty _METADATA", marks=pytest.mark.slow),
+        pytest.param("deleted array file", marks=pytest.mark.slow),
+        pytest.param("missing item", marks=pytest.mark.slow),
+    ],
+)
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, straight, how):
   workdir = str(tmp_path / "run")
   config = tiny_config(num_steps=6, save_interval_steps=2, max_steps_per_run=4)
@@ -71,8 +83,11 @@ def test_no_intact_checkpoint_is_one_clear_line(tmp_path):
   with pytest.raises(SystemExit):
     train.run(config, workdir)
   _damage(os.path.join(workdir, "checkpoints", "2"), "empty _METADATA")
-  with pytest.raises(ValueError, match=r"no intact checkpoint is left under .*checkpoints \(2: "
-                     r".*_METADATA is empty\)\. Fix: a new --workdir"):
+  with pytest.raises(
+      ValueError,
+      match=r"no intact checkpoint is left under .*checkpoints \(2: "
+      r".*_METADATA is empty\)\. Fix: a new --workdir",
+  ):
     train.run(config, workdir)
 
 
@@ -88,8 +103,14 @@ def test_resuming_with_other_settings_names_the_fields(tmp_path):
   with pytest.raises(ValueError, match=r"allow_changes=seed"):
     train.run(tiny_config(num_steps=4, seed=3), workdir)
   # Safe-to-change fields need nothing; the others can be allowed explicitly.
-  summary = train.run(tiny_config(num_steps=4, seed=3, **{
-      "checkpoint.allow_changes": "seed", "optimizer.learning_rate": 1e-3}), workdir)
+  summary = train.run(
+      tiny_config(
+          num_steps=4,
+          seed=3,
+          **{"checkpoint.allow_changes": "seed", "optimizer.learning_rate": 1e-3},
+      ),
+      workdir,
+  )
   assert summary["final_step"] == 4
   assert json.load(open(os.path.join(workdir, "config.json")))["seed"] == 3
 
@@ -99,10 +120,22 @@ def test_errors_after_start_up_are_one_line_with_the_traceback_in_the_workdir(tm
   data.write_bytes(b'{"question": "1+1?", "answer": "#### 2"}\n{"question": "caf\xe9"}\n')
   workdir = tmp_path / "run"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, "-m", "grpo_jax.main", "--config=configs/tiny.py",
-                      f"--workdir={workdir}", "--config.data.train_source=gsm8k",
-                      f"--config.data.train_path={data}"], cwd=ROOT, env=env,
-                     capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "grpo_jax.main",
+          "--config=configs/tiny.py",
+          f"--workdir={workdir}",
+          "--config.data.train_source=gsm8k",
+          f"--config.data.train_path={data}",
+      ],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert r.returncode == 1
   last = r.stderr.strip().splitlines()[-1]
   assert last.startswith(f"error: {data}:2: not UTF-8"), r.stderr[-2000:]
@@ -113,19 +146,42 @@ def test_errors_after_start_up_are_one_line_with_the_traceback_in_the_workdir(tm
 
 
 def test_print_config_prints_and_exits(tmp_path):
-  r = subprocess.run([sys.executable, "-m", "grpo_jax.main", "--config=configs/tiny.py",
-                      "--config.beta=0.25", "--print_config", f"--workdir={tmp_path}/w"],
-                     cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
-                     text=True, timeout=120)
+  r = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "grpo_jax.main",
+          "--config=configs/tiny.py",
+          "--config.beta=0.25",
+          "--print_config",
+          f"--workdir={tmp_path}/w",
+      ],
+      cwd=ROOT,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert r.returncode == 0 and "beta: 0.25" in r.stdout
   assert not os.path.exists(tmp_path / "w")
 
 
 def test_mistyped_override_is_named_even_after_good_ones():
-  r = subprocess.run([sys.executable, "-m", "grpo_jax.main", "--config=configs/tiny.py",
-                      "--config.beta=0.1", "--config.loss.clip_epz=0.3"], cwd=ROOT,
-                     env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
-                     timeout=120)
+  r = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "grpo_jax.main",
+          "--config=configs/tiny.py",
+          "--config.beta=0.1",
+          "--config.loss.clip_epz=0.3",
+      ],
+      cwd=ROOT,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert r.returncode == 2
   last = r.stderr.strip().splitlines()[-1]
   assert last.startswith("error: --config.loss.clip_epz: no such config field"), last
@@ -134,24 +190,38 @@ def test_mistyped_override_is_named_even_after_good_ones():
 
 # ------------------------------------------------------------------ kill -9 at any moment
 
-_KILL_ARGS = ["--config=configs/tiny.py", "--config.sft_steps=8", "--config.sft.stop_at_accuracy=0",
-              "--config.num_steps=6", "--config.batch_size=8", "--config.num_generations=4",
-              "--config.data.arithmetic.num_train=128", "--config.eval.num_examples=16",
-              "--config.eval.batch_size=16", "--config.save_interval_steps=2",
-              "--config.checkpoint.max_to_keep=10"]
+_KILL_ARGS = [
+    "--config=configs/tiny.py",
+    "--config.sft_steps=8",
+    "--config.sft.stop_at_accuracy=0",
+    "--config.num_steps=6",
+    "--config.batch_size=8",
+    "--config.num_generations=4",
+    "--config.data.arithmetic.num_train=128",
+    "--config.eval.num_examples=16",
+    "--config.eval.batch_size=16",
+    "--config.save_interval_steps=2",
+    "--config.checkpoint.max_to_keep=10",
+]
 
 
 def _start(workdir):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.Popen([sys.executable, "-m", "grpo_jax.main", f"--workdir={workdir}",
-                           *_KILL_ARGS], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+  return subprocess.Popen(
+      [sys.executable, "-m", "grpo_jax.main", f"--workdir={workdir}", *_KILL_ARGS],
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE,
+      text=True,
+  )
 
 
 def _kill_when(proc, predicate, timeout=300):
   """SIGKILL `proc` as soon as `predicate()` holds; -> whether it was killed (not finished)."""
   import signal
   import time
+
   deadline = time.time() + timeout
   while proc.poll() is None and time.time() < deadline:
     if predicate():
@@ -212,6 +282,7 @@ def test_kill_at_a_moment_resumes_bit_identical(tmp_path, straight_run, delay):
   """The sweep: SIGKILL after `delay` seconds (mid-start-up, mid-SFT, mid-rollout, mid-update,
   mid-write), twice when the run allows, then finish: always bit-identical."""
   import time
+
   workdir = tmp_path / "run"
   for _ in range(2):
     t0 = time.time()
@@ -234,13 +305,27 @@ def test_a_failing_checkpoint_write_is_one_line_and_leaves_no_partial_checkpoint
 
   workdir = tmp_path / "run"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, "-m", "grpo_jax.main", f"--workdir={workdir}",
-                      *_KILL_ARGS, "--config.compilation_cache_dir="], cwd=ROOT, env=env,
-                     capture_output=True, text=True, timeout=600, preexec_fn=small_disk)
+  r = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "grpo_jax.main",
+          f"--workdir={workdir}",
+          *_KILL_ARGS,
+          "--config.compilation_cache_dir=",
+      ],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+      preexec_fn=small_disk,
+  )
   assert r.returncode != 0
   last = r.stderr.strip().splitlines()[-1]
   assert last.startswith("error: ") and "traceback:" in last, r.stderr[-3000:]
   from grpo_jax.run import checkpoint
+
   steps = checkpoint.steps_in(workdir / "checkpoints")
   assert all(checkpoint.problem(workdir / "checkpoints", s) is None for s in steps)
   _finish(workdir)
@@ -252,12 +337,13 @@ def _tb_events(workdir):
   "scalar" or "purge" (a SessionLog START, after which TensorBoard drops later points)."""
   import struct
   from tensorboardX.proto import event_pb2
+
   out = []
   for name in sorted(f for f in os.listdir(workdir) if f.startswith("events.out.tfevents")):
     data, pos, events = open(os.path.join(workdir, name), "rb").read(), 0, []
     while pos < len(data):
-      (n,) = struct.unpack("<Q", data[pos:pos + 8])
-      e = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+      (n,) = struct.unpack("<Q", data[pos : pos + 8])
+      e = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
       pos += 12 + n + 4
       if e.HasField("session_log") and e.session_log.status == e.session_log.START:
         events.append((e.step, "purge", ""))
@@ -276,6 +362,7 @@ def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
   with pytest.raises(SystemExit):
     train.run(config, workdir)  # checkpoints 2 and 3 (the stop)
   import shutil
+
   shutil.rmtree(os.path.join(workdir, "checkpoints", "3"))  # as if killed after step 3's log
   train.run(tiny_config(num_steps=4, sft_steps=0, save_interval_steps=2), workdir)
   (_, first), (_, second) = _tb_events(workdir)

@@ -8,6 +8,7 @@ real tokens (padding is never attended), within a sliding window where the layer
 Which one runs is decided by `Block` (layers.py) from the model's `Kernels` (kernels.py); the
 GPU ragged decode kernel is decode_attention.py. Softmax in f32 everywhere.
 """
+
 import jax
 import jax.numpy as jnp
 
@@ -53,8 +54,10 @@ def attention(q_bthk, k_bsgk, v_bsgk, allowed_bts, *, softcap: float = 0.0):
   b, t, h, kd = q_bthk.shape
   g = k_bsgk.shape[2]
   q = q_bthk.reshape(b, t, g, h // g, kd)
-  logits = _capped(jnp.einsum("btgrk,bsgk->bgrts", q, k_bsgk,
-                              preferred_element_type=jnp.float32) * kd**-0.5, softcap)
+  logits = _capped(
+      jnp.einsum("btgrk,bsgk->bgrts", q, k_bsgk, preferred_element_type=jnp.float32) * kd**-0.5,
+      softcap,
+  )
   logits = jnp.where(allowed_bts[:, None, None], logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(v_bsgk.dtype)  # [B, G, R, T, S]
   out = jnp.einsum("bgrts,bsgk->bgrtk", probs, v_bsgk)
@@ -63,8 +66,9 @@ def attention(q_bthk, k_bsgk, v_bsgk, allowed_bts, *, softcap: float = 0.0):
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, kd)
 
 
-def cache_attention(q_bthk, k_bgsk, v_bgsk, allowed_bts, prefix, prefix_allowed, *,
-                    softcap: float = 0.0):
+def cache_attention(
+    q_bthk, k_bgsk, v_bgsk, allowed_bts, prefix, prefix_allowed, *, softcap: float = 0.0
+):
   """The decode step's attention: each query attends to its group's shared prompt and to its
   row's cache; softmax in f32 over both.
 
@@ -81,13 +85,16 @@ def cache_attention(q_bthk, k_bgsk, v_bgsk, allowed_bts, prefix, prefix_allowed,
   neg = jnp.finfo(jnp.float32).min
   scale = kd**-0.5
   q = q_bthk.reshape(b, t, g, h // g, kd)
-  logits = _capped(jnp.einsum("btgrk,bgsk->bgrts", q, k_bgsk,
-                              preferred_element_type=jnp.float32) * scale, softcap)
+  logits = _capped(
+      jnp.einsum("btgrk,bgsk->bgrts", q, k_bgsk, preferred_element_type=jnp.float32) * scale,
+      softcap,
+  )
   logits = jnp.where(allowed_bts[:, None, None], logits, neg)  # [B, G, R, T, S]
   # The G samples of a prompt are one product against its keys: [G*R*T, K] x [K, P].
   qp = q.reshape(bp, b // bp, t, g, h // g, kd)
-  lp = _capped(jnp.einsum("bntgrk,bgpk->bgnrtp", qp, pk, preferred_element_type=jnp.float32) *
-               scale, softcap)
+  lp = _capped(
+      jnp.einsum("bntgrk,bgpk->bgnrtp", qp, pk, preferred_element_type=jnp.float32) * scale, softcap
+  )
   lp = jnp.where(prefix_allowed[:, None, :, None], lp, neg)
   lp = lp.transpose(0, 2, 1, 3, 4, 5).reshape(b, g, h // g, t, n_prefix)
   logits = jnp.concatenate([lp, logits], axis=-1)  # [B, G, R, T, P+S]
@@ -99,8 +106,9 @@ def cache_attention(q_bthk, k_bgsk, v_bgsk, allowed_bts, prefix, prefix_allowed,
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, kd)
 
 
-def causal_attention(q_bthk, k_btgk, v_btgk, *, platform: str, window: int | None = None,
-                     softcap: float = 0.0):
+def causal_attention(
+    q_bthk, k_btgk, v_btgk, *, platform: str, window: int | None = None, softcap: float = 0.0
+):
   """Causal self-attention over T slots that all hold real tokens (the callers move padding
   behind the real tokens first: transformer.compaction), as one fused kernel: no [.., T, T]
   score matrix in HBM. `platform` (Kernels.platform) picks it: GPU: cuDNN's flash attention
@@ -114,17 +122,28 @@ def causal_attention(q_bthk, k_btgk, v_btgk, *, platform: str, window: int | Non
   if softcap:  # no fused kernel caps scores here: the masked form over the real tokens
     b, t = q_bthk.shape[:2]
     slots = jnp.arange(t)
-    allowed = slot_mask(jnp.broadcast_to(slots, (b, t)), slots, jnp.ones((b, t), jnp.int32),
-                        window)
+    allowed = slot_mask(jnp.broadcast_to(slots, (b, t)), slots, jnp.ones((b, t), jnp.int32), window)
     return attention(q_bthk, k_btgk, v_btgk, allowed, softcap=softcap)
   gpu = platform == "gpu" and q_bthk.dtype in (jnp.bfloat16, jnp.float16)
-  return jax.nn.dot_product_attention(q_bthk, k_btgk, v_btgk, is_causal=True,
-                                      local_window_size=None if window is None else (window - 1, 0),
-                                      implementation="cudnn" if gpu else "xla")
+  return jax.nn.dot_product_attention(
+      q_bthk,
+      k_btgk,
+      v_btgk,
+      is_causal=True,
+      local_window_size=None if window is None else (window - 1, 0),
+      implementation="cudnn" if gpu else "xla",
+  )
 
 
-def splash_attention(q_bthk, k_btgk, v_btgk, *, interpret: bool = False,
-                     window: int | None = None, softcap: float = 0.0):
+def splash_attention(
+    q_bthk,
+    k_btgk,
+    v_btgk,
+    *,
+    interpret: bool = False,
+    window: int | None = None,
+    softcap: float = 0.0
+):
   """`causal_attention` on TPU: the Pallas splash-attention kernel (flash attention tiled for
   the TPU's VMEM, grouped-query heads read in place), one kernel call per row, under a
   shard_map that keeps rows on (data, fsdp) and heads on tensor when a mesh is set. T is padded
@@ -132,6 +151,7 @@ def splash_attention(q_bthk, k_btgk, v_btgk, *, interpret: bool = False,
   `interpret`: Pallas's interpreter (the CPU tests)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
   b, t, h, kd = q_bthk.shape
   tp = -(-t // 128) * 128
   blk = next(x for x in (512, 256, 128) if tp % x == 0)
@@ -139,14 +159,30 @@ def splash_attention(q_bthk, k_btgk, v_btgk, *, interpret: bool = False,
   q, k, v = pad(q_bthk * jnp.asarray(kd**-0.5, q_bthk.dtype)), pad(k_btgk), pad(v_btgk)
 
   def local(q, k, v):  # [b, h, T, K] this shard's rows and heads
-    one = (sm.CausalMask((tp, tp)) if window is None else
-           sm.LocalMask((tp, tp), window_size=(window - 1, 0), offset=0))
+    one = (
+        sm.CausalMask((tp, tp))
+        if window is None
+        else sm.LocalMask((tp, tp), window_size=(window - 1, 0), offset=0)
+    )
     mask = sm.MultiHeadMask([one for _ in range(q.shape[1])])
-    sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk,
-                          block_kv_dkv=blk, block_kv_dkv_compute=blk, block_q_dq=blk,
-                          block_kv_dq=blk)
-    kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
-                                interpret=interpret, attn_logits_soft_cap=softcap or None)
+    sizes = sk.BlockSizes(
+        block_q=blk,
+        block_kv=blk,
+        block_kv_compute=blk,
+        block_q_dkv=blk,
+        block_kv_dkv=blk,
+        block_kv_dkv_compute=blk,
+        block_q_dq=blk,
+        block_kv_dq=blk,
+    )
+    kernel = sk.make_splash_mha(
+        mask,
+        head_shards=1,
+        q_seq_shards=1,
+        block_sizes=sizes,
+        interpret=interpret,
+        attn_logits_soft_cap=softcap or None,
+    )
     return jax.vmap(kernel)(q, k, v)
 
   mesh = jax.sharding.get_abstract_mesh()
@@ -156,6 +192,5 @@ def splash_attention(q_bthk, k_btgk, v_btgk, *, interpret: bool = False,
     ks = sharding.logical_to_spec(("batch", "kv_heads", "length", "head_dim"), k.shape, mesh)
     if qs[1] != ks[1]:  # heads split differently (Hkv not divisible): replicate heads
       qs, ks = (jax.sharding.PartitionSpec(p[0], None, None, None) for p in (qs, ks))
-    local = jax.shard_map(local, mesh=mesh, in_specs=(qs, ks, ks), out_specs=qs,
-                          check_vma=False)
+    local = jax.shard_map(local, mesh=mesh, in_specs=(qs, ks, ks), out_specs=qs, check_vma=False)
   return local(q, k, v).swapaxes(1, 2)[:, :t]

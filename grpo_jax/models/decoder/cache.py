@@ -9,6 +9,7 @@ A decode cache (`Transformer.decode`) is the prefill's cache (`Transformer.init_
 its prompts' keys/values kept once per group of G rows ("prefix_k", "prefix_v",
 "prefix_valid": read by every sample of the prompt) and empty completion slots per row.
 """
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -24,8 +25,9 @@ def ring_sizes(cfg: ModelConfig) -> tuple:
   return tuple(cfg.sliding_window if local else None for local in cfg.local_layers)
 
 
-def share_prompt(cache: dict, n: int, slots: int, prefix_multiple: int = 1,
-                 rings: tuple | None = None) -> dict:
+def share_prompt(
+    cache: dict, n: int, slots: int, prefix_multiple: int = 1, rings: tuple | None = None
+) -> dict:
   """A cache of B prompts prefilled to exactly its P slots (`init_cache(B, P)`) -> a decode
   cache for n samples per prompt (B*n rows, group-major) that keeps the prompts' keys/values
   once per prompt ("prefix_k", "prefix_v", "prefix_valid": read by every sample of the prompt)
@@ -35,6 +37,7 @@ def share_prompt(cache: dict, n: int, slots: int, prefix_multiple: int = 1,
   per group. `prefix_multiple`: the prefix padded at its end to a multiple of it (invalid
   slots: the blocks `decode_attention.ragged` reads). `rings` (per-layer caches; `ring_sizes`): a local
   layer's completion cache holds min(slots, its window) slots, used as a ring by the decode."""
+
   def empty(x, ring=None):
     shape = list(x.shape)
     shape[-4], shape[-2] = shape[-4] * n, slots if ring is None else min(slots, ring)
@@ -44,19 +47,27 @@ def share_prompt(cache: dict, n: int, slots: int, prefix_multiple: int = 1,
     if rings is None or not isinstance(kv, tuple):
       return jax.tree.map(empty, kv)
     return tuple(empty(x, r) for x, r in zip(kv, rings))
+
   b, p = cache["valid"].shape
   extra = -p % prefix_multiple
   if extra:
     cache = grow_cache(cache, p + extra)
-  return dict(prefix_k=cache["k"], prefix_v=cache["v"], prefix_valid=cache["valid"],
-              k=empties(cache["k"]), v=empties(cache["v"]),
-              valid=jnp.zeros((b * n, slots), jnp.int32), index=jnp.zeros((), jnp.int32),
-              pos=jnp.repeat(cache["pos"], n, axis=0))
+  return dict(
+      prefix_k=cache["k"],
+      prefix_v=cache["v"],
+      prefix_valid=cache["valid"],
+      k=empties(cache["k"]),
+      v=empties(cache["v"]),
+      valid=jnp.zeros((b * n, slots), jnp.int32),
+      index=jnp.zeros((), jnp.int32),
+      pos=jnp.repeat(cache["pos"], n, axis=0),
+  )
 
 
 def grow_cache(cache: dict, slots: int, rings: tuple | None = None) -> dict:
   """The cache with `slots` slots per row (more than it has; the new ones empty); a ring
   layer's (`rings`, as share_prompt) up to its window only."""
+
   def pad(x, ring=None):
     widths = [(0, 0)] * x.ndim
     widths[-2] = (0, (slots if ring is None else min(slots, ring)) - x.shape[-2])
@@ -66,8 +77,13 @@ def grow_cache(cache: dict, slots: int, rings: tuple | None = None) -> dict:
     if rings is None or not isinstance(kv, tuple):
       return jax.tree.map(pad, kv)
     return tuple(pad(x, r) for x, r in zip(kv, rings))
-  return dict(cache, k=grown(cache["k"]), v=grown(cache["v"]),
-              valid=jnp.pad(cache["valid"], ((0, 0), (0, slots - cache["valid"].shape[1]))))
+
+  return dict(
+      cache,
+      k=grown(cache["k"]),
+      v=grown(cache["v"]),
+      valid=jnp.pad(cache["valid"], ((0, 0), (0, slots - cache["valid"].shape[1]))),
+  )
 
 
 def sampling_copy(model: Transformer) -> Transformer:
@@ -83,17 +99,25 @@ def sampling_copy(model: Transformer) -> Transformer:
   cfg = model.cfg
   dt = model.compute_dtype
   plain = not lora.has_adapters(nnx.state(model)) and not _has_quantized(model)
-  if (not cfg.scan_layers and plain and
-      all(x.dtype == dt for x in jax.tree.leaves(nnx.state(model, nnx.Param))
-          if jnp.issubdtype(x.dtype, jnp.floating))):
+  if (
+      not cfg.scan_layers
+      and plain
+      and all(
+          x.dtype == dt
+          for x in jax.tree.leaves(nnx.state(model, nnx.Param))
+          if jnp.issubdtype(x.dtype, jnp.floating)
+      )
+  ):
     return model
   out_cfg = cfg.replace(scan_layers=False, param_dtype=cfg.dtype, remat_policy="none")
   target = nnx.eval_shape(lambda: Transformer(out_cfg, rngs=nnx.Rngs(0), kernels=model.kernels))
   graphdef, state = nnx.split(target)
   if cfg.scan_layers:
     layer_graph, stacked = nnx.split(model.layers)
-    blocks = [nnx.merge(layer_graph, jax.tree.map(lambda x, i=i: x[i], stacked))
-              for i in range(cfg.num_layers)]
+    blocks = [
+        nnx.merge(layer_graph, jax.tree.map(lambda x, i=i: x[i], stacked))
+        for i in range(cfg.num_layers)
+    ]
   else:
     blocks = list(model.layers)
 
@@ -112,8 +136,9 @@ def sampling_copy(model: Transformer) -> Transformer:
 
   pure = nnx.to_pure_dict(state)
   flat = {path: effective(path, x) for path, x in _flatten(pure)}
-  filled = _unflatten({p: (v.astype(dt) if jnp.issubdtype(v.dtype, jnp.floating) else v)
-                       for p, v in flat.items()})
+  filled = _unflatten(
+      {p: (v.astype(dt) if jnp.issubdtype(v.dtype, jnp.floating) else v) for p, v in flat.items()}
+  )
   nnx.replace_by_pure_dict(state, filled)
   return nnx.merge(graphdef, state)
 

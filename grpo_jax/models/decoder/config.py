@@ -13,6 +13,7 @@ The architecture name fixes the layer's structure; the numbers stay fields:
                   sliding_window_pattern (local layers interleaved with global ones),
                   rope_local_theta (Gemma 3's local RoPE base), rope_linear_factor, qk_norm.
 """
+
 import dataclasses
 
 from grpo_jax.models import remat
@@ -29,19 +30,33 @@ DTYPES = ("float32", "bfloat16", "float16")
 # on every backend (on CPU it is jax.nn.dot_product_attention's XLA form: for tests).
 ATTENTION_IMPLS = ("auto", "xla", "fused")
 
-_HF_ARCH = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama3": ("LlamaForCausalLM", "llama"),
-            "gemma2": ("Gemma2ForCausalLM", "gemma2"), "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+_HF_ARCH = {
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "llama3": ("LlamaForCausalLM", "llama"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
 # config.json model_type -> arch (Gemma 3's multimodal folders: their text_config is read).
-HF_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3", "gemma2": "gemma2", "gemma3_text": "gemma3",
-                  "gemma3": "gemma3"}
-HF_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama3",
-                    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-                    "Gemma3ForConditionalGeneration": "gemma3"}
+HF_MODEL_TYPES = {
+    "qwen3": "qwen3",
+    "llama": "llama3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+}
+HF_ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Shape and numerics of a decoder-only transformer."""
+
   arch: str = "qwen3"
   vocab_size: int = 256
   hidden_size: int = 64
@@ -94,13 +109,26 @@ class ModelConfig:
     out = []
     if self.arch not in ARCHS:
       out.append(("arch", "unknown architecture", f"use one of {', '.join(ARCHS)}"))
-    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-              "num_kv_heads", "head_dim", "max_position_embeddings"):
+    for f in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
       if getattr(self, f) < 1:
         out.append((f, "must be >= 1", "give a positive size"))
     if self.num_kv_heads >= 1 and self.num_heads % self.num_kv_heads:
-      out.append(("num_kv_heads", f"must divide num_heads={self.num_heads} (grouped-query "
-                  "attention)", "use a divisor of num_heads"))
+      out.append(
+          (
+              "num_kv_heads",
+              f"must divide num_heads={self.num_heads} (grouped-query " "attention)",
+              "use a divisor of num_heads",
+          )
+      )
     if self.head_dim % 2:
       out.append(("head_dim", "RoPE rotates pairs of dimensions", "use an even head_dim"))
     if self.rope_theta <= 0:
@@ -113,24 +141,38 @@ class ModelConfig:
       if getattr(self, f) not in DTYPES:
         out.append((f, "unknown dtype", f"use one of {', '.join(DTYPES)}"))
     if self.attention_impl not in ATTENTION_IMPLS:
-      out.append(("attention_impl", "unknown attention implementation",
-                  f"use one of {', '.join(ATTENTION_IMPLS)}"))
-    for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
-              "sliding_window", "sliding_window_pattern", "rope_local_theta"):
+      out.append(
+          (
+              "attention_impl",
+              "unknown attention implementation",
+              f"use one of {', '.join(ATTENTION_IMPLS)}",
+          )
+      )
+    for f in (
+        "query_pre_attn_scalar",
+        "attn_logit_softcap",
+        "final_logit_softcap",
+        "sliding_window",
+        "sliding_window_pattern",
+        "rope_local_theta",
+    ):
       if getattr(self, f) < 0:
         out.append((f, "must be >= 0", "0 turns it off"))
     if self.rope_linear_factor <= 0:
       out.append(("rope_linear_factor", "must be > 0", "1.0 = no linear RoPE scaling"))
     if self.remat_policy not in remat.POLICIES:
-      out.append(("remat_policy", "unknown remat policy",
-                  f"use one of {', '.join(remat.POLICIES)}"))
+      out.append(
+          ("remat_policy", "unknown remat policy", f"use one of {', '.join(remat.POLICIES)}")
+      )
     return out
 
   def validate(self) -> "ModelConfig":
     problems = self.problems()
     if problems:
-      raise ValueError("bad ModelConfig: " + "; ".join(
-          f"{f}={getattr(self, f)!r}: {why} (fix: {fix})" for f, why, fix in problems))
+      raise ValueError(
+          "bad ModelConfig: "
+          + "; ".join(f"{f}={getattr(self, f)!r}: {why} (fix: {fix})" for f, why, fix in problems)
+      )
     return self
 
   def replace(self, **kw) -> "ModelConfig":
@@ -138,8 +180,14 @@ class ModelConfig:
 
   @property
   def num_params(self) -> int:
-    d, f, h, k, hd, v = (self.hidden_size, self.intermediate_size, self.num_heads,
-                         self.num_kv_heads, self.head_dim, self.vocab_size)
+    d, f, h, k, hd, v = (
+        self.hidden_size,
+        self.intermediate_size,
+        self.num_heads,
+        self.num_kv_heads,
+        self.head_dim,
+        self.vocab_size,
+    )
     attn = d * hd * (2 * h + 2 * k) + (2 * hd if self.qk_norm else 0)
     layer = attn + 3 * d * f + (4 if self.gemma else 2) * d
     return self.num_layers * layer + v * d * (1 if self.tie_embeddings else 2) + d
@@ -155,11 +203,14 @@ class ModelConfig:
     model_type = hf.get("model_type", "")
     archs = hf.get("architectures") or []
     arch = HF_MODEL_TYPES.get(model_type) or next(
-        (HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+        (HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None
+    )
     if arch is None:
-      raise ValueError(f"unsupported architecture: model_type={model_type!r}, architectures="
-                       f"{archs}; grpo_jax's native decoder loads "
-                       f"{', '.join(sorted(HF_ARCHITECTURES))} checkpoints")
+      raise ValueError(
+          f"unsupported architecture: model_type={model_type!r}, architectures="
+          f"{archs}; grpo_jax's native decoder loads "
+          f"{', '.join(sorted(HF_ARCHITECTURES))} checkpoints"
+      )
     if hf.get("mlp_bias"):
       raise ValueError("unsupported: mlp_bias=true (no Llama-3 / Qwen3 checkpoint uses it)")
     heads = hf["num_attention_heads"]
@@ -174,15 +225,20 @@ class ModelConfig:
     if rope_type not in ("default", "llama3", "linear"):
       raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3, linear)")
     if local_scaling.get("rope_type", "default") != "default":
-      raise ValueError(f"unsupported: RoPE scaling {local_scaling['rope_type']!r} on the "
-                       "sliding-window layers (Gemma 3 scales only its global layers)")
-    softcaps = {k: float(hf.get(k) or 0.0)
-                for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+      raise ValueError(
+          f"unsupported: RoPE scaling {local_scaling['rope_type']!r} on the "
+          "sliding-window layers (Gemma 3 scales only its global layers)"
+      )
+    softcaps = {
+        k: float(hf.get(k) or 0.0) for k in ("attn_logit_softcapping", "final_logit_softcapping")
+    }
     if arch not in GEMMA:
       for key, cap in softcaps.items():
         if cap:  # no Qwen3 / Llama checkpoint sets them
-          raise ValueError(f"unsupported: {key}={cap} on {arch} (logit soft-capping is read "
-                           "for Gemma folders only; otherwise it would silently differ)")
+          raise ValueError(
+              f"unsupported: {key}={cap} on {arch} (logit soft-capping is read "
+              "for Gemma folders only; otherwise it would silently differ)"
+          )
     window = 0
     if arch in GEMMA or hf.get("use_sliding_window"):
       window = int(hf.get("sliding_window") or 0)
@@ -208,19 +264,25 @@ class ModelConfig:
     if arch in GEMMA:
       act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
       if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ValueError(f"unsupported: hidden_activation={act!r} for {arch} (the native "
-                         "Gemma MLP is GeGLU with the tanh GELU, gelu_pytorch_tanh)")
-      kw.update(query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 0.0),
-                attn_logit_softcap=softcaps["attn_logit_softcapping"],
-                final_logit_softcap=softcaps["final_logit_softcapping"],
-                sliding_window=window, sliding_window_pattern=pattern,
-                rope_local_theta=float(local_theta or 0.0))
+        raise ValueError(
+            f"unsupported: hidden_activation={act!r} for {arch} (the native "
+            "Gemma MLP is GeGLU with the tanh GELU, gelu_pytorch_tanh)"
+        )
+      kw.update(
+          query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 0.0),
+          attn_logit_softcap=softcaps["attn_logit_softcapping"],
+          final_logit_softcap=softcaps["final_logit_softcapping"],
+          sliding_window=window,
+          sliding_window_pattern=pattern,
+          rope_local_theta=float(local_theta or 0.0),
+      )
     if rope_type == "llama3":
-      kw.update(rope_scaling_factor=float(scaling["factor"]),
-                rope_low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-                rope_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-                rope_original_max_position=int(scaling.get("original_max_position_embeddings",
-                                                           8192)))
+      kw.update(
+          rope_scaling_factor=float(scaling["factor"]),
+          rope_low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+          rope_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+          rope_original_max_position=int(scaling.get("original_max_position_embeddings", 8192)),
+      )
     elif rope_type == "linear":
       kw.update(rope_linear_factor=float(scaling["factor"]))
     kw.update(overrides)
@@ -230,12 +292,22 @@ class ModelConfig:
     """Why a Hugging Face folder of this arch cannot hold this config (empty: it can)."""
     out = []
     if self.gemma and self.qk_norm != (self.arch == "gemma3"):
-      out.append(f"qk_norm={self.qk_norm}: HF's {self.arch} has {'no ' * (self.arch == 'gemma2')}"
-                 "q/k norms")
+      out.append(
+          f"qk_norm={self.qk_norm}: HF's {self.arch} has {'no ' * (self.arch == 'gemma2')}"
+          "q/k norms"
+      )
     if not self.gemma:
-      out += [f"{f}={getattr(self, f)}: HF's {self.arch} has none" for f in (
-          "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
-          "sliding_window", "rope_local_theta") if getattr(self, f)]
+      out += [
+          f"{f}={getattr(self, f)}: HF's {self.arch} has none"
+          for f in (
+              "query_pre_attn_scalar",
+              "attn_logit_softcap",
+              "final_logit_softcap",
+              "sliding_window",
+              "rope_local_theta",
+          )
+          if getattr(self, f)
+      ]
       if self.rope_linear_factor != 1.0:
         out.append(f"rope_linear_factor={self.rope_linear_factor}: HF's {self.arch} has none")
     if self.arch == "gemma2" and (self.rope_local_theta or self.rope_linear_factor != 1.0):
@@ -271,16 +343,19 @@ class ModelConfig:
     }
     if self.gemma:
       hf.pop("hidden_act")
-      hf.update(hidden_activation="gelu_pytorch_tanh",
-                query_pre_attn_scalar=_int_if_whole(self.query_pre_attn_scalar or
-                                                    self.head_dim),
-                attn_logit_softcapping=self.attn_logit_softcap or None,
-                final_logit_softcapping=self.final_logit_softcap or None,
-                sliding_window=self.sliding_window or None,
-                layer_types=["sliding_attention" if local else "full_attention"
-                             for local in self.local_layers],
-                rope_scaling=None if self.rope_linear_factor == 1.0 else {
-                    "rope_type": "linear", "factor": self.rope_linear_factor})
+      hf.update(
+          hidden_activation="gelu_pytorch_tanh",
+          query_pre_attn_scalar=_int_if_whole(self.query_pre_attn_scalar or self.head_dim),
+          attn_logit_softcapping=self.attn_logit_softcap or None,
+          final_logit_softcapping=self.final_logit_softcap or None,
+          sliding_window=self.sliding_window or None,
+          layer_types=[
+              "sliding_attention" if local else "full_attention" for local in self.local_layers
+          ],
+          rope_scaling=None
+          if self.rope_linear_factor == 1.0
+          else {"rope_type": "linear", "factor": self.rope_linear_factor},
+      )
       if self.arch == "gemma3":
         hf["rope_local_base_freq"] = self.rope_local_theta or self.rope_theta
         hf["sliding_window_pattern"] = self.sliding_window_pattern
@@ -289,10 +364,12 @@ class ModelConfig:
       hf["rope_scaling"] = None
       if self.rope_scaling_factor > 0:
         hf["rope_scaling"] = {
-            "rope_type": "llama3", "factor": self.rope_scaling_factor,
+            "rope_type": "llama3",
+            "factor": self.rope_scaling_factor,
             "low_freq_factor": self.rope_low_freq_factor,
             "high_freq_factor": self.rope_high_freq_factor,
-            "original_max_position_embeddings": self.rope_original_max_position}
+            "original_max_position_embeddings": self.rope_original_max_position,
+        }
     else:
       hf["use_sliding_window"] = False
       hf["sliding_window"] = None
@@ -309,8 +386,9 @@ def _window_pattern(hf: dict, n_layers: int, window: int) -> int:
   types = hf.get("layer_types")
   if not window:
     if types and any(t != "full_attention" for t in types):
-      raise ValueError(f"config.json: layer_types {types} name sliding layers but "
-                       "sliding_window is unset")
+      raise ValueError(
+          f"config.json: layer_types {types} name sliding layers but " "sliding_window is unset"
+      )
     return 0
   if not types:
     n = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern"))
@@ -318,92 +396,214 @@ def _window_pattern(hf: dict, n_layers: int, window: int) -> int:
       n = 2
     return int(n or 0)
   local = [t == "sliding_attention" for t in types]
-  if len(local) != n_layers or not all(t in ("sliding_attention", "full_attention")
-                                       for t in types):
-    raise ValueError(f"config.json: layer_types must name {n_layers} layers, each "
-                     f"sliding_attention or full_attention (got {types})")
+  if len(local) != n_layers or not all(t in ("sliding_attention", "full_attention") for t in types):
+    raise ValueError(
+        f"config.json: layer_types must name {n_layers} layers, each "
+        f"sliding_attention or full_attention (got {types})"
+    )
   for n in range(n_layers + 2):
     probe = ModelConfig(num_layers=n_layers, sliding_window=window, sliding_window_pattern=n)
     if list(probe.local_layers) == local:
       return n
-  raise ValueError(f"config.json: layer_types {types} is not a pattern of local layers with "
-                   "every N-th layer global (what the native decoder runs)")
+  raise ValueError(
+      f"config.json: layer_types {types} is not a pattern of local layers with "
+      "every N-th layer global (what the native decoder runs)"
+  )
 
 
 def _gemma2(**kw):
-  kw = dict(dict(vocab_size=256000, head_dim=256, rope_theta=10000.0, rms_norm_eps=1e-6,
-                 qk_norm=False, tie_embeddings=True, max_position_embeddings=8192,
-                 query_pre_attn_scalar=256.0, attn_logit_softcap=50.0,
-                 final_logit_softcap=30.0, sliding_window=4096, sliding_window_pattern=2), **kw)
+  kw = dict(
+      dict(
+          vocab_size=256000,
+          head_dim=256,
+          rope_theta=10000.0,
+          rms_norm_eps=1e-6,
+          qk_norm=False,
+          tie_embeddings=True,
+          max_position_embeddings=8192,
+          query_pre_attn_scalar=256.0,
+          attn_logit_softcap=50.0,
+          final_logit_softcap=30.0,
+          sliding_window=4096,
+          sliding_window_pattern=2,
+      ),
+      **kw,
+  )
   return ModelConfig(arch="gemma2", **kw)
 
 
 def _gemma3(**kw):
-  kw = dict(dict(vocab_size=262208, head_dim=256, rope_theta=1e6, rope_local_theta=10000.0,
-                 rms_norm_eps=1e-6, qk_norm=True, tie_embeddings=True,
-                 max_position_embeddings=131072, query_pre_attn_scalar=256.0,
-                 sliding_window=1024, sliding_window_pattern=6), **kw)
+  kw = dict(
+      dict(
+          vocab_size=262208,
+          head_dim=256,
+          rope_theta=1e6,
+          rope_local_theta=10000.0,
+          rms_norm_eps=1e-6,
+          qk_norm=True,
+          tie_embeddings=True,
+          max_position_embeddings=131072,
+          query_pre_attn_scalar=256.0,
+          sliding_window=1024,
+          sliding_window_pattern=6,
+      ),
+      **kw,
+  )
   return ModelConfig(arch="gemma3", **kw)
 
 
 def _qwen3(**kw):
-  return ModelConfig(arch="qwen3", vocab_size=151936, num_kv_heads=8, head_dim=128,
-                     rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True,
-                     max_position_embeddings=40960, **kw)
+  return ModelConfig(
+      arch="qwen3",
+      vocab_size=151936,
+      num_kv_heads=8,
+      head_dim=128,
+      rope_theta=1e6,
+      rms_norm_eps=1e-6,
+      qk_norm=True,
+      max_position_embeddings=40960,
+      **kw,
+  )
 
 
 PRESETS: dict[str, ModelConfig] = {
     # huggingface.co/Qwen/Qwen3-{0.6B,1.7B,4B,8B}/blob/main/config.json
-    "qwen3-0.6b": _qwen3(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
-                         tie_embeddings=True),
-    "qwen3-1.7b": _qwen3(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
-                         tie_embeddings=True),
-    "qwen3-4b": _qwen3(hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
-                       tie_embeddings=True),
-    "qwen3-8b": _qwen3(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
-                       tie_embeddings=False),
+    "qwen3-0.6b": _qwen3(
+        hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16, tie_embeddings=True
+    ),
+    "qwen3-1.7b": _qwen3(
+        hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16, tie_embeddings=True
+    ),
+    "qwen3-4b": _qwen3(
+        hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32, tie_embeddings=True
+    ),
+    "qwen3-8b": _qwen3(
+        hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, tie_embeddings=False
+    ),
     # huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json
     "llama3.1-8b": ModelConfig(
-        arch="llama3", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-        rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-        rope_original_max_position=8192, rms_norm_eps=1e-5, tie_embeddings=False,
-        qk_norm=False, max_position_embeddings=131072),
+        arch="llama3",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        rope_scaling_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_position=8192,
+        rms_norm_eps=1e-5,
+        tie_embeddings=False,
+        qk_norm=False,
+        max_position_embeddings=131072,
+    ),
     # Test shapes.
-    "tiny-qwen3": ModelConfig(arch="qwen3", vocab_size=97, hidden_size=64,
-                              intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-                              head_dim=24, rope_theta=10000.0, tie_embeddings=False,
-                              max_position_embeddings=256),
-    "tiny-llama3": ModelConfig(arch="llama3", vocab_size=101, hidden_size=64,
-                               intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=2,
-                               head_dim=8, rope_theta=500000.0, rope_scaling_factor=8.0,
-                               rope_original_max_position=32, rms_norm_eps=1e-5,
-                               tie_embeddings=True, qk_norm=False, max_position_embeddings=256),
+    "tiny-qwen3": ModelConfig(
+        arch="qwen3",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=24,
+        rope_theta=10000.0,
+        tie_embeddings=False,
+        max_position_embeddings=256,
+    ),
+    "tiny-llama3": ModelConfig(
+        arch="llama3",
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=500000.0,
+        rope_scaling_factor=8.0,
+        rope_original_max_position=32,
+        rms_norm_eps=1e-5,
+        tie_embeddings=True,
+        qk_norm=False,
+        max_position_embeddings=256,
+    ),
     # huggingface.co/google/gemma-2-{2b,9b}/blob/main/config.json
-    "gemma2-2b": _gemma2(hidden_size=2304, intermediate_size=9216, num_layers=26, num_heads=8,
-                         num_kv_heads=4),
-    "gemma2-9b": _gemma2(hidden_size=3584, intermediate_size=14336, num_layers=42,
-                         num_heads=16, num_kv_heads=8),
+    "gemma2-2b": _gemma2(
+        hidden_size=2304, intermediate_size=9216, num_layers=26, num_heads=8, num_kv_heads=4
+    ),
+    "gemma2-9b": _gemma2(
+        hidden_size=3584, intermediate_size=14336, num_layers=42, num_heads=16, num_kv_heads=8
+    ),
     # huggingface.co/google/gemma-3-1b-it (Gemma3ForCausalLM) and the text towers of
     # gemma-3-{4b,12b,27b}-it (Gemma3ForConditionalGeneration's text_config)
-    "gemma3-1b": _gemma3(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
-                         num_layers=26, num_heads=4, num_kv_heads=1, sliding_window=512,
-                         max_position_embeddings=32768),
-    "gemma3-4b": _gemma3(hidden_size=2560, intermediate_size=10240, num_layers=34, num_heads=8,
-                         num_kv_heads=4, rope_linear_factor=8.0),
-    "gemma3-12b": _gemma3(hidden_size=3840, intermediate_size=15360, num_layers=48,
-                          num_heads=16, num_kv_heads=8, rope_linear_factor=8.0),
-    "gemma3-27b": _gemma3(hidden_size=5376, intermediate_size=21504, num_layers=62,
-                          num_heads=32, num_kv_heads=16, head_dim=128,
-                          query_pre_attn_scalar=168.0, rope_linear_factor=8.0),
+    "gemma3-1b": _gemma3(
+        vocab_size=262144,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_layers=26,
+        num_heads=4,
+        num_kv_heads=1,
+        sliding_window=512,
+        max_position_embeddings=32768,
+    ),
+    "gemma3-4b": _gemma3(
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_layers=34,
+        num_heads=8,
+        num_kv_heads=4,
+        rope_linear_factor=8.0,
+    ),
+    "gemma3-12b": _gemma3(
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_layers=48,
+        num_heads=16,
+        num_kv_heads=8,
+        rope_linear_factor=8.0,
+    ),
+    "gemma3-27b": _gemma3(
+        hidden_size=5376,
+        intermediate_size=21504,
+        num_layers=62,
+        num_heads=32,
+        num_kv_heads=16,
+        head_dim=128,
+        query_pre_attn_scalar=168.0,
+        rope_linear_factor=8.0,
+    ),
     # Test shapes with every Gemma feature active at short lengths.
-    "tiny-gemma2": _gemma2(vocab_size=103, hidden_size=64, intermediate_size=96, num_layers=3,
-                           num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=5,
-                           query_pre_attn_scalar=12.0, attn_logit_softcap=5.0,
-                           final_logit_softcap=3.0, max_position_embeddings=256),
-    "tiny-gemma3": _gemma3(vocab_size=107, hidden_size=64, intermediate_size=96, num_layers=4,
-                           num_heads=4, num_kv_heads=1, head_dim=16, sliding_window=4,
-                           sliding_window_pattern=3, query_pre_attn_scalar=16.0,
-                           rope_theta=1e6, rope_linear_factor=2.0,
-                           max_position_embeddings=256),
+    "tiny-gemma2": _gemma2(
+        vocab_size=103,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        sliding_window=5,
+        query_pre_attn_scalar=12.0,
+        attn_logit_softcap=5.0,
+        final_logit_softcap=3.0,
+        max_position_embeddings=256,
+    ),
+    "tiny-gemma3": _gemma3(
+        vocab_size=107,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=16,
+        sliding_window=4,
+        sliding_window_pattern=3,
+        query_pre_attn_scalar=16.0,
+        rope_theta=1e6,
+        rope_linear_factor=2.0,
+        max_position_embeddings=256,
+    ),
 }

@@ -21,6 +21,7 @@ Which attention a trace uses: `Kernels.ragged_decode` (kernels.py), read by
 DEFAULT) into it.
 Measured: benchmarks/README.md, "Ragged decode attention".
 """
+
 import functools
 
 import jax
@@ -51,8 +52,15 @@ def supports(q_bthk, cache_k, prefix_k, *, interpret: bool = False) -> bool:
   b, t, h, kd = q_bthk.shape
   hkv, s = cache_k.shape[1], cache_k.shape[2]
   tiles = interpret or (kd >= 16 and kd & (kd - 1) == 0)
-  return (t == 1 and h % hkv == 0 and h // hkv <= _ROWS and s % BLOCK == 0 and tiles and
-          prefix_k.shape[2] % BLOCK == 0 and b % prefix_k.shape[0] == 0)
+  return (
+      t == 1
+      and h % hkv == 0
+      and h // hkv <= _ROWS
+      and s % BLOCK == 0
+      and tiles
+      and prefix_k.shape[2] % BLOCK == 0
+      and b % prefix_k.shape[0] == 0
+  )
 
 
 def ragged(q_bthk, k_nhsk, v_nhsk, length, prefix, *, interpret: bool = False):
@@ -80,15 +88,20 @@ def ragged(q_bthk, k_nhsk, v_nhsk, length, prefix, *, interpret: bool = False):
       spec = jax.sharding.PartitionSpec  # rows or heads split unevenly: one shard does it all
       qs, ks, ps, vs = spec(), spec(), spec(), spec()
     qs = jax.sharding.PartitionSpec(qs[0], qs[1], None, None)
-    call = jax.shard_map(call, mesh=mesh, check_vma=False,
-                         in_specs=(qs, ks, ks, ps, ps, vs, jax.sharding.PartitionSpec()),
-                         out_specs=qs)
+    call = jax.shard_map(
+        call,
+        mesh=mesh,
+        check_vma=False,
+        in_specs=(qs, ks, ks, ps, ps, vs, jax.sharding.PartitionSpec()),
+        out_specs=qs,
+    )
   out = call(q, k_nhsk, v_nhsk, pk, pv, p_valid.astype(jnp.int32), length)
   return out.reshape(n, 1, h, kd)
 
 
 def _call(q, k, v, pk, pv, p_valid, length, *, groups: int, interpret: bool):
   from jax.experimental import pallas as pl
+
   n, hkv, r, kd = q.shape
   s, p = k.shape[2], pk.shape[2]
   kernel = functools.partial(_kernel, rows=r, scale=kd**-0.5, prefix_blocks=p // BLOCK)
@@ -97,29 +110,47 @@ def _call(q, k, v, pk, pv, p_valid, length, *, groups: int, interpret: bool):
   kw = {}
   if not interpret:
     from jax.experimental.pallas import triton as plgpu
+
     kw["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
   return pl.pallas_call(
       kernel,
       grid=(n, hkv),
-      in_specs=[pl.BlockSpec((None, None, _ROWS, kd), row),
-                pl.BlockSpec((None, None, s, kd), row),
-                pl.BlockSpec((None, None, s, kd), row),
-                pl.BlockSpec((None, None, p, kd), prompt),
-                pl.BlockSpec((None, None, p, kd), prompt),
-                pl.BlockSpec((None, p), lambda i, j: (i // groups, 0)),
-                pl.BlockSpec((1,), lambda i, j: (0,))],
+      in_specs=[
+          pl.BlockSpec((None, None, _ROWS, kd), row),
+          pl.BlockSpec((None, None, s, kd), row),
+          pl.BlockSpec((None, None, s, kd), row),
+          pl.BlockSpec((None, None, p, kd), prompt),
+          pl.BlockSpec((None, None, p, kd), prompt),
+          pl.BlockSpec((None, p), lambda i, j: (i // groups, 0)),
+          pl.BlockSpec((1,), lambda i, j: (0,)),
+      ],
       out_specs=pl.BlockSpec((None, None, _ROWS, kd), row),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      interpret=interpret, name="ragged_decode_attention", **kw,
+      interpret=interpret,
+      name="ragged_decode_attention",
+      **kw,
   )(q, k, v, pk, pv, p_valid, length)
 
 
-def _kernel(q_ref, k_ref, v_ref, pk_ref, pv_ref, pvalid_ref, len_ref, o_ref, *, rows: int,
-            scale: float, prefix_blocks: int):
+def _kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    pk_ref,
+    pv_ref,
+    pvalid_ref,
+    len_ref,
+    o_ref,
+    *,
+    rows: int,
+    scale: float,
+    prefix_blocks: int,
+):
   """One (row, kv head): the online softmax (flash attention's) over the prompt's blocks, then
   over the cache's written blocks; q rows past the GQA group (padding to _ROWS) are masked."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
+
   kd = q_ref.shape[-1]
   row_ok = (jnp.arange(_ROWS) < rows)[:, None]
   q = plgpu.load(q_ref, mask=row_ok, other=0)  # [R', K]
@@ -147,8 +178,11 @@ def _kernel(q_ref, k_ref, v_ref, pk_ref, pv_ref, pvalid_ref, len_ref, o_ref, *, 
     ok = i * BLOCK + jnp.arange(BLOCK) < length
     return update(carry, k_ref[sl, :], v_ref[sl, :], ok)
 
-  carry = (jnp.zeros((_ROWS, kd), jnp.float32), jnp.full((_ROWS,), neg, jnp.float32),
-           jnp.zeros((_ROWS,), jnp.float32))
+  carry = (
+      jnp.zeros((_ROWS, kd), jnp.float32),
+      jnp.full((_ROWS,), neg, jnp.float32),
+      jnp.zeros((_ROWS,), jnp.float32),
+  )
   carry = jax.lax.fori_loop(0, prefix_blocks, prompt_step, carry)
   carry = jax.lax.fori_loop(0, pl.cdiv(length, BLOCK), cache_step, carry)
   acc, _, l = carry

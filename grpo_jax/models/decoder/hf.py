@@ -8,6 +8,7 @@ Loading streams: each parameter is built with `jax.make_array_from_callback` dir
 sharding, its callback slicing a memory-mapped safetensors tensor, so peak host memory is about
 one tensor, never the model.
 """
+
 import dataclasses
 import json
 import os
@@ -29,6 +30,7 @@ from grpo_jax.models.decoder.transformer import Transformer
 @dataclasses.dataclass(frozen=True)
 class Entry:
   """One native parameter <-> one HF tensor per layer (or one tensor for non-layer params)."""
+
   path: tuple  # native path; for per-layer params without the layer index, e.g. ("attn", "q")
   hf_name: str  # may contain "{i}" for the layer index
   to_native: Callable[[np.ndarray], np.ndarray]
@@ -61,30 +63,41 @@ def param_mapping(cfg: ModelConfig, prefix: str = "model.") -> list[Entry]:
       Entry(("attn", "q"), layer + "self_attn.q_proj.weight", *proj_in(h), True),
       Entry(("attn", "k"), layer + "self_attn.k_proj.weight", *proj_in(g), True),
       Entry(("attn", "v"), layer + "self_attn.v_proj.weight", *proj_in(g), True),
-      Entry(("attn", "o"), layer + "self_attn.o_proj.weight",
-            lambda w: w.T.reshape(h, k, d), lambda w: w.reshape(h * k, d).T, True),
+      Entry(
+          ("attn", "o"),
+          layer + "self_attn.o_proj.weight",
+          lambda w: w.T.reshape(h, k, d),
+          lambda w: w.reshape(h * k, d).T,
+          True,
+      ),
       Entry(("mlp", "gate"), layer + "mlp.gate_proj.weight", *t, True),
       Entry(("mlp", "up"), layer + "mlp.up_proj.weight", *t, True),
       Entry(("mlp", "down"), layer + "mlp.down_proj.weight", *t, True),
   ]
   if cfg.gemma:  # HF's post_attention_layernorm is Gemma's norm after attention
-    entries += [Entry(("post_attn_norm", "scale"), layer + "post_attention_layernorm.weight",
-                      *ident, True),
-                Entry(("mlp_norm", "scale"), layer + "pre_feedforward_layernorm.weight",
-                      *ident, True),
-                Entry(("post_mlp_norm", "scale"), layer + "post_feedforward_layernorm.weight",
-                      *ident, True)]
+    entries += [
+        Entry(("post_attn_norm", "scale"), layer + "post_attention_layernorm.weight", *ident, True),
+        Entry(("mlp_norm", "scale"), layer + "pre_feedforward_layernorm.weight", *ident, True),
+        Entry(
+            ("post_mlp_norm", "scale"), layer + "post_feedforward_layernorm.weight", *ident, True
+        ),
+    ]
   else:
-    entries.append(Entry(("mlp_norm", "scale"), layer + "post_attention_layernorm.weight",
-                         *ident, True))
+    entries.append(
+        Entry(("mlp_norm", "scale"), layer + "post_attention_layernorm.weight", *ident, True)
+    )
   if cfg.qk_norm:
-    entries += [Entry(("attn", "q_norm", "scale"), layer + "self_attn.q_norm.weight", *ident, True),
-                Entry(("attn", "k_norm", "scale"), layer + "self_attn.k_norm.weight", *ident, True)]
+    entries += [
+        Entry(("attn", "q_norm", "scale"), layer + "self_attn.q_norm.weight", *ident, True),
+        Entry(("attn", "k_norm", "scale"), layer + "self_attn.k_norm.weight", *ident, True),
+    ]
   if cfg.attention_bias:
-    entries += [Entry(("attn", "q_bias"), layer + "self_attn.q_proj.bias", *bias(h), True),
-                Entry(("attn", "k_bias"), layer + "self_attn.k_proj.bias", *bias(g), True),
-                Entry(("attn", "v_bias"), layer + "self_attn.v_proj.bias", *bias(g), True),
-                Entry(("attn", "o_bias"), layer + "self_attn.o_proj.bias", *ident, True)]
+    entries += [
+        Entry(("attn", "q_bias"), layer + "self_attn.q_proj.bias", *bias(h), True),
+        Entry(("attn", "k_bias"), layer + "self_attn.k_proj.bias", *bias(g), True),
+        Entry(("attn", "v_bias"), layer + "self_attn.v_proj.bias", *bias(g), True),
+        Entry(("attn", "o_bias"), layer + "self_attn.o_proj.bias", *ident, True),
+    ]
   if not cfg.tie_embeddings:
     entries.append(Entry(("lm_head",), "lm_head.weight", *t, False))
   return entries
@@ -119,7 +132,8 @@ class _Checkpoint:
       raise FileNotFoundError(
           f"{path}: no model.safetensors or model.safetensors.index.json (found: "
           f"{', '.join(found) or 'nothing'}). Fix: point at a Hugging Face checkpoint folder "
-          "saved with safetensors (save_pretrained(..., safe_serialization=True)).")
+          "saved with safetensors (save_pretrained(..., safe_serialization=True))."
+      )
     self.files = files
     self._open: dict[str, safetensors_io.SafetensorsFile] = {}
 
@@ -137,16 +151,28 @@ class _Checkpoint:
 def read_hf_config(path: str) -> dict:
   cfg_path = paths.path(path) / "config.json"
   if not paths.isdir(path):
-    raise FileNotFoundError(f"{path}: not a directory. Fix: pass a Hugging Face checkpoint folder "
-                            "(config.json + *.safetensors)")
+    raise FileNotFoundError(
+        f"{path}: not a directory. Fix: pass a Hugging Face checkpoint folder "
+        "(config.json + *.safetensors)"
+    )
   if not cfg_path.exists():
-    raise FileNotFoundError(f"{cfg_path}: missing. Fix: a Hugging Face checkpoint folder holds "
-                            "config.json beside its *.safetensors files")
+    raise FileNotFoundError(
+        f"{cfg_path}: missing. Fix: a Hugging Face checkpoint folder holds "
+        "config.json beside its *.safetensors files"
+    )
   return json.loads(cfg_path.read_text())
 
 
-def load_hf(path: str, dtype=jnp.float32, *, mesh=None, param_dtype=None, remat_policy="none",
-            scan_layers=False, **overrides) -> Transformer:
+def load_hf(
+    path: str,
+    dtype=jnp.float32,
+    *,
+    mesh=None,
+    param_dtype=None,
+    remat_policy="none",
+    scan_layers=False,
+    **overrides,
+) -> Transformer:
   """Loads a Qwen3 / Llama / Gemma 2 / Gemma 3 (text) Hugging Face checkpoint folder into a
   native Transformer (a Gemma 3 multimodal folder: its text tower).
 
@@ -158,20 +184,31 @@ def load_hf(path: str, dtype=jnp.float32, *, mesh=None, param_dtype=None, remat_
   """
   hf_cfg = read_hf_config(path)
   dt = jnp.dtype(dtype).name
-  cfg = ModelConfig.from_hf_config(hf_cfg, dtype=dt, param_dtype=jnp.dtype(param_dtype or
-                                                                            dtype).name,
-                                   remat_policy=remat_policy, scan_layers=scan_layers,
-                                   **overrides)
+  cfg = ModelConfig.from_hf_config(
+      hf_cfg,
+      dtype=dt,
+      param_dtype=jnp.dtype(param_dtype or dtype).name,
+      remat_policy=remat_policy,
+      scan_layers=scan_layers,
+      **overrides,
+  )
   ckpt = _Checkpoint(path)
-  prefix = next((p for p in ("model.", "model.language_model.", "language_model.model.")
-                 if p + "embed_tokens.weight" in ckpt.files), "model.")
+  prefix = next(
+      (
+          p
+          for p in ("model.", "model.language_model.", "language_model.model.")
+          if p + "embed_tokens.weight" in ckpt.files
+      ),
+      "model.",
+  )
   kernels = Kernels.for_mesh(cfg, mesh)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), kernels=kernels))
   graphdef, abstract_state = nnx.split(abstract)
-  shardings = (sharding.state_shardings(abstract_state, mesh) if mesh is not None else None)
+  shardings = sharding.state_shardings(abstract_state, mesh) if mesh is not None else None
   flat = dict(nnx.to_flat_state(abstract_state))
-  flat_shardings = ({p: v.get_value() for p, v in nnx.to_flat_state(shardings)}
-                    if shardings is not None else {})
+  flat_shardings = (
+      {p: v.get_value() for p, v in nnx.to_flat_state(shardings)} if shardings is not None else {}
+  )
   values = {}
   for e in param_mapping(cfg, prefix):
     pairs = _native_paths(cfg, e)
@@ -179,7 +216,8 @@ def load_hf(path: str, dtype=jnp.float32, *, mesh=None, param_dtype=None, remat_
     var = flat[native_path]
     shape, pdtype = var.get_value().shape, var.get_value().dtype
     target = flat_shardings.get(native_path) or jax.sharding.SingleDeviceSharding(
-        jax.local_devices()[0])
+        jax.local_devices()[0]
+    )
     if cfg.scan_layers and e.per_layer:
       names = [n for _, _, n in pairs]
       values[native_path] = _stacked_array(ckpt, names, e, shape, pdtype, target)
@@ -204,8 +242,10 @@ def _checked(ckpt, name, e: Entry, shape_native, layer_shape=None):
     ok = False
   if not ok:
     hf_want = tuple(e.to_hf(np.zeros(want, np.float32)).shape)
-    raise ValueError(f"shape mismatch for tensor {name}: checkpoint has {tuple(w.shape)}, the "
-                     f"model config (config.json) implies {hf_want}")
+    raise ValueError(
+        f"shape mismatch for tensor {name}: checkpoint has {tuple(w.shape)}, the "
+        f"model config (config.json) implies {hf_want}"
+    )
   return out
 
 
@@ -223,8 +263,12 @@ def _array(ckpt, name, e, shape, pdtype, target):
 def _stacked_array(ckpt, names, e, shape, pdtype, target):
   def cb(index):
     rows = range(shape[0])[index[0]]
-    return np.stack([np.asarray(_checked(ckpt, names[i], e, shape, shape[1:])[index[1:]],
-                                dtype=pdtype) for i in rows])
+    return np.stack(
+        [
+            np.asarray(_checked(ckpt, names[i], e, shape, shape[1:])[index[1:]], dtype=pdtype)
+            for i in rows
+        ]
+    )
 
   return jax.make_array_from_callback(shape, target, cb, dtype=pdtype)
 
@@ -254,6 +298,7 @@ def hf_tensors(model: Transformer, dtype=None) -> Iterator[tuple[str, Callable[[
 def _to_host(x: jax.Array) -> np.ndarray:
   if jax.process_count() > 1 and not x.is_fully_addressable:
     from jax.experimental import multihost_utils
+
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(jax.device_get(x))
 
@@ -286,12 +331,14 @@ def save_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int =
   shards.append(current)
   weight_map = {}
   for i, shard in enumerate(shards):
-    fname = ("model.safetensors" if len(shards) == 1 else
-             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+    fname = (
+        "model.safetensors"
+        if len(shards) == 1
+        else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    )
     items = [(n, shapes[n], out_dtype, p) for n, p in shard]
     if writer:
-      safetensors_io.write(os.fspath(paths.path(path) / fname), items,
-                           metadata={"format": "pt"})
+      safetensors_io.write(os.fspath(paths.path(path) / fname), items, metadata={"format": "pt"})
     else:
       for *_, p in items:  # take part in the collective gathers
         p()
@@ -299,7 +346,11 @@ def save_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int =
   if writer:
     if len(shards) > 1:
       total = sum(int(np.prod(s)) * out_dtype.itemsize for s in shapes.values())
-      paths.write_atomic(paths.path(path) / "model.safetensors.index.json", json.dumps(
-          {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    paths.write_atomic(paths.path(path) / "config.json",
-                       json.dumps(cfg.to_hf_config(torch_dtype=out_dtype.name), indent=2))
+      paths.write_atomic(
+          paths.path(path) / "model.safetensors.index.json",
+          json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2),
+      )
+    paths.write_atomic(
+        paths.path(path) / "config.json",
+        json.dumps(cfg.to_hf_config(torch_dtype=out_dtype.name), indent=2),
+    )

@@ -10,6 +10,7 @@ platform (memory_plan builds its abstract policies on the target chip's devices,
 traced on a CPU host gets TPU kernels), and again by the sampler, for its own mesh and its
 decode attention (rollout.Sampler: `ragged_decode`).
 """
+
 import dataclasses
 
 import jax
@@ -18,7 +19,7 @@ from grpo_jax.models.decoder.config import ModelConfig
 
 
 def platform_name(platform: str) -> str:
-  """"cpu", "gpu" or "tpu" for a JAX platform or backend name ("cuda" and "rocm" are "gpu")."""
+  """ "cpu", "gpu" or "tpu" for a JAX platform or backend name ("cuda" and "rocm" are "gpu")."""
   return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
@@ -40,6 +41,7 @@ class Kernels:
       written cache slots only; the sampler's choice, rollout.decode_attention) where the
       layer's shapes allow it; else the XLA attention over every slot.
   """
+
   platform: str
   fused_attention: bool
   fuse_gate_up: bool
@@ -51,8 +53,9 @@ class Kernels:
     return self.platform != "gpu"
 
   @classmethod
-  def resolve(cls, cfg: ModelConfig, platform: str | None = None, *,
-              ragged_decode: bool = False) -> "Kernels":
+  def resolve(
+      cls, cfg: ModelConfig, platform: str | None = None, *, ragged_decode: bool = False
+  ) -> "Kernels":
     """The kernels for `cfg` on `platform` (default: jax.default_backend()).
 
     cfg.attention_impl "auto" fuses the attention where the platform has a kernel for the
@@ -64,12 +67,21 @@ class Kernels:
       if platform == "tpu":
         fused = cfg.head_dim % 128 == 0
       else:
-        fused = (platform == "gpu" and cfg.dtype in ("bfloat16", "float16") and
-                 cfg.head_dim <= 256 and cfg.head_dim % 8 == 0 and not cfg.attn_logit_softcap)
+        fused = (
+            platform == "gpu"
+            and cfg.dtype in ("bfloat16", "float16")
+            and cfg.head_dim <= 256
+            and cfg.head_dim % 8 == 0
+            and not cfg.attn_logit_softcap
+        )
     else:
       fused = cfg.attention_impl == "fused"
-    return cls(platform=platform, fused_attention=fused, fuse_gate_up=platform == "cpu",
-               ragged_decode=ragged_decode)
+    return cls(
+        platform=platform,
+        fused_attention=fused,
+        fuse_gate_up=platform == "cpu",
+        ragged_decode=ragged_decode,
+    )
 
   @classmethod
   def for_mesh(cls, cfg: ModelConfig, mesh=None) -> "Kernels":

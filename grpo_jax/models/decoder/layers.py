@@ -24,6 +24,7 @@ row), whatever padding the row holds. In the training forward the key positions 
 queries' (self-attention); in the caches the real tokens of a row are contiguous from the
 first completion slot on (the sampler's layout), so slot distance is position distance there.
 """
+
 import functools
 import math
 
@@ -63,12 +64,10 @@ class RMSNorm(nnx.Module):
   """RMSNorm computed in f32, scaled in the input dtype (as Hugging Face's Qwen3/Llama do);
   `plus_one` (Gemma): the scale is stored as w and applied as (1 + w) in f32 (init w = 0)."""
 
-  def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs,
-               plus_one: bool = False):
+  def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs, plus_one: bool = False):
     self.eps = eps
     self.plus_one = plus_one
-    self.scale = _param(rngs, (dim,), ("norm",), param_dtype,
-                        init="zeros" if plus_one else "ones")
+    self.scale = _param(rngs, (dim,), ("norm",), param_dtype, init="zeros" if plus_one else "ones")
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
@@ -79,8 +78,9 @@ class RMSNorm(nnx.Module):
 
 
 def norm(cfg: ModelConfig, dim: int, rngs: nnx.Rngs) -> RMSNorm:
-  return RMSNorm(dim, cfg.rms_norm_eps, param_dtype=_dtype(cfg.param_dtype), rngs=rngs,
-                 plus_one=cfg.gemma)
+  return RMSNorm(
+      dim, cfg.rms_norm_eps, param_dtype=_dtype(cfg.param_dtype), rngs=rngs, plus_one=cfg.gemma
+  )
 
 
 def rope_inv_freq(cfg: ModelConfig, local=False) -> jax.Array:
@@ -93,7 +93,7 @@ def rope_inv_freq(cfg: ModelConfig, local=False) -> jax.Array:
   exponent = jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim
   if local:  # Gemma's sliding-window layers: their own base (0: rope_theta's), never scaled
     return 1.0 / ((cfg.rope_local_theta or cfg.rope_theta) ** exponent)
-  inv = 1.0 / (cfg.rope_theta ** exponent) / cfg.rope_linear_factor
+  inv = 1.0 / (cfg.rope_theta**exponent) / cfg.rope_linear_factor
   if cfg.rope_scaling_factor > 0:
     factor, lo, hi = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     old = cfg.rope_original_max_position
@@ -146,10 +146,14 @@ class Attention(nnx.Module):
     def proj(w_dnk):  # as one 2-D GEMM (faster on XLA:CPU than the 3-D einsum, same values)
       n, kd = w_dnk.shape[1:]
       return (x @ w_dnk[...].astype(dt).reshape(d, n * kd)).reshape(b, t, n, kd)
+
     q, k, v = proj(self.q), proj(self.k), proj(self.v)
     if self.cfg.attention_bias:
-      q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
-                 v + self.v_bias[...].astype(dt))
+      q, k, v = (
+          q + self.q_bias[...].astype(dt),
+          k + self.k_bias[...].astype(dt),
+          v + self.v_bias[...].astype(dt),
+      )
     if self.cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = rope_inv_freq(self.cfg, local)
@@ -158,8 +162,11 @@ class Attention(nnx.Module):
     if qs and qs != self.cfg.head_dim:
       q = q * jnp.asarray((self.cfg.head_dim / qs) ** 0.5, q.dtype)
     k = apply_rope(k, positions_bt, inv_freq)
-    return checkpoint_name(q, "qkv_proj"), checkpoint_name(k, "qkv_proj"), checkpoint_name(
-        v, "qkv_proj")
+    return (
+        checkpoint_name(q, "qkv_proj"),
+        checkpoint_name(k, "qkv_proj"),
+        checkpoint_name(v, "qkv_proj"),
+    )
 
   def out(self, attn_bthk):
     b, t, h, kd = attn_bthk.shape
@@ -275,9 +282,12 @@ class Block(nnx.Module):
     q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions_bt, local)
     window = self._window(local)
     if kernels.fused_attention:
+
       def fused(w):
-        return causal_attention(q, k, v, platform=kernels.platform, window=w,
-                                softcap=cfg.attn_logit_softcap)
+        return causal_attention(
+            q, k, v, platform=kernels.platform, window=w, softcap=cfg.attn_logit_softcap
+        )
+
       if window is None:
         a = fused(None)
       elif local is True:
@@ -293,8 +303,18 @@ class Block(nnx.Module):
       a = attention(q, k, v, allowed, softcap=cfg.attn_logit_softcap)
     return self._residual(x_btd, a, kernels), k, v
 
-  def decode(self, x_btd, positions_bt, cache_k, cache_v, valid_bs, slot, prefix,
-             kernels: Kernels, local=False):
+  def decode(
+      self,
+      x_btd,
+      positions_bt,
+      cache_k,
+      cache_v,
+      valid_bs,
+      slot,
+      prefix,
+      kernels: Kernels,
+      local=False,
+  ):
     """The decode step: one new token per row (T = 1) is written into the layer's cache at
     `slot`, then attends to its group's shared prompt and the written cache.
 
@@ -316,21 +336,33 @@ class Block(nnx.Module):
     s_len = cache_k.shape[2]
     ring = local is True and cfg.sliding_window == s_len
     at = slot % s_len if ring else slot
-    k, v = (jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype), (0, 0, at, 0))
-            for c, n in ((cache_k, k), (cache_v, v)))
+    k, v = (
+        jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype), (0, 0, at, 0))
+        for c, n in ((cache_k, k), (cache_v, v))
+    )
     kv_slot = jnp.arange(s_len)
     if ring:
       kv_slot = slot - (slot - kv_slot) % s_len
       valid_bs = jnp.broadcast_to((kv_slot >= 0).astype(jnp.int32), (q.shape[0], s_len))
-    ragged = (kernels.ragged_decode and window is None and not cfg.attn_logit_softcap and
-              decode_attention.supports(q, k, prefix[0], interpret=kernels.interpret))
+    ragged = (
+        kernels.ragged_decode
+        and window is None
+        and not cfg.attn_logit_softcap
+        and decode_attention.supports(q, k, prefix[0], interpret=kernels.interpret)
+    )
     if ragged:  # the sampler's: written slots only
       a = decode_attention.ragged(q, k, v, slot + 1, prefix, interpret=kernels.interpret)
     else:
       q_slot = jnp.full(positions_bt.shape, slot)
-      a = cache_attention(q, k, v, slot_mask(q_slot, kv_slot, valid_bs, window), prefix,
-                          prefix_mask(prefix[2], positions_bt, window),
-                          softcap=cfg.attn_logit_softcap)
+      a = cache_attention(
+          q,
+          k,
+          v,
+          slot_mask(q_slot, kv_slot, valid_bs, window),
+          prefix,
+          prefix_mask(prefix[2], positions_bt, window),
+          softcap=cfg.attn_logit_softcap,
+      )
     return self._residual(x_btd, a, kernels), k, v
 
   def _window(self, local):

@@ -19,6 +19,7 @@ every mode runs is one value, `self.kernels` (kernels.py), given or resolved at 
 The sampler's cache surgery (shared prompts, growing caches, rings) and its copy of the model
 are in cache.py.
 """
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -50,8 +51,11 @@ def compaction(mask_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
   rank = jnp.cumsum(m, axis=-1) - 1
   dst = jnp.where(m, rank, rank[:, -1:] + jnp.cumsum(~m, axis=-1)).astype(jnp.int32)
   t = mask_bt.shape[1]
-  src = jax.vmap(lambda d: jnp.zeros((t,), jnp.int32).at[d].set(jnp.arange(t, dtype=jnp.int32),
-                                                               unique_indices=True))(dst)
+  src = jax.vmap(
+      lambda d: jnp.zeros((t,), jnp.int32)
+      .at[d]
+      .set(jnp.arange(t, dtype=jnp.int32), unique_indices=True)
+  )(dst)
   return src, dst
 
 
@@ -74,10 +78,12 @@ class Transformer(nnx.Module):
     d, v = cfg.hidden_size, cfg.vocab_size
     self.embed = _param(rngs, (v, d), ("vocab", "embed"), pd, fan_in=d)
     if cfg.scan_layers:
+
       @nnx.split_rngs(splits=cfg.num_layers)
       @nnx.vmap(in_axes=0, out_axes=0)
       def make(rngs):
         return Block(cfg, rngs=rngs)
+
       self.layers = make(rngs)
       _prepend_layers_axis(self.layers)
     else:
@@ -98,8 +104,9 @@ class Transformer(nnx.Module):
     return w.astype(self.compute_dtype)
 
   def logits_from_hidden(self, h_btd: jax.Array) -> jax.Array:
-    logits = jnp.einsum("btd,dv->btv", h_btd, self.unembedding(),
-                        preferred_element_type=jnp.float32)
+    logits = jnp.einsum(
+        "btd,dv->btv", h_btd, self.unembedding(), preferred_element_type=jnp.float32
+    )
     return softcap(logits, self.cfg.final_logit_softcap)
 
   def _embed(self, tokens_bt):
@@ -127,6 +134,7 @@ class Transformer(nnx.Module):
         # here, one layer at a time (a no-op on a plain layer).
         block = lora.adapt(nnx.merge(graphdef, block_state))
         return step(block, x, xs_l, flag if traced_kind else local)
+
       if policy is None:
         return layer
       return jax.checkpoint(layer, policy=policy, prevent_cse=not self.cfg.scan_layers)
@@ -157,6 +165,7 @@ class Transformer(nnx.Module):
     def step(block, x, xs_l, local):
       x, k, v = block.forward(x, positions, mask, kernels, local)
       return x, (k, v)
+
     x, (ks, vs) = self._run_layers(step, x)
     return x, ks, vs
 
@@ -169,8 +178,9 @@ class Transformer(nnx.Module):
     positions = positions_from_mask(attention_mask)
     if self.kernels.fused_attention:  # real tokens first, one fused causal kernel
       src, dst = compaction(attention_mask)
-      x, _, _ = self._forward_layers(self._embed(_take(input_ids, src)), _take(positions, src),
-                                     _take(attention_mask, src))
+      x, _, _ = self._forward_layers(
+          self._embed(_take(input_ids, src)), _take(positions, src), _take(attention_mask, src)
+      )
       return _take(self.final_norm(x), dst)
     x, _, _ = self._forward_layers(self._embed(input_ids), positions, attention_mask)
     return self.final_norm(x)
@@ -201,9 +211,13 @@ class Transformer(nnx.Module):
     else:
       k = tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers))
       v = tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers))
-    return dict(k=k, v=v,
-                valid=jnp.zeros((batch, max_len), jnp.int32), index=jnp.zeros((), jnp.int32),
-                pos=jnp.zeros((batch,), jnp.int32))
+    return dict(
+        k=k,
+        v=v,
+        valid=jnp.zeros((batch, max_len), jnp.int32),
+        index=jnp.zeros((), jnp.int32),
+        pos=jnp.zeros((batch,), jnp.int32),
+    )
 
   def prefill(self, tokens_bp, mask_bp, cache: dict, *, all_logits: bool = False):
     """Runs a left-padded prompt batch, writes slots 0..P-1. -> (logits, cache).
@@ -215,8 +229,9 @@ class Transformer(nnx.Module):
     positions = positions_from_mask(mask_bp)
     if self.kernels.fused_attention:  # real tokens first, one fused causal kernel
       src, dst = compaction(mask_bp)
-      x, ks, vs = self._forward_layers(self._embed(_take(tokens_bp, src)), _take(positions, src),
-                                       _take(mask_bp, src))
+      x, ks, vs = self._forward_layers(
+          self._embed(_take(tokens_bp, src)), _take(positions, src), _take(mask_bp, src)
+      )
       lead = 1 if self.cfg.scan_layers else 0  # stacked keys: [L, B, P, Hkv, K]
       ks, vs = (jax.tree.map(lambda a: _take(a, dst, axis=1 + lead), kv) for kv in (ks, vs))
       x = _take(x, dst if all_logits else dst[:, -1:])
@@ -225,10 +240,12 @@ class Transformer(nnx.Module):
     h = self.final_norm(x if all_logits else x[:, -1:])
     logits = self.logits_from_hidden(h)
     cache = dict(
-        k=_write_kv(cache["k"], ks, 0), v=_write_kv(cache["v"], vs, 0),
+        k=_write_kv(cache["k"], ks, 0),
+        v=_write_kv(cache["v"], vs, 0),
         valid=jax.lax.dynamic_update_slice(cache["valid"], mask_bp.astype(jnp.int32), (0, 0)),
         index=jnp.asarray(p, jnp.int32),
-        pos=(mask_bp != 0).sum(-1).astype(jnp.int32))
+        pos=(mask_bp != 0).sum(-1).astype(jnp.int32),
+    )
     return (logits if all_logits else logits[:, 0]), cache
 
   def decode(self, token_b, cache: dict):
@@ -242,18 +259,20 @@ class Transformer(nnx.Module):
     b = token_b.shape[0]
     index = cache["index"]
     positions = cache["pos"][:, None]
-    valid = jax.lax.dynamic_update_slice(cache["valid"], jnp.ones((b, 1), jnp.int32),
-                                         (0, index))
+    valid = jax.lax.dynamic_update_slice(cache["valid"], jnp.ones((b, 1), jnp.int32), (0, index))
     prefix_k, prefix_v, prefix_valid = _prefix(cache)
     kernels = self.kernels
 
     def step(block, x, xs_l, local):
       cache_k, cache_v, pk, pv = xs_l
-      x, k, v = block.decode(x, positions, cache_k, cache_v, valid, index,
-                             (pk, pv, prefix_valid), kernels, local)
+      x, k, v = block.decode(
+          x, positions, cache_k, cache_v, valid, index, (pk, pv, prefix_valid), kernels, local
+      )
       return x, (k, v)
-    x, (ks, vs) = self._run_layers(step, self._embed(token_b[:, None]),
-                                   (cache["k"], cache["v"], prefix_k, prefix_v))
+
+    x, (ks, vs) = self._run_layers(
+        step, self._embed(token_b[:, None]), (cache["k"], cache["v"], prefix_k, prefix_v)
+    )
     logits = self.logits_from_hidden(self.final_norm(x))[:, 0]
     cache = dict(cache, k=ks, v=vs, valid=valid, index=index + 1, pos=cache["pos"] + 1)
     return logits, cache
@@ -265,8 +284,11 @@ def _prefix(cache: dict):
   if "prefix_k" in cache:
     return cache["prefix_k"], cache["prefix_v"], cache["prefix_valid"]
   empty = lambda x: jnp.zeros((*x.shape[:-2], 0, x.shape[-1]), x.dtype)  # noqa: E731
-  return (jax.tree.map(empty, cache["k"]), jax.tree.map(empty, cache["v"]),
-          jnp.zeros((cache["valid"].shape[0], 0), jnp.int32))
+  return (
+      jax.tree.map(empty, cache["k"]),
+      jax.tree.map(empty, cache["v"]),
+      jnp.zeros((cache["valid"].shape[0], 0), jnp.int32),
+  )
 
 
 def softcap(logits, cap: float):
@@ -278,10 +300,13 @@ def _write_kv(cache_kv, new_kv, slot):
   """Writes new keys/values ([B, T, Hkv, K] per layer, as _forward_layers returns them) into the
   head-major cache at `slot`, per layer buffer (tuple) or into the stacked array."""
   if isinstance(cache_kv, tuple):
-    return tuple(jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype), (0, 0, slot, 0))
-                 for c, n in zip(cache_kv, new_kv))
-  return jax.lax.dynamic_update_slice(cache_kv, new_kv.swapaxes(2, 3).astype(cache_kv.dtype),
-                                      (0, 0, 0, slot, 0))
+    return tuple(
+        jax.lax.dynamic_update_slice(c, n.swapaxes(1, 2).astype(c.dtype), (0, 0, slot, 0))
+        for c, n in zip(cache_kv, new_kv)
+    )
+  return jax.lax.dynamic_update_slice(
+      cache_kv, new_kv.swapaxes(2, 3).astype(cache_kv.dtype), (0, 0, 0, slot, 0)
+  )
 
 
 def _prepend_layers_axis(module):
@@ -303,8 +328,7 @@ def build_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Transformer:
   kernels = Kernels.for_mesh(cfg, mesh)
   if mesh is None:
     return Transformer(cfg, rngs=nnx.Rngs(params=seed), kernels=kernels)
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=seed),
-                                                kernels=kernels))
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=seed), kernels=kernels))
   graphdef, abstract_state = nnx.split(abstract)
   shardings = sharding.state_shardings(abstract_state, mesh)
 
@@ -313,5 +337,3 @@ def build_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Transformer:
 
   state = jax.jit(init, out_shardings=shardings)()
   return nnx.merge(graphdef, state)
-
-

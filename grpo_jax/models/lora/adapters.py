@@ -35,6 +35,7 @@ them), and reshapes q/k/v [D, H, K] -> [D, H*K] (qwix's PTQ `WithAux.reshape` re
 qwix supplies the quantization (`qarray.quantize` / `qwix.dequantize`, in qwix 0.1.2 and 0.1.8)
 and the parameter naming and types follow its provider.
 """
+
 import math
 import re
 
@@ -45,16 +46,28 @@ import jax.numpy as jnp
 from grpo_jax.parallel import sharding
 
 # Projection weights that can carry adapters, with how many leading dims are W's input dims.
-PROJECTIONS = {("attn", "q"): 1, ("attn", "k"): 1, ("attn", "v"): 1, ("attn", "o"): 2,
-               ("mlp", "gate"): 1, ("mlp", "up"): 1, ("mlp", "down"): 1}
+PROJECTIONS = {
+    ("attn", "q"): 1,
+    ("attn", "k"): 1,
+    ("attn", "v"): 1,
+    ("attn", "o"): 2,
+    ("mlp", "gate"): 1,
+    ("mlp", "up"): 1,
+    ("mlp", "down"): 1,
+}
 DEFAULT_TARGETS = r"layers/\d+/(attn/(q|k|v|o)|mlp/(gate|up|down))"
 QUANTIZE_BASE = ("none", "int8", "int4")
 B_INITS = ("zeros", "normal")
 # PEFT / transformers module names of the projections (model.layers.<i>.<name>).
-HF_MODULES = {("attn", "q"): "self_attn.q_proj", ("attn", "k"): "self_attn.k_proj",
-              ("attn", "v"): "self_attn.v_proj", ("attn", "o"): "self_attn.o_proj",
-              ("mlp", "gate"): "mlp.gate_proj", ("mlp", "up"): "mlp.up_proj",
-              ("mlp", "down"): "mlp.down_proj"}
+HF_MODULES = {
+    ("attn", "q"): "self_attn.q_proj",
+    ("attn", "k"): "self_attn.k_proj",
+    ("attn", "v"): "self_attn.v_proj",
+    ("attn", "o"): "self_attn.o_proj",
+    ("mlp", "gate"): "mlp.gate_proj",
+    ("mlp", "up"): "mlp.up_proj",
+    ("mlp", "down"): "mlp.down_proj",
+}
 
 
 class QuantScale(nnx.Variable):
@@ -72,8 +85,12 @@ def candidate_paths(num_layers: int) -> list[str]:
 def targets(num_layers: int, regex: str) -> list[tuple[int, str, str]]:
   """(layer, module, weight) of every projection whose path `regex` fully matches."""
   pat = re.compile(regex)
-  return [(i, m, w) for i in range(num_layers) for m, w in PROJECTIONS
-          if pat.fullmatch(f"layers/{i}/{m}/{w}")]
+  return [
+      (i, m, w)
+      for i in range(num_layers)
+      for m, w in PROJECTIONS
+      if pat.fullmatch(f"layers/{i}/{m}/{w}")
+  ]
 
 
 def problems(config) -> list[str]:
@@ -85,58 +102,80 @@ def problems(config) -> list[str]:
   if lc.rank < 0:
     out.append(f"lora.rank={lc.rank}: must be >= 0 (0 = LoRA off)")
   if m.impl != "native" or m.family != "decoder":
-    out.append(f"lora.rank={lc.rank} with model.impl={m.impl!r}, model.family={m.family!r}: "
-               "adapters are built for the native decoder only (MaxText's layers and T5 have no "
-               "hook). Fix: --config.model.impl=native, or --config.lora.rank=0")
+    out.append(
+        f"lora.rank={lc.rank} with model.impl={m.impl!r}, model.family={m.family!r}: "
+        "adapters are built for the native decoder only (MaxText's layers and T5 have no "
+        "hook). Fix: --config.model.impl=native, or --config.lora.rank=0"
+    )
   if lc.alpha <= 0:
     out.append(f"lora.alpha={lc.alpha}: must be > 0 (the update is scaled by alpha / rank)")
   if lc.dropout != 0:
-    out.append(f"lora.dropout={lc.dropout}: not supported (adapters are merged into each layer's "
-               "weights inside the forward, where there is no per-token input to drop). Fix: 0")
+    out.append(
+        f"lora.dropout={lc.dropout}: not supported (adapters are merged into each layer's "
+        "weights inside the forward, where there is no per-token input to drop). Fix: 0"
+    )
   if lc.init not in B_INITS:
     out.append(f"lora.init={lc.init!r}: the B matrix's init is one of {', '.join(B_INITS)}")
   if lc.quantize_base not in QUANTIZE_BASE:
     out.append(f"lora.quantize_base={lc.quantize_base!r}: use one of {', '.join(QUANTIZE_BASE)}")
   elif lc.quantize_base != "none" and config.sft_steps > 0:
-    out.append(f"lora.quantize_base={lc.quantize_base!r} with sft_steps={config.sft_steps}: SFT "
-               "trains the full model and a quantized base cannot be trained. Fix: "
-               "--config.sft_steps=0 (start from an SFT'd model.hf_path)")
+    out.append(
+        f"lora.quantize_base={lc.quantize_base!r} with sft_steps={config.sft_steps}: SFT "
+        "trains the full model and a quantized base cannot be trained. Fix: "
+        "--config.sft_steps=0 (start from an SFT'd model.hf_path)"
+    )
   try:
     found = targets(m.num_layers, lc.target_modules)
   except re.error as e:
     return out + [f"lora.target_modules={lc.target_modules!r} is not a regex: {e}"]
   if not found:
     some = candidate_paths(m.num_layers)
-    out.append(f"lora.target_modules={lc.target_modules!r} matches no weight. It is matched in "
-               f"full against paths like {', '.join(some[:7])} (layers 0..{m.num_layers - 1})")
+    out.append(
+        f"lora.target_modules={lc.target_modules!r} matches no weight. It is matched in "
+        f"full against paths like {', '.join(some[:7])} (layers 0..{m.num_layers - 1})"
+    )
   if m.scan_layers:
     for mw in PROJECTIONS:
       layers = [i for i, *t in found if tuple(t) == mw]
       if layers and len(layers) != m.num_layers:
-        out.append(f"lora.target_modules={lc.target_modules!r} matches {'/'.join(mw)} in "
-                   f"{len(layers)} of {m.num_layers} layers: with model.scan_layers the adapters "
-                   "are stacked over layers. Fix: target every layer, or scan_layers=False")
+        out.append(
+            f"lora.target_modules={lc.target_modules!r} matches {'/'.join(mw)} in "
+            f"{len(layers)} of {m.num_layers} layers: with model.scan_layers the adapters "
+            "are stacked over layers. Fix: target every layer, or scan_layers=False"
+        )
   dims = _dims(m)
   for mw in {tuple(t) for _, *t in found}:
     d_in, d_out = dims[mw]
     if lc.rank > min(d_in, d_out):
-      out.append(f"lora.rank={lc.rank} > min(d_in, d_out) = min({d_in}, {d_out}) of "
-                 f"{'/'.join(mw)}: a rank past the smaller side adds no capacity. Fix: "
-                 f"lora.rank <= {min(d_in, d_out)}")
+      out.append(
+          f"lora.rank={lc.rank} > min(d_in, d_out) = min({d_in}, {d_out}) of "
+          f"{'/'.join(mw)}: a rank past the smaller side adds no capacity. Fix: "
+          f"lora.rank <= {min(d_in, d_out)}"
+      )
   if config.reference.refresh_every_steps:
-    out.append("lora with reference.refresh_every_steps > 0: the reference is the frozen base "
-               "itself. Fix: --config.reference.refresh_every_steps=0")
+    out.append(
+        "lora with reference.refresh_every_steps > 0: the reference is the frozen base "
+        "itself. Fix: --config.reference.refresh_every_steps=0"
+    )
   if config.reference.offload_to_host:
-    out.append("lora with reference.offload_to_host: the reference is the base the policy "
-               "runs on, there is no copy to offload. Fix: reference.offload_to_host=False")
+    out.append(
+        "lora with reference.offload_to_host: the reference is the base the policy "
+        "runs on, there is no copy to offload. Fix: reference.offload_to_host=False"
+    )
   return out
 
 
 def _dims(m) -> dict:
   h, g, k, d, f = m.num_heads, m.num_kv_heads, m.head_dim, m.hidden_size, m.intermediate_size
-  return {("attn", "q"): (d, h * k), ("attn", "k"): (d, g * k), ("attn", "v"): (d, g * k),
-          ("attn", "o"): (h * k, d), ("mlp", "gate"): (d, f), ("mlp", "up"): (d, f),
-          ("mlp", "down"): (f, d)}
+  return {
+      ("attn", "q"): (d, h * k),
+      ("attn", "k"): (d, g * k),
+      ("attn", "v"): (d, g * k),
+      ("attn", "o"): (h * k, d),
+      ("mlp", "gate"): (d, f),
+      ("mlp", "up"): (d, f),
+      ("mlp", "down"): (f, d),
+  }
 
 
 # --------------------------------------------------------------------------- the forward
@@ -165,7 +204,7 @@ def adapt(block):
   """Replaces every adapted or quantized weight of one decoder layer (a module merged inside the
   layer function) by its effective value; a no-op on a plain layer. Returns `block`."""
   for _, module in nnx.iter_modules(block):
-    for (_, name) in PROJECTIONS:
+    for _, name in PROJECTIONS:
       if hasattr(module, name):
         w = effective_weight(module, name)
         if w is not None:  # a new Variable: the merged one may belong to an outer trace
@@ -175,6 +214,7 @@ def adapt(block):
 
 def _dequantize(qvalue, scale):
   from qwix._src.core import qarray  # present in qwix 0.1.2 and 0.1.8
+
   return qarray.dequantize(qarray.QArray(qvalue, scale, None, _qtype(qvalue.dtype)))
 
 
@@ -184,6 +224,7 @@ def _qtype(dtype) -> str:
 
 def _quantize(w, qtype: str, channel_axes):
   from qwix._src.core import qarray
+
   q = qarray.quantize(w, qarray.HowToQuantize(qtype=qtype, channelwise_axes=channel_axes))
   return q.qvalue, q.scale
 
@@ -207,13 +248,24 @@ def attach(model, lc, *, seed: int, mesh=None, abstract: bool = False):
       n_in = PROJECTIONS[(m, w)]
       channel_axes = tuple(range(lead)) + tuple(range(lead + n_in, var.get_value().ndim))
       axes = var.get_metadata()["logical_axes"]
-      q, s = _values(lambda x, ca=channel_axes: _quantize(x, lc.quantize_base, ca),
-                     var.get_value(),
-                     mesh, abstract, ((axes, tuple(None if d in range(lead, lead + n_in) else a
-                                                   for d, a in enumerate(axes)))))
+      q, s = _values(
+          lambda x, ca=channel_axes: _quantize(x, lc.quantize_base, ca),
+          var.get_value(),
+          mesh,
+          abstract,
+          ((axes, tuple(None if d in range(lead, lead + n_in) else a for d, a in enumerate(axes)))),
+      )
       var.set_value(q)
-      setattr(mod, f"{w}_qscale", QuantScale(s, logical_axes=tuple(
-          None if d in range(lead, lead + n_in) else a for d, a in enumerate(axes))))
+      setattr(
+          mod,
+          f"{w}_qscale",
+          QuantScale(
+              s,
+              logical_axes=tuple(
+                  None if d in range(lead, lead + n_in) else a for d, a in enumerate(axes)
+              ),
+          ),
+      )
   base_graphdef, _ = nnx.split(model)
   key = jax.random.key(seed)
   found = targets(cfg.num_layers, lc.target_modules)
@@ -223,13 +275,18 @@ def attach(model, lc, *, seed: int, mesh=None, abstract: bool = False):
       continue
     n_in = PROJECTIONS[(m, w)]
     shape, axes = var.get_value().shape, var.get_metadata()["logical_axes"]
-    a_shape = shape[:lead + n_in] + (lc.rank,)
-    b_shape = shape[:lead] + (lc.rank,) + shape[lead + n_in:]
-    a_axes, b_axes = axes[:lead + n_in] + (None,), axes[:lead] + (None,) + axes[lead + n_in:]
+    a_shape = shape[: lead + n_in] + (lc.rank,)
+    b_shape = shape[:lead] + (lc.rank,) + shape[lead + n_in :]
+    a_axes, b_axes = axes[: lead + n_in] + (None,), axes[:lead] + (None,) + axes[lead + n_in :]
     ka, kb = jax.random.split(jax.random.fold_in(key, n))
     dtype = jnp.dtype(cfg.param_dtype)
-    a, b = _values(lambda ka=ka, kb=kb: _init_ab(ka, kb, a_shape, b_shape, lead, n_in, lc.init,
-                                                 dtype), None, mesh, abstract, (a_axes, b_axes))
+    a, b = _values(
+        lambda ka=ka, kb=kb: _init_ab(ka, kb, a_shape, b_shape, lead, n_in, lc.init, dtype),
+        None,
+        mesh,
+        abstract,
+        (a_axes, b_axes),
+    )
     setattr(mod, f"{w}_lora_a", nnx.LoRAParam(a, logical_axes=a_axes))
     setattr(mod, f"{w}_lora_b", nnx.LoRAParam(b, logical_axes=b_axes))
     mod.lora_scale = lc.alpha / lc.rank
@@ -240,11 +297,14 @@ def attach(model, lc, *, seed: int, mesh=None, abstract: bool = False):
 def _init_ab(ka, kb, a_shape, b_shape, lead, n_in, init, dtype):
   """A: he-uniform over W's input dims (qwix's default, fan_in = their product); B: zeros
   (the adapted model starts as the base) or N(0, 0.02^2) (tests of a non-trivial adapter)."""
-  fan_in = math.prod(a_shape[lead:lead + n_in])
+  fan_in = math.prod(a_shape[lead : lead + n_in])
   lim = math.sqrt(6.0 / fan_in)
   a = jax.random.uniform(ka, a_shape, jnp.float32, -lim, lim).astype(dtype)
-  b = (jnp.zeros(b_shape, dtype) if init == "zeros" else
-       (0.02 * jax.random.normal(kb, b_shape, jnp.float32)).astype(dtype))
+  b = (
+      jnp.zeros(b_shape, dtype)
+      if init == "zeros"
+      else (0.02 * jax.random.normal(kb, b_shape, jnp.float32)).astype(dtype)
+  )
   return a, b
 
 
@@ -256,13 +316,21 @@ def _values(fn, x, mesh, abstract, axes):
     out = jax.eval_shape(fn, *args)
     if mesh is None:
       return out
-    return tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=jax.sharding.NamedSharding(
-        mesh, sharding.logical_to_spec(ax, o.shape, mesh))) for o, ax in zip(out, axes))
+    return tuple(
+        jax.ShapeDtypeStruct(
+            o.shape,
+            o.dtype,
+            sharding=jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(ax, o.shape, mesh)),
+        )
+        for o, ax in zip(out, axes)
+    )
   if mesh is None:
     return jax.jit(fn)(*args)
   shapes = jax.eval_shape(fn, *args)
-  outs = tuple(jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(ax, s.shape, mesh))
-               for s, ax in zip(shapes, axes))
+  outs = tuple(
+      jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(ax, s.shape, mesh))
+      for s, ax in zip(shapes, axes)
+  )
   return jax.jit(fn, out_shardings=outs)(*args)
 
 
@@ -284,8 +352,10 @@ def base_of(params):
 
 
 def has_adapters(params) -> bool:
-  return any(isinstance(v, nnx.LoRAParam)
-             for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  return any(
+      isinstance(v, nnx.LoRAParam)
+      for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  )
 
 
 def merged(params, graphdef):
@@ -293,26 +363,37 @@ def merged(params, graphdef):
   with the structure of the model before `attach` (merge it with that graphdef). For export,
   vLLM and the merged-weights sampler (jit it: one pass over the weights)."""
   model = nnx.merge(graphdef, params)
-  blocks = ([((), model.layers)] if model.cfg.scan_layers else
-            [((i,), blk) for i, blk in enumerate(model.layers)])
+  blocks = (
+      [((), model.layers)]
+      if model.cfg.scan_layers
+      else [((i,), blk) for i, blk in enumerate(model.layers)]
+  )
   eff = {}
   for idx, blk in blocks:
     for m, w in PROJECTIONS:
       e = effective_weight(getattr(blk, m), w, stacked=model.cfg.scan_layers)
       if e is not None:
         eff[("layers", *idx, m, w)] = e
-  flat = [(path, var.replace(eff[path]) if path in eff else var)
-          for path, var in nnx.to_flat_state(split(params)[1])
-          if not isinstance(var, QuantScale)]
+  flat = [
+      (path, var.replace(eff[path]) if path in eff else var)
+      for path, var in nnx.to_flat_state(split(params)[1])
+      if not isinstance(var, QuantScale)
+  ]
   return nnx.State.from_flat_path(flat)
 
 
 def zero_delta(params):
   """`params` with every B at zero: the adapted model computes exactly its base."""
   adapters, base = split(params)
-  flat = [(path, var.replace(jnp.zeros_like(var.get_value()))
-           if str(path[-1]).endswith("_lora_b") else var)
-          for path, var in nnx.to_flat_state(adapters)]
+  flat = [
+      (
+          path,
+          var.replace(jnp.zeros_like(var.get_value()))
+          if str(path[-1]).endswith("_lora_b")
+          else var,
+      )
+      for path, var in nnx.to_flat_state(adapters)
+  ]
   return combine(nnx.State.from_flat_path(flat), base)
 
 

@@ -10,6 +10,7 @@ A . B to the native weight with A [in..., r] and B [r, out...]; the native <-> H
 mapping (models/decoder/hf.py) flattens q/k/v's (heads, head_dim) and o's input (heads, head_dim) in
 row-major order, so lora_A = A.reshape(in, r).T and lora_B = B.reshape(r, out).T.
 """
+
 import json
 
 import jax
@@ -42,14 +43,28 @@ def peft_tensors(params, config) -> dict:
 def adapter_config(config, base_model_name_or_path: str = "") -> dict:
   """PEFT's LoraConfig as JSON: the exact module names that carry adapters."""
   cfg, lc = config.model, config.lora
-  modules = sorted({f"model.layers.{i}.{lora.HF_MODULES[(m, w)]}"
-                    for i, m, w in lora.targets(cfg.num_layers, lc.target_modules)})
-  return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lc.rank),
-          "lora_alpha": float(lc.alpha), "lora_dropout": float(lc.dropout),
-          "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
-          "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-          "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path,
-          "inference_mode": True}
+  modules = sorted(
+      {
+          f"model.layers.{i}.{lora.HF_MODULES[(m, w)]}"
+          for i, m, w in lora.targets(cfg.num_layers, lc.target_modules)
+      }
+  )
+  return {
+      "peft_type": "LORA",
+      "task_type": "CAUSAL_LM",
+      "r": int(lc.rank),
+      "lora_alpha": float(lc.alpha),
+      "lora_dropout": float(lc.dropout),
+      "target_modules": modules,
+      "bias": "none",
+      "fan_in_fan_out": False,
+      "use_rslora": False,
+      "use_dora": False,
+      "init_lora_weights": True,
+      "modules_to_save": None,
+      "base_model_name_or_path": base_model_name_or_path,
+      "inference_mode": True,
+  }
 
 
 def save_peft(params, config, path: str, *, base_model_name_or_path: str = ""):
@@ -57,6 +72,7 @@ def save_peft(params, config, path: str, *, base_model_name_or_path: str = ""):
   process calls it (the gathers are collective); process 0 writes. With a quantized base the
   adapters were trained against the dequantized weights: pair them with that base."""
   from safetensors.numpy import save
+
   tensors = peft_tensors(params, config)
   if jax.process_index() != 0:
     return
@@ -66,16 +82,17 @@ def save_peft(params, config, path: str, *, base_model_name_or_path: str = ""):
   if dtype is not None:
     tensors = {k: v.astype(dtype) for k, v in tensors.items()}
   (folder / "adapter_model.safetensors").write_bytes(save(tensors, metadata={"format": "pt"}))
-  paths.write_atomic(folder / "adapter_config.json",
-                     json.dumps(adapter_config(config, base_model_name_or_path), indent=2))
+  paths.write_atomic(
+      folder / "adapter_config.json",
+      json.dumps(adapter_config(config, base_model_name_or_path), indent=2),
+  )
 
 
 def needs_own_base(config) -> bool:
   """True when the adapters' base is not `model.hf_path` as published: no hf_path (the seed's
   init), a full SFT warm start (folded into the base), or a quantized base (the adapters were
   trained against its dequantized weights)."""
-  return (not config.model.hf_path or config.sft_steps > 0 or
-          config.lora.quantize_base != "none")
+  return not config.model.hf_path or config.sft_steps > 0 or config.lora.quantize_base != "none"
 
 
 def save_base(policy, params, path: str):

@@ -6,6 +6,7 @@ keep the frozen base that a checkpoint's adapters go with. Split from lora.py so
 (transformer.py -> lora.py) and the policy/HF layer (policy.py, hf.py -> transformer.py) import
 in one direction only.
 """
+
 from flax import nnx
 import jax
 import orbax.checkpoint as ocp
@@ -23,7 +24,6 @@ from grpo_jax.models.lora.adapters import has_adapters
 from grpo_jax.models.lora.adapters import merged
 from grpo_jax.models.lora.adapters import split
 
-
 # ------------------------------------------------------------------------------ the policy
 
 
@@ -38,8 +38,9 @@ def lora_policy(config, mesh, *, abstract: bool = False):
 
   def logprobs(params, input_ids, attention_mask, completion_len, temperature=1.0):
     gd = graphdef if has_adapters(params) else base_graphdef  # no adapters: the reference
-    return completion_logprobs(nnx.merge(gd, params), input_ids, attention_mask,
-                               completion_len, temperature)
+    return completion_logprobs(
+        nnx.merge(gd, params), input_ids, attention_mask, completion_len, temperature
+    )
 
   merge_fn = jax.jit(lambda p: merged(p, graphdef))
 
@@ -51,14 +52,24 @@ def lora_policy(config, mesh, *, abstract: bool = False):
   # vLLM's own LoRA (adapters; rollout/vllm_engine.py); its probe check uses the merged form.
   if lc.merge_for_rollout or config.rollout.engine != "native":
     # the sampler runs the plain decoder on merged weights
-    rollout = dict(rollout_params=lambda p: merged(p, graphdef), sampler_graphdef=plain.graphdef,
-                   sampler_is_trainer=False)
+    rollout = dict(
+        rollout_params=lambda p: merged(p, graphdef),
+        sampler_graphdef=plain.graphdef,
+        sampler_is_trainer=False,
+    )
   else:  # the sampler runs the trainer's own program (adapters applied per layer)
-    rollout = dict(rollout_params=lambda p: p, sampler_graphdef=graphdef,
-                   sampler_is_trainer=True)
-  return policy_lib.Policy(params=params, graphdef=graphdef, logprobs=logprobs,
-                           model_config=plain.model_config, save_hf=save, split=split,
-                           combine=combine, reference=base_of, **rollout)
+    rollout = dict(rollout_params=lambda p: p, sampler_graphdef=graphdef, sampler_is_trainer=True)
+  return policy_lib.Policy(
+      params=params,
+      graphdef=graphdef,
+      logprobs=logprobs,
+      model_config=plain.model_config,
+      save_hf=save,
+      split=split,
+      combine=combine,
+      reference=base_of,
+      **rollout,
+  )
 
 
 # ------------------------------------------------------------- the base across checkpoints
@@ -75,8 +86,9 @@ def after_sft(config, session, policy, params, mesh, workdir):
   if not session.meta.get("sft_step"):
     session.meta["lora_base"] = config.model.hf_path or f"init:seed={config.seed}"
     return params
-  params = jax.jit(lambda p: fold(p, policy.graphdef),
-                   out_shardings=policy.param_shardings(mesh))(params)
+  params = jax.jit(lambda p: fold(p, policy.graphdef), out_shardings=policy.param_shardings(mesh))(
+      params
+  )
   where = paths.path(workdir) / BASE_DIR
   with ocp.StandardCheckpointer() as ckpt:
     ckpt.save(where, split(params)[1], force=True)
@@ -87,8 +99,7 @@ def after_sft(config, session, policy, params, mesh, workdir):
 def load_base(config, policy, mesh, where: str):
   """The frozen base a checkpoint's adapters go with (`where`: its meta["lora_base"])."""
   if where and not where.startswith("init:") and where != config.model.hf_path:
-    target = sharding.abstract_with(split(policy.params)[1],
-                                    split(policy.param_shardings(mesh))[1])
+    target = sharding.abstract_with(split(policy.params)[1], split(policy.param_shardings(mesh))[1])
     with ocp.StandardCheckpointer() as ckpt:
       return ckpt.restore(where, target)
   return split(lora_policy(config, mesh).params)[1]  # model.hf_path or the seed's init again

@@ -64,6 +64,7 @@ that does use them (weight sparsity turned on through `model.maxtext.overrides`)
 ImportError naming the cause from the placeholder. With a qwix that has them (0.1.8 in the main
 test venv) nothing is replaced.
 """
+
 import dataclasses
 import importlib
 import importlib.util
@@ -84,6 +85,7 @@ from grpo_jax.models import policy as policy_lib
 from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.models.decoder.kernels import Kernels
 from grpo_jax.models.logprobs import token_logprobs
+
 # The mapping, re-exported: callers and tests use it as maxtext_adapter.<name>.
 from grpo_jax.models.maxtext.mapping import check_supported
 from grpo_jax.models.maxtext.mapping import GLOBAL_MAP  # noqa: F401
@@ -122,15 +124,18 @@ def _qwix_placeholders():
         importlib.import_module(prefix)
       except ImportError:
         sys.modules[prefix] = _placeholder(prefix)
-        setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], sys.modules[prefix])
+        setattr(sys.modules[".".join(parts[: i - 1])], parts[i - 1], sys.modules[prefix])
 
 
 def _placeholder(name: str) -> types.ModuleType:
   from importlib import metadata
-  why = (f"{name} is absent from the installed qwix {metadata.version('qwix')} (tpu-inference "
-         "pins qwix 0.1.2); MaxText uses it only for weight sparsity with fp8 quantization, "
-         "which this qwix cannot run. Fix: drop the weight_sparsity_* / quantization settings "
-         "from model.maxtext.overrides, or use a qwix that has it (the main venv's 0.1.8)")
+
+  why = (
+      f"{name} is absent from the installed qwix {metadata.version('qwix')} (tpu-inference "
+      "pins qwix 0.1.2); MaxText uses it only for weight sparsity with fp8 quantization, "
+      "which this qwix cannot run. Fix: drop the weight_sparsity_* / quantization settings "
+      "from model.maxtext.overrides, or use a qwix that has it (the main venv's 0.1.8)"
+  )
   module = types.ModuleType(name, why)
   module.__path__ = []  # a package, so a placeholder below it can be imported from it
   module.PLACEHOLDER = True
@@ -139,6 +144,7 @@ def _placeholder(name: str) -> types.ModuleType:
     if attr.startswith("__"):
       raise AttributeError(attr)
     raise ImportError(f"{name}.{attr}: {why}")
+
   module.__getattr__ = __getattr__
   return module
 
@@ -147,12 +153,14 @@ def _placeholder(name: str) -> types.ModuleType:
 
 
 def _parse_overrides(text: str) -> dict[str, Any]:
-  """"k=v,k2=v2" -> dict; values parsed as int / float / bool where they look like one."""
+  """ "k=v,k2=v2" -> dict; values parsed as int / float / bool where they look like one."""
   out = {}
   for item in filter(None, (s.strip() for s in text.split(","))):
     if "=" not in item:
-      raise ValueError(f"model.maxtext.overrides: {item!r} is not key=value (e.g. "
-                       "'decoder_layer_input=offload,mlpwo=remat')")
+      raise ValueError(
+          f"model.maxtext.overrides: {item!r} is not key=value (e.g. "
+          "'decoder_layer_input=offload,mlpwo=remat')"
+      )
     k, v = (s.strip() for s in item.split("=", 1))
     low = v.lower()
     if low in ("true", "false"):
@@ -175,26 +183,41 @@ def maxtext_config(config, cfg: ModelConfig, mesh):
 
   check_supported(cfg)
   if not set(sharding.MESH_AXES) <= set(mesh.axis_names):
-    raise ValueError(f"mesh axes {mesh.axis_names} lack some of {sharding.MESH_AXES}: build "
-                     "the mesh with models.build.make_mesh")
+    raise ValueError(
+        f"mesh axes {mesh.axis_names} lack some of {sharding.MESH_AXES}: build "
+        "the mesh with models.build.make_mesh"
+    )
   mx = config.model.maxtext
   base = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
   kw = dict(
       override_model_config=True,  # the family's block (family_kwargs); our shapes below
-      base_emb_dim=cfg.hidden_size, base_num_query_heads=cfg.num_heads,
-      base_num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-      base_mlp_dim=cfg.intermediate_size, base_num_decoder_layers=cfg.num_layers,
-      vocab_size=cfg.vocab_size, normalization_layer_epsilon=cfg.rms_norm_eps,
-      rope_max_timescale=int(cfg.rope_theta), use_qk_norm=cfg.qk_norm,
-      logits_via_embedding=cfg.tie_embeddings, normalize_embedding_logits=False,
-      dtype=cfg.dtype, weight_dtype=cfg.param_dtype, scan_layers=cfg.scan_layers,
-      remat_policy=mx.remat_policy, attention=mx.attention,
+      base_emb_dim=cfg.hidden_size,
+      base_num_query_heads=cfg.num_heads,
+      base_num_kv_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim,
+      base_mlp_dim=cfg.intermediate_size,
+      base_num_decoder_layers=cfg.num_layers,
+      vocab_size=cfg.vocab_size,
+      normalization_layer_epsilon=cfg.rms_norm_eps,
+      rope_max_timescale=int(cfg.rope_theta),
+      use_qk_norm=cfg.qk_norm,
+      logits_via_embedding=cfg.tie_embeddings,
+      normalize_embedding_logits=False,
+      dtype=cfg.dtype,
+      weight_dtype=cfg.param_dtype,
+      scan_layers=cfg.scan_layers,
+      remat_policy=mx.remat_policy,
+      attention=mx.attention,
       max_target_length=config.max_prompt_length + config.max_completion_length,
       ici_data_parallelism=mesh.shape[sharding.DATA],
       ici_fsdp_parallelism=mesh.shape[sharding.FSDP],
       ici_tensor_parallelism=mesh.shape[sharding.TENSOR],
-      per_device_batch_size=1, enable_dropout=False, enable_checkpointing=False,
-      skip_jax_distributed_system=True, run_name="grpo_jax", dataset_type="synthetic",
+      per_device_batch_size=1,
+      enable_dropout=False,
+      enable_checkpointing=False,
+      skip_jax_distributed_system=True,
+      run_name="grpo_jax",
+      dataset_type="synthetic",
       base_output_directory="/tmp/grpo_jax_maxtext",
   )
   kw.update(family_kwargs(cfg))
@@ -212,19 +235,28 @@ def family_kwargs(cfg: ModelConfig) -> dict[str, Any]:
   if cfg.arch == "qwen3":
     return dict(model_name="qwen3-0.6b")
   if cfg.arch == "llama3":
-    return dict(model_name="llama3.1-8b", rope_type="llama3.1",
-                rope_use_scale=bool(cfg.rope_scaling_factor))
-  gemma = dict(sliding_window_size=cfg.sliding_window, use_post_attn_norm=True,
-               normalize_embedding_logits=True,  # tied head / sqrt(D): see mapping.embed_scale
-               use_post_ffw_norm=True, mlp_activations=["gelu", "linear"],
-               attn_logits_soft_cap=cfg.attn_logit_softcap,
-               final_logits_soft_cap=cfg.final_logit_softcap)
+    return dict(
+        model_name="llama3.1-8b", rope_type="llama3.1", rope_use_scale=bool(cfg.rope_scaling_factor)
+    )
+  gemma = dict(
+      sliding_window_size=cfg.sliding_window,
+      use_post_attn_norm=True,
+      normalize_embedding_logits=True,  # tied head / sqrt(D): see mapping.embed_scale
+      use_post_ffw_norm=True,
+      mlp_activations=["gelu", "linear"],
+      attn_logits_soft_cap=cfg.attn_logit_softcap,
+      final_logits_soft_cap=cfg.final_logit_softcap,
+  )
   if cfg.arch == "gemma2":  # one MaxText layer = a (local, global) pair
     return dict(gemma, model_name="gemma2-2b", base_num_decoder_layers=cfg.num_layers // 2)
   scale = cfg.query_pre_attn_scalar or cfg.head_dim
-  return dict(gemma, model_name="gemma3-4b" if scale == cfg.head_dim else "gemma3-27b",
-              local_rope_max_timescale=int(cfg.rope_local_theta or cfg.rope_theta),
-              rope_linear_scaling_factor=cfg.rope_linear_factor, use_qk_norm=True)
+  return dict(
+      gemma,
+      model_name="gemma3-4b" if scale == cfg.head_dim else "gemma3-27b",
+      local_rope_max_timescale=int(cfg.rope_local_theta or cfg.rope_theta),
+      rope_linear_scaling_factor=cfg.rope_linear_factor,
+      use_qk_norm=True,
+  )
 
 
 def make_mesh(config, base_mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
@@ -241,24 +273,27 @@ def maxtext_mesh(mt_cfg, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
     _check_extra_axes(mesh)
     return mesh
   if set(mesh.axis_names) != set(sharding.MESH_AXES):
-    raise ValueError(f"mesh axes {mesh.axis_names}: expected {sharding.MESH_AXES} (from "
-                     f"sharding.make_mesh) or MaxText's {names} (from build.make_mesh)")
+    raise ValueError(
+        f"mesh axes {mesh.axis_names}: expected {sharding.MESH_AXES} (from "
+        f"sharding.make_mesh) or MaxText's {names} (from build.make_mesh)"
+    )
   missing = set(sharding.MESH_AXES) - set(names)
   if missing:
     raise ValueError(f"MaxText mesh_axes {names} lack {sorted(missing)}")
   ours = [a for a in names if a in sharding.MESH_AXES]  # our axes in MaxText's order
   devices = np.asarray(mesh.devices).transpose([mesh.axis_names.index(a) for a in ours])
   devices = devices.reshape(tuple(mesh.shape.get(a, 1) for a in names))
-  return jax.sharding.Mesh(devices, names,
-                           axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+  return jax.sharding.Mesh(devices, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 
 
 def _check_extra_axes(mesh: jax.sharding.Mesh):
   """maxtext_config reads only the data/fsdp/tensor sizes; any other axis must be trivial."""
   extra = {a: n for a, n in mesh.shape.items() if a not in sharding.MESH_AXES and n != 1}
   if extra:
-    raise ValueError(f"MaxText mesh axes {extra} have size > 1: only data, fsdp and tensor "
-                     "(config.mesh) may shard")
+    raise ValueError(
+        f"MaxText mesh axes {extra} have size > 1: only data, fsdp and tensor "
+        "(config.mesh) may shard"
+    )
 
 
 # ------------------------------------------------------------------------------- policy
@@ -267,6 +302,7 @@ def _check_extra_axes(mesh: jax.sharding.Mesh):
 @dataclasses.dataclass
 class MaxTextParts:
   """What the adapter built, for tests and tools."""
+
   mt_config: Any
   mesh: jax.sharding.Mesh
   graphdef: nnx.GraphDef
@@ -292,22 +328,27 @@ def build_parts(config, mesh, cfg: ModelConfig | None = None) -> MaxTextParts:
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
       return jax.random.key(0)
     return jnp.zeros(x.shape, x.dtype)
+
   rest = jax.tree.map(concrete, abstract_rest)
   kernels = Kernels.for_mesh(cfg, mesh)
-  native_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0),
-                                                    kernels=kernels))
+  native_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0), kernels=kernels))
   native_graphdef, native_abstract = nnx.split(native_model)
-  return MaxTextParts(mt_cfg, mt_mesh, graphdef, rest, abstract_params, native_graphdef,
-                      native_abstract, cfg)
+  return MaxTextParts(
+      mt_cfg, mt_mesh, graphdef, rest, abstract_params, native_graphdef, native_abstract, cfg
+  )
 
 
 def _native_cfg(config) -> ModelConfig:
   m = config.model
   if m.hf_path:
-    return ModelConfig.from_hf_config(hf.read_hf_config(m.hf_path), dtype=m.dtype,
-                                      param_dtype=m.param_dtype, remat_policy=m.remat_policy,
-                                      scan_layers=m.scan_layers,
-                                      attention_impl=m.attention_impl)
+    return ModelConfig.from_hf_config(
+        hf.read_hf_config(m.hf_path),
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        remat_policy=m.remat_policy,
+        scan_layers=m.scan_layers,
+        attention_impl=m.attention_impl,
+    )
   return policy_lib.model_config_from(config)
 
 
@@ -348,16 +389,26 @@ def maxtext_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy
   elif m.maxtext_checkpoint:
     params = load_maxtext_checkpoint(m.maxtext_checkpoint, parts)
   elif m.hf_path:
-    native = hf.load_hf(m.hf_path, jnp.dtype(m.dtype), param_dtype=jnp.dtype(m.param_dtype),
-                        mesh=parts.mesh, remat_policy=m.remat_policy,
-                        scan_layers=m.scan_layers, attention_impl=m.attention_impl)
+    native = hf.load_hf(
+        m.hf_path,
+        jnp.dtype(m.dtype),
+        param_dtype=jnp.dtype(m.param_dtype),
+        mesh=parts.mesh,
+        remat_policy=m.remat_policy,
+        scan_layers=m.scan_layers,
+        attention_impl=m.attention_impl,
+    )
     native_pure = nnx.to_pure_dict(nnx.state(native))
     params = _params_of(parts, lambda: to_maxtext(native_pure))
     del native, native_pure
   elif mx.native_init:
     seed = config.seed
-    params = _params_of(parts, lambda: to_maxtext(nnx.to_pure_dict(nnx.state(
-        Transformer(cfg, rngs=nnx.Rngs(params=seed))))))
+    params = _params_of(
+        parts,
+        lambda: to_maxtext(
+            nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=seed))))
+        ),
+    )
   else:
     params = _maxtext_random_init(parts, config.seed)
 
@@ -366,8 +417,9 @@ def maxtext_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy
   def logprobs(params, input_ids, attention_mask, completion_len, temperature=1.0):
     logits = forward(graphdef, params, rest, input_ids, attention_mask)
     s = input_ids.shape[1]
-    return token_logprobs(logits[:, s - completion_len - 1:s - 1],
-                          input_ids[:, s - completion_len:], temperature)
+    return token_logprobs(
+        logits[:, s - completion_len - 1 : s - 1], input_ids[:, s - completion_len :], temperature
+    )
 
   def rollout_params(params):
     return _fill_state(parts.native_abstract, to_native(nnx.to_pure_dict(params)))
@@ -377,10 +429,17 @@ def maxtext_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy
     hf.save_hf(nnx.merge(parts.native_graphdef, native), path)
 
   shardings = _shardings(parts.abstract_params)
-  return policy_lib.Policy(params=params, graphdef=graphdef, logprobs=logprobs,
-                           rollout_params=rollout_params, sampler_graphdef=parts.native_graphdef,
-                           model_config=cfg, save_hf=save, sampler_is_trainer=False,
-                           shardings=lambda mesh: shardings)
+  return policy_lib.Policy(
+      params=params,
+      graphdef=graphdef,
+      logprobs=logprobs,
+      rollout_params=rollout_params,
+      sampler_graphdef=parts.native_graphdef,
+      model_config=cfg,
+      save_hf=save,
+      sampler_is_trainer=False,
+      shardings=lambda mesh: shardings,
+  )
 
 
 def forward(graphdef, params, rest, input_ids, attention_mask):
@@ -390,8 +449,9 @@ def forward(graphdef, params, rest, input_ids, attention_mask):
   copy = lambda tree: jax.tree.map(lambda x: x, tree)  # noqa: E731
   model = nnx.merge(graphdef, copy(params), copy(rest))
   mask = attention_mask.astype(jnp.int32)
-  logits = model(input_ids, positions_from_mask(mask), decoder_segment_ids=mask,
-                 enable_dropout=False)
+  logits = model(
+      input_ids, positions_from_mask(mask), decoder_segment_ids=mask, enable_dropout=False
+  )
   return logits.astype(jnp.float32)
 
 
@@ -401,9 +461,10 @@ def _maxtext_random_init(parts: MaxTextParts, seed: int) -> nnx.State:
 
   def make():
     model = model_creation_utils.from_config(
-        parts.mt_config, mesh=parts.mesh, rngs=nnx.Rngs(params=seed, dropout=seed + 1,
-                                                        aqt=seed + 2))
+        parts.mt_config, mesh=parts.mesh, rngs=nnx.Rngs(params=seed, dropout=seed + 1, aqt=seed + 2)
+    )
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
   return _params_of(parts, make)
 
 
@@ -418,11 +479,14 @@ def load_maxtext_checkpoint(path: str, parts: MaxTextParts) -> nnx.State:
   import orbax.checkpoint as ocp
 
   from grpo_jax.run import paths
+
   if (paths.path(path) / "items").is_dir():
     path = os.fspath(paths.path(path) / "items")
   if not paths.isdir(path):
-    raise FileNotFoundError(f"model.maxtext_checkpoint={path}: no such directory (expected "
-                            "MaxText's <run>/checkpoints/<step>/items)")
+    raise FileNotFoundError(
+        f"model.maxtext_checkpoint={path}: no such directory (expected "
+        "MaxText's <run>/checkpoints/<step>/items)"
+    )
   ckptr = ocp.PyTreeCheckpointer()
   why = ""
   try:
@@ -434,32 +498,44 @@ def load_maxtext_checkpoint(path: str, parts: MaxTextParts) -> nnx.State:
   if tree is None:
     raise FileNotFoundError(
         f"model.maxtext_checkpoint={path}: no Orbax checkpoint there{why}. Fix: point at "
-        "MaxText's <run>/checkpoints/<step>/items (or the <step> folder above it)")
+        "MaxText's <run>/checkpoints/<step>/items (or the <step> folder above it)"
+    )
   try:
     stored = tree["params"]["params"]
   except (KeyError, TypeError) as e:
-    raise ValueError(f"{path}: not a MaxText parameter checkpoint (no params/params tree; "
-                     f"top-level keys {list(tree)[:5]})") from e
+    raise ValueError(
+        f"{path}: not a MaxText parameter checkpoint (no params/params tree; "
+        f"top-level keys {list(tree)[:5]})"
+    ) from e
   stored_scan = "layers" in stored["decoder"]
   cfg, axis = parts.native_cfg, parts.mt_config.param_scan_axis
   want = nnx.to_pure_dict(parts.abstract_params)
   model_scan = "layers" in want["decoder"]
   if stored_scan == model_scan:  # straight into the shardings
     target = {"params": {"params": want}}
-    restored = ckptr.restore(path, args=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True))
+    restored = ckptr.restore(
+        path,
+        args=ocp.args.PyTreeRestore(
+            item=target,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True,
+        ),
+    )
     pure = restored["params"]["params"]
   else:
-    logging.info("restacking %s layers of %s on the host",
-                 "scanned" if stored_scan else "unscanned", path)
+    logging.info(
+        "restacking %s layers of %s on the host", "scanned" if stored_scan else "unscanned", path
+    )
     host = ckptr.restore(path)["params"]["params"]
-    native = maxtext_to_native(host, cfg.replace(scan_layers=False), scan_layers=stored_scan,
-                               scan_axis=axis)
-    pure_host = native_to_maxtext(native, cfg.replace(scan_layers=False),
-                                  scan_layers=model_scan, scan_axis=axis)
-    pure = jax.tree.map(lambda x, a: jax.device_put(np.asarray(x, a.dtype), a.sharding),
-                        pure_host, want)
+    native = maxtext_to_native(
+        host, cfg.replace(scan_layers=False), scan_layers=stored_scan, scan_axis=axis
+    )
+    pure_host = native_to_maxtext(
+        native, cfg.replace(scan_layers=False), scan_layers=model_scan, scan_axis=axis
+    )
+    pure = jax.tree.map(
+        lambda x, a: jax.device_put(np.asarray(x, a.dtype), a.sharding), pure_host, want
+    )
   _check_shapes(path, pure, want)
   return _fill_state(parts.abstract_params, pure)
 
@@ -467,6 +543,8 @@ def load_maxtext_checkpoint(path: str, parts: MaxTextParts) -> nnx.State:
 def _check_shapes(path, got: dict, want: dict):
   for (k, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
     if tuple(g.shape) != tuple(w.shape):
-      raise ValueError(f"{path}: tensor {jax.tree_util.keystr(k)} has shape {tuple(g.shape)}, "
-                       f"the model expects {tuple(w.shape)} (does the checkpoint match "
-                       "config.model?)")
+      raise ValueError(
+          f"{path}: tensor {jax.tree_util.keystr(k)} has shape {tuple(g.shape)}, "
+          f"the model expects {tuple(w.shape)} (does the checkpoint match "
+          "config.model?)"
+      )

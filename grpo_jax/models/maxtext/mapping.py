@@ -38,6 +38,7 @@ Per family (check_supported says what each needs, and refuses the rest in one li
   token table holds the embeddings times sqrt(D) (embed_scale), as its checkpoints do: a
   round trip is exact up to f32 rounding of 1 + w (<= 6e-8 absolute) and of the scaling.
 """
+
 import dataclasses
 from typing import Callable
 
@@ -193,33 +194,47 @@ def check_supported(cfg: ModelConfig):
   """Raises ValueError, naming the fix, for a model no MaxText decoder block holds as is."""
   native = "; use --config.model.impl=native"
   if cfg.arch not in ARCHS:
-    raise ValueError(f"model.impl=maxtext supports arch {', '.join(ARCHS)} (got "
-                     f"{cfg.arch!r}){native}")
+    raise ValueError(
+        f"model.impl=maxtext supports arch {', '.join(ARCHS)} (got " f"{cfg.arch!r}){native}"
+    )
   if cfg.attention_bias:
-    raise ValueError(f"model.impl=maxtext: attention_bias=True has no counterpart in MaxText's "
-                     f"{cfg.arch} block{native}")
+    raise ValueError(
+        f"model.impl=maxtext: attention_bias=True has no counterpart in MaxText's "
+        f"{cfg.arch} block{native}"
+    )
   if cfg.arch == "llama3":
-    scaling = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-               cfg.rope_original_max_position)
+    scaling = (
+        cfg.rope_scaling_factor,
+        cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor,
+        cfg.rope_original_max_position,
+    )
     if cfg.rope_scaling_factor and scaling != LLAMA31_SCALING:
-      raise ValueError(f"model.impl=maxtext: MaxText's Llama RoPE scaling is Llama 3.1's "
-                       f"(factor, low, high, original) = {LLAMA31_SCALING}, got {scaling}"
-                       f"{native}")
+      raise ValueError(
+          f"model.impl=maxtext: MaxText's Llama RoPE scaling is Llama 3.1's "
+          f"(factor, low, high, original) = {LLAMA31_SCALING}, got {scaling}"
+          f"{native}"
+      )
     if cfg.qk_norm:
       raise ValueError(f"model.impl=maxtext: MaxText's llama2 block has no q/k norms{native}")
   elif cfg.rope_scaling_factor:
     raise ValueError(f"model.impl=maxtext: Llama 3 RoPE scaling on arch {cfg.arch}{native}")
   if cfg.rope_linear_factor != 1.0 and cfg.arch != "gemma3":
-    raise ValueError(f"model.impl=maxtext: rope_linear_factor on arch {cfg.arch} (Gemma 3 "
-                     f"only){native}")
+    raise ValueError(
+        f"model.impl=maxtext: rope_linear_factor on arch {cfg.arch} (Gemma 3 " f"only){native}"
+    )
   if cfg.gemma:
     pattern = {"gemma2": 2, "gemma3": GEMMA3_BLOCK}[cfg.arch]
-    scalars = {"gemma2": (cfg.query_pre_attn_scalar or cfg.head_dim,),  # any: in the kernel
-               "gemma3": (cfg.head_dim, cfg.hidden_size // cfg.num_heads)}[cfg.arch]
+    scalars = {
+        "gemma2": (cfg.query_pre_attn_scalar or cfg.head_dim,),  # any: in the kernel
+        "gemma3": (cfg.head_dim, cfg.hidden_size // cfg.num_heads),
+    }[cfg.arch]
     problems = []
     if not cfg.sliding_window or cfg.sliding_window_pattern != pattern:
-      problems.append(f"sliding_window > 0 with sliding_window_pattern={pattern} (got "
-                      f"{cfg.sliding_window}, {cfg.sliding_window_pattern})")
+      problems.append(
+          f"sliding_window > 0 with sliding_window_pattern={pattern} (got "
+          f"{cfg.sliding_window}, {cfg.sliding_window_pattern})"
+      )
     if (cfg.query_pre_attn_scalar or cfg.head_dim) not in scalars:
       problems.append(f"query_pre_attn_scalar in {scalars} (got {cfg.query_pre_attn_scalar})")
     if cfg.rms_norm_eps != 1e-6:
@@ -227,19 +242,23 @@ def check_supported(cfg: ModelConfig):
     if cfg.qk_norm != (cfg.arch == "gemma3"):
       problems.append(f"qk_norm={cfg.arch == 'gemma3'} (got {cfg.qk_norm})")
     if cfg.final_logit_softcap and not cfg.tie_embeddings:
-      problems.append("tie_embeddings=True with final_logit_softcap (MaxText caps the tied "
-                      "head's logits only)")
+      problems.append(
+          "tie_embeddings=True with final_logit_softcap (MaxText caps the tied "
+          "head's logits only)"
+      )
     if cfg.arch == "gemma2" and cfg.num_layers % 2:
       problems.append(f"an even num_layers (got {cfg.num_layers})")
     if cfg.arch == "gemma2" and cfg.rope_local_theta not in (0.0, cfg.rope_theta):
       problems.append("one RoPE base (rope_local_theta=0)")
     if problems:
-      raise ValueError(f"model.impl=maxtext: MaxText's {cfg.arch} block needs "
-                       f"{'; '.join(problems)}{native}")
+      raise ValueError(
+          f"model.impl=maxtext: MaxText's {cfg.arch} block needs " f"{'; '.join(problems)}{native}"
+      )
 
 
-def native_to_maxtext(native: dict, cfg: ModelConfig, *, scan_layers: bool,
-                      scan_axis: int = 1) -> dict:
+def native_to_maxtext(
+    native: dict, cfg: ModelConfig, *, scan_layers: bool, scan_axis: int = 1
+) -> dict:
   """Native decoder params (pure dict, scanned or not per cfg.scan_layers) -> MaxText params
   (scanned on `scan_axis` when `scan_layers`, else one module per MaxText layer)."""
   check_supported(cfg)
@@ -265,8 +284,7 @@ def native_to_maxtext(native: dict, cfg: ModelConfig, *, scan_layers: bool,
   return out
 
 
-def maxtext_to_native(mt: dict, cfg: ModelConfig, *, scan_layers: bool,
-                      scan_axis: int = 1) -> dict:
+def maxtext_to_native(mt: dict, cfg: ModelConfig, *, scan_layers: bool, scan_axis: int = 1) -> dict:
   """MaxText params (pure dict; `scan_layers` says how they are stored) -> native decoder
   params (scanned or not per cfg.scan_layers)."""
   check_supported(cfg)

@@ -10,6 +10,7 @@ The LM head is tied when the checkpoint has no lm_head.weight of its own (or one
 shared.weight), as transformers 5 decides; the d_model**-0.5 output scaling comes from
 config.json (`scale_decoder_outputs`, else `tie_word_embeddings`).
 """
+
 import json
 import os
 
@@ -45,16 +46,21 @@ def t5_param_mapping(cfg: T5Config) -> list[hf.Entry]:
     add((*path, "o"), f"{name}.o.weight", proj_out)
 
   for side, n_layers in (("encoder", cfg.num_layers), ("decoder", cfg.num_decoder_layers)):
-    add((side, "rel_bias"), f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-        ident)
+    add(
+        (side, "rel_bias"),
+        f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+        ident,
+    )
     add((side, "final_norm", "scale"), f"{side}.final_layer_norm.weight", ident)
     for i in range(n_layers):
       native, name = (side, "layers", i), f"{side}.block.{i}.layer."
       if side == "encoder":
         parts = [("attn_norm", "attn", "0.SelfAttention")]
       else:
-        parts = [("self_norm", "self_attn", "0.SelfAttention"),
-                 ("cross_norm", "cross_attn", "1.EncDecAttention")]
+        parts = [
+            ("self_norm", "self_attn", "0.SelfAttention"),
+            ("cross_norm", "cross_attn", "1.EncDecAttention"),
+        ]
       for norm, attn, hf_attn in parts:
         add((*native, norm, "scale"), f"{name}{hf_attn[0]}.layer_norm.weight", ident)
         attention((*native, attn), name + hf_attn)
@@ -78,40 +84,50 @@ def _shared_name(ckpt) -> str:
   return "shared.weight" if "shared.weight" in ckpt.files else "encoder.embed_tokens.weight"
 
 
-def read_t5_config(path: str, dtype=jnp.float32, *, param_dtype=None,
-                   remat_policy: str = "none", ckpt=None) -> T5Config:
+def read_t5_config(
+    path: str, dtype=jnp.float32, *, param_dtype=None, remat_policy: str = "none", ckpt=None
+) -> T5Config:
   """The T5Config of an HF folder as load_t5_hf builds it (the head's tying read from the
   weights), without loading the model: e.g. the shapes to restore a checkpoint into."""
   ckpt = ckpt or hf._Checkpoint(path)
   return T5Config.from_hf_dict(
-      hf.read_hf_config(path), tie_word_embeddings=_head_is_tied(ckpt, _shared_name(ckpt)),
-      dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(param_dtype or dtype).name,
-      remat_policy=remat_policy)
+      hf.read_hf_config(path),
+      tie_word_embeddings=_head_is_tied(ckpt, _shared_name(ckpt)),
+      dtype=jnp.dtype(dtype).name,
+      param_dtype=jnp.dtype(param_dtype or dtype).name,
+      remat_policy=remat_policy,
+  )
 
 
-def load_t5_hf(path: str, dtype=jnp.float32, *, mesh=None, param_dtype=None,
-               remat_policy: str = "none") -> T5:
+def load_t5_hf(
+    path: str, dtype=jnp.float32, *, mesh=None, param_dtype=None, remat_policy: str = "none"
+) -> T5:
   """Loads a T5 / flan-t5 Hugging Face folder (config.json + safetensors) into a native T5.
 
   `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype. With
   `mesh`, parameters land directly in their shardings (one tensor in host memory at a time)."""
   ckpt = hf._Checkpoint(path)
-  cfg = read_t5_config(path, dtype, param_dtype=param_dtype, remat_policy=remat_policy,
-                       ckpt=ckpt)
+  cfg = read_t5_config(path, dtype, param_dtype=param_dtype, remat_policy=remat_policy, ckpt=ckpt)
   shared_name = _shared_name(ckpt)
   abstract = nnx.eval_shape(lambda: T5(cfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)
   flat = dict(nnx.to_flat_state(abstract_state))
-  flat_shardings = ({p: v.get_value() for p, v in
-                     nnx.to_flat_state(sharding.state_shardings(abstract_state, mesh))}
-                    if mesh is not None else {})
+  flat_shardings = (
+      {
+          p: v.get_value()
+          for p, v in nnx.to_flat_state(sharding.state_shardings(abstract_state, mesh))
+      }
+      if mesh is not None
+      else {}
+  )
   default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   values = {}
   for e in t5_param_mapping(cfg):
     name = shared_name if e.hf_name == "shared.weight" else e.hf_name
     value = flat[e.path].get_value()
-    values[e.path] = hf._array(ckpt, name, e, value.shape, value.dtype,
-                               flat_shardings.get(e.path, default))
+    values[e.path] = hf._array(
+        ckpt, name, e, value.shape, value.dtype, flat_shardings.get(e.path, default)
+    )
   missing = set(flat) - set(values)
   if missing:
     raise ValueError(f"{path}: no mapping for native parameters {sorted(missing)}")
@@ -119,8 +135,14 @@ def load_t5_hf(path: str, dtype=jnp.float32, *, mesh=None, param_dtype=None,
   return nnx.merge(graphdef, state)
 
 
-def save_t5_hf(model_or_params, config: T5Config | None, path: str, *, dtype=None,
-               max_shard_bytes: int = 4 << 30):
+def save_t5_hf(
+    model_or_params,
+    config: T5Config | None,
+    path: str,
+    *,
+    dtype=None,
+    max_shard_bytes: int = 4 << 30,
+):
   """Writes a T5ForConditionalGeneration folder from a T5 module, or from its parameter
   nnx.State with `config`. In multi-host runs every process calls it (the gathers are
   collective); process 0 writes."""
@@ -133,8 +155,12 @@ def save_t5_hf(model_or_params, config: T5Config | None, path: str, *, dtype=Non
   out_dtype = np.dtype(dtype or jnp.dtype(cfg.param_dtype))
   flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   entries = t5_param_mapping(cfg)
-  shapes = {e.hf_name: tuple(e.to_hf(np.broadcast_to(np.float32(0), flat[e.path].get_value().shape))
-                             .shape) for e in entries}
+  shapes = {
+      e.hf_name: tuple(
+          e.to_hf(np.broadcast_to(np.float32(0), flat[e.path].get_value().shape)).shape
+      )
+      for e in entries
+  }
   writer = jax.process_index() == 0
   if writer:
     paths.makedirs(path)
@@ -149,10 +175,20 @@ def save_t5_hf(model_or_params, config: T5Config | None, path: str, *, dtype=Non
   shards.append(current)
   weight_map = {}
   for i, shard in enumerate(shards):
-    fname = ("model.safetensors" if len(shards) == 1 else
-             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-    items = [(e.hf_name, shapes[e.hf_name], out_dtype,
-              lambda e=e: e.to_hf(hf._to_host(flat[e.path][...]))) for e in shard]
+    fname = (
+        "model.safetensors"
+        if len(shards) == 1
+        else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    )
+    items = [
+        (
+            e.hf_name,
+            shapes[e.hf_name],
+            out_dtype,
+            lambda e=e: e.to_hf(hf._to_host(flat[e.path][...])),
+        )
+        for e in shard
+    ]
     if writer:
       safetensors_io.write(os.fspath(paths.path(path) / fname), items, metadata={"format": "pt"})
     else:
@@ -162,7 +198,11 @@ def save_t5_hf(model_or_params, config: T5Config | None, path: str, *, dtype=Non
   if writer:
     if len(shards) > 1:
       total = sum(int(np.prod(s)) * out_dtype.itemsize for s in shapes.values())
-      paths.write_atomic(paths.path(path) / "model.safetensors.index.json", json.dumps(
-          {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    paths.write_atomic(paths.path(path) / "config.json",
-                       json.dumps(cfg.to_hf_dict(torch_dtype=out_dtype.name), indent=2))
+      paths.write_atomic(
+          paths.path(path) / "model.safetensors.index.json",
+          json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2),
+      )
+    paths.write_atomic(
+        paths.path(path) / "config.json",
+        json.dumps(cfg.to_hf_dict(torch_dtype=out_dtype.name), indent=2),
+    )

@@ -23,6 +23,7 @@ self-attention KV cache (prefill: the start token; a step: T = 1). The decoder m
 N = B * G rows (group-major) over B encoder rows: each group of G rows attends to its prompt's
 encoder keys/values, which are never copied G times (the same holds in the training forward).
 """
+
 import math
 
 from flax import nnx
@@ -39,12 +40,12 @@ from grpo_jax.models.logprobs import chunked_token_logprobs
 from grpo_jax.models.t5.config import ACTIVATIONS
 from grpo_jax.models.t5.config import T5Config
 
-
 # ------------------------------------------------------------------ relative position buckets
 
 
-def relative_position_bucket(rel: np.ndarray, bidirectional: bool, num_buckets: int,
-                             max_distance: int) -> np.ndarray:
+def relative_position_bucket(
+    rel: np.ndarray, bidirectional: bool, num_buckets: int, max_distance: int
+) -> np.ndarray:
   """HF's _relative_position_bucket in NumPy float32 (rel = key - query position): exact
   buckets for small distances, log-spaced ones up to max_distance, then the last bucket."""
   rel = np.asarray(rel, np.int64)
@@ -57,9 +58,11 @@ def relative_position_bucket(rel: np.ndarray, bidirectional: bool, num_buckets: 
     rel = -np.minimum(rel, 0)
   max_exact = num_buckets // 2
   with np.errstate(divide="ignore", invalid="ignore"):
-    large = max_exact + (np.log(rel.astype(np.float32) / np.float32(max_exact))
-                         / np.float32(math.log(max_distance / max_exact))
-                         * np.float32(num_buckets - max_exact)).astype(np.int64)
+    large = max_exact + (
+        np.log(rel.astype(np.float32) / np.float32(max_exact))
+        / np.float32(math.log(max_distance / max_exact))
+        * np.float32(num_buckets - max_exact)
+    ).astype(np.int64)
   large = np.minimum(large, num_buckets - 1)
   return out + np.where(rel < max_exact, rel, large)
 
@@ -67,16 +70,23 @@ def relative_position_bucket(rel: np.ndarray, bidirectional: bool, num_buckets: 
 def encoder_buckets(cfg: T5Config, length: int) -> np.ndarray:
   """Bidirectional buckets [P, P] of the encoder's self-attention (array index = position)."""
   pos = np.arange(length)
-  return relative_position_bucket(pos[None, :] - pos[:, None], True,
-                                  cfg.relative_attention_num_buckets,
-                                  cfg.relative_attention_max_distance)
+  return relative_position_bucket(
+      pos[None, :] - pos[:, None],
+      True,
+      cfg.relative_attention_num_buckets,
+      cfg.relative_attention_max_distance,
+  )
 
 
 def decoder_buckets(cfg: T5Config, q_slot_t: jax.Array, length: int) -> jax.Array:
   """Causal buckets [T, S] for queries at (possibly traced) slots q_slot_t over key slots
   0..S-1: a lookup into a static NumPy table by distance (future keys are masked anyway)."""
-  table = relative_position_bucket(-np.arange(length), False, cfg.relative_attention_num_buckets,
-                                   cfg.relative_attention_max_distance)
+  table = relative_position_bucket(
+      -np.arange(length),
+      False,
+      cfg.relative_attention_num_buckets,
+      cfg.relative_attention_max_distance,
+  )
   dist = jnp.clip(q_slot_t[:, None] - jnp.arange(length)[None, :], 0, length - 1)
   return jnp.asarray(table, jnp.int32)[dist]
 
@@ -136,8 +146,7 @@ class T5Attention(nnx.Module):
 
   def kv(self, x_bsd):
     """Head-major keys and values [B, H, S, K]."""
-    return (self.project(x_bsd, self.k).swapaxes(1, 2),
-            self.project(x_bsd, self.v).swapaxes(1, 2))
+    return (self.project(x_bsd, self.k).swapaxes(1, 2), self.project(x_bsd, self.v).swapaxes(1, 2))
 
   def out(self, a_bthk):
     b, t, h, k = a_bthk.shape
@@ -173,8 +182,9 @@ class T5MLP(nnx.Module):
 
 
 def _norm(cfg: T5Config, rngs):
-  return RMSNorm(cfg.d_model, cfg.layer_norm_epsilon, param_dtype=jnp.dtype(cfg.param_dtype),
-                 rngs=rngs)
+  return RMSNorm(
+      cfg.d_model, cfg.layer_norm_epsilon, param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs
+  )
 
 
 class EncoderBlock(nnx.Module):
@@ -187,7 +197,8 @@ class EncoderBlock(nnx.Module):
     h = self.attn_norm(x_bpd)
     k, v = self.attn.kv(h)
     x_bpd = x_bpd + self.attn.out(
-        t5_attention(self.attn.project(h, self.attn.q), k, v, allowed_bpp, bias_hpp))
+        t5_attention(self.attn.project(h, self.attn.q), k, v, allowed_bpp, bias_hpp)
+    )
     return x_bpd + self.mlp(self.mlp_norm(x_bpd))
 
 
@@ -220,8 +231,13 @@ class Stack(nnx.Module):
   """One side of the model: its relative-position bias table [buckets, H], layers, final norm."""
 
   def __init__(self, cfg: T5Config, num_layers: int, block, *, rngs: nnx.Rngs):
-    self.rel_bias = _param(rngs, (cfg.relative_attention_num_buckets, cfg.num_heads),
-                           (None, "q_heads"), jnp.dtype(cfg.param_dtype), fan_in=cfg.d_model)
+    self.rel_bias = _param(
+        rngs,
+        (cfg.relative_attention_num_buckets, cfg.num_heads),
+        (None, "q_heads"),
+        jnp.dtype(cfg.param_dtype),
+        fan_in=cfg.d_model,
+    )
     self.layers = nnx.List([block(cfg, rngs=rngs) for _ in range(num_layers)])
     self.final_norm = _norm(cfg, rngs)
 
@@ -261,6 +277,7 @@ class T5(nnx.Module):
 
     def layer(state, *args):
       return nnx.merge(graphdef, state)(*args)
+
     policy = remat_lib.policy(self.cfg.remat_policy)
     if policy is not None:
       layer = jax.checkpoint(layer, policy=policy, prevent_cse=True)
@@ -276,8 +293,12 @@ class T5(nnx.Module):
     return w.astype(self.compute_dtype)
 
   def logits_from_hidden(self, h_btd) -> jax.Array:
-    return jnp.einsum("btd,dv->btv", self.head_input(h_btd), self.unembedding(),
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum(
+        "btd,dv->btv",
+        self.head_input(h_btd),
+        self.unembedding(),
+        preferred_element_type=jnp.float32,
+    )
 
   # ------------------------------------------------------------------------ training mode
 
@@ -290,12 +311,12 @@ class T5(nnx.Module):
       allowed = (attention_mask != 0)[:, None, :]  # [B, 1, P]
       x = self._embed(input_ids)
       for blk in self.encoder.layers:
-        x = sharding.constrain(self._layer(blk, x, bias, allowed), "batch", "length",
-                               "act_embed")
+        x = sharding.constrain(self._layer(blk, x, bias, allowed), "batch", "length", "act_embed")
       return self.encoder.final_norm(x)
 
-  def decoder_hidden(self, decoder_input_ids, decoder_attention_mask, enc_bpd,
-                     enc_mask_bp) -> jax.Array:
+  def decoder_hidden(
+      self, decoder_input_ids, decoder_attention_mask, enc_bpd, enc_mask_bp
+  ) -> jax.Array:
     """Final-norm decoder states [N, T, D] by teacher forcing (causal; padded decoder keys are
     never attended to). N may be G times the encoder's B rows (group-major)."""
     t = decoder_input_ids.shape[1]
@@ -310,14 +331,16 @@ class T5(nnx.Module):
       x = sharding.constrain(x, "batch", "length", "act_embed")
     return self.decoder.final_norm(x)
 
-  def __call__(self, input_ids, attention_mask, decoder_input_ids,
-               decoder_attention_mask=None) -> jax.Array:
+  def __call__(
+      self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask=None
+  ) -> jax.Array:
     """Logits [N, T, V] (float32) of the next decoder token at every decoder position."""
     if attention_mask is None:
       attention_mask = jnp.ones_like(input_ids)
     enc = self.encode(input_ids, attention_mask)
     return self.logits_from_hidden(
-        self.decoder_hidden(decoder_input_ids, decoder_attention_mask, enc, attention_mask))
+        self.decoder_hidden(decoder_input_ids, decoder_attention_mask, enc, attention_mask)
+    )
 
   # --------------------------------------------------------------------- generation modes
 
@@ -334,12 +357,16 @@ class T5(nnx.Module):
     b = enc_bpd.shape[0]
     shape = (b, self.cfg.num_heads, max_len, self.cfg.d_kv)
     with jax.named_scope("t5_cross_kv"):
-      cross = [blk.cross_attn.kv(enc_bpd.astype(self.compute_dtype))
-               for blk in self.decoder.layers]
+      cross = [blk.cross_attn.kv(enc_bpd.astype(self.compute_dtype)) for blk in self.decoder.layers]
     zeros = tuple(jnp.zeros(shape, dtype) for _ in self.decoder.layers)
-    return dict(self_k=zeros, self_v=zeros, cross_k=tuple(k.astype(dtype) for k, _ in cross),
-                cross_v=tuple(v.astype(dtype) for _, v in cross),
-                enc_valid=enc_mask_bp.astype(jnp.int32), index=jnp.zeros((), jnp.int32))
+    return dict(
+        self_k=zeros,
+        self_v=zeros,
+        cross_k=tuple(k.astype(dtype) for k, _ in cross),
+        cross_v=tuple(v.astype(dtype) for _, v in cross),
+        enc_valid=enc_mask_bp.astype(jnp.int32),
+        index=jnp.zeros((), jnp.int32),
+    )
 
   def decode(self, tokens_nt, cache: dict):
     """T new decoder tokens per row at slots index .. index+T-1 (prefill: the start token or
@@ -353,9 +380,16 @@ class T5(nnx.Module):
     x = self._embed(tokens_nt)
     ks, vs = [], []
     for i, blk in enumerate(self.decoder.layers):
-      x, k, v = self._layer(blk, x, bias, allowed, cache["enc_valid"],
-                            (cache["cross_k"][i], cache["cross_v"][i]),
-                            (cache["self_k"][i], cache["self_v"][i]), index)
+      x, k, v = self._layer(
+          blk,
+          x,
+          bias,
+          allowed,
+          cache["enc_valid"],
+          (cache["cross_k"][i], cache["cross_v"][i]),
+          (cache["self_k"][i], cache["self_v"][i]),
+          index,
+      )
       x = sharding.constrain(x, "batch", "length", "act_embed")
       ks.append(k)
       vs.append(v)
@@ -367,8 +401,9 @@ def repeat_self_cache(cache: dict, g: int) -> dict:
   """The decoder self-attention cache repeated G times along rows, group-major (row i ->
   rows i*G .. i*G+G-1); the cross-attention part stays at B rows, shared by each group."""
   rep = lambda x: jnp.repeat(x, g, axis=0)  # noqa: E731
-  return dict(cache, self_k=tuple(map(rep, cache["self_k"])),
-              self_v=tuple(map(rep, cache["self_v"])))
+  return dict(
+      cache, self_k=tuple(map(rep, cache["self_k"])), self_v=tuple(map(rep, cache["self_v"]))
+  )
 
 
 def shift_right(targets_nc, start_id: int):
@@ -377,8 +412,15 @@ def shift_right(targets_nc, start_id: int):
   return jnp.concatenate([start, targets_nc[:, :-1]], axis=1)
 
 
-def t5_logprobs(model: T5, input_ids_bp, attention_mask_bp, targets_nc, targets_mask_nc,
-                temperature: float = 1.0, chunk_size: int = 256) -> jax.Array:
+def t5_logprobs(
+    model: T5,
+    input_ids_bp,
+    attention_mask_bp,
+    targets_nc,
+    targets_mask_nc,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+) -> jax.Array:
   """Per-token log-probs [N, C] (f32, 0 where the mask is 0) of decoder targets given the
   encoder input: log softmax(logits / temperature)[target], teacher-forced after the decoder
   start token. The trainer-side twin of the seq2seq sampler (same attention, same buckets).
@@ -390,8 +432,14 @@ def t5_logprobs(model: T5, input_ids_bp, attention_mask_bp, targets_nc, targets_
   dec_in = shift_right(targets_nc, cfg.decoder_start_token_id)
   dec_mask = shift_right(targets_mask_nc, 1)
   h = model.decoder_hidden(dec_in, dec_mask, enc, attention_mask_bp)
-  logp = chunked_token_logprobs(model.head_input(h), model.unembedding(), targets_nc,
-                                temperature, chunk_size, remat=cfg.remat_policy != "none")
+  logp = chunked_token_logprobs(
+      model.head_input(h),
+      model.unembedding(),
+      targets_nc,
+      temperature,
+      chunk_size,
+      remat=cfg.remat_policy != "none",
+  )
   return jnp.where(targets_mask_nc != 0, logp, 0.0)
 
 
@@ -402,6 +450,5 @@ def build_t5(cfg: T5Config, *, seed: int = 0, mesh=None) -> T5:
   abstract = nnx.eval_shape(lambda: T5(cfg, rngs=nnx.Rngs(params=seed)))
   graphdef, abstract_state = nnx.split(abstract)
   shardings = sharding.state_shardings(abstract_state, mesh)
-  state = jax.jit(lambda: nnx.state(T5(cfg, rngs=nnx.Rngs(params=seed))),
-                  out_shardings=shardings)()
+  state = jax.jit(lambda: nnx.state(T5(cfg, rngs=nnx.Rngs(params=seed))), out_shardings=shardings)()
   return nnx.merge(graphdef, state)
