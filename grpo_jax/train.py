@@ -10,7 +10,7 @@
               GRPO steps 4-6 (rl/step.py's GrpoStep), the rollout source (rollout/source.py,
               which submits each prompt width to run/compile_ahead.py), the update state
               started or restored, the evaluation before GRPO
-  loop        per step, DESIGN.md's numbered steps: the source's scored batch (1-3: prompts ->
+  loop        per step, docs/design.md's numbered steps: the source's scored batch (1-3: prompts ->
               rollout -> rewards; on-policy or rollout.max_staleness steps ahead) -> advantages
               and old/ref log-probs (4-5) -> num_iterations updates, the sampler's weights and
               the reference follow (6) -> the step's figures (7a) -> log / eval / checkpoint /

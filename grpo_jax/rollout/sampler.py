@@ -339,7 +339,7 @@ def sample(
     pad_id: int = 0,
     mesh=None,
 ) -> Rollout:
-  """Samples `num_generations` completions per prompt (DESIGN.md's stable entry point).
+  """Samples `num_generations` completions per prompt (a stable entry point: docs/design.md).
 
   prompt_ids / prompt_mask: int32 [B, P], left-padded. Returns a Rollout with rows grouped by
   prompt (prompt i -> rows i*G .. i*G+G-1). Compiled samplers are cached per model graph and
