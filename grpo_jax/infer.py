@@ -64,10 +64,13 @@ def load_params(config, workdir, step, mesh):
   ckpt = ckpt_lib.Checkpointer(ckpt_dir, max_to_keep=None, async_save=False) if have else None
   step = step if step is not None else (ckpt.latest_step() if ckpt else None)
   if workdir and step is None:
-    raise FileNotFoundError(
-        f"no checkpoint under {ckpt_dir}: train first, or drop --workdir to "
-        "sample from model.hf_path"
+    fix = (
+        "drop --workdir to sample from model.hf_path"
+        if config.model.hf_path
+        else f"train there first (python -m grpo_jax.main --config=... --workdir={workdir}), or "
+        "point --workdir at a run's folder (the demo's: runs/tiny-<date>-<time>)"
     )
+    raise FileNotFoundError(f"no checkpoint under {ckpt_dir}. Fix: {fix}")
   policy = build.make_policy(config, mesh, abstract=step is not None)
   if step is not None:
     if step not in ckpt.all_steps():

