@@ -266,4 +266,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from grpo_jax.run import paths
+
+  app.run(main, flags_parser=lambda argv: flags.FLAGS(paths.config_file_args(argv)))

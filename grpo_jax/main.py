@@ -54,7 +54,11 @@ _VERBOSE = flags.DEFINE_bool(
 
 
 def _parse_flags(argv):
-  """absl's parser, with a mistyped --config.<field> turned into one clear line."""
+  """absl's parser, with a mistyped --config.<field> turned into one clear line, and the config
+  file found from any folder (paths.config_file_args)."""
+  from grpo_jax.run import paths
+
+  argv = paths.config_file_args(argv)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:

@@ -662,4 +662,6 @@ if __name__ == "__main__":
       "logprobs, update_<remat>_mb<micro-batch>).",
   )
   flags.mark_flag_as_required("config")
-  app.run(main)
+  from grpo_jax.run import paths
+
+  app.run(main, flags_parser=lambda argv: flags.FLAGS(paths.config_file_args(argv)))

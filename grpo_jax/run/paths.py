@@ -17,6 +17,7 @@ from a host-side copy, and a single upload is already all-or-nothing.
 import contextlib
 import io
 import os
+import sys
 import tempfile
 
 from etils import epath
@@ -185,3 +186,39 @@ def register_tensorboard_schemes():
 
   for scheme in REMOTE_SCHEMES:
     record_writer.register_writer_factory(scheme[:-3], _EventsWriterFactory())
+
+
+# The checkout (or install) this package runs from: `--config=configs/tiny.py` also names its
+# file from any other folder.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def config_file_args(argv: list[str]) -> list[str]:
+  """`argv` with `--config=FILE[:ARG]` made absolute where FILE is not found from the current
+  folder but is under the package's root (configs/ ships with the package), so the README's
+  commands work from any folder. A FILE found in neither: one line on stderr and exit 2 (without
+  this, ml_collections only fails at the first read of the config, or prints an error object)."""
+  out = list(argv)
+  for i, arg in enumerate(out):
+    if arg.startswith("--config="):
+      value = arg[len("--config=") :]
+    elif arg == "--config" and i + 1 < len(out):
+      value = out[i + 1]
+    else:
+      continue
+    file, sep, rest = value.partition(":")
+    if not file or "://" in value or os.path.exists(file):
+      continue
+    candidate = os.path.join(PACKAGE_ROOT, file)
+    if not os.path.isfile(candidate):
+      sys.stderr.write(
+          f"error: --config={value}: no such file in {os.getcwd()} or in {PACKAGE_ROOT}. Fix: "
+          f"give the config file's path (the shipped ones: {os.path.join(PACKAGE_ROOT, 'configs')})\n"
+      )
+      sys.exit(2)
+    value = candidate + sep + rest
+    if arg == "--config":
+      out[i + 1] = value
+    else:
+      out[i] = "--config=" + value
+  return out
