@@ -77,13 +77,21 @@ def make_optimizer(
   """AdamW on a linear-warmup + cosine schedule, after global-norm clipping (0 = no clip)."""
   total_steps = max(int(total_steps), 1)
   warmup = int(round(warmup_ratio * total_steps))
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0 if warmup else learning_rate,
-      peak_value=learning_rate,
-      warmup_steps=warmup,
-      decay_steps=total_steps,
-      end_value=learning_rate * end_lr_ratio,
-  )
+  if warmup:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=learning_rate,
+        warmup_steps=warmup,
+        decay_steps=total_steps,
+        end_value=learning_rate * end_lr_ratio,
+    )
+  else:  # the same values, without optax's note on a zero-step warmup (it read as a mistake)
+    end = learning_rate * end_lr_ratio
+    schedule = optax.cosine_decay_schedule(
+        init_value=learning_rate,
+        decay_steps=total_steps,
+        alpha=end / learning_rate if learning_rate else 0.0,
+    )
   parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm > 0 else []
   parts.append(optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
   return optax.chain(*parts)

@@ -96,3 +96,43 @@ def test_nonfinite_update_is_skipped():
   assert int(new3["nonfinite_streak"]) == 2
   new4, _ = step.apply_update(opt, new3, jnp.float32(0.5), grads, {})
   assert int(new4["nonfinite_streak"]) == 0 and int(new4["nonfinite_total"]) == 2
+
+
+@pytest.mark.parametrize("warmup_ratio,end_lr_ratio", [(0.0, 0.0), (0.0, 0.1), (0.1, 0.0)])
+def test_the_schedule_is_warmup_cosine_and_a_zero_warmup_logs_nothing(
+    warmup_ratio, end_lr_ratio, caplog
+):
+  """AdamW's learning rate follows optax's warmup + cosine schedule exactly; with no warmup
+  (the CPU demo) optax's note on a non-positive `transition_steps` is not logged on every run."""
+  import logging
+
+  import optax
+
+  caplog.set_level(logging.INFO)
+  lr, total = 5e-4, 40
+  kw = dict(b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=0.0)
+  opt = step.make_optimizer(
+      learning_rate=lr,
+      total_steps=total,
+      warmup_ratio=warmup_ratio,
+      end_lr_ratio=end_lr_ratio,
+      **kw,
+  )
+  assert not [r for r in caplog.records if "transition_steps" in r.getMessage()]
+  warmup = int(round(warmup_ratio * total))
+  want = optax.warmup_cosine_decay_schedule(
+      init_value=0.0 if warmup else lr,
+      peak_value=lr,
+      warmup_steps=warmup,
+      decay_steps=total,
+      end_value=lr * end_lr_ratio,
+  )
+  # The same updates, bit for bit, as AdamW on optax's own schedule, through the decay's end.
+  ref = optax.adamw(want, b1=0.9, b2=0.99, weight_decay=0.0)
+  params = {"w": jnp.zeros(3)}
+  state, ref_state = opt.init(params), ref.init(params)
+  for t in range(total + 2):
+    grads = {"w": jnp.asarray([1.0, -2.0, 0.5]) * (t + 1)}
+    updates, state = opt.update(grads, state, params)
+    want_updates, ref_state = ref.update(grads, ref_state, params)
+    np.testing.assert_array_equal(np.asarray(updates["w"]), np.asarray(want_updates["w"]))
