@@ -23,12 +23,12 @@ from grpo_jax.run import paths
 TEMPLATE_FILE = "chat_template.jinja"
 
 
-def read(folder: str, config: dict) -> str | None:
-  """The folder's chat template source, or None; `config` is its tokenizer_config.json."""
+def read(folder: str, tokenizer_config: dict) -> str | None:
+  """The folder's chat template source, or None; `tokenizer_config`: its tokenizer_config.json."""
   jinja = paths.path(folder) / TEMPLATE_FILE
   if paths.exists(jinja):
     return paths.read_text(jinja)
-  template = config.get("chat_template")
+  template = tokenizer_config.get("chat_template")
   if isinstance(template, list):  # named templates; apply_chat_template uses "default"
     template = {t["name"]: t["template"] for t in template}.get("default")
   return template or None

@@ -158,8 +158,10 @@ class HFTokenizer:
       self._tok = _bpe_from_files(paths.local_copy(vocab), paths.local_copy(merges))
     else:
       raise FileNotFoundError(f"{path}: no tokenizer.json and no vocab.json + merges.txt")
-    config = _read_json(folder / "tokenizer_config.json")
-    added = {v["content"]: int(k) for k, v in config.get("added_tokens_decoder", {}).items()}
+    tokenizer_config = _read_json(folder / "tokenizer_config.json")
+    added = {
+        v["content"]: int(k) for k, v in tokenizer_config.get("added_tokens_decoder", {}).items()
+    }
     added.update(_read_json(folder / "added_tokens.json"))
     if add_qwen3_tokens and "<|im_start|>" in added:
       for tok, i in QWEN3_EXTRA_TOKENS.items():
@@ -167,8 +169,8 @@ class HFTokenizer:
     self._add_specials(added)
     self.special_ids = {self._tok.token_to_id(t) for t in added}
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-    eos = _token_str(config.get("eos_token")) or "<|endoftext|>"
-    pad = _token_str(config.get("pad_token")) or (
+    eos = _token_str(tokenizer_config.get("eos_token")) or "<|endoftext|>"
+    pad = _token_str(tokenizer_config.get("pad_token")) or (
         "<|endoftext|>" if self._tok.token_to_id("<|endoftext|>") is not None else eos
     )
     self.eos_id = self._id(eos)
@@ -176,9 +178,9 @@ class HFTokenizer:
     stops = [self.eos_id] + [self._tok.token_to_id(t) for t in STOP_TOKENS]
     self.stop_ids = tuple(dict.fromkeys(i for i in stops if i is not None))
     self.path = path
-    self.chat_template = chat_template_lib.read(path, config)
+    self.chat_template = chat_template_lib.read(path, tokenizer_config)
     self.special_tokens = chat_template_lib.special_tokens(
-        config, _read_json(folder / "special_tokens_map.json")
+        tokenizer_config, _read_json(folder / "special_tokens_map.json")
     )
 
   def _add_specials(self, added: dict[str, int]):
