@@ -48,8 +48,10 @@ _PRINT_CONFIG = flags.DEFINE_bool(
 _VERBOSE = flags.DEFINE_bool(
     "verbose",
     False,
-    "On an error, show the full traceback here too (it always goes to "
-    "WORKDIR/error.log; the console gets one line).",
+    "Show third-party libraries' INFO lines (Orbax, grain, JAX's backend probes, MaxText's "
+    "config dump: grpo_jax/run/console.py; absl's --verbosity=1 shows them too), and on an "
+    "error the full traceback here too (it always goes to WORKDIR/error.log; the console gets "
+    "one line).",
 )
 
 
@@ -105,17 +107,6 @@ def _unknown_override(argv) -> str | None:
   return None
 
 
-class _QuietLibraries:
-  """Drops INFO lines from Orbax and grain (a dozen per checkpoint); warnings still show.
-  Pass --verbosity=1 to see them all."""
-
-  def filter(self, record) -> bool:
-    if record.levelno >= 30 or flags.FLAGS.verbosity >= 1:
-      return True
-    path = record.pathname.replace("\\", "/")
-    return "/orbax/" not in path and "/grain/" not in path
-
-
 def _init_distributed():
   if _COORDINATOR.value or _NUM_PROCESSES.value or _PROCESS_ID.value is not None:
     import jax
@@ -141,7 +132,9 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config=configs/tiny.py")
-  logging.get_absl_handler().addFilter(_QuietLibraries())
+  from grpo_jax.run import console
+
+  console.quiet_libraries(verbose=_VERBOSE.value or flags.FLAGS.verbosity >= 1)
   _init_distributed()
   from grpo_jax.parallel import peers
 
