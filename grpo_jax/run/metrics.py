@@ -9,6 +9,9 @@ values arrive (`NonFiniteError`).
 
 Every scalar also goes, one JSON object per step, to WORKDIR/metrics.jsonl
 (`{"step": 3, "reward/total": 0.41, ...}`), for scripts that do not want to parse event files.
+Names are stable (docs/design.md) and metrics.jsonl keeps them as they are; TensorBoard gets
+`tensorboard_tag(name)`, since its tags allow only letters, digits and `_ - / .`:
+`eval/pass@1/standard` shows there as `eval/pass_at_1/standard`.
 
 Only JAX process 0 writes; the other processes get a writer that does nothing, so the loop
 calls the same methods everywhere.
@@ -17,6 +20,7 @@ calls the same methods everywhere.
 import json
 import math
 import os
+import re
 import time
 
 from absl import logging
@@ -216,8 +220,20 @@ class StepLog:
     )
 
 
+# A character TensorBoard does not allow in a tag (tensorboardX replaces each by "_", with an INFO
+# line per call: three per evaluation with pass@k).
+_TAG_INVALID = re.compile(r"[^-/\w.]")
+
+
+def tensorboard_tag(name: str) -> str:
+  """A metric's name as TensorBoard shows it: "@" -> "_at_", any other character a tag does not
+  allow -> "_" (eval/pass@1/standard -> eval/pass_at_1/standard). metrics.jsonl keeps `name`."""
+  return _TAG_INVALID.sub("_", name.replace("@", "_at_")).lstrip("/")
+
+
 class MetricWriter:
-  """Scalars to WORKDIR (TensorBoard events) from process 0; a no-op elsewhere."""
+  """Scalars to WORKDIR (TensorBoard events, under `tensorboard_tag` names, and metrics.jsonl,
+  under the names as given) from process 0; a no-op elsewhere."""
 
   def __init__(
       self,
@@ -252,14 +268,14 @@ class MetricWriter:
     for name, value in scalars.items():
       value = float(value)
       if math.isfinite(value):
-        self._writer.add_scalar(name, value, global_step=tb_step)
+        self._writer.add_scalar(tensorboard_tag(name), value, global_step=tb_step)
       row[name] = value if math.isfinite(value) else str(value)
     self._jsonl.write(json.dumps(row) + "\n")
     self.rows += 1
 
   def write_text(self, step: int, name: str, text: str):
     if self._writer:
-      self._writer.add_text(name, text, global_step=step)
+      self._writer.add_text(tensorboard_tag(name), text, global_step=step)
 
   def flush(self):
     if self._writer:
