@@ -36,6 +36,7 @@ qwix supplies the quantization (`qarray.quantize` / `qwix.dequantize`, in qwix 0
 and the parameter naming and types follow its provider.
 """
 
+import importlib.util
 import math
 import re
 
@@ -57,6 +58,12 @@ PROJECTIONS = {
 }
 DEFAULT_TARGETS = r"layers/\d+/(attn/(q|k|v|o)|mlp/(gate|up|down))"
 QUANTIZE_BASE = ("none", "int8", "int4")
+# qwix quantizes the base; the core install lacks it (the maxtext extra brings it).
+QWIX_FIX = (
+    "needs qwix, which the core install does not include. Fix: pip install qwix -c "
+    "requirements/constraints.txt (or the maxtext extra: pip install -e '.[maxtext]' -c "
+    "requirements/constraints.txt), or --config.lora.quantize_base=none"
+)
 B_INITS = ("zeros", "normal")
 # PEFT / transformers module names of the projections (model.layers.<i>.<name>).
 HF_MODULES = {
@@ -124,6 +131,8 @@ def problems(config) -> list[str]:
         "trains the full model and a quantized base cannot be trained. Fix: "
         "--config.sft_steps=0 (start from an SFT'd model.hf_path)"
     )
+  if lc.quantize_base in QUANTIZE_BASE[1:] and importlib.util.find_spec("qwix") is None:
+    out.append(f"lora.quantize_base={lc.quantize_base!r} {QWIX_FIX}")
   try:
     found = targets(m.num_layers, lc.target_modules)
   except re.error as e:
@@ -212,9 +221,19 @@ def adapt(block):
   return block
 
 
-def _dequantize(qvalue, scale):
-  from qwix._src.core import qarray  # present in qwix 0.1.2 and 0.1.8
+def _qarray():
+  """qwix's QArray module (in qwix 0.1.2 and 0.1.8); without qwix, an error naming the fix."""
+  try:
+    from qwix._src.core import qarray
+  except ModuleNotFoundError as e:
+    if (e.name or "").split(".")[0] != "qwix":
+      raise
+    raise ModuleNotFoundError(f"lora.quantize_base {QWIX_FIX}", name="qwix") from None
+  return qarray
 
+
+def _dequantize(qvalue, scale):
+  qarray = _qarray()
   return qarray.dequantize(qarray.QArray(qvalue, scale, None, _qtype(qvalue.dtype)))
 
 
@@ -223,8 +242,7 @@ def _qtype(dtype) -> str:
 
 
 def _quantize(w, qtype: str, channel_axes):
-  from qwix._src.core import qarray
-
+  qarray = _qarray()
   q = qarray.quantize(w, qarray.HowToQuantize(qtype=qtype, channelwise_axes=channel_axes))
   return q.qvalue, q.scale
 
