@@ -6,24 +6,29 @@
 
 Dropped by default (each matched by the library that logs it, never by level alone, so a
 library's warnings and every line of grpo_jax's own still show):
-  - Orbax and grain INFO lines (a dozen per checkpoint save or restore, one per data iterator).
-    Both log through absl's logger, so the source file tells them from ours.
+  - Orbax, grain and MaxText INFO lines (a dozen per checkpoint save or restore, one per data
+    iterator, MaxText's "Skipping jax distributed system" per model config). They log through
+    absl's logger, so the source file tells them from ours.
   - JAX's backend probes, "Unable to initialize backend 'tpu': ..." and 'proxy' (jax._src.
     xla_bridge, INFO on jax 0.11-0.12): JAX tries every platform it knows and logs each one this
     machine lacks. A platform named in JAX_PLATFORMS that fails still raises, with its reason.
-  - MaxText's config dump (1,700+ "Config param k: v" lines per model built): not a filter, the
-    adapter passes `log_config=console.verbose()` to MaxText's pyconfig
-    (models/maxtext/adapter.py).
+  - MaxText's config dump (576 "Config param k: v" lines per model config, three configs per
+    run): not a filter, the adapter passes `log_config=console.verbose()` to MaxText's pyconfig;
+    and transformers' warnings about the configs of models MaxText's import builds (DeepSeek),
+    silenced during that import (models/maxtext/adapter.py).
 
 `verbose=True` keeps everything (main: --verbose, or absl's --verbosity=1 and up).
 """
 
 import logging
+import os
 
 from absl import logging as absl_logging
 
-# Source folders whose INFO lines are dropped (they log through absl's logger, named "absl").
-QUIET_INFO_FROM = ("/orbax/", "/grain/")
+# Source folders whose INFO lines are dropped (they log through absl's logger, named "absl");
+# never grpo_jax's own files (grpo_jax/models/maxtext/ is ours).
+QUIET_INFO_FROM = ("/orbax/", "/grain/", "/maxtext/")
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))).replace("\\", "/") + "/"
 # JAX's line for a platform it probed and did not find (jax._src.xla_bridge.backends).
 BACKEND_PROBE = "Unable to initialize backend"
 
@@ -38,8 +43,8 @@ class _QuietLibraries(logging.Filter):
       return False
     if record.levelno >= logging.WARNING:
       return True
-    path = record.pathname.replace("\\", "/")
-    return not any(folder in path for folder in QUIET_INFO_FROM)
+    path = os.path.abspath(record.pathname).replace("\\", "/")
+    return path.startswith(_OWN) or not any(folder in path for folder in QUIET_INFO_FROM)
 
 
 _FILTER = _QuietLibraries()

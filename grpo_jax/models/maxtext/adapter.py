@@ -65,9 +65,11 @@ ImportError naming the cause from the placeholder. With a qwix that has them (0.
 test venv) nothing is replaced.
 """
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
+import logging as std_logging
 import os
 import sys
 import types
@@ -85,6 +87,7 @@ from grpo_jax.models import policy as policy_lib
 from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.models.decoder.kernels import Kernels
 from grpo_jax.models.logprobs import token_logprobs
+from grpo_jax.run import console
 
 # The mapping, re-exported: callers and tests use it as maxtext_adapter.<name>.
 from grpo_jax.models.maxtext.mapping import check_supported
@@ -106,7 +109,24 @@ QWIX_SPARSITY_MODULES = ("qwix._src.core.sparsity", "qwix.contrib.sparsity.spars
 def import_maxtext(name: str):
   """`importlib.import_module(name)` for a maxtext module, after `_qwix_placeholders()`."""
   _qwix_placeholders()
-  return importlib.import_module(name)
+  with _quiet_transformers_configs():
+    return importlib.import_module(name)
+
+
+@contextlib.contextmanager
+def _quiet_transformers_configs():
+  """MaxText's import builds HF configs of models grpo_jax never runs (DeepSeek V3.2 and V4, in
+  maxtext/checkpoint_conversion/utils/hf_model_configs.py), and transformers warns about each
+  one's RoPE fields: those warnings are dropped during the import unless --verbose
+  (run/console.py)."""
+  logger = std_logging.getLogger("transformers.configuration_utils")
+  level = logger.level
+  if not console.verbose():
+    logger.setLevel(std_logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
 
 
 def _qwix_placeholders():
@@ -219,6 +239,7 @@ def maxtext_config(config, cfg: ModelConfig, mesh):
       run_name="grpo_jax",
       dataset_type="synthetic",
       base_output_directory="/tmp/grpo_jax_maxtext",
+      log_config=console.verbose(),  # MaxText's 1,700+ "Config param" lines: with --verbose
   )
   kw.update(family_kwargs(cfg))
   if jax.default_backend() == "cpu":
