@@ -201,6 +201,16 @@ def _setup(config, session, mesh, sampler_mesh) -> tuple[Parts, dict]:
   )
   state = _start_grpo(config, session, fns, policy, mesh, params, train_iter, reference, source)
   first_step = session.meta["grpo_step"]
+  if config.sft_steps:
+    logging.info(
+        "step numbers: checkpoints/ and TensorBoard count the %d SFT steps first, so GRPO step "
+        "s is saved and plotted at step %d+s (%d-%d); metrics.jsonl and the [grpo] lines count "
+        "GRPO steps from 1",
+        config.sft_steps,
+        config.sft_steps,
+        config.sft_steps + 1,
+        config.sft_steps + config.num_steps,
+    )
   source.start(state, first_step)  # the first batch's programs compile from here on
   _evaluate_before(config, session, evaluator, state, mesh)
   log = metrics_lib.StepLog(
