@@ -8,14 +8,22 @@
 #
 # Under SLURM, Open MPI or on a TPU pod use `--distributed` instead (auto-detection).
 # LOCAL_DEVICES=k fakes k CPU devices per process (CPU testing of a multi-host mesh).
-# --dry_run right after PROCESS_ID prints the command (shell-quoted) instead of running it.
+# --dry_run right after PROCESS_ID prints the command (shell-quoted) instead of running it
+# (anywhere else it is refused before anything runs).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_quote.sh"  # q: shell-quoting
-COORD="${1:?usage: launch/multihost.sh HOST:PORT NUM_PROCESSES PROCESS_ID [--dry_run] -- ARGS}"
-NPROC="${2:?num processes}"; PID="${3:?process id}"; shift 3
+usage="usage: launch/multihost.sh HOST:PORT NUM_PROCESSES PROCESS_ID [--dry_run] -- ARGS (--dry_run right after PROCESS_ID; after --, ARGS for grpo_jax.main)"
+die() { echo "launch/multihost.sh: $*" >&2; exit 2; }
+[ $# -ge 3 ] || die "$usage"
+COORD="$1"; NPROC="$2"; PID="$3"; shift 3
 DRY=0
 if [ "${1:-}" = "--dry_run" ]; then DRY=1; shift; fi
-[ "${1:-}" = "--" ] && shift
+if [ "${1:-}" = "--" ]; then shift; fi
+for a in "$COORD" "$NPROC" "$PID" "$@"; do  # a --dry_run elsewhere would not act
+  if [ "${a%%=*}" = --dry_run ]; then
+    die "--dry_run here would go to grpo_jax (and the job would start for real): put it right after PROCESS_ID, before --. $usage"
+  fi
+done
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$REPO/.venv/bin/python}"
 if [ -n "${LOCAL_DEVICES:-}" ]; then

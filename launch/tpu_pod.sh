@@ -6,6 +6,9 @@
 #   launch/tpu_pod.sh TPU_NAME ZONE [PROJECT] [--dry_run] [--run_name NAME] [--python PY] \
 #       -- --config=configs/qwen3_8b.py --workdir=gs://bucket/run1
 #
+# This script's flags go before `--`; everything after it reaches grpo_jax.main (one of this
+# script's flags there, e.g. a late --dry_run, is refused before anything runs).
+#
 # Steps (each printed, one shell-quoted command a line, by --dry_run instead of being run;
 # the local tarball is still built then, under $TMPDIR, and kept so it can be inspected):
 #   1. tar the git-tracked files of this repo AS THEY ARE IN THE WORKING TREE (uncommitted edits
@@ -29,7 +32,7 @@
 # Needs gcloud (not for --dry_run); with several workers, gcloud wants your key in ssh-agent
 # (`ssh-add ~/.ssh/google_compute_engine`).
 set -euo pipefail
-usage="usage: launch/tpu_pod.sh TPU_NAME ZONE [PROJECT] [--dry_run] [--run_name NAME] [--python PY] -- ARGS"
+usage="usage: launch/tpu_pod.sh TPU_NAME ZONE [PROJECT] [--dry_run] [--run_name NAME] [--python PY] -- ARGS (this script's flags before --; after it, ARGS for grpo_jax.main)"
 die() { echo "launch/tpu_pod.sh: $*" >&2; exit 2; }
 
 source "$(dirname "${BASH_SOURCE[0]}")/_quote.sh"  # q: shell-quoting
@@ -49,6 +52,12 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do
   shift
 done
 if [ "${1:-}" = "--" ]; then shift; fi
+for a in "$@"; do  # everything after -- goes to grpo_jax: a flag of ours there would not act
+  case "$a" in
+    --dry_run|--dry_run=*|--run_name|--run_name=*|--python|--python=*)
+      die "$a is this script's flag, but it comes after --, which passes it on to grpo_jax (and the launch would run for real): put it before --. $usage" ;;
+  esac
+done
 if [ ${#POS[@]} -lt 2 ] || [ ${#POS[@]} -gt 3 ]; then die "$usage"; fi
 TPU="${POS[0]}"; ZONE="${POS[1]}"
 GC=(--zone "$ZONE")

@@ -24,9 +24,11 @@
 # everything after `--` reaches grpo_jax.main verbatim (quoting preserved). Options this script
 # does not know (--spot, --priority high, --max-restarts 3, ...) go to xpk as they are.
 # --dry_run prints the commands (one shell-quoted command a line) instead of running them; the
-# local staging dir is still made then, under $TMPDIR, and kept for inspection.
+# local staging dir is still made then, under $TMPDIR, and kept for inspection. This script's
+# flags go before `--` (one of them after it, e.g. a late --dry_run, is refused before anything
+# runs).
 set -euo pipefail
-usage="usage: launch/xpk.sh --cluster C --tpu-type T [--num-slices N] [--project P] [--zone Z] [--docker-image IMG | --base-docker-image IMG] [--workload NAME] [--dry_run] [xpk flags] -- ARGS"
+usage="usage: launch/xpk.sh --cluster C --tpu-type T [--num-slices N] [--project P] [--zone Z] [--docker-image IMG | --base-docker-image IMG] [--workload NAME] [--dry_run] [xpk flags] -- ARGS (this script's and xpk's flags before --; after it, ARGS for grpo_jax.main)"
 die() { echo "launch/xpk.sh: $*" >&2; exit 2; }
 
 source "$(dirname "${BASH_SOURCE[0]}")/_quote.sh"  # q: shell-quoting
@@ -54,6 +56,12 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do
   shift
 done
 if [ "${1:-}" = "--" ]; then shift; fi
+for a in "$@"; do  # everything after -- goes to grpo_jax: a flag of ours there would not act
+  case "${a%%=*}" in
+    --dry_run|--cluster|--tpu-type|--num-slices|--project|--zone|--docker-image|--base-docker-image|--workload)
+      die "$a is this script's flag, but it comes after --, which passes it on to grpo_jax (and the workload would be submitted for real): put it before --. $usage" ;;
+  esac
+done
 [ -n "$CLUSTER" ] && [ -n "$TPU_TYPE" ] || die "$usage"
 [[ $SLICES =~ ^[1-9][0-9]*$ ]] || die "--num-slices must be a positive integer"
 [ -z "$IMAGE" ] || [ -z "$BASE_IMAGE" ] || die "--docker-image and --base-docker-image exclude each other"

@@ -446,3 +446,57 @@ def test_multihost_dry_run(tmp_path):
 @pytest.mark.parametrize("script", ["tpu_pod.sh", "xpk.sh", "slurm.sbatch", "multihost.sh"])
 def test_scripts_parse(script):
   assert subprocess.run(["bash", "-n", os.path.join(ROOT, "launch", script)]).returncode == 0
+
+
+# A launcher's own flag after `--` would be passed on to grpo_jax while the launch runs for real:
+# each script refuses it in one line, naming where it goes, before anything runs (a stand-in for
+# every command it could run records any call).
+_RECORDER = '#!/usr/bin/env bash\nprintf "%s\\n" "$(basename "$0") $*" >> "$CALLS"\n'
+
+
+@pytest.mark.parametrize(
+    "script,argv,where",
+    [
+        ("tpu_pod.sh", ["my-tpu", "zone-a", "--", *ARGS, "--dry_run"], "before --"),
+        ("tpu_pod.sh", ["my-tpu", "zone-a", "--", "--run_name", "r1", *ARGS], "before --"),
+        (
+            "xpk.sh",
+            ["--cluster", "c", "--tpu-type", "v5p-8", "--", "--dry_run", *ARGS],
+            "before --",
+        ),
+        ("xpk.sh", ["--cluster=c", "--tpu-type=v5p-8", "--", *ARGS, "--workload=w"], "before --"),
+        ("slurm.sbatch", [*ARGS, "--dry_run"], "first argument"),
+        ("slurm.sbatch", ["--", "--dry_run", *ARGS], "first argument"),
+        ("multihost.sh", ["h:1", "2", "0", "--", *ARGS, "--dry_run"], "right after PROCESS_ID"),
+        ("multihost.sh", ["--dry_run", "h:1", "2", "0", "--", *ARGS], "right after PROCESS_ID"),
+    ],
+)
+def test_a_launcher_flag_after_the_separator_is_refused_before_anything_runs(
+    tmp_path, script, argv, where
+):
+  fake = tmp_path / "bin"
+  fake.mkdir()
+  for name in ("gcloud", "xpk", "srun", "python", "tar"):
+    (fake / name).write_text(_RECORDER)
+    (fake / name).chmod(0o755)
+  calls = tmp_path / "calls"
+  p = _run(
+      tmp_path,
+      script,
+      *argv,
+      rc=2,
+      PATH=f"{fake}:{os.environ['PATH']}",
+      CALLS=str(calls),
+      PYTHON=str(fake / "python"),
+  )
+  lines = p.stderr.strip().splitlines()
+  assert len(lines) == 1 and where in lines[0] and "usage:" in lines[0], p.stderr
+  assert lines[0].startswith(f"launch/{script}: ")
+  assert not calls.exists() and not p.stdout  # nothing ran, nothing printed as a dry run
+  assert not [f for f in os.listdir(tmp_path) if f.startswith("grpo_jax_")]  # no staging dir
+
+
+@pytest.mark.parametrize("script", ["tpu_pod.sh", "xpk.sh"])
+def test_the_usage_line_says_where_the_launcher_flags_go(tmp_path, script):
+  usage = _run(tmp_path, script, "--help").stdout
+  assert "[--dry_run]" in usage and "before --" in usage and "grpo_jax.main" in usage
