@@ -265,3 +265,78 @@ def build_tokenizer(kind: str, path: str = "") -> Tokenizer:
   if kind not in KINDS:
     raise ValueError(f"unknown tokenizer kind {kind!r}; known: {', '.join(KINDS)}")
   return KINDS[kind](path)
+
+
+# ------------------------------------------------------------------------------ export
+
+# A source folder's files that an exported folder carries as they are; tokenizer.json and
+# tokenizer_config.json are written from the tokenizer itself (its added tokens included).
+_CARRIED_FILES = ("special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+def save_hf_folder(tok: Tokenizer, path: str) -> None:
+  """Writes `tok` as a Hugging Face tokenizer folder at `path` (tokenizer.json and
+  tokenizer_config.json, plus an HF folder's other files) that `transformers.AutoTokenizer.
+  from_pretrained(path)` and `HFTokenizer(path)` load to encode text to the same ids, with the
+  same eos and pad (for an export beside the policy's weights: infer's --export_hf).
+
+  The char tokenizer becomes a word-level `tokenizers` model over single characters with its
+  special tokens atomic (`<answer>` one id); `<pad>` and `<eos>` are the special ones, so
+  `decode(ids, skip_special_tokens=True)` equals our `decode(ids)`. An HF tokenizer keeps its
+  folder's files; the added tokens are all listed in tokenizer_config.json, since transformers
+  builds Qwen's tokenizer from vocab.json + merges.txt and that file (Qwen3's <think> tokens that
+  `HFTokenizer` adds to a Qwen2 folder would otherwise split into characters).
+  """
+  if isinstance(tok, CharTokenizer):
+    backend = _char_backend(tok)
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,  # " ." stays " ." as in our decode
+    }
+  elif isinstance(tok, HFTokenizer):
+    backend = tok._tok
+    source = paths.path(tok.path)
+    tokenizer_config = _read_json(source / "tokenizer_config.json")
+  else:
+    raise TypeError(f"no Hugging Face form for a {type(tok).__name__}")
+  out = paths.path(path)
+  paths.makedirs(out)
+  if isinstance(tok, HFTokenizer):
+    for name in _CARRIED_FILES:
+      if paths.exists(source / name):
+        paths.write_atomic(out / name, paths.read_bytes(source / name))
+  added = backend.get_added_tokens_decoder()
+  tokenizer_config.update(
+      added_tokens_decoder={str(i): _added_token_dict(t) for i, t in sorted(added.items())},
+      eos_token=backend.id_to_token(tok.eos_id),
+      pad_token=backend.id_to_token(tok.pad_id),
+  )
+  paths.write_atomic(out / "tokenizer.json", backend.to_str())
+  paths.write_atomic(out / "tokenizer_config.json", json.dumps(tokenizer_config, indent=2))
+
+
+def _char_backend(tok: CharTokenizer):
+  """The char tokenizer as a `tokenizers.Tokenizer`: one id per character, specials atomic."""
+  import tokenizers
+  from tokenizers import decoders
+  from tokenizers import models
+  from tokenizers import pre_tokenizers
+
+  # No unknown token, as ours: a character outside the alphabet fails to encode.
+  backend = tokenizers.Tokenizer(models.WordLevel(vocab=dict(tok.stoi), unk_token=None))
+  backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+  backend.decoder = decoders.Fuse()  # characters joined as they are (no spaces between)
+  skipped = (tok.pad_id, tok.eos_id)
+  backend.add_tokens(
+      [
+          tokenizers.AddedToken(s, special=tok.stoi[s] in skipped, normalized=False)
+          for s in tok.specials
+      ]
+  )
+  return backend
+
+
+def _added_token_dict(t) -> dict:
+  """An AddedToken as tokenizer_config.json's added_tokens_decoder writes it."""
+  keys = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
+  return {k: getattr(t, k) for k in keys}
