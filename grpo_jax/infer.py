@@ -1,10 +1,17 @@
 r"""Sample from a trained policy: the latest checkpoint in a workdir, or model.hf_path.
 
-    python -m grpo_jax.infer --config=configs/tiny.py --workdir=/tmp/run1 "12+30="
-    python -m grpo_jax.infer --config=configs/tiny.py --workdir=/tmp/run1   # held-out rows
+    python -m grpo_jax.infer --workdir=runs/demo "12+30="       # the run's own config.json
+    python -m grpo_jax.infer --workdir=runs/demo                # held-out rows
+    python -m grpo_jax.infer --workdir=runs/demo --export_hf=/tmp/hf
     python -m grpo_jax.infer --config=configs/qwen3_8b.py --config.model.hf_path=/ckpt/Qwen3-8B \
         --generation=standard --num_samples=4 "What is 12 + 30?"
-    python -m grpo_jax.infer --config=configs/tiny.py --workdir=/tmp/run1 --export_hf=/tmp/hf
+
+The config: a run's WORKDIR/config.json (written by the training run) when there is one, so no
+training override is repeated; `--config.a.b=v` on the command line wins over it. A
+`--config=FILE` with such a workdir is the base, but the run's values still win for every field
+not overridden on the command line. Without a workdir (or a config.json), `--config` is needed.
+Settings that fix the checkpoint's shapes (model.*, lora.*) must match the run's: a mismatch is
+one line naming the fields.
 
 Prompts are rendered with the config's template and system prompt, exactly as in training.
 Pass prompts as arguments, or `-` to read one prompt per line from stdin. With no prompts, a
@@ -12,9 +19,15 @@ few held-out rows of the config's eval split (`--num_examples`) are sampled and 
 their ground truth, the config's reward (per function) and the eval task's verdict (e.g.
 correct / ROUGE). `--export_hf` writes the policy as a Hugging Face folder (config.json +
 model.safetensors; `policy.save_hf`: a T5ForConditionalGeneration folder for model.family=t5)
-instead of sampling.
+and the run's tokenizer (`tokenizers.save_hf_folder`: `AutoTokenizer.from_pretrained` encodes
+as the run did) instead of sampling; `--export_peft` writes LoRA adapters and the tokenizer.
+
+The console gets the answers and at most a few lines of our own; library INFO lines and, on an
+error, the traceback show with `--verbose` (an error is otherwise one line: what, and the fix).
 """
 
+import json
+import os
 import sys
 
 from absl import app
@@ -23,12 +36,17 @@ from absl import logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "The run's config file.", lock_config=True
+    "config",
+    None,
+    "The run's config: a configs/*.py file, or a run's config.json. Default: WORKDIR/config.json. "
+    "With a --workdir holding config.json, the run's values win over this file's; --config.a.b=v "
+    "overrides win over both.",
+    lock_config=True,
 )
 _WORKDIR = flags.DEFINE_string(
     "workdir",
     None,
-    "Run directory whose latest checkpoint to use. "
+    "Run directory whose latest checkpoint (and config.json) to use. "
     "Without it: model.hf_path (or a random init, with a warning).",
 )
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -48,12 +66,131 @@ _EXPORT_PEFT = flags.DEFINE_string(
     "export_peft",
     None,
     "LoRA runs: write the adapters in PEFT's "
-    "format (adapter_model.safetensors + adapter_config.json).",
+    "format (adapter_model.safetensors + adapter_config.json) and the tokenizer.",
 )
+_VERBOSE = flags.DEFINE_bool(
+    "verbose",
+    False,
+    "Show the libraries' log lines (Orbax, JAX), and on an error the traceback (default: one "
+    "line saying what went wrong and the fix).",
+)
+
+RUN_CONFIG = "config.json"  # what a training run writes into its workdir (run/session.py)
+
+# ============================================================================ the config
+
+
+def run_config(path: str):
+  """A run's config.json as a locked ConfigDict: configs/common.py's `base()` (every field, with
+  its type) with the run's values on top (fields it has no place for are named by
+  `effective_config`'s warning)."""
+  from configs import common
+  from grpo_jax.run import paths
+
+  config = common.base()
+  try:
+    overlay(config, json.loads(paths.read_text(path)))
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{path}: not a readable run config ({e})") from None
+  config.lock()
+  return config
+
+
+def overlay(config, saved: dict, keep=frozenset(), prefix: str = "") -> list[str]:
+  """Sets the fields of `config` to a run's saved values (its config.json as a dict), except the
+  fields named in `keep` (command-line overrides) and everything below them. -> the saved
+  fields `config` has no place for (a run of other code), left out."""
+  import ml_collections
+
+  skipped = []
+  for key, value in saved.items():
+    name = prefix + key
+    if name in keep:
+      continue
+    if key not in config:
+      skipped.append(name)
+    elif isinstance(config[key], ml_collections.ConfigDict) and isinstance(value, dict):
+      skipped += overlay(config[key], value, keep, name + ".")
+    else:
+      try:
+        config[key] = value
+      except (TypeError, ValueError):  # a value to_json_best_effort could only write as text
+        skipped.append(name)
+  return skipped
+
+
+class _ConfigParser(flags.ArgumentParser):
+  """--config=FILE.py[:ARG] as ml_collections reads it, or a run's config.json (`run_config`);
+  `--config.a.b=v` overrides apply to either."""
+
+  def __init__(self, file_parser):
+    self._file_parser = file_parser
+
+  def parse(self, argument):
+    if argument.split(":", 1)[0].endswith(".json"):
+      return run_config(argument)
+    return self._file_parser.parse(argument)
+
+  def flag_type(self):
+    return self._file_parser.flag_type()
+
+
+flags.FLAGS["config"].parser = _ConfigParser(flags.FLAGS["config"].parser)
+
+
+def _with_run_config(argv: list[str]) -> list[str]:
+  """`argv` with --config=WORKDIR/config.json when it names no --config and the workdir has one."""
+  from grpo_jax.run import paths
+
+  if any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
+    return argv
+  workdir = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--workdir=")), None)
+  if workdir is None and "--workdir" in argv[1:-1]:
+    workdir = argv[argv.index("--workdir") + 1]
+  if not workdir or not paths.exists(paths.path(workdir) / RUN_CONFIG):
+    return argv
+  return [argv[0], f"--config={os.fspath(paths.path(workdir) / RUN_CONFIG)}", *argv[1:]]
+
+
+def effective_config(config, workdir: str | None, overridden: dict | None = None):
+  """The config to sample with: `config` (from --config, with the command-line overrides
+  `overridden`: {field: value}) under the run's own values from WORKDIR/config.json, which win
+  for every field not overridden. -> `config`, updated in place (as it is without a config.json).
+
+  Overrides of model.* / lora.* fields that differ from the run's and that the checkpoint does
+  not record (so it still loads, e.g. model.qk_norm: the policy then computes another function
+  than the one trained) get one warning line; the recorded ones are `check_shapes`'s."""
+  from grpo_jax.run import paths
+  from grpo_jax.run import session as session_lib
+
+  overridden = overridden or {}
+  path = paths.path(workdir) / RUN_CONFIG if workdir else None
+  if path is None or not paths.exists(path):
+    return config
+  run = json.loads(paths.read_text(path))
+  skipped = overlay(config, run, keep=frozenset(overridden))
+  if skipped:
+    logging.warning("%s: fields this code does not have, left out: %s", path, ", ".join(skipped))
+  recorded = session_lib.resume_fields(config)
+  differ = []
+  for name, value in overridden.items():
+    theirs = run
+    for part in name.split("."):
+      theirs = theirs.get(part) if isinstance(theirs, dict) else None
+    if name.startswith(("model.", "lora.")) and name not in recorded and theirs is not None:
+      if json.dumps(theirs) != json.dumps(value):
+        differ.append(f"{name}={value!r} (the run's: {theirs!r})")
+  if differ:
+    logging.warning("sampling with other model settings than the run's: %s", ", ".join(differ))
+  return config
+
+
+# ============================================================================ the policy
 
 
 def load_params(config, workdir, step, mesh):
-  """(policy, step or None): the policy with parameters from a checkpoint when there is one."""
+  """(policy, step or None): the policy with parameters from a checkpoint when there is one.
+  A checkpoint whose policy has other shapes than `config`'s: a one-line ValueError."""
   from grpo_jax.run import checkpoint as ckpt_lib
   from grpo_jax.models import build
 
@@ -71,20 +208,55 @@ def load_params(config, workdir, step, mesh):
         "point --workdir at a run's folder (the demo's: runs/tiny-<date>-<time>)"
     )
     raise FileNotFoundError(f"no checkpoint under {ckpt_dir}. Fix: {fix}")
-  policy = build.make_policy(config, mesh, abstract=step is not None)
   if step is not None:
     if step not in ckpt.all_steps():
       raise FileNotFoundError(f"--step={step}: not in {ckpt_dir} (have {ckpt.all_steps()})")
-    if config.lora.rank:  # the adapters, and the base the checkpoint names
-      from grpo_jax.models.lora import policy as lora_policy
+    check_shapes(ckpt, step, config, workdir)
+  policy = build.make_policy(config, mesh, abstract=step is not None)
+  if step is not None:
+    try:
+      if config.lora.rank:  # the adapters, and the base the checkpoint names
+        from grpo_jax.models.lora import policy as lora_policy
 
-      policy.params = lora_policy.restore_params(config, ckpt, step, policy, mesh)
-    else:
-      policy.params = ckpt.restore_params(step, policy.params)
+        policy.params = lora_policy.restore_params(config, ckpt, step, policy, mesh)
+      else:
+        policy.params = ckpt.restore_params(step, policy.params)
+    except Exception as e:  # shapes the recorded fields do not cover (or an older checkpoint)
+      why = " ".join(str(e).split())[:300] or type(e).__name__
+      raise ValueError(
+          f"checkpoint {ckpt_dir}/{step} does not restore into this config's policy ({why}). "
+          f"Fix: sample with the run's own config: --workdir={workdir} alone reads its "
+          f"{RUN_CONFIG}; drop --config.model.* / --config.lora.* overrides"
+      ) from e
     logging.info("restored the policy from %s/%d", ckpt_dir, step)
   elif not config.model.hf_path:
     logging.warning("no --workdir and no model.hf_path: sampling from a RANDOM-INIT model")
   return policy, step
+
+
+def check_shapes(ckpt, step: int, config, workdir: str):
+  """A one-line ValueError when `config` differs from the run that wrote checkpoint `step` in a
+  field its policy's arrays depend on (the model.* and lora.* fields a checkpoint records:
+  run/session.py's resume_fields), naming the fields and the run's values."""
+  from grpo_jax.run import session as session_lib
+
+  try:
+    saved = ckpt.restore_meta(step).get("config") or {}
+  except Exception:  # no readable meta: the restore itself says what is wrong
+    return
+  now = session_lib.resume_fields(config)
+  changed = [
+      k for k in now if k.startswith(("model.", "lora.")) and k in saved and saved[k] != now[k]
+  ]
+  if not changed:
+    return
+  diff = ", ".join(f"{k}: run {saved[k]!r}, here {now[k]!r}" for k in changed)
+  runs = " ".join(f"--config.{k}={saved[k]}" for k in changed)
+  raise ValueError(
+      f"checkpoint {ckpt.directory}/{step} holds a policy of other shapes ({diff}). Fix: drop "
+      f"those --config overrides (--workdir={workdir} alone reads the run's {RUN_CONFIG}), or "
+      f"pass the run's values: {runs}"
+  )
 
 
 def generate(
@@ -210,23 +382,51 @@ def _short(text, limit=300) -> str:
   return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
+# ============================================================================ the command
+
+
 def main(argv):
+  from grpo_jax.run import console
+
+  console.quiet_libraries(verbose=_VERBOSE.value)
+  try:
+    _run(argv[1:])
+  except app.UsageError as e:  # a command that cannot run as given: no traceback to offer
+    _fail(str(e), code=2)
+  except Exception as e:  # one line on the console; the traceback with --verbose
+    if _VERBOSE.value:
+      raise
+    _fail(f"{_one_line(e)} (--verbose prints the traceback)")
+
+
+def _run(prompts: list[str]):
   from grpo_jax.models import build
 
-  prompts = argv[1:]
   if prompts == ["-"]:
     prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+  workdir = _WORKDIR.value
   if _CONFIG.value is None:
-    raise app.UsageError("--config is required (the config the run was trained with)")
-  config = _CONFIG.value
+    raise app.UsageError(
+        f"--workdir={workdir} holds no {RUN_CONFIG} (the config a training run writes). Fix: "
+        "pass the config the run was trained with, --config=FILE"
+        if workdir
+        else "no config. Fix: --workdir=DIR (a training run's folder: its config.json is "
+        "used), or --config=FILE (e.g. --config=configs/tiny.py)"
+    )
+  overridden = config_flags.get_override_values(flags.FLAGS["config"])
+  config = effective_config(_CONFIG.value, workdir, overridden)
   mesh = build.make_mesh(config)
-  policy, step = load_params(config, _WORKDIR.value, _STEP.value, mesh)
+  policy, step = load_params(config, workdir, _STEP.value, mesh)
   if _EXPORT_HF.value:  # the policy's own format: Qwen3/Llama, or T5ForConditionalGeneration
     policy.save_hf(policy.params, _EXPORT_HF.value)
+    save_tokenizer(config, _EXPORT_HF.value)
     print(f"wrote {_EXPORT_HF.value} (step {step})")
   if _EXPORT_PEFT.value:
     if not config.lora.rank:
-      raise ValueError("--export_peft needs a LoRA run (config.lora.rank > 0)")
+      raise app.UsageError(
+          "--export_peft needs a LoRA run (config.lora.rank > 0). Fix: --export_hf writes "
+          "this policy"
+      )
     from grpo_jax.run import paths
     from grpo_jax.models.lora import peft as peft_export
 
@@ -234,7 +434,9 @@ def main(argv):
     if peft_export.needs_own_base(config):  # the SFT'd / initial / dequantized base beside it
       base = str(paths.path(_EXPORT_PEFT.value) / "base")
       peft_export.save_base(policy, policy.params, base)
+      save_tokenizer(config, base)
     peft_export.save_peft(policy.params, config, _EXPORT_PEFT.value, base_model_name_or_path=base)
+    save_tokenizer(config, _EXPORT_PEFT.value, generation_config=False)
     print(f"wrote {_EXPORT_PEFT.value} (step {step}; base: {base})")
   if _EXPORT_HF.value or _EXPORT_PEFT.value:
     return
@@ -265,7 +467,76 @@ def main(argv):
       print(f"{prompt}{c}" if config.data.template == "plain" else f"{prompt}\n--> {c}")
 
 
-if __name__ == "__main__":
+def save_tokenizer(config, path: str, *, generation_config: bool = True):
+  """The run's tokenizer beside exported weights (`tokenizers.save_hf_folder`); for a model
+  folder also a generation_config.json with its stop and pad ids when the folder has none, so
+  transformers' `generate` stops where the run's sampler did."""
+  import jax
+
+  from grpo_jax import data as data_lib
+  from grpo_jax.data import tokenizers
   from grpo_jax.run import paths
 
-  app.run(main, flags_parser=lambda argv: flags.FLAGS(paths.config_file_args(argv)))
+  if jax.process_index() != 0:
+    return
+  tok = data_lib.build_tokenizer(
+      config.tokenizer.kind, config.tokenizer.path or config.model.hf_path
+  )
+  tokenizers.save_hf_folder(tok, path)
+  generation = paths.path(path) / "generation_config.json"
+  if generation_config and not paths.exists(generation):
+    stops = list(tok.stop_ids)
+    paths.write_atomic(
+        generation,
+        json.dumps(
+            {"eos_token_id": stops[0] if len(stops) == 1 else stops, "pad_token_id": tok.pad_id},
+            indent=2,
+        ),
+    )
+
+
+def _one_line(e: BaseException, limit: int = 600) -> str:
+  """The exception as one line: our own messages say what and the fix; for others the type
+  name leads."""
+  text = " ".join(str(e).split()) or "(no message)"
+  ours = type(e).__module__.startswith("grpo_jax") or isinstance(
+      e, (FileNotFoundError, ValueError, KeyError, RuntimeError)
+  )
+  line = text if ours else f"{type(e).__name__}: {text}"
+  return line if len(line) <= limit else line[:limit] + " ..."
+
+
+def _fail(line: str, code: int = 1):
+  """`error: line` as the console's last line, and exit `code`."""
+  sys.stdout.flush()
+  sys.stderr.write(f"error: {line}\n")
+  sys.stderr.flush()
+  # Library threads (Orbax) may still print while the interpreter exits: not to the console.
+  os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+  sys.exit(code)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's parser, with the config file found from any folder (paths.config_file_args), the
+  workdir's config.json as the default --config, and a bad flag as one line."""
+  from grpo_jax.run import paths
+
+  argv = _with_run_config(paths.config_file_args(argv))
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(" ".join(str(e).split()), code=2)
+  except (AttributeError, KeyError) as e:  # ml_collections: a field the config does not have
+    name = str(e).strip("'\"")
+    overrides = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+    arg = next((a for a in overrides if a.split(".")[-1] == name), None)
+    _fail(
+        f"{arg or ' '.join(overrides)}: no such config field ({name}). Fix: check the name "
+        "against the config (python -m grpo_jax.main --config=FILE --print_config prints every "
+        "field)",
+        code=2,
+    )
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse_flags)
