@@ -7,6 +7,8 @@ Reads WORKDIR/metrics.jsonl (curves; the last value of a (step, key) wins), summ
 before/after table; absent while a run is in progress: then metrics.jsonl's evaluations) and
 config.json (differences from configs/common.py `base()`); any of them may be missing. Paths
 go through `grpo_jax.run.paths` (local or gs://); plots are matplotlib `Figure`s (Agg, no pyplot).
+The command prints the path of report.md; an error is one line (`--verbose`: the traceback and
+the libraries' log lines).
 """
 
 import dataclasses
@@ -525,12 +527,24 @@ if __name__ == "__main__":
       "workdir", None, "Run folder; several (a,b) overlay.", required=True
   )
   _OUT = flags.DEFINE_string("out", None, "Report folder (default: FIRST_WORKDIR/report).")
+  _VERBOSE = flags.DEFINE_bool(
+      "verbose", False, "Show the libraries' log lines, and on an error the traceback."
+  )
 
   def main(argv):
     del argv
+    from grpo_jax.run import console
+
+    console.quiet_libraries(verbose=_VERBOSE.value)
     try:
       print(write_report(_WORKDIR.value.split(","), _OUT.value))
     except FileNotFoundError as e:
       sys.exit(f"error: {e}")
+    except Exception as e:  # one line; the traceback with --verbose
+      if _VERBOSE.value:
+        raise
+      sys.exit(
+          f"error: {type(e).__name__}: {' '.join(str(e).split())} (--verbose prints the traceback)"
+      )
 
   app.run(main)

@@ -156,3 +156,13 @@ def test_an_hf_tokenizer_folder_exports_with_its_added_tokens(tmp_path):
   assert 151667 in ids and theirs(text, add_special_tokens=False).input_ids == ids
   assert (theirs.eos_token_id, theirs.pad_token_id) == (ours.eos_id, ours.pad_id)
   assert theirs.chat_template == ours.chat_template
+
+
+def test_report_reads_the_same_run_quietly(run, tmp_path):
+  """report on the same workdir: its config section comes from config.json (the run's 1 layer);
+  the console gets the path of report.md and nothing else."""
+  out = tmp_path / "report"
+  r = _python("grpo_jax.report", f"--workdir={run}", f"--out={out}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert _lines(r) == [str(out / "report.md")], _lines(r)
+  assert "`model.num_layers`=1" in (out / "report.md").read_text()
