@@ -139,9 +139,11 @@ def base() -> ml_collections.ConfigDict:
   # tokenizer needs a folder with a chat template)
   c.data.template = "chatml"
   c.data.system_prompt = "reasoning"  # reasoning | think | none
-  # Train prompts longer than max_prompt_length: "truncate" (keep their end, counted and logged)
-  # or "drop" them from the train split (counted and logged; eval prompts are always kept).
-  c.data.overlong_prompts = "truncate"
+  # Prompts longer than max_prompt_length: "error" stops the run at start-up, naming the file,
+  # the longest prompt's row and token count, and the value to set (grpo_jax/data/checks.py);
+  # allowing the cut: "truncate" (keep their end, counted and logged) or "drop" them from the
+  # train split (counted and logged; eval prompts are then cut, never dropped).
+  c.data.overlong_prompts = "error"
   # Prompt columns per GRPO step: "bucket" = the batch's longest prompt rounded up to a power of
   # two (8 .. max_prompt_length; all-padding columns dropped, results unchanged, one compile of
   # sampler and update per bucket) or "max" = always max_prompt_length (one shape, one compile).

@@ -4,7 +4,7 @@ Every reader returns rows of the same shape:
   prompt        str | list[dict]   the user message, or chat messages [{"role", "content"}]
                 (templating happens in the pipeline; `check_prompt` says what is accepted)
   ground_truth  str   what rewards compare against
-  data_source   str   selects the scorer (gsm8k, summarization, qa, ...)
+  data_source   str   selects the scorer (gsm8k, summarization, qa, ...; "" when a file has none)
   extra_info    dict  every other field of the row, passed to rewards
   demonstration str   (optional) a target completion, for the SFT warm start
 """
@@ -107,8 +107,9 @@ def _field(path, where, rec, name, types=(str,), what="a string"):
 
 def read_prompt_file(path: str, default_data_source: str = "") -> list[dict]:
   """Generic JSON/JSONL prompt files: `prompt` (str, or chat messages), `ground_truth` (str,
-  number, or list of acceptable answers), `data_source` (str; may be omitted when a default is
-  given), optional `demonstration` (str); every other field goes to extra_info."""
+  number, or list of acceptable answers), optional `data_source` (str; absent: the default, ""
+  as for a table without the column), optional `demonstration` (str); every other field goes to
+  extra_info."""
   rows = []
   for where, rec in _read_records(path):
     prompt = check_prompt(
@@ -123,7 +124,7 @@ def read_prompt_file(path: str, default_data_source: str = "") -> list[dict]:
         (str, int, float, list),
         "a string, a number or a list of strings",
     )
-    if "data_source" in rec or not default_data_source:
+    if "data_source" in rec:
       source = _field(path, where, rec, "data_source")
     else:
       source = default_data_source

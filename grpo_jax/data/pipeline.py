@@ -11,7 +11,8 @@ next batch, and Orbax saves it with grain's handler (grpo_jax/run/checkpoint.py)
 reshuffled (grain's epoch-aware shuffle).
 
 Prompts longer than P are LEFT-truncated (the end of a chat prompt holds the question and the
-assistant header, which must survive); `num_truncated` counts them and the loop logs it.
+assistant header, which must survive); `num_truncated` counts them, `token_counts` keeps every
+prompt's full length, and the loop logs the cut (or refuses it at start-up: data/checks.py).
 """
 
 from absl import logging
@@ -20,8 +21,10 @@ import numpy as np
 
 from grpo_jax.data.templates import render_prompt
 
-# What happens to train prompts longer than max_prompt_length (config data.overlong_prompts).
-OVERLONG_PROMPTS = ("truncate", "drop")
+# What happens to prompts longer than max_prompt_length (config data.overlong_prompts): "error"
+# stops the run at start-up (data/checks.py), "truncate" cuts them, "drop" leaves such train
+# rows out (eval prompts are cut).
+OVERLONG_PROMPTS = ("truncate", "drop", "error")
 # How wide a train step's prompt columns are (config data.prompt_width): "bucket" = the global
 # batch's longest prompt rounded up to a power of two (>= MIN_BUCKET, <= max_prompt_length);
 # "max" = always max_prompt_length.
@@ -57,7 +60,10 @@ class PromptData:
       template: str,
       system_prompt: str,
       max_prompt_length: int,
+      log_truncated: bool = True,
   ):
+    """`log_truncated=False`: the caller reports prompts longer than max_prompt_length (the
+    loop's start-up check refuses them unless data.overlong_prompts allows the cut)."""
     if not rows:
       raise ValueError("no rows to build prompts from")
     self.rows = rows
@@ -72,16 +78,17 @@ class PromptData:
     empty = [i for i, e in enumerate(encoded) if not e]
     if empty:
       raise ValueError(f"row {empty[0]} renders to an empty prompt; every prompt needs a token")
-    self.truncated = np.array([len(e) > max_prompt_length for e in encoded])
+    self.token_counts = np.array([len(e) for e in encoded], np.int64)
+    self.truncated = self.token_counts > max_prompt_length
     self.num_truncated = int(self.truncated.sum())
-    if self.num_truncated:
+    if self.num_truncated and log_truncated:
       logging.warning(
           "%d of %d prompts are longer than max_prompt_length=%d tokens and were "
           "left-truncated (longest: %d tokens)",
           self.num_truncated,
           len(rows),
           max_prompt_length,
-          max(map(len, encoded)),
+          self.token_counts.max(),
       )
     self.ids, self.mask = left_pad(encoded, max_prompt_length, tokenizer.pad_id)
     self.lengths = self.mask.sum(1)
@@ -98,6 +105,7 @@ class PromptData:
     out.texts = [self.texts[i] for i in indices]
     out.ids, out.mask = self.ids[indices], self.mask[indices]
     out.lengths = self.lengths[indices]
+    out.token_counts = self.token_counts[indices]
     out.truncated = self.truncated[indices]
     out.num_truncated = int(out.truncated.sum())
     return out

@@ -10,11 +10,13 @@ from absl import logging
 import numpy as np
 
 from grpo_jax import data as data_lib
+from grpo_jax.data import checks
 from grpo_jax.parallel import multihost
 
 
 def prompt_data(config, tokenizer):
-  """Train and eval prompts, rendered, tokenized and left-padded once."""
+  """Train and eval prompts, rendered, tokenized and left-padded once, after the start-up
+  checks of data/checks.py: ground truths the scorers can match, prompts that fit."""
   if tokenizer.vocab_size > config.model.vocab_size and not config.model.hf_path:
     raise ValueError(
         f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size="
@@ -24,12 +26,23 @@ def prompt_data(config, tokenizer):
   train_rows, eval_rows = data_lib.load_rows(config)
   if config.eval.num_examples:
     eval_rows = eval_rows[: config.eval.num_examples]
+  offsets = {split: checks.first_row(config, split, len(train_rows)) for split in ("train", "eval")}
+  for split, rows in (("train", train_rows), ("eval", eval_rows)):
+    problem = checks.ground_truths(config, rows, split, row_offset=offsets[split])
+    if problem and problem[1]:
+      raise data_lib.DataError(problem[0])
+    if problem:
+      logging.warning("%s", problem[0])
   kw = dict(
       template=config.data.template,
       max_prompt_length=config.max_prompt_length,
       system_prompt=data_lib.system_prompt(config.data.system_prompt),
+      log_truncated=config.data.overlong_prompts != "error",
   )
   train_data = data_lib.PromptData(train_rows, tokenizer, **kw)
+  checks.prompt_lengths(config, train_data, "train", row_offset=offsets["train"])
+  eval_data = data_lib.PromptData(eval_rows, tokenizer, **kw)
+  checks.prompt_lengths(config, eval_data, "eval", row_offset=offsets["eval"])
   if config.data.overlong_prompts == "drop" and train_data.num_truncated:
     keep = np.flatnonzero(~train_data.truncated)
     if not len(keep):
@@ -44,7 +57,7 @@ def prompt_data(config, tokenizer):
         len(train_data),
     )
     train_data = train_data.select(keep)
-  return train_data, data_lib.PromptData(eval_rows, tokenizer, **kw)
+  return train_data, eval_data
 
 
 def prompt_batch(config, train_data, indices_b, mesh) -> dict:

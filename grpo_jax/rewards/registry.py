@@ -15,6 +15,12 @@ from grpo_jax.rewards import think
 
 _REWARDS: dict[str, Callable] = {}
 
+# The rewards that compare a completion's answer with the row's ground truth, and those of them
+# that compare one number only: the start-up check of the ground truths (data/checks.py) asks
+# whether a row's ground truth is something they can ever match.
+NUMBER_REWARDS = ("answer_match", "check_numbers")
+ANSWER_REWARDS = (*NUMBER_REWARDS, "check_answer", "correctness_reward", "verl_default")
+
 
 def register(name: str):
   def deco(fn):
