@@ -85,6 +85,8 @@ setuptools.setup(
     version="0.1.0",
     description="GRPO for language models in pure JAX / Flax NNX, with MaxText and vLLM paths.",
     packages=setuptools.find_packages(include=["grpo_jax", "grpo_jax.*", "configs"]),
+    # The byte-level tokenizer folder that configs/tiny_your_data.py reads.
+    package_data={"grpo_jax.data.byte_tokenizer": ["*.json"]},
     python_requires=">=3.12",
     install_requires=CORE,
     extras_require={

@@ -1428,6 +1428,7 @@ def loop_overrides(ctx, data: str, workdir: str) -> dict:
             "num_generations": 2,
             "max_completion_length": 8,
             "max_prompt_length": 128,
+            "data.overlong_prompts": "truncate",  # the quick mode cuts prompts on purpose
             "micro_batch_size": 4,
             "num_steps": 3,
             "profile.start_step": 1,

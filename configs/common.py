@@ -95,7 +95,9 @@ def base() -> ml_collections.ConfigDict:
   c.batch_size = 8  # Prompts per GRPO step, over all hosts; the step trains on batch_size * G.
   # Sequences per gradient-accumulation micro-batch; 0 (or >= B * G) = all at once.
   c.micro_batch_size = 0
-  c.max_prompt_length = 256  # Prompts are left-padded/left-truncated to this many tokens.
+  c.max_prompt_length = (
+      256  # Prompts are left-padded to this many tokens (longer: data.overlong_prompts).
+  )
   c.max_completion_length = 1024  # Tokens generated per completion (TOTAL_GENERATION_STEPS).
   c.save_interval_steps = 500
   c.eval_interval_steps = 0  # 0: evaluate only before and after training.

@@ -62,7 +62,8 @@ def get_config():
   c.data.heldout_rows = 100  # one file of rows: its last 100 are the eval split
   c.data.template = "plain"  # a from-scratch model knows no chat markup
   c.data.system_prompt = "none"
-  c.max_prompt_length = 160  # long documents keep their end (data.overlong_prompts)
+  c.max_prompt_length = 160
+  c.data.overlong_prompts = "truncate"  # long documents are cut, keeping their end
   c.max_completion_length = 40  # XSum summaries: ~20-25 words
 
   # Supervised warm start on the reference summaries (no accuracy to stop at: ROUGE is the

@@ -19,6 +19,7 @@ CONFIGS = (
     "qwen3_8b",
     "llama3_8b",
     "gemma3_1b",
+    "tiny_your_data",
 )
 
 

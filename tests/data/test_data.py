@@ -364,7 +364,9 @@ def test_overlong_train_prompts_are_truncated_or_dropped_per_config():
   from tests.test_train import tiny_config
 
   tok = data.build_tokenizer("char")
-  kept, _ = prompts.prompt_data(tiny_config(max_prompt_length=5), tok)
+  kept, _ = prompts.prompt_data(
+      tiny_config(max_prompt_length=5, **{"data.overlong_prompts": "truncate"}), tok
+  )
   dropped, _ = prompts.prompt_data(
       tiny_config(max_prompt_length=5, **{"data.overlong_prompts": "drop"}), tok
   )

@@ -153,6 +153,7 @@ def test_verl_gsm8k_parquet_trains_the_demo_model_with_only_its_path(tmp_path):
           "eval.batch_size": 8,
           "reward.functions": ("answer_format", "check_answer"),
           "reward.weights": (1.0, 1.0),
+          "data.overlong_prompts": "truncate",  # the demo's 6-token prompts cut GSM8K's
       }
   )
   assert train.run(config, str(tmp_path / "run"))["final_step"] == 2
@@ -183,6 +184,7 @@ def test_verl_gsm8k_parquet_trains_with_the_qwen_tokenizer(tmp_path):
           "data.template": "chatml",
           "data.system_prompt": "reasoning",
           "max_prompt_length": 48,
+          "data.overlong_prompts": "truncate",  # 48 tokens cut GSM8K's questions on purpose
           "max_completion_length": 8,
           "model.max_position_embeddings": 64,
           "num_steps": 2,
