@@ -131,6 +131,7 @@ def record_rows(row_ids, seeds, workdir, mnist_dir):
         measured=datetime.date.today().isoformat(),
         cpus=os.cpu_count(),
         load_at_start=round(load, 1),
+        load_at_end=round(os.getloadavg()[0], 1),
         runs=runs,
     )
     save_record(record)  # each row as soon as it is measured
@@ -183,10 +184,12 @@ def _wall(entry: dict) -> str:
   span = f"{min(walls):.0f} s" if len(walls) == 1 else f"{min(walls):.0f}-{max(walls):.0f} s"
   if "note" in entry:  # a row carried over from before this script, not re-measured by it
     return f"{span} per run ({entry['note']})"
-  return (
-      f"{span} per run ({entry['measured']}, {entry['cpus']} cores, "
-      f"load {entry['load_at_start']} at start)"
-  )
+  load = f"load {entry['load_at_start']} at start"
+  if "load_at_end" in entry:
+    load += f", {entry['load_at_end']} at end"
+  if "load_note" in entry:  # what else ran on the machine meanwhile
+    load += f"; {entry['load_note']}"
+  return f"{span} per run ({entry['measured']}, {entry['cpus']} cores, {load})"
 
 
 def render_table(record: dict) -> str:

@@ -137,6 +137,7 @@ RULES = (
     # LoRA: train, then PEFT export.
     Rule(r"python -m grpo_jax\.main --config=configs/tiny_lora\.py( --workdir=\S+)?", "run", ""),
     Rule(r"python -m grpo_jax\.infer --workdir=DIR --export_peft=OUT", "run", ""),
+    Rule(r"python -m grpo_jax\.main --config=configs/tiny_your_data\.py .*", "run", "GSM8K rows"),
     Rule(r"python -m grpo_jax\.examples\.mnist --data_dir=DIR --seed=S", "run", "1 epoch"),
     # Configs that need weights or data the README's user brings: they resolve and parse.
     Rule(r"python -m grpo_jax\.main --config=configs/qwen3_8b\.py .*", "print_config", ""),
@@ -373,3 +374,26 @@ def test_the_results_table_is_written_from_the_measured_record():
   assert [r["seed"] for r in record["demo"]["runs"]] == [0, 1, 2]
   for row in ("demo", "one_step_off", "lora", "mnist"):
     assert "note" not in record[row], f"{row}: measured by the script, not carried over"
+
+
+def test_your_data_commands_run_on_gsm8k_rows_as_a_user_keeps_them(tmp_path):
+  """README "Your data": the starting config with nothing but the data named, on a chat-message
+  JSONL and on verl's parquet (GSM8K rows, tests/data's fixtures), CPU-sized."""
+  from tests.data import tables_fixtures as fx
+  from tests.data import test_your_data as yd
+
+  if not os.path.isdir(fx.GSM8K):
+    pytest.skip(f"no GSM8K at {fx.GSM8K} (GRPO_SHARED_DATA)")
+  (tmp_path / "path" / "to").mkdir(parents=True)
+  yd.chat_jsonl(tmp_path / "path" / "to" / "rows.jsonl", n=16)
+  fx.write_parquet(fx.verl_gsm8k_records("train", 16), str(tmp_path / "path/to/train.parquet"))
+  sizing = (
+      "--config.num_steps=1 --config.max_completion_length=16 --config.data.heldout_rows=8 "
+      "--config.eval.batch_size=8"
+  )
+  for i, c in enumerate(
+      _commands(r"python -m grpo_jax\.main --config=configs/tiny_your_data\.py .*")
+  ):
+    cmd = f"{_placeholders(c.text, tmp_path)} --workdir={tmp_path}/run{i} {sizing}"
+    _ok(shell(cmd, cwd=tmp_path, timeout=600), str(c))
+    assert os.path.exists(tmp_path / f"run{i}" / "summary.json")
