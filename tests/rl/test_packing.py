@@ -350,12 +350,16 @@ def _step_both(overrides, seed=0):
 )
 @pytest.mark.slow  # ~40 s each: a tiny_config policy's update compiled in both layouts
 def test_grpo_step_packed_equals_padded(overrides):
+  """Every metric (loss, grad norm, KL, clip fractions, advantages' statistics) within 1e-5;
+  the params after the AdamW step within 1e-5 relative: AdamW divides each coordinate by its
+  own gradient's size, which lifts the f32 noise of near-zero gradient coordinates (the
+  gradients themselves: 1e-6, test_packed_*_loss_and_gradients_equal_padded)."""
   (params_a, metrics_a), (params_b, metrics_b) = _step_both(overrides)
   for k, v in metrics_a.items():
     assert float(metrics_b[k]) == pytest.approx(float(v), rel=1e-5, abs=1e-6), k
   la, lb = jax.tree.leaves(params_a), jax.tree.leaves(params_b)
   assert (
-      _rel(np.concatenate([x.ravel() for x in lb]), np.concatenate([x.ravel() for x in la])) < 1e-6
+      _rel(np.concatenate([x.ravel() for x in lb]), np.concatenate([x.ravel() for x in la])) < 1e-5
   )
 
 
