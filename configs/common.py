@@ -95,9 +95,13 @@ def base() -> ml_collections.ConfigDict:
   c.batch_size = 8  # Prompts per GRPO step, over all hosts; the step trains on batch_size * G.
   # Sequences per gradient-accumulation micro-batch; 0 (or >= B * G) = all at once.
   c.micro_batch_size = 0
-  c.max_prompt_length = (
-      256  # Prompts are left-padded to this many tokens (longer: data.overlong_prompts).
-  )
+  # True: the update and the old / reference log-prob passes run on packed rows (grpo_jax/rl/
+  # packing.py): each [prompt; completion] sequence's real tokens only, several sequences per
+  # row of P + C slots, attention within a sequence, the same loss and gradients as padded rows.
+  # The native decoder (and LoRA) with the masked XLA attention only, one process, so far.
+  c.pack_sequences = False
+  # Prompts are left-padded to this many tokens (longer ones: data.overlong_prompts).
+  c.max_prompt_length = 256
   c.max_completion_length = 1024  # Tokens generated per completion (TOTAL_GENERATION_STEPS).
   c.save_interval_steps = 500
   c.eval_interval_steps = 0  # 0: evaluate only before and after training.

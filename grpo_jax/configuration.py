@@ -590,6 +590,34 @@ def _check_micro_batch(c: _Checker, cfg, dp: int):
     )
 
 
+def _check_packing(c: _Checker, cfg, num_processes: int):
+  """pack_sequences (rl/packing.py) where it is built and exact so far: the native decoder
+  (LoRA included) under the masked XLA attention, on one process."""
+  if not cfg.pack_sequences:
+    return
+  why = None
+  if cfg.model.impl != "native":
+    why = f"packed rows need the native decoder; model.impl={cfg.model.impl!r} takes padded rows"
+  elif cfg.model.family != "decoder":
+    why = f"packed rows need a decoder-only model; model.family={cfg.model.family!r} is not one"
+  elif num_processes > 1:
+    why = f"the packing plan is made on one host so far; this run has {num_processes} processes"
+  else:
+    platform = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend()
+    fused = cfg.model.attention_impl == "fused" or (
+        cfg.model.attention_impl == "auto" and platform != "cpu"
+    )
+    if fused:
+      c.fail(
+          "model.attention_impl",
+          f"pack_sequences needs the XLA attention on {platform} until the fused kernels take "
+          "segment ids",
+          "--config.model.attention_impl=xla (or --config.pack_sequences=False)",
+      )
+  if why:
+    c.fail("pack_sequences", why, "--config.pack_sequences=False")
+
+
 def _check_debug(c: _Checker, cfg):
   c.one_of("debug.transfer_guard", TRANSFER_GUARDS, "transfer guard level")
 
@@ -606,6 +634,7 @@ def validate(
   _check_rollout(c, config)
   _check_data_and_rewards(c, config)
   _check_debug(c, config)
+  _check_packing(c, config, num_processes or jax.process_count())
   num_devices = num_devices or jax.device_count()
   vllm_own = config.rollout.vllm.num_devices if config.rollout.engine == "vllm" else 0
   if vllm_own > 0:  # the trainer's mesh leaves each host's last N chips to vLLM

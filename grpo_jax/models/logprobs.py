@@ -129,3 +129,31 @@ def completion_logprobs(
       remat,
       getattr(model.cfg, "final_logit_softcap", 0.0),
   )
+
+
+def packed_logprobs(
+    model,
+    input_ids_rl: jax.Array,
+    segment_ids_rl: jax.Array,
+    positions_rl: jax.Array,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    remat: bool | None = None,
+) -> jax.Array:
+  """Log-probs [R, L] of every token of packed rows (rl/packing.py) given the tokens before it
+  in its sequence: slot j is predicted from slot j - 1, so a sequence's first token (a prompt
+  token, never trained on) and slot 0 get a value that means nothing; the loss's mask selects
+  the completion tokens. remat: as `completion_logprobs`."""
+  if remat is None:
+    remat = model.cfg.remat_policy != "none"
+  h = model.packed_hidden(input_ids_rl, segment_ids_rl, positions_rl)[:, :-1]
+  logp = chunked_token_logprobs(
+      h,
+      model.unembedding(),
+      input_ids_rl[:, 1:],
+      temperature,
+      chunk_size,
+      remat,
+      getattr(model.cfg, "final_logit_softcap", 0.0),
+  )
+  return jnp.pad(logp, ((0, 0), (1, 0)))

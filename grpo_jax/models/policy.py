@@ -26,6 +26,7 @@ from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.models.decoder.kernels import Kernels
 from grpo_jax.models.t5 import hf as t5_hf
 from grpo_jax.models.logprobs import completion_logprobs
+from grpo_jax.models.logprobs import packed_logprobs
 from grpo_jax.models.t5.model import T5
 from grpo_jax.models.t5.model import build_t5
 from grpo_jax.models.t5.model import t5_logprobs
@@ -59,6 +60,10 @@ class Policy:
   # params -> the frozen reference made of the same arrays (LoRA: the base, run without the
   # adapters). None: the reference is a copy (as_reference).
   reference: Callable | None = None
+  # Packed rows (rl/packing.py): (params, input_ids [R, L], segment_ids [R, L], positions
+  # [R, L], temperature) -> [R, L], each token's log-prob given its sequence before it
+  # (models/logprobs.py: packed_logprobs). None: the policy trains on padded rows only.
+  packed_logprobs: Callable | None = None
 
   def param_shardings(self, mesh):
     if self.shardings is not None:
@@ -134,6 +139,11 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
         nnx.merge(graphdef, params), input_ids, attention_mask, completion_len, temperature
     )
 
+  def packed(params, input_ids, segment_ids, positions, temperature=1.0):
+    return packed_logprobs(
+        nnx.merge(graphdef, params), input_ids, segment_ids, positions, temperature
+    )
+
   def save(params, path):
     hf.save_hf(nnx.merge(graphdef, params), path)
 
@@ -145,6 +155,7 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
       sampler_graphdef=graphdef,
       model_config=cfg,
       save_hf=save,
+      packed_logprobs=packed,
   )
 
 

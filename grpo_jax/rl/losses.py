@@ -1,7 +1,11 @@
 """GRPO-family policy losses, KL estimators and loss aggregation (pure jnp).
 
 Shapes: `logp`, `old_logp`, `ref_logp`, `mask` are [B, T] over completion tokens; advantages
-are [B] (one per sequence, broadcast over tokens) or [B, T]. Positions where `mask == 0` may hold
+are [B] (one per sequence, broadcast over tokens) or [B, T]. Which tokens make a sequence is
+`seqs`: `ROWS` (the padded layout: row b is sequence b) or `Segments` (packed rows, rl/packing.py:
+each token carries its sequence's index), and every per-sequence quantity (the seq-mean
+aggregations, GSPO's sequence ratio) is a sum per sequence either way, so a loss is the same in
+both layouts. Positions where `mask == 0` may hold
 anything, NaN included: every input is passed through `jnp.where(mask, x, 0)` first, so masked
 garbage never reaches a loss value or a gradient.
 
@@ -97,6 +101,51 @@ def token_kl(
   return jnp.clip(fn(-d, jnp.zeros_like(d)), -clamp, clamp)
 
 
+# ------------------------------------------------------------------------------ sequences
+
+
+class Rows:
+  """The padded layout: sequence b is row b of a [B, T] token array."""
+
+  def sums(self, x_bt: jax.Array) -> jax.Array:
+    """Per-sequence sums [B]."""
+    return x_bt.sum(-1)
+
+  def spread(self, s_b: jax.Array) -> jax.Array:
+    """A per-sequence value back at every token of its sequence (broadcastable to [B, T])."""
+    return s_b[:, None]
+
+  def per_sequence(self, lm_bt: jax.Array, m_bt: jax.Array):
+    """(loss, mask) as the aggregations reduce them: [B, T] as they are."""
+    return lm_bt, m_bt
+
+
+ROWS = Rows()
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+  """The packed layout: several sequences per row. ids [R, L] int: the index in [0, count) of
+  each token's sequence (masked tokens may hold any index in range); count (static): the number
+  of sequences, those with no token included (they still count in B, as an empty row does)."""
+
+  ids: jax.Array
+  count: int
+
+  def sums(self, x_rl: jax.Array) -> jax.Array:
+    """Per-sequence sums [count]."""
+    return jax.ops.segment_sum(x_rl.reshape(-1), self.ids.reshape(-1), self.count)
+
+  def spread(self, s_n: jax.Array) -> jax.Array:
+    """A per-sequence value back at every token of its sequence [R, L]."""
+    return s_n[self.ids]
+
+  def per_sequence(self, lm_rl: jax.Array, m_rl: jax.Array):
+    """(loss, mask) as the aggregations reduce them: [count, 1] sums per sequence. Every mode
+    of LOSS_AGG_MODES is a function of these per-sequence sums and of B = count."""
+    return self.sums(lm_rl)[:, None], self.sums(m_rl)[:, None]
+
+
 # ----------------------------------------------------------------------- loss aggregation
 # A mode registers its reduction together with its micro-batch weight, so exact gradient
 # accumulation (rl/step.py) never meets a mode whose denominator it does not know how to split.
@@ -189,6 +238,7 @@ def aggregate(
     mask_bt: jax.Array,
     mode: str = "seq-mean-token-mean",
     max_completion_length: int | None = None,
+    seqs: Rows | Segments = ROWS,
 ) -> jax.Array:
   """Reduces a [B, T] token loss to a scalar (docs/design.md's definitions).
 
@@ -197,24 +247,33 @@ def aggregate(
   seq-mean-token-sum       mean_b( sum_t(l*m) )
   seq-mean-token-sum-norm  sum(l*m) / (B * L), L = max_completion_length (Dr.GRPO)
   Empty masks contribute 0 (a row with no tokens still counts in B for the seq-mean modes;
-  an all-empty batch gives 0), never NaN.
+  an all-empty batch gives 0), never NaN. `seqs`: which tokens make each sequence (packed rows:
+  `Segments`, B = its count).
   """
   m = mask_bt.astype(bool)
   lm = jnp.where(m, loss_bt, 0.0)
-  return _agg_mode(mode).reduce(lm, m.astype(jnp.float32), max_completion_length)
+  lm, mf = seqs.per_sequence(lm, m.astype(jnp.float32))
+  return _agg_mode(mode).reduce(lm, mf, max_completion_length)
 
 
 def micro_batch_weight(
-    mode: str, mask_bt: jax.Array, total_tokens: jax.Array, total_rows: int
+    mode: str,
+    mask_bt: jax.Array,
+    total_tokens: jax.Array,
+    total_rows: int,
+    seqs: Rows | Segments = ROWS,
 ) -> jax.Array:
   """This micro-batch's share of the batch-level aggregation's denominator.
 
   `mask_bt` [b, T] is the micro-batch's completion mask; `total_tokens` (sum of the whole
   batch's mask) and `total_rows` (its B) describe the whole batch. Summing
   `micro_batch_weight * aggregate(micro)` over a partition of the rows gives
-  `aggregate(whole)`, so accumulated gradients do not depend on the micro-batch size.
+  `aggregate(whole)`, so accumulated gradients do not depend on the micro-batch size. Packed
+  rows (`seqs` a `Segments`): `total_rows` is the batch's sequence count and the micro-batch's
+  rows are its `seqs.count` sequences.
   """
-  w = _agg_mode(mode).weight(mask_bt.astype(jnp.float32), total_tokens, total_rows)
+  m = mask_bt.astype(jnp.float32)
+  w = _agg_mode(mode).weight(seqs.per_sequence(m, m)[1], total_tokens, total_rows)
   return jnp.asarray(w, jnp.float32)
 
 
@@ -241,16 +300,16 @@ def _clipped_surrogate(log_ratio, adv, eps_low, eps_high, clip_ratio_c):
 
 
 @POLICY_LOSSES.register("ppo_clip")
-def ppo_clip(logp, old_logp, adv, mask, *, eps_low, eps_high, clip_ratio_c):
+def ppo_clip(logp, old_logp, adv, mask, *, eps_low, eps_high, clip_ratio_c, seqs=ROWS):
   """PPO-clip (Schulman et al. 2017) on token ratios, as in GRPO (DeepSeekMath eq. 3), with
   DAPO's decoupled clip-higher (eps_high != eps_low, Yu et al. 2025) and optional dual-clip
   (Ye et al. 2020): for A < 0 the token loss is capped at -A * clip_ratio_c."""
-  del mask
+  del mask, seqs
   return _clipped_surrogate(logp - old_logp, adv, eps_low, eps_high, clip_ratio_c)
 
 
 @POLICY_LOSSES.register("gspo")
-def gspo(logp, old_logp, adv, mask, *, eps_low, eps_high, clip_ratio_c):
+def gspo(logp, old_logp, adv, mask, *, eps_low, eps_high, clip_ratio_c, seqs=ROWS):
   """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", GSPO-token, eq. 13-14).
 
   The importance ratio is per sequence, s_i = exp(mean_t(logp - old)) over its tokens, used at
@@ -259,8 +318,8 @@ def gspo(logp, old_logp, adv, mask, *, eps_low, eps_high, clip_ratio_c):
   clipped like PPO; GSPO uses much smaller ranges (e.g. eps_low 3e-4, eps_high 4e-4).
   """
   m = mask.astype(jnp.float32)
-  seq_log_ratio = jnp.where(mask, logp - old_logp, 0).sum(-1, keepdims=True) / jnp.maximum(
-      m.sum(-1, keepdims=True), 1
+  seq_log_ratio = seqs.spread(
+      seqs.sums(jnp.where(mask, logp - old_logp, 0)) / jnp.maximum(seqs.sums(m), 1)
   )
   token_log_ratio = jax.lax.stop_gradient(seq_log_ratio) + logp - jax.lax.stop_gradient(logp)
   return _clipped_surrogate(token_log_ratio, adv, eps_low, eps_high, clip_ratio_c)
@@ -293,6 +352,7 @@ def policy_loss(
     clip_ratio_c=None,
     kl_clamp=None,
     tis_weights=None,
+    seqs: Rows | Segments = ROWS,
 ):
   """The GRPO objective on one batch: aggregate(PG token loss * TIS + beta * KL). -> (loss, metrics)
 
@@ -300,7 +360,8 @@ def policy_loss(
   multiply the policy-gradient part only. Metrics (scalars): pg_loss (aggregated like the
   loss), kl (masked token mean), clip_frac / clip_frac_low / clip_frac_high (fraction of tokens
   whose clipped branch binds, split by side), dual_clip_frac, ppo_kl (masked mean of
-  old - logp, an estimate of KL(old || new)), ratio_mean, ratio_max.
+  old - logp, an estimate of KL(old || new)), ratio_mean, ratio_max. `seqs`: which tokens make
+  each sequence (`ROWS`: the rows; packed rows: `Segments`).
   """
   m = mask.astype(bool)
   logp = jnp.where(m, logp, 0.0)
@@ -311,7 +372,14 @@ def policy_loss(
 
   pg_fn = POLICY_LOSSES.get(policy_loss_kind)
   pg_bt, ratio_bt, diag = pg_fn(
-      logp, old_logp, adv, m, eps_low=clip_eps, eps_high=eps_high, clip_ratio_c=clip_ratio_c
+      logp,
+      old_logp,
+      adv,
+      m,
+      eps_low=clip_eps,
+      eps_high=eps_high,
+      clip_ratio_c=clip_ratio_c,
+      seqs=seqs,
   )
   if tis_weights is not None:
     pg_bt = pg_bt * jnp.where(m, tis_weights, 0.0)
@@ -325,9 +393,9 @@ def policy_loss(
   else:
     kl = jnp.zeros((), jnp.float32)
 
-  loss = aggregate(loss_bt, m, loss_agg_mode, max_completion_length)
+  loss = aggregate(loss_bt, m, loss_agg_mode, max_completion_length, seqs)
   metrics = {
-      "pg_loss": aggregate(pg_bt, m, loss_agg_mode, max_completion_length),
+      "pg_loss": aggregate(pg_bt, m, loss_agg_mode, max_completion_length, seqs),
       "kl": kl,
       "clip_frac_low": masked_mean(diag["clip_low"], m),
       "clip_frac_high": masked_mean(diag["clip_high"], m),

@@ -4,6 +4,7 @@
     reference.start(state["params"])            # a fresh GRPO run: the policy it starts from
     reference.restore(restored)                 # or: what the checkpoint holds (target())
     ref_logp = reference.logprobs(state["params"], input_ids, attention_mask)   # [N, C]
+    ref_params = reference.weights(state["params"])   # for another layout's pass (packed rows)
     reference.after_update(step, state["params"])   # refresh_every_steps: a copy or an EMA
     saved = reference.saved()                   # {"ref": params} or {}: the checkpoint's part
 
@@ -64,11 +65,14 @@ class Reference:
         _to_memory_kind(self.params, "device") if self.offload and self.own_copy else (self.params)
     )
 
+  def weights(self, params):
+    """The reference's params on the device; `params`: the policy's current ones (LoRA's
+    reference is their base)."""
+    return self.policy.reference(params) if self.policy.reference else self.on_device()
+
   def logprobs(self, params, input_ids, attention_mask):
-    """Per-token log-probs [N, C] of the completions under the reference; `params`: the
-    policy's current ones (LoRA's reference is their base)."""
-    ref = self.policy.reference(params) if self.policy.reference else self.on_device()
-    return self.fns.logprobs(ref, input_ids, attention_mask)
+    """Per-token log-probs [N, C] of the completions under the reference (`weights(params)`)."""
+    return self.fns.logprobs(self.weights(params), input_ids, attention_mask)
 
   def after_update(self, step: int, params):
     """reference.refresh_every_steps: at every such step the copy becomes a copy (or an EMA)

@@ -3,7 +3,9 @@
 The step knows nothing about the model: it takes `logprob_fn(params, input_ids_bs,
 attention_mask_bs) -> logp_bc`, the per-token log-probs of the C completion tokens at the end
 of each [prompt; completion] row. The native decoder and the MaxText adapter each provide one,
-so both policies train through this same code.
+so both policies train through this same code. With `config.pack_sequences` the rows are packed
+(rl/packing.py: several sequences per row, segment ids) and the layout (`packing.PackedLayout`)
+says how the log-probs are asked for and which tokens make a sequence; the loss is the same.
 
 Exactness of accumulation: the loss of a batch split into micro-batches equals the loss of the
 whole batch, not a mean of per-micro-batch losses. Each micro-batch's aggregated loss is
@@ -26,6 +28,7 @@ import optax
 from grpo_jax.parallel import sharding
 from grpo_jax.rl import advantages as adv_lib
 from grpo_jax.rl import losses
+from grpo_jax.rl import packing
 from grpo_jax.run import metrics as metrics_lib
 from grpo_jax.run import profiling
 
@@ -97,14 +100,23 @@ def make_optimizer(
   return optax.chain(*parts)
 
 
-def grpo_micro_loss(params, batch: dict, *, logprob_fn: Callable, settings: LossSettings):
+def grpo_micro_loss(
+    params,
+    batch: dict,
+    *,
+    logprob_fn: Callable,
+    settings: LossSettings,
+    layout=packing.PADDED,
+):
   """policy_loss on one micro-batch. `batch` holds (all [b, ...]):
 
   input_ids, attention_mask [b, P+C]; completion_mask [b, C]; advantages [b];
   old_logp [b, C] (optional: None means on-policy, ratio = 1 in value);
   ref_logp [b, C] (when beta > 0); sampler_logp [b, C] (when tis_cap > 0).
+  Packed rows (`layout` a packing.PackedLayout): input_ids, segment_ids, positions and every
+  per-token field [r, L], advantages per token [r, L] (rl/packing.py: pack).
   """
-  logp_bc = logprob_fn(params, batch["input_ids"], batch["attention_mask"])
+  logp_bc = layout.logprobs(logprob_fn, params, batch)
   old_bc = batch.get("old_logp")
   if old_bc is None:
     old_bc = jax.lax.stop_gradient(logp_bc)
@@ -127,19 +139,30 @@ def grpo_micro_loss(params, batch: dict, *, logprob_fn: Callable, settings: Loss
       clip_ratio_c=settings.clip_ratio_c,
       kl_clamp=settings.kl_clamp,
       tis_weights=tis_bc,
+      seqs=layout.seqs(batch),
   )
 
 
-def accumulate_gradients(loss_fn: Callable, params, batch: dict, num_micro: int, agg_mode: str):
+def accumulate_gradients(
+    loss_fn: Callable,
+    params,
+    batch: dict,
+    num_micro: int,
+    agg_mode: str,
+    layout=packing.PADDED,
+):
   """Sum of weighted micro-batch gradients == the gradient of the whole-batch loss.
 
   `loss_fn(params, micro_batch) -> (loss, metrics)`. Micro-batches are strided views
   (rows i, i + n, i + 2n, ... for micro-batch i) so every data-parallel shard contributes to
-  each micro-batch and no cross-device reshuffle is needed.
+  each micro-batch and no cross-device reshuffle is needed. Packed rows (`layout`): micro-batch
+  i's rows hold the sequences the padded layout gives it (rl/packing.py), and the batch-level
+  denominators count sequences, not rows.
   """
   mask = batch["completion_mask"].astype(jnp.float32)
   rows = mask.shape[0]
   total_tokens = mask.sum()
+  total_seqs = layout.num_sequences(batch)
 
   def micro(i_batch):
     return jax.tree.map(
@@ -149,7 +172,11 @@ def accumulate_gradients(loss_fn: Callable, params, batch: dict, num_micro: int,
   def weighted(params, mb):
     loss, metrics = loss_fn(params, mb)
     w = losses.micro_batch_weight(
-        agg_mode, mb["completion_mask"].astype(jnp.float32), total_tokens, rows
+        agg_mode,
+        mb["completion_mask"].astype(jnp.float32),
+        total_tokens,
+        total_seqs,
+        layout.seqs(mb),
     )
     return loss * w, (loss, metrics, w)
 
@@ -211,22 +238,28 @@ def make_grpo_update(
     num_micro: int,
     split: Callable | None = None,
     combine: Callable | None = None,
+    layout=packing.PADDED,
 ):
   """(state, batch) -> (state, metrics): one optimizer update on a whole rollout batch.
 
   `split(params) -> (trained, frozen)` and `combine` (LoRA: adapters vs the base): gradients,
-  optimizer moments and the update cover only the trained part; the frozen part passes through."""
+  optimizer moments and the update cover only the trained part; the frozen part passes through.
+  `layout`: the rows' (packing.PADDED, or a packing.PackedLayout with `logprob_fn` taking packed
+  rows)."""
   split = split or (lambda p: (p, None))
   combine = combine or (lambda trained, frozen: trained)
 
   def update(state, batch):
     trained, frozen = split(state["params"])
+    batch = {k: v for k, v in batch.items() if k != "sequences"}  # packed: the figures' views
 
     def loss_fn(params, mb):
-      return grpo_micro_loss(combine(params, frozen), mb, logprob_fn=logprob_fn, settings=settings)
+      return grpo_micro_loss(
+          combine(params, frozen), mb, logprob_fn=logprob_fn, settings=settings, layout=layout
+      )
 
     loss, grads, metrics = accumulate_gradients(
-        loss_fn, trained, batch, num_micro, settings.loss_agg_mode
+        loss_fn, trained, batch, num_micro, settings.loss_agg_mode, layout
     )
     new, metrics = apply_update(optimizer, dict(state, params=trained), loss, grads, metrics)
     return dict(new, params=combine(new["params"], frozen)), metrics
@@ -260,6 +293,12 @@ class TrainFunctions:
                                         (batch's old_logp vs ref_logp), advantages again
   refresh(ref, params) -> ref           reference refresh: mix * params + (1 - mix) * ref
   abstract_state                        `init`'s output as a restore target
+  With config.pack_sequences (rl/packing.py), `update` trains on packed rows, and:
+  pack(batch, row_of, offset_of, rows) -> packed batch   the device-side gather of a plan
+  packed_logprobs(params, input_ids, segment_ids, positions) -> [R, L]
+  packed_fold_kl(batch, rewards) -> (batch, rewards)     fold_kl on packed rows
+  unpack(x_rl, slot_nc) -> [N, C]       a packed per-token array in the rollout's layout
+  num_micro                             gradient-accumulation passes
   """
 
   init: Callable
@@ -269,6 +308,11 @@ class TrainFunctions:
   fold_kl: Callable
   refresh: Callable
   abstract_state: dict
+  pack: Callable | None = None
+  packed_logprobs: Callable | None = None
+  packed_fold_kl: Callable | None = None
+  unpack: Callable | None = None
+  num_micro: int = 1
 
 
 def num_micro_batches(micro_batch_size: int, rows: int) -> int:
@@ -329,13 +373,35 @@ def build(config, policy, mesh) -> TrainFunctions:
       batch["sampler_logp"] = rollout.logprobs
     return batch
 
+  def kl_penalized(rewards_n, old_nc, ref_nc, mask_nc):
+    kl_nc = losses.token_kl(old_nc, ref_nc, config.loss.kl_kind, config.loss.kl_clamp)
+    return rewards_n - config.beta * jnp.where(mask_nc > 0, kl_nc, 0.0).sum(-1)
+
   def fold_kl(batch, rewards_n):
     mask_nc = batch["attention_mask"][:, -completion_len:]
-    kl_nc = losses.token_kl(
-        batch["old_logp"], batch["ref_logp"], config.loss.kl_kind, config.loss.kl_clamp
-    )
-    rewards_n = rewards_n - config.beta * jnp.where(mask_nc > 0, kl_nc, 0.0).sum(-1)
+    rewards_n = kl_penalized(rewards_n, batch["old_logp"], batch["ref_logp"], mask_nc)
     return dict(batch, advantages=advantages(rewards_n)), rewards_n
+
+  num_micro = num_micro_batches(config.micro_batch_size, rows)
+  rows2 = sharding.batch_sharding(mesh, 2)
+
+  def packed_logprobs(params, input_ids, segment_ids, positions):
+    return policy.packed_logprobs(params, input_ids, segment_ids, positions, temperature)
+
+  def pack(batch, row_of_n, offset_of_n, packed_rows):
+    out = packing.pack(batch, row_of_n, offset_of_n, rows=packed_rows, num_micro=num_micro)
+    rows_sharded = lambda x: jax.lax.with_sharding_constraint(x, rows2)  # noqa: E731
+    return {k: v if k == "sequences" else rows_sharded(v) for k, v in out.items()}
+
+  def packed_fold_kl(batch, rewards_n):
+    # The sums per sequence over the rollout's [N, C] layout, as fold_kl's, so bit for bit.
+    slot_nc = batch["sequences"]["slot"]
+    old_nc, ref_nc = (packing.unpack(batch[k], slot_nc) for k in ("old_logp", "ref_logp"))
+    rewards_n = kl_penalized(rewards_n, old_nc, ref_nc, slot_nc < batch["old_logp"].size)
+    adv_n = advantages(rewards_n)
+    adv_rl = adv_n[packing.sequence_index(batch["segment_ids"], num_micro)]
+    sequences = dict(batch["sequences"], advantages=adv_n)
+    return dict(batch, advantages=adv_rl, sequences=sequences), rewards_n
 
   mix = float(config.reference.refresh_mix)
 
@@ -364,15 +430,20 @@ def build(config, policy, mesh) -> TrainFunctions:
       nonfinite_streak=sharding.replicated(mesh),
       nonfinite_total=sharding.replicated(mesh),
   )
+  if config.pack_sequences:
+    update_logprobs = packed_logprobs
+    layout = packing.PackedLayout(rows // num_micro, num_micro)
+  else:
+    update_logprobs, layout = logprobs, packing.PADDED
   update = make_grpo_update(
-      logprobs,
+      update_logprobs,
       optimizer,
       LossSettings.from_config(config),
-      num_micro_batches(config.micro_batch_size, rows),
+      num_micro,
       policy.split,
       policy.combine,
+      layout,
   )
-  rows2 = sharding.batch_sharding(mesh, 2)
   return TrainFunctions(
       init=jax.jit(init, out_shardings=shardings),
       # The model's forward runs in these two: traced in the mesh (activation constraints,
@@ -387,6 +458,11 @@ def build(config, policy, mesh) -> TrainFunctions:
       fold_kl=jax.jit(fold_kl, out_shardings=sharding.batch_sharding(mesh, 1)),
       refresh=jax.jit(refresh, donate_argnums=0, out_shardings=param_shardings),
       abstract_state=sharding.abstract_with(abstract, shardings),
+      pack=jax.jit(pack, static_argnums=3),
+      packed_logprobs=jax.jit(sharding.traced_in(packed_logprobs, mesh), out_shardings=rows2),
+      packed_fold_kl=jax.jit(packed_fold_kl),
+      unpack=jax.jit(packing.unpack, out_shardings=rows2),
+      num_micro=num_micro,
   )
 
 
@@ -425,6 +501,8 @@ class GrpoStep:
     sampler is the trainer's own program (no sampler/trainer gap to log)."""
     self.config, self.fns, self.reference, self.mesh = config, fns, reference, mesh
     self.matches_trainer = matches_trainer
+    # The update's rows: as the rollout made them, or packed (rl/packing.py).
+    self.rows = packing.Packer(config, fns, mesh) if config.pack_sequences else packing.Padded(fns)
     self.old_logp = old_logprobs_source(config, matches_trainer)
     self.stats_fn = jax.jit(
         functools.partial(
@@ -443,22 +521,19 @@ class GrpoStep:
       upd = self.fns.assemble(
           batch.prompt["ids"], batch.prompt["mask"], batch.rollout, batch.rewards
       )
-    if self.old_logp == "sampler":
-      upd["old_logp"] = batch.behaviour_logp
-    elif self.old_logp == "trainer":
+      if self.old_logp == "sampler":
+        upd["old_logp"] = batch.behaviour_logp
+      upd = self.rows.rows(upd)  # packed: the plan on the host, the gather on the device
+    if self.old_logp == "trainer":
       with profiling.phase("old_logprobs"):
-        upd["old_logp"] = self.fns.logprobs(
-            state["params"], upd["input_ids"], upd["attention_mask"]
-        )
+        upd["old_logp"] = self.rows.logprobs(state["params"], upd)
     if self.reference.enabled:
       with profiling.phase("ref_logprobs"):
-        upd["ref_logp"] = self.reference.logprobs(
-            state["params"], upd["input_ids"], upd["attention_mask"]
-        )
+        upd["ref_logp"] = self.rows.logprobs(self.reference.weights(state["params"]), upd)
     if not self.config.kl_in_reward:
       return upd, None
     with profiling.phase("kl_in_reward"):  # rewards - beta * sum_t KL_t, the advantages again
-      return self.fns.fold_kl(upd, batch.rewards)
+      return self.rows.fold_kl(upd, batch.rewards)
 
   def update(self, state: dict, upd: dict) -> tuple[dict, dict]:
     """6. num_iterations optimizer updates over the whole batch, dispatched (`state` donated).
@@ -476,11 +551,12 @@ class GrpoStep:
   def figures(self, batch, upd: dict, kl_rewards_n) -> dict:
     """The batch's scalars where its arrays live (metrics.rollout_stats; with the sampler/trainer
     log-prob gap when the sampler is another program, and the KL penalty when kl_in_reward)."""
+    advantages_n, old_logp_nc = self.rows.per_sequence(upd)
     mismatch = (
         {}
         if self.matches_trainer
-        else dict(sampler_logp_nc=batch.rollout.logprobs, trainer_logp_nc=upd["old_logp"])
+        else dict(sampler_logp_nc=batch.rollout.logprobs, trainer_logp_nc=old_logp_nc)
     )
     if kl_rewards_n is not None:
       mismatch["kl_rewards_n"] = kl_rewards_n
-    return self.stats_fn(batch.rewards, upd["advantages"], batch.rollout.mask, **mismatch)
+    return self.stats_fn(batch.rewards, advantages_n, batch.rollout.mask, **mismatch)

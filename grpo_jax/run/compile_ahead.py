@@ -187,6 +187,8 @@ class CompileAhead:
     rollout = Rollout.spec(rows, c.max_completion_length, mesh)
     rewards = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=sharding.batch_sharding(mesh, 1))
     assemble = ("assemble", fns.assemble, (ids, mask, rollout, rewards))
+    if c.pack_sequences:  # packed shapes follow the step's lengths: they compile at first use
+      return [assemble]
     upd = jax.eval_shape(fns.assemble, *assemble[2])
     programs = [assemble]
     if grpo.old_logp == "sampler":

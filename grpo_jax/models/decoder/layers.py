@@ -20,8 +20,8 @@ attentions (`attention`, and `cache_attention` for the decode) take an explicit 
 
 Sliding windows count positions (real tokens), not slots: a local layer's query at position p
 attends to the keys at positions p - window + 1 .. p (Hugging Face's Gemma mask on an unpadded
-row), whatever padding the row holds. In the training forward the key positions are the
-queries' (self-attention); in the caches the real tokens of a row are contiguous from the
+row), whatever padding the row holds, and per sequence in a packed row (positions restart at
+0 in each). In the training forward the key positions are the queries' (self-attention); in the caches the real tokens of a row are contiguous from the
 first completion slot on (the sampler's layout), so slot distance is position distance there.
 """
 
@@ -268,14 +268,16 @@ class Block(nnx.Module):
       self.post_attn_norm = norm(cfg, cfg.hidden_size, rngs)
       self.post_mlp_norm = norm(cfg, cfg.hidden_size, rngs)
 
-  def forward(self, x_btd, positions_bt, mask_bt, kernels: Kernels, local=False):
+  def forward(self, x_btd, positions_bt, segments_bt, kernels: Kernels, local=False):
     """The training forward and the prefill: the T tokens of each row attend among themselves.
 
-    x [B, T, D]; positions [B, T] (RoPE; the real tokens before each); mask [B, T] (nonzero =
-    a real token). With `kernels.fused_attention` the caller has moved each row's real tokens
-    first (transformer.compaction) and one fused causal kernel runs (`causal_attention`; the
-    mask is then all real tokens first and not read); else the masked attention, where slot j
-    is sequence index j. `local`: a sliding-window layer (a bool, or a traced one under the
+    x [B, T, D]; positions [B, T] (RoPE; the real tokens of its sequence before each);
+    segments [B, T] int: 0 = padding, else the token's sequence within the row (a padded row:
+    its attention mask, one sequence; a packed row, rl/packing.py: its segment ids); a token
+    attends only to the earlier tokens of its own sequence. With `kernels.fused_attention` the
+    caller has moved each row's real tokens first (transformer.compaction) and one fused causal
+    kernel runs (`causal_attention`; one sequence per row, `segments` not read); else the masked
+    attention, where slot j is the row's index j. `local`: a sliding-window layer (a bool, or a traced one under the
     layer scan). -> (x, k, v): k, v [B, T, Hkv, K] are the tokens' keys/values (the prefill's
     cache entries)."""
     cfg = self.cfg
@@ -295,10 +297,11 @@ class Block(nnx.Module):
       else:  # the kernel's mask is static: one branch per layer kind
         a = jax.lax.cond(local, lambda: fused(cfg.sliding_window), lambda: fused(None))
     else:
-      b, t = mask_bt.shape
+      b, t = segments_bt.shape
       slots = jnp.arange(t)
-      allowed = slot_mask(jnp.broadcast_to(slots, (b, t)), slots, mask_bt)
-      if window is not None:  # windows count positions (real tokens), not slots
+      allowed = slot_mask(jnp.broadcast_to(slots, (b, t)), slots, segments_bt)
+      allowed &= segments_bt[:, :, None] == segments_bt[:, None, :]
+      if window is not None:  # windows count positions (within the sequence), not slots
         allowed &= positions_bt[:, :, None] - positions_bt[:, None, :] < window
       a = attention(q, k, v, allowed, softcap=cfg.attn_logit_softcap)
     return self._residual(x_btd, a, kernels), k, v

@@ -3,6 +3,8 @@
 1. Training forward: `model(input_ids, attention_mask) -> logits [B, T, V]` (or
    `model.hidden(...)` -> final-norm hidden states [B, T, D] for memory-frugal log-probs).
    Left padding is allowed: positions are `cumsum(mask) - 1`, padding is never attended.
+   Packed rows (several sequences per row, rl/packing.py): `model.packed_hidden(input_ids,
+   segment_ids, positions)`; attention never crosses a sequence.
 2. Prefill: `model.prefill(tokens, mask, cache)` runs the prompt and fills the KV cache.
 3. Decode: `model.decode(token_b, cache)` runs one new token per row against the cache.
 All three give the same log-probs for the same tokens (tests/models/test_model.py checks 1e-5 in f32).
@@ -158,12 +160,13 @@ class Transformer(nnx.Module):
       ys.append(ys_l)
     return x, jax.tree.map(lambda *per_layer: per_layer, *ys)
 
-  def _forward_layers(self, x, positions, mask):
-    """All layers' `Block.forward`. -> (x, ks, vs): each layer's keys/values [B, T, Hkv, K]."""
+  def _forward_layers(self, x, positions, segments):
+    """All layers' `Block.forward` (segments: 0 = padding, else the token's sequence in its
+    row). -> (x, ks, vs): each layer's keys/values [B, T, Hkv, K]."""
     kernels = self.kernels
 
     def step(block, x, xs_l, local):
-      x, k, v = block.forward(x, positions, mask, kernels, local)
+      x, k, v = block.forward(x, positions, segments, kernels, local)
       return x, (k, v)
 
     x, (ks, vs) = self._run_layers(step, x)
@@ -176,13 +179,27 @@ class Transformer(nnx.Module):
     if attention_mask is None:
       attention_mask = jnp.ones_like(input_ids)
     positions = positions_from_mask(attention_mask)
+    segments = (attention_mask != 0).astype(jnp.int32)  # one sequence per row
     if self.kernels.fused_attention:  # real tokens first, one fused causal kernel
       src, dst = compaction(attention_mask)
       x, _, _ = self._forward_layers(
-          self._embed(_take(input_ids, src)), _take(positions, src), _take(attention_mask, src)
+          self._embed(_take(input_ids, src)), _take(positions, src), _take(segments, src)
       )
       return _take(self.final_norm(x), dst)
-    x, _, _ = self._forward_layers(self._embed(input_ids), positions, attention_mask)
+    x, _, _ = self._forward_layers(self._embed(input_ids), positions, segments)
+    return self.final_norm(x)
+
+  def packed_hidden(self, input_ids, segment_ids, positions):
+    """Final-norm hidden states [R, L, D] of packed rows (rl/packing.py): several sequences per
+    row, segment_ids [R, L] (0 = padding, else the sequence's id, unique in its row), positions
+    [R, L] restarting at 0 in each sequence. A token attends only to its own sequence. The
+    masked attention only, for now: the fused kernels take one sequence per row."""
+    if self.kernels.fused_attention:
+      raise ValueError(
+          f"packed rows need the masked XLA attention on {self.kernels.platform} until its "
+          "fused kernel takes segment ids: set model.attention_impl=xla (or pack_sequences=False)"
+      )
+    x, _, _ = self._forward_layers(self._embed(input_ids), positions, segment_ids)
     return self.final_norm(x)
 
   def __call__(self, input_ids, attention_mask=None):
@@ -236,7 +253,9 @@ class Transformer(nnx.Module):
       ks, vs = (jax.tree.map(lambda a: _take(a, dst, axis=1 + lead), kv) for kv in (ks, vs))
       x = _take(x, dst if all_logits else dst[:, -1:])
     else:
-      x, ks, vs = self._forward_layers(self._embed(tokens_bp), positions, mask_bp)
+      x, ks, vs = self._forward_layers(
+          self._embed(tokens_bp), positions, (mask_bp != 0).astype(jnp.int32)
+      )
     h = self.final_norm(x if all_logits else x[:, -1:])
     logits = self.logits_from_hidden(h)
     cache = dict(

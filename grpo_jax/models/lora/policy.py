@@ -16,6 +16,7 @@ from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import hf
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.models.logprobs import completion_logprobs
+from grpo_jax.models.logprobs import packed_logprobs
 from grpo_jax.models.lora.adapters import attach
 from grpo_jax.models.lora.adapters import base_of
 from grpo_jax.models.lora.adapters import combine
@@ -41,6 +42,10 @@ def lora_policy(config, mesh, *, abstract: bool = False):
     return completion_logprobs(
         nnx.merge(gd, params), input_ids, attention_mask, completion_len, temperature
     )
+
+  def packed(params, input_ids, segment_ids, positions, temperature=1.0):
+    gd = graphdef if has_adapters(params) else base_graphdef  # no adapters: the reference
+    return packed_logprobs(nnx.merge(gd, params), input_ids, segment_ids, positions, temperature)
 
   merge_fn = jax.jit(lambda p: merged(p, graphdef))
 
@@ -68,6 +73,7 @@ def lora_policy(config, mesh, *, abstract: bool = False):
       split=split,
       combine=combine,
       reference=base_of,
+      packed_logprobs=packed,
       **rollout,
   )
 
