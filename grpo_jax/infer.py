@@ -396,7 +396,7 @@ def main(argv):
   except Exception as e:  # one line on the console; the traceback with --verbose
     if _VERBOSE.value:
       raise
-    _fail(f"{_one_line(e)} (--verbose prints the traceback)")
+    _fail(f"{console.one_line(e)} (--verbose prints the traceback)")
 
 
 def _run(prompts: list[str]):
@@ -406,9 +406,14 @@ def _run(prompts: list[str]):
     prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
   workdir = _WORKDIR.value
   if _CONFIG.value is None:
+    from grpo_jax.run import paths
+
     raise app.UsageError(
-        f"--workdir={workdir} holds no {RUN_CONFIG} (the config a training run writes). Fix: "
-        "pass the config the run was trained with, --config=FILE"
+        f"--workdir={workdir}: no such folder. Fix: name a training run's folder (the demo's: "
+        "runs/tiny-<date>-<time>)"
+        if workdir and not paths.isdir(workdir)
+        else f"--workdir={workdir} holds no {RUN_CONFIG} (the config a training run writes). "
+        "Fix: pass the config the run was trained with, --config=FILE"
         if workdir
         else "no config. Fix: --workdir=DIR (a training run's folder: its config.json is "
         "used), or --config=FILE (e.g. --config=configs/tiny.py)"
@@ -493,17 +498,6 @@ def save_tokenizer(config, path: str, *, generation_config: bool = True):
             indent=2,
         ),
     )
-
-
-def _one_line(e: BaseException, limit: int = 600) -> str:
-  """The exception as one line: our own messages say what and the fix; for others the type
-  name leads."""
-  text = " ".join(str(e).split()) or "(no message)"
-  ours = type(e).__module__.startswith("grpo_jax") or isinstance(
-      e, (FileNotFoundError, ValueError, KeyError, RuntimeError)
-  )
-  line = text if ours else f"{type(e).__name__}: {text}"
-  return line if len(line) <= limit else line[:limit] + " ..."
 
 
 def _fail(line: str, code: int = 1):

@@ -185,18 +185,19 @@ def main(argv):
     if _VERBOSE.value:
       raise
     where = _write_traceback(workdir)
-    console = _quiet_shutdown(where)  # library threads may still print: not to the console
+    fd = _quiet_shutdown(where)  # library threads may still print: not to the console
     # A library thread may have been cut off mid-line by the redirect: start on a fresh line.
     if peers.lost_peer(e):  # a collective found a peer process dead
       os.write(
-          console,
+          fd,
           f"\nerror: a peer JAX process is gone ({peers.lost_peer(e)}); this "
           f"process stops too. {peers.relaunch_hint(workdir)} (traceback: {where})\n".encode(),
       )
       os._exit(peers.EXIT_PEER_GONE)  # jax's shutdown at exit would wait for the dead peer
     os.write(
-        console,
-        f"\nerror: {_one_line(e)} (traceback: {where}; --verbose prints it " "here)\n".encode(),
+        fd,
+        f"\nerror: {console.one_line(e)} (traceback: {where}; --verbose prints it "
+        "here)\n".encode(),
     )
     sys.exit(1)
   watchdog.stop()
@@ -214,19 +215,6 @@ def _quiet_shutdown(log_path: str) -> int:
   except OSError:
     pass
   return console
-
-
-def _one_line(e: BaseException, limit: int = 600) -> str:
-  """The exception as one line: our own messages already say what, where and the fix; for
-  anything else the type name leads."""
-  text = " ".join(str(e).split()) or "(no message)"
-  if type(e).__module__.startswith("grpo_jax") or isinstance(
-      e, (FileNotFoundError, ValueError, KeyError, RuntimeError)
-  ):
-    line = text
-  else:
-    line = f"{type(e).__name__}: {text}"
-  return line if len(line) <= limit else line[:limit] + " ..."
 
 
 def _write_traceback(workdir: str) -> str:

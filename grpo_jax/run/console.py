@@ -63,6 +63,17 @@ def quiet_libraries(verbose: bool = False) -> None:
       handler.addFilter(_FILTER)
 
 
+def one_line(e: BaseException, limit: int = 600) -> str:
+  """An exception as one console line: our own messages (and the builtin errors they raise)
+  already say what, where and the fix; for anything else the type name leads."""
+  text = " ".join(str(e).split()) or "(no message)"
+  ours = type(e).__module__.startswith("grpo_jax") or isinstance(
+      e, (FileNotFoundError, ValueError, KeyError, RuntimeError)
+  )
+  line = text if ours else f"{type(e).__name__}: {text}"
+  return line if len(line) <= limit else line[:limit] + " ..."
+
+
 def verbose() -> bool:
   """The last quiet_libraries call's `verbose` (False before any): for libraries that print
   through a switch of their own rather than a logger (MaxText's log_config)."""
