@@ -32,10 +32,11 @@ It prints:
   the recipe's shapes. Per forward: 2 * N_nonembed per token slot, 2 * D * V per position the
   LM head runs on, 4 * L * H * K * T^2 per attention row of T slots (PaLM's convention, as
   grpo_step.py). Issued: padded rows run every slot and the head over the C completion
-  positions; packed rows run every slot of R rows and the head over every slot (the packed
-  log-prob pass predicts each slot), and the masked XLA attention computes the whole [S, S]
-  scores of each packed row. Real: each sequence's own tokens, its l^2 attention, the head over
-  its completion tokens.
+  positions; packed rows run every slot of R rows and the head over the completion tokens'
+  slots in whole bucketed rows (rl/packing.py: head_rows; "head on every slot" is the layout
+  before that, the head over all R x S slots), and the masked XLA attention computes the whole
+  [S, S] scores of each packed row. Real: each sequence's own tokens, its l^2 attention, the
+  head over its completion tokens.
 """
 
 import argparse
@@ -186,15 +187,17 @@ def forward_flops(cfg, slots: int, head_positions: int, attention_sq: int) -> fl
 def flops_ratios(cfg, batches, *, num_micro: int, row_multiple: int) -> dict:
   """Model FLOPs of the real tokens / FLOPs issued (update + both passes: 5 forward units,
   the same factor on both sides, so the ratio of one forward)."""
-  real = padded = packed = 0.0
+  real = padded = packed = every_slot = 0.0
   for bt in batches:
     s, seq = bt.width + bt.c, bt.seq_n
     n = seq.size
     plan = packing.plan_rows(seq, s, num_micro=num_micro, row_multiple=row_multiple)
+    heads = packing.head_rows(bt.completion_n, s, num_micro=num_micro, row_multiple=row_multiple)
     real += forward_flops(cfg, seq.sum(), bt.completion_n.sum(), (seq**2).sum())
     padded += forward_flops(cfg, n * s, n * bt.c, n * s * s)
-    packed += forward_flops(cfg, plan.rows * s, plan.rows * s, plan.rows * s * s)
-  return dict(padded=real / padded, packed=real / packed)
+    packed += forward_flops(cfg, plan.rows * s, heads * s, plan.rows * s * s)
+    every_slot += forward_flops(cfg, plan.rows * s, plan.rows * s, plan.rows * s * s)
+  return dict(padded=real / padded, packed=real / packed, packed_head_every_slot=real / every_slot)
 
 
 # ------------------------------------------------------------------------------ the timing
@@ -239,10 +242,17 @@ def device_batch(rng, bt: Batch, vocab: int) -> tuple:
   return ids, jnp.asarray(pmask), rollout, rewards
 
 
+class HeadOnEverySlot(packing.Packer):
+  """Packed rows with the LM head on all R x S slots (as before rl/packing.py's head_rows)."""
+
+  def head_rows(self, completion_n, width, plan):
+    return plan.rows
+
+
 class Side:
   """One layout: rl/step.py's functions, the rows object GrpoStep asks, a state, a reference."""
 
-  def __init__(self, config):
+  def __init__(self, config, packer=packing.Packer):
     self.mesh = build.make_mesh(config, devices=jax.devices()[:1])
     self.policy = build.make_policy(config, self.mesh)
     self.fns = step_lib.build(config, self.policy, self.mesh)
@@ -250,9 +260,7 @@ class Side:
     self.reference = Reference(config, self.policy, self.fns, self.mesh)
     self.reference.start(self.state["params"])
     self.rows = (
-        packing.Packer(config, self.fns, self.mesh)
-        if config.pack_sequences
-        else packing.Padded(self.fns)
+        packer(config, self.fns, self.mesh) if config.pack_sequences else packing.Padded(self.fns)
     )
 
   def __call__(self, inputs) -> dict:
@@ -285,7 +293,10 @@ def time_layouts(spec: dict, lengths, recipe, seed: int) -> dict:
       draw_batch(rng, lengths, spec["batch_size"], spec["num_generations"], p, c, scale)
       for _ in range(spec["batches"])
   ]
-  sides = {pack: Side(make_config(spec, pack, p, c)) for pack in (False, True)}
+  padded, packed = make_config(spec, False, p, c), make_config(spec, True, p, c)
+  sides = dict(
+      padded=Side(padded), packed=Side(packed), head_every_slot=Side(packed, HeadOnEverySlot)
+  )
   vocab = spec["model"]["vocab_size"]
   inputs = [device_batch(rng, bt, vocab) for bt in batches]
   t0 = time.perf_counter()
@@ -293,30 +304,31 @@ def time_layouts(spec: dict, lengths, recipe, seed: int) -> dict:
     for x in inputs:
       side(x)
   compile_sec = time.perf_counter() - t0
-  runs = {False: [], True: []}
+  runs = {name: [] for name in sides}
   for _ in range(spec["rounds"]):
     for x in inputs:
-      for pack, side in sides.items():
-        runs[pack].append(side(x))
+      for name, side in sides.items():
+        runs[name].append(side(x))
   med = {
-      pack: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for pack, rs in runs.items()
+      name: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for name, rs in runs.items()
   }
-  paired = float(np.median([a["total"] / b["total"] for a, b in zip(runs[False], runs[True])]))
+  paired = [a["total"] / b["total"] for a, b in zip(runs["padded"], runs["packed"])]
   fill = fills(batches, num_micro=1, row_multiple=1)
   return dict(
       p=p,
       c=c,
       rows=spec["batch_size"] * spec["num_generations"],
       widths=[bt.width + bt.c for bt in batches],
-      packed_rows=sorted({s[0] for s in sides[True].rows.shapes}),
+      packed_rows=sorted({s[0] for s in sides["packed"].rows.shapes}),
+      head_rows=sorted({s[1] for s in sides["packed"].rows.shapes}),
       fill=fill,
-      padded=med[False],
-      packed=med[True],
-      speedup=med[False]["total"] / med[True]["total"],
-      speedup_paired=paired,
+      **med,
+      speedup=med["padded"]["total"] / med["packed"]["total"],
+      speedup_paired=float(np.median(paired)),
+      speedup_head_every_slot=med["padded"]["total"] / med["head_every_slot"]["total"],
       goal=0.8 / fill["padded"],
       compile_sec=compile_sec,
-      steps=len(runs[True]),
+      steps=len(runs["packed"]),
   )
 
 
@@ -360,7 +372,10 @@ def main(argv=None):
     for name, micro, shares in (("8 chips", recipe_micro, 8), ("one chip", 1, 1)):
       r = flops_ratios(PRESETS[preset], recipe_batches, num_micro=micro, row_multiple=shares)
       results["flops"][f"{preset}, {name}"] = r
-      print(f"  {preset:<11} {name:<9} padded {r['padded']:.3f}  packed {r['packed']:.3f}")
+      print(
+          f"  {preset:<11} {name:<9} padded {r['padded']:.3f}  packed {r['packed']:.3f}  "
+          f"(head on every slot {r['packed_head_every_slot']:.3f})"
+      )
   spec = WORKLOADS["quick" if args.quick else "cpu"]
   t = time_layouts(spec, lengths, recipe, args.seed)
   results["timing"] = t
@@ -368,16 +383,17 @@ def main(argv=None):
   print(
       f"\nCPU ({jax.devices()[0].device_kind}, {os.cpu_count()} cores): lengths / {spec['scale']} "
       f"(P {t['p']}, C {t['c']}), {t['rows']} rows of {t['widths']}, packed rows "
-      f"{t['packed_rows']}; model L{m['num_layers']} d{m['hidden_size']} V{m['vocab_size']}; "
+      f"{t['packed_rows']}, LM head rows {t['head_rows']}; model L{m['num_layers']} d{m['hidden_size']} V{m['vocab_size']}; "
       f"median of {spec['rounds']} rounds x {spec['batches']} batches, turns"
   )
   print(f"  fill: padded {t['fill']['padded']:.3f}, packed {t['fill']['packed']:.3f}")
   phases = ("pack", "old_lp", "ref_lp", "update", "total")
-  print(f"  {'':<8}" + "".join(f"{ph:>10}" for ph in phases))
-  for name in ("padded", "packed"):
-    print(f"  {name:<8}" + "".join(f"{1e3 * t[name][ph]:>8.1f}ms" for ph in phases))
+  print(f"  {'':<16}" + "".join(f"{ph:>10}" for ph in phases))
+  for name in ("padded", "packed", "head_every_slot"):
+    print(f"  {name:<16}" + "".join(f"{1e3 * t[name][ph]:>8.1f}ms" for ph in phases))
   print(
-      f"  speedup padded / packed {t['speedup']:.2f}x (paired {t['speedup_paired']:.2f}x); "
+      f"  speedup padded / packed {t['speedup']:.2f}x (paired {t['speedup_paired']:.2f}x; "
+      f"head on every slot {t['speedup_head_every_slot']:.2f}x); "
       f"1/fill {1 / t['fill']['padded']:.2f}x; goal 0.8/fill {t['goal']:.2f}x"
   )
   if args.json:
