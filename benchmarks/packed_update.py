@@ -17,8 +17,8 @@ plus C.
 
 It prints:
 - fill = real tokens / slots issued, padded and packed (rl/packing.py's plan: first-fit
-  decreasing rows of the padded width, row counts bucketed to eighths of the padded count in
-  whole data-parallel shares), over 400 batches at the recipe's shapes (B 8 x G 2, P 256,
+  decreasing rows of the padded width, row counts bucketed: rl/packing.py's bucket; and FFD's
+  rows alone, unbucketed), over 400 batches at the recipe's shapes (B 8 x G 2, P 256,
   C 1024; on its 8-chip mesh with micro-batch 8, and on one chip) and at the CPU workload;
 - wall time of the update plus the old-policy and reference log-prob passes, padded vs packed,
   on CPU: rl/step.py's own jitted functions (`build`) and the Packer / Padded object GrpoStep
@@ -159,15 +159,17 @@ def draw_batch(rng, lengths, b: int, g: int, p: int, c: int, scale: int = 1) -> 
 
 
 def fills(batches, *, num_micro: int, row_multiple: int) -> dict:
-  """Real tokens / slots over `batches`: padded (N rows of the width) and packed (the plan)."""
-  real = padded = packed = 0
+  """Real tokens / slots over `batches`: padded (N rows of the width), packed (the plan) and
+  first-fit decreasing alone (no buckets, no micro-batches: the rows the tokens need)."""
+  real = padded = packed = ffd = 0
   for bt in batches:
     s = bt.width + bt.c
     plan = packing.plan_rows(bt.seq_n, s, num_micro=num_micro, row_multiple=row_multiple)
     real += bt.seq_n.sum()
     padded += bt.seq_n.size * s
     packed += plan.rows * s
-  return dict(padded=real / padded, packed=real / packed)
+    ffd += packing.first_fit_decreasing(bt.seq_n, s)[2] * s
+  return dict(padded=real / padded, packed=real / packed, ffd=real / ffd)
 
 
 # --------------------------------------------------------------------------------- FLOPs
@@ -366,7 +368,10 @@ def main(argv=None):
   ):
     f = fills(recipe_batches, num_micro=micro, row_multiple=shares)
     results["recipe"][name] = f
-    print(f"  {name:<34} padded {f['padded']:.3f}  packed {f['packed']:.3f}")
+    print(
+        f"  {name:<34} padded {f['padded']:.3f}  packed {f['packed']:.3f}  "
+        f"(first-fit decreasing alone {f['ffd']:.3f})"
+    )
   print("\nmodel FLOPs of real tokens / FLOPs issued (update + old + ref passes), recipe shapes")
   for preset in ("qwen3-0.6b", "qwen3-8b"):
     for name, micro, shares in (("8 chips", recipe_micro, 8), ("one chip", 1, 1)):
@@ -386,7 +391,8 @@ def main(argv=None):
       f"{t['packed_rows']}, LM head rows {t['head_rows']}; model L{m['num_layers']} d{m['hidden_size']} V{m['vocab_size']}; "
       f"median of {spec['rounds']} rounds x {spec['batches']} batches, turns"
   )
-  print(f"  fill: padded {t['fill']['padded']:.3f}, packed {t['fill']['packed']:.3f}")
+  f = t["fill"]
+  print(f"  fill: padded {f['padded']:.3f}, packed {f['packed']:.3f} (FFD alone {f['ffd']:.3f})")
   phases = ("pack", "old_lp", "ref_lp", "update", "total")
   print(f"  {'':<16}" + "".join(f"{ph:>10}" for ph in phases))
   for name in ("padded", "packed", "head_every_slot"):

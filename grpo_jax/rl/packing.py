@@ -30,9 +30,12 @@ completion tokens' slots (`head_slots`, gathered before the head: models/logprob
 packed_logprobs), in whole rows of S slots per micro-batch (`head_rows`).
 
 Static shapes: the packed row count per micro-batch, and the head's, is rounded up to one of at
-most `NUM_BUCKETS` sizes (multiples of an eighth of the padded count, in whole data-parallel
-shares), so a prompt width compiles at most NUM_BUCKETS^2 update, log-prob and gather programs
-(in practice a few: the two counts move together); the Packer logs each new one. Small batches
+most `NUM_BUCKETS` sizes (the padded count x 2^(-k/4), in whole data-parallel shares: at most
+~19% over the rows needed at any fill; even eighths of the padded count, tried first, issued
+1.4x the rows needed at GSM8K's fill, benchmarks/README.md "Packed update"), so a prompt width
+compiles at most NUM_BUCKETS^2 update, log-prob and gather programs (in practice a few: a
+batch's token count varies little, and the two counts move together); the Packer logs each new
+one. Small batches
 on many devices gain little: with one row per device per micro-batch (a share is the padded
 count) nothing can be removed.
 """
@@ -47,7 +50,7 @@ import numpy as np
 from grpo_jax.parallel import sharding
 from grpo_jax.rl import losses
 
-NUM_BUCKETS = 8  # packed row counts per micro-batch: multiples of 1/8 of the padded count
+NUM_BUCKETS = 16  # packed row counts per micro-batch: the padded count x 2^(-k/4), k < 16
 
 # ------------------------------------------------------------------------ the plan (host)
 
@@ -71,11 +74,14 @@ def first_fit_decreasing(lengths_n: np.ndarray, budget: int) -> tuple[np.ndarray
 
 
 def bucket(rows_needed: int, rows_padded: int, row_multiple: int) -> int:
-  """The packed row count for `rows_needed`: the next multiple of an eighth of the padded
-  count (whole data-parallel shares of `row_multiple` rows), at most the padded count."""
-  cap = -(-rows_padded // row_multiple) * row_multiple
-  step = -(-(-(-cap // NUM_BUCKETS)) // row_multiple) * row_multiple
-  return min(-(-max(rows_needed, 1) // step) * step, cap)
+  """The packed row count for `rows_needed`: the smallest of the bucket sizes that holds it.
+  Sizes, in whole data-parallel shares of `row_multiple` rows: the padded count times
+  2^(-k/4), k < NUM_BUCKETS, rounded up (each at most 19% over the one below it, so the rows
+  issued are at most ~1.19x the rows needed, whatever the fill)."""
+  shares = -(-rows_padded // row_multiple)
+  need = -(-max(rows_needed, 1) // row_multiple)
+  sizes = sorted({-(-shares * 2 ** (-k / 4) // 1) for k in range(NUM_BUCKETS)})
+  return int(next((s for s in sizes if s >= need), shares)) * row_multiple
 
 
 @dataclasses.dataclass(frozen=True)
