@@ -201,3 +201,38 @@ def test_weight_transfer_benchmark_runs():
   )
   assert r.returncode == 0, r.stderr[-3000:]
   assert "GB/s" in r.stdout
+
+
+@pytest.mark.skipif(
+    not os.path.isdir(os.path.join(ROOT, "..", "shared", "data", "gsm8k")),
+    reason="needs ../shared/data (GSM8K and the Qwen tokenizer)",
+)
+def test_packed_update_benchmark_quick(tmp_path):
+  """benchmarks/packed_update.py --quick (~15 s): fills, FLOPs ratios and both layouts timed."""
+  out = tmp_path / "packed.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)  # one real CPU device, as a user runs it
+  r = subprocess.run(
+      [sys.executable, "benchmarks/packed_update.py", "--quick", f"--json={out}"],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  res = json.loads(out.read_text())
+  for f in list(res["recipe"].values()) + [res["timing"]["fill"]]:
+    assert 0 < f["padded"] <= f["packed"] <= 1, f
+  one_chip = res["recipe"]["one chip, one micro-batch"]
+  assert one_chip["packed"] > 2 * one_chip["padded"]  # long-tailed: most slots are padding
+  for name, f in res["flops"].items():
+    assert 0 < f["padded"] < 1 and 0 < f["packed_head_every_slot"] <= f["packed"] < 1, name
+  assert one_chip["packed"] <= one_chip["ffd"] + 1e-9  # buckets only add rows
+  t = res["timing"]
+  assert t["padded"]["pack"] < t["packed"]["pack"]  # the padded rows are not moved
+  for layout in ("padded", "packed"):
+    assert all(t[layout][ph] > 0 for ph in ("old_lp", "ref_lp", "update")), t[layout]
+  assert t["speedup"] > 1 and t["packed_rows"] and max(t["packed_rows"]) < t["rows"]
+  assert 0 < max(t["head_rows"]) <= max(t["packed_rows"])  # the LM head on completions only
+  assert "speedup padded / packed" in r.stdout

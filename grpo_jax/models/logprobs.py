@@ -136,24 +136,34 @@ def packed_logprobs(
     input_ids_rl: jax.Array,
     segment_ids_rl: jax.Array,
     positions_rl: jax.Array,
+    head_slots_hs: jax.Array,
     temperature: float = 1.0,
     chunk_size: int = 256,
     remat: bool | None = None,
 ) -> jax.Array:
-  """Log-probs [R, L] of every token of packed rows (rl/packing.py) given the tokens before it
-  in its sequence: slot j is predicted from slot j - 1, so a sequence's first token (a prompt
-  token, never trained on) and slot 0 get a value that means nothing; the loss's mask selects
-  the completion tokens. remat: as `completion_logprobs`."""
+  """Log-probs [R, L] of the tokens at `head_slots_hs` (flat slots of the R x L rows, any shape;
+  R * L pads) of packed rows (rl/packing.py), each given the tokens before it in its sequence,
+  0 elsewhere. The LM head runs only there: the completion tokens (rl/packing.py: pack), not
+  every slot of the rows (their prompt tokens and padding). A slot's token is predicted from
+  the slot before it, so a slot must not be a sequence's first. remat: as
+  `completion_logprobs`."""
   if remat is None:
     remat = model.cfg.remat_policy != "none"
-  h = model.packed_hidden(input_ids_rl, segment_ids_rl, positions_rl)[:, :-1]
+  r, l = input_ids_rl.shape
+  h = model.packed_hidden(input_ids_rl, segment_ids_rl, positions_rl)
+  slot = jnp.minimum(head_slots_hs, r * l - 1)
   logp = chunked_token_logprobs(
-      h,
+      h.reshape(r * l, -1)[jnp.maximum(slot - 1, 0)],  # [*head, D]: the hidden state before
       model.unembedding(),
-      input_ids_rl[:, 1:],
+      input_ids_rl.reshape(-1)[slot],
       temperature,
       chunk_size,
       remat,
       getattr(model.cfg, "final_logit_softcap", 0.0),
   )
-  return jnp.pad(logp, ((0, 0), (1, 0)))
+  flat = (
+      jnp.zeros((r * l,), jnp.float32)
+      .at[head_slots_hs.reshape(-1)]
+      .set(logp.reshape(-1), mode="drop")
+  )
+  return flat.reshape(r, l)

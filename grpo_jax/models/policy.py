@@ -61,7 +61,8 @@ class Policy:
   # adapters). None: the reference is a copy (as_reference).
   reference: Callable | None = None
   # Packed rows (rl/packing.py): (params, input_ids [R, L], segment_ids [R, L], positions
-  # [R, L], temperature) -> [R, L], each token's log-prob given its sequence before it
+  # [R, L], head_slots, temperature) -> [R, L], the log-prob of each token at head_slots (flat
+  # slots) given its sequence before it
   # (models/logprobs.py: packed_logprobs). None: the policy trains on padded rows only.
   packed_logprobs: Callable | None = None
 
@@ -139,9 +140,9 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
         nnx.merge(graphdef, params), input_ids, attention_mask, completion_len, temperature
     )
 
-  def packed(params, input_ids, segment_ids, positions, temperature=1.0):
+  def packed(params, input_ids, segment_ids, positions, head_slots, temperature=1.0):
     return packed_logprobs(
-        nnx.merge(graphdef, params), input_ids, segment_ids, positions, temperature
+        nnx.merge(graphdef, params), input_ids, segment_ids, positions, head_slots, temperature
     )
 
   def save(params, path):

@@ -24,10 +24,20 @@ number of rows per micro-batch, laid out so that packed row r * n + k belongs to
 the strided split of rl/step.py then hands every micro-batch its own sequences, and per-sequence
 normalizers stay global (`micro_batch_weight`).
 
-Static shapes: the packed row count per micro-batch is rounded up to one of at most
-`NUM_BUCKETS` sizes (multiples of an eighth of the padded count, in whole data-parallel shares),
-so a prompt width compiles at most NUM_BUCKETS update, log-prob and gather programs; the Packer
-logs each new one.
+The LM head: a packed row's slots are mostly prompt tokens and padding, and the head's
+[D, V] product is the biggest single matmul of a small model, so it runs only on the
+completion tokens' slots (`head_slots`, gathered before the head: models/logprobs.py:
+packed_logprobs), in whole rows of S slots per micro-batch (`head_rows`).
+
+Static shapes: the packed row count per micro-batch, and the head's, is rounded up to one of at
+most `NUM_BUCKETS` sizes (the padded count x 2^(-k/4), in whole data-parallel shares: at most
+~19% over the rows needed at any fill; even eighths of the padded count, tried first, issued
+1.4x the rows needed at GSM8K's fill, benchmarks/README.md "Packed update"), so a prompt width
+compiles at most NUM_BUCKETS^2 update, log-prob and gather programs (in practice a few: a
+batch's token count varies little, and the two counts move together); the Packer logs each new
+one. Small batches
+on many devices gain little: with one row per device per micro-batch (a share is the padded
+count) nothing can be removed.
 """
 
 import dataclasses
@@ -40,7 +50,7 @@ import numpy as np
 from grpo_jax.parallel import sharding
 from grpo_jax.rl import losses
 
-NUM_BUCKETS = 8  # packed row counts per micro-batch: multiples of 1/8 of the padded count
+NUM_BUCKETS = 16  # packed row counts per micro-batch: the padded count x 2^(-k/4), k < 16
 
 # ------------------------------------------------------------------------ the plan (host)
 
@@ -64,11 +74,14 @@ def first_fit_decreasing(lengths_n: np.ndarray, budget: int) -> tuple[np.ndarray
 
 
 def bucket(rows_needed: int, rows_padded: int, row_multiple: int) -> int:
-  """The packed row count for `rows_needed`: the next multiple of an eighth of the padded
-  count (whole data-parallel shares of `row_multiple` rows), at most the padded count."""
-  cap = -(-rows_padded // row_multiple) * row_multiple
-  step = -(-(-(-cap // NUM_BUCKETS)) // row_multiple) * row_multiple
-  return min(-(-max(rows_needed, 1) // step) * step, cap)
+  """The packed row count for `rows_needed`: the smallest of the bucket sizes that holds it.
+  Sizes, in whole data-parallel shares of `row_multiple` rows: the padded count times
+  2^(-k/4), k < NUM_BUCKETS, rounded up (each at most 19% over the one below it, so the rows
+  issued are at most ~1.19x the rows needed, whatever the fill)."""
+  shares = -(-rows_padded // row_multiple)
+  need = -(-max(rows_needed, 1) // row_multiple)
+  sizes = sorted({-(-shares * 2 ** (-k / 4) // 1) for k in range(NUM_BUCKETS)})
+  return int(next((s for s in sizes if s >= need), shares)) * row_multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,17 +113,30 @@ def plan_rows(lengths_n, budget: int, *, num_micro: int = 1, row_multiple: int =
   return Plan(row_of, offset_of, rows, per_micro, float(lengths_n.sum()) / (rows * budget))
 
 
+def head_rows(completion_n, budget: int, *, num_micro: int = 1, row_multiple: int = 1) -> int:
+  """Rows of `budget` slots the LM head runs on (all micro-batches): each micro-batch's real
+  completion tokens (of `completion_n` [N], sequences k, k + n, ... for micro-batch k), in
+  whole rows, bucketed as the packed rows are (so at most those)."""
+  completion_n = np.asarray(completion_n, np.int64)
+  most = max(completion_n[k::num_micro].sum() for k in range(num_micro))
+  needed = -(-int(most) // budget)
+  return bucket(needed, completion_n.size // num_micro, row_multiple) * num_micro
+
+
 # ----------------------------------------------------------------------- the gather (device)
 
 
-def pack(upd: dict, row_of_n, offset_of_n, *, rows: int, num_micro: int) -> dict:
+def pack(
+    upd: dict, row_of_n, offset_of_n, *, rows: int, num_micro: int, head_rows: int | None = None
+) -> dict:
   """The padded update batch (rl/step.py: assemble, [N, S] and [N, C] arrays, advantages [N],
   optional old_logp / ref_logp / sampler_logp [N, C]) as R = `rows` packed rows of S slots.
 
   -> input_ids, segment_ids, positions, completion_mask, advantages (each token its
-  sequence's) and the given log-prob fields, all [R, S]; and "sequences": what the per-sequence
-  views need (`per_sequence`, `unpack`): advantages [N], slot [N, C] (the flat packed slot of
-  each completion token; R * S where it has none)."""
+  sequence's) and the given log-prob fields, all [R, S]; head_slots [H, S] (`head_slots`:
+  where the LM head runs; H = `head_rows`, default R: room for every slot); and "sequences":
+  what the per-sequence views need (`per_sequence`, `unpack`): advantages [N], slot [N, C] (the
+  flat packed slot of each completion token; R * S where it has none)."""
   ids_ns, real_ns = upd["input_ids"], upd["attention_mask"] != 0
   n, s = ids_ns.shape
   c = upd["completion_mask"].shape[1]
@@ -145,6 +171,17 @@ def pack(upd: dict, row_of_n, offset_of_n, *, rows: int, num_micro: int) -> dict
   for key in ("old_logp", "ref_logp", "sampler_logp"):
     if key in upd:
       out[key] = take_completion(upd[key])
+  # The completion tokens' slots within their micro-batch's rows (packed row r * n + k is row r
+  # of micro-batch k), each micro-batch's sorted and padded with its rows' slot count.
+  local_n = (row_of_n.astype(jnp.int32) // num_micro) * s + offset_of_n.astype(jnp.int32)
+  size_micro = rows // num_micro * s
+  local_nc = jnp.where(real_ns[:, s - c :], local_n[:, None] + pos_ns[:, s - c :], size_micro)
+  per_micro = (head_rows or rows) // num_micro * s
+  slots = []
+  for k in range(num_micro):
+    mine = jnp.sort(local_nc[k::num_micro].reshape(-1))[:per_micro]
+    slots.append(jnp.pad(mine, (0, per_micro - mine.size), constant_values=size_micro))
+  out["head_slots"] = jnp.stack(slots).reshape(num_micro, -1, s).swapaxes(0, 1).reshape(-1, s)
   out["sequences"] = dict(advantages=upd["advantages"], slot=dest_ns[:, s - c :])
   return out
 
@@ -154,6 +191,17 @@ def unpack(x_rl: jax.Array, slot_nc: jax.Array) -> jax.Array:
   a completion slot holds no token)."""
   size = x_rl.size
   return jnp.where(slot_nc < size, x_rl.reshape(-1)[jnp.minimum(slot_nc, size - 1)], 0)
+
+
+def global_slots(head_slots_hs: jax.Array, *, rows: int, num_micro: int) -> jax.Array:
+  """`pack`'s head_slots (flat slots within their micro-batch's rows; head row h * n + k is
+  micro-batch k's) as flat slots of all R rows (R * S where there is none): what a pass over
+  the whole batch takes."""
+  s = head_slots_hs.shape[1]
+  size_micro = rows // num_micro * s
+  k_h = jnp.arange(head_slots_hs.shape[0], dtype=jnp.int32)[:, None] % num_micro
+  glob = ((head_slots_hs // s) * num_micro + k_h) * s + head_slots_hs % s
+  return jnp.where(head_slots_hs < size_micro, glob, rows * s)
 
 
 def sequence_index(segment_ids_rl: jax.Array, num_micro: int) -> jax.Array:
@@ -186,15 +234,18 @@ PADDED = PaddedLayout()
 
 @dataclasses.dataclass(frozen=True)
 class PackedLayout:
-  """Packed rows (`pack`): `logprob_fn(params, input_ids, segment_ids, positions) -> [r, L]`,
-  sequences by segment. seqs_per_micro: the sequences of one micro-batch (all N when the batch
-  is one), whose segment ids are 1..seqs_per_micro."""
+  """Packed rows (`pack`): `logprob_fn(params, input_ids, segment_ids, positions, head_slots)
+  -> [r, L]` (the log-probs at head_slots, the micro-batch's own: `pack`), sequences by
+  segment. seqs_per_micro: the sequences of one micro-batch (all N when the batch is one),
+  whose segment ids are 1..seqs_per_micro."""
 
   seqs_per_micro: int
   num_micro: int = 1
 
   def logprobs(self, logprob_fn, params, batch: dict) -> jax.Array:
-    return logprob_fn(params, batch["input_ids"], batch["segment_ids"], batch["positions"])
+    return logprob_fn(
+        params, batch["input_ids"], batch["segment_ids"], batch["positions"], batch["head_slots"]
+    )
 
   def seqs(self, batch: dict) -> losses.Segments:
     return losses.Segments(jnp.maximum(batch["segment_ids"] - 1, 0), self.seqs_per_micro)
@@ -244,30 +295,43 @@ class Packer(Padded):
     self.rows_padded = rows
     self.row_multiple = batch_shards(mesh)
     self.mesh = mesh
-    self._lengths = jax.jit(lambda m: (m != 0).sum(-1).astype(jnp.int32))
-    self.shapes = set()  # (rows, width) of the packed batches met: one program set each
+    c = config.max_completion_length
+    # [2, N]: each sequence's real tokens and its completion's
+    self._lengths = jax.jit(lambda m: jnp.stack([(m != 0).sum(-1), (m[:, -c:] != 0).sum(-1)]))
+    self.shapes = set()  # (rows, head rows, width) of the batches met: one program set each
     self.last_fill = 0.0
 
   def rows(self, upd: dict) -> dict:
-    lengths_n = np.asarray(jax.device_get(self._lengths(upd["attention_mask"])))
-    width = upd["attention_mask"].shape[1]
+    mask = upd["attention_mask"]
+    lengths_n, completion_n = np.asarray(jax.device_get(self._lengths(mask)))  # one read
+    width = mask.shape[1]
     plan = plan_rows(lengths_n, width, num_micro=self.num_micro, row_multiple=self.row_multiple)
-    if (plan.rows, width) not in self.shapes:
-      self.shapes.add((plan.rows, width))
+    heads = self.head_rows(completion_n, width, plan)
+    if (plan.rows, heads, width) not in self.shapes:
+      self.shapes.add((plan.rows, heads, width))
       logging.info(
-          "packed rows: %d x %d (padded %d; fill %.2f); packed shapes so far: %d",
+          "packed rows: %d x %d, LM head on %d rows (padded %d; fill %.2f); packed shapes so "
+          "far: %d",
           plan.rows,
           width,
+          heads,
           self.rows_padded,
           plan.fill,
           len(self.shapes),
       )
     self.last_fill = plan.fill
     where = jax.device_put((plan.row_of, plan.offset_of), sharding.replicated(self.mesh))
-    return self.fns.pack(upd, *where, plan.rows)
+    return self.fns.pack(upd, *where, plan.rows, heads)
+
+  def head_rows(self, completion_n, width: int, plan: Plan) -> int:
+    """Rows of slots the LM head runs on: the completion tokens' (`head_rows`)."""
+    del plan  # (benchmarks/packed_update.py compares the head on all of the plan's rows)
+    return head_rows(completion_n, width, num_micro=self.num_micro, row_multiple=self.row_multiple)
 
   def logprobs(self, params, upd: dict) -> jax.Array:
-    return self.fns.packed_logprobs(params, upd["input_ids"], upd["segment_ids"], upd["positions"])
+    return self.fns.packed_logprobs(
+        params, upd["input_ids"], upd["segment_ids"], upd["positions"], upd["head_slots"]
+    )
 
   def fold_kl(self, upd: dict, rewards_n):
     return self.fns.packed_fold_kl(upd, rewards_n)

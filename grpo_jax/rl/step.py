@@ -160,13 +160,12 @@ def accumulate_gradients(
   denominators count sequences, not rows.
   """
   mask = batch["completion_mask"].astype(jnp.float32)
-  rows = mask.shape[0]
   total_tokens = mask.sum()
   total_seqs = layout.num_sequences(batch)
 
-  def micro(i_batch):
+  def micro(i_batch):  # (packed rows' head_slots have their own row count)
     return jax.tree.map(
-        lambda x: x.reshape(rows // num_micro, num_micro, *x.shape[1:])[:, i_batch], batch
+        lambda x: x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:])[:, i_batch], batch
     )
 
   def weighted(params, mb):
@@ -294,8 +293,9 @@ class TrainFunctions:
   refresh(ref, params) -> ref           reference refresh: mix * params + (1 - mix) * ref
   abstract_state                        `init`'s output as a restore target
   With config.pack_sequences (rl/packing.py), `update` trains on packed rows, and:
-  pack(batch, row_of, offset_of, rows) -> packed batch   the device-side gather of a plan
-  packed_logprobs(params, input_ids, segment_ids, positions) -> [R, L]
+  pack(batch, row_of, offset_of, rows, head_rows) -> packed batch   the device-side gather of
+                                        a plan
+  packed_logprobs(params, input_ids, segment_ids, positions, head_slots) -> [R, L]
   packed_fold_kl(batch, rewards) -> (batch, rewards)     fold_kl on packed rows
   unpack(x_rl, slot_nc) -> [N, C]       a packed per-token array in the rollout's layout
   num_micro                             gradient-accumulation passes
@@ -385,11 +385,22 @@ def build(config, policy, mesh) -> TrainFunctions:
   num_micro = num_micro_batches(config.micro_batch_size, rows)
   rows2 = sharding.batch_sharding(mesh, 2)
 
-  def packed_logprobs(params, input_ids, segment_ids, positions):
-    return policy.packed_logprobs(params, input_ids, segment_ids, positions, temperature)
+  def packed_logprobs(params, input_ids, segment_ids, positions, head_slots):
+    """head_slots: the micro-batch's own (packing.pack), as the update hands them."""
+    return policy.packed_logprobs(
+        params, input_ids, segment_ids, positions, head_slots, temperature
+    )
 
-  def pack(batch, row_of_n, offset_of_n, packed_rows):
-    out = packing.pack(batch, row_of_n, offset_of_n, rows=packed_rows, num_micro=num_micro)
+  def packed_logprobs_all(params, input_ids, segment_ids, positions, head_slots):
+    """One pass over all micro-batches' rows (the old-policy and reference passes)."""
+    rows = input_ids.shape[0]
+    slots = packing.global_slots(head_slots, rows=rows, num_micro=num_micro)
+    return packed_logprobs(params, input_ids, segment_ids, positions, slots)
+
+  def pack(batch, row_of_n, offset_of_n, packed_rows, head_rows):
+    out = packing.pack(
+        batch, row_of_n, offset_of_n, rows=packed_rows, num_micro=num_micro, head_rows=head_rows
+    )
     rows_sharded = lambda x: jax.lax.with_sharding_constraint(x, rows2)  # noqa: E731
     return {k: v if k == "sequences" else rows_sharded(v) for k, v in out.items()}
 
@@ -458,8 +469,8 @@ def build(config, policy, mesh) -> TrainFunctions:
       fold_kl=jax.jit(fold_kl, out_shardings=sharding.batch_sharding(mesh, 1)),
       refresh=jax.jit(refresh, donate_argnums=0, out_shardings=param_shardings),
       abstract_state=sharding.abstract_with(abstract, shardings),
-      pack=jax.jit(pack, static_argnums=3),
-      packed_logprobs=jax.jit(sharding.traced_in(packed_logprobs, mesh), out_shardings=rows2),
+      pack=jax.jit(pack, static_argnums=(3, 4)),
+      packed_logprobs=jax.jit(sharding.traced_in(packed_logprobs_all, mesh), out_shardings=rows2),
       packed_fold_kl=jax.jit(packed_fold_kl),
       unpack=jax.jit(packing.unpack, out_shardings=rows2),
       num_micro=num_micro,

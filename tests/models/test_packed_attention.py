@@ -57,7 +57,7 @@ def test_packed_logprobs_equal_the_padded_forward(preset):
       model, upd["input_ids"], upd["attention_mask"], c
   )
   got = jax.jit(packed_logprobs)(
-      model, packed["input_ids"], packed["segment_ids"], packed["positions"]
+      model, packed["input_ids"], packed["segment_ids"], packed["positions"], packed["head_slots"]
   )
   got = packing.unpack(got, packed["sequences"]["slot"])
   m = upd["completion_mask"] > 0
@@ -73,10 +73,11 @@ def test_a_segment_never_sees_another():
   seg = np.asarray(packed["segment_ids"])
   row = int(np.argmax((seg > 0).sum(1) - (seg.max(1) == seg.min(1))))  # a row of several
   mine = seg == seg[row, seg[row] > 0][-1]  # the row's last sequence
+  every = jnp.arange(seg.size).reshape(seg.shape)  # the LM head on every slot
   fn = jax.jit(packed_logprobs)
-  base = fn(model, packed["input_ids"], packed["segment_ids"], packed["positions"])
+  base = fn(model, packed["input_ids"], packed["segment_ids"], packed["positions"], every)
   other_ids = jnp.where(mine, packed["input_ids"], (packed["input_ids"] + 7) % cfg.vocab_size)
-  moved = fn(model, other_ids, packed["segment_ids"], packed["positions"])
+  moved = fn(model, other_ids, packed["segment_ids"], packed["positions"], every)
   first = np.argmax(mine, axis=1)  # a sequence's first slot reads the slot before it: not its
   mine[np.arange(len(first)), first] = False
   assert mine.sum() > 3

@@ -132,6 +132,27 @@ def test_pack_moves_every_field_with_its_token(num_micro):
     back = packing.unpack(jnp.asarray(out[f]), jnp.asarray(out["sequences"]["slot"]))
     np.testing.assert_array_equal(np.asarray(back), b[f] * b["completion_mask"])
 
+  # The LM head's slots: exactly the real completion tokens', per micro-batch in its own rows.
+  slot_nc = np.asarray(out["sequences"]["slot"])
+  size = out["input_ids"].size
+  heads = np.asarray(
+      packing.global_slots(
+          jnp.asarray(out["head_slots"]), rows=len(out["input_ids"]), num_micro=num_micro
+      )
+  )
+  assert sorted(heads[heads < size]) == sorted(slot_nc[slot_nc < size])
+  rows_of = heads // out["input_ids"].shape[1]
+  k_h = np.arange(len(heads))[:, None] % num_micro
+  assert np.all((rows_of % num_micro == k_h) | (heads == size))  # head row h * n + k: micro k's
+
+
+def test_head_rows_cover_each_micro_batch_in_whole_buckets():
+  completion_n = np.array([30, 0, 25, 7, 40, 3, 10, 10])
+  assert packing.head_rows(completion_n, 48) == 3  # 125 tokens in rows of 48
+  # micro-batch 0 holds 30 + 25 + 40 + 10 = 105 tokens (3 rows), 1 holds 20: 3 rows each
+  assert packing.head_rows(completion_n, 48, num_micro=2) == 6
+  assert packing.head_rows(completion_n, 48, num_micro=2, row_multiple=2) == 8  # whole shares
+
 
 # ------------------------------------------------- the update: packed == padded, every mode
 # (the decoder itself: tests/models/test_packed_attention.py)
@@ -162,7 +183,8 @@ def _bigram(vocab, seed=0):
   def padded_fn(params, ids, mask):
     return next_logp(params, ids)[:, -C:]
 
-  def packed_fn(params, ids, seg, pos):
+  def packed_fn(params, ids, seg, pos, head_slots):
+    del head_slots  # every slot: the loss's mask picks the completion tokens
     return jnp.pad(next_logp(params, ids), ((0, 0), (1, 0)))
 
   return params, padded_fn, packed_fn
@@ -198,8 +220,8 @@ def _decoder_model():
   def padded_fn(params, ids, mask):
     return completion_logprobs(nnx.merge(graphdef, params), ids, mask, C)
 
-  def packed_fn(params, ids, seg, pos):
-    return packed_logprobs(nnx.merge(graphdef, params), ids, seg, pos)
+  def packed_fn(params, ids, seg, pos, head_slots):
+    return packed_logprobs(nnx.merge(graphdef, params), ids, seg, pos, head_slots)
 
   batch = _padded_batch(np.random.default_rng(1), N, P, C, cfg.vocab_size)
   logp = padded_fn(params, batch["input_ids"], batch["attention_mask"])

@@ -43,9 +43,11 @@ def lora_policy(config, mesh, *, abstract: bool = False):
         nnx.merge(gd, params), input_ids, attention_mask, completion_len, temperature
     )
 
-  def packed(params, input_ids, segment_ids, positions, temperature=1.0):
+  def packed(params, input_ids, segment_ids, positions, head_slots, temperature=1.0):
     gd = graphdef if has_adapters(params) else base_graphdef  # no adapters: the reference
-    return packed_logprobs(nnx.merge(gd, params), input_ids, segment_ids, positions, temperature)
+    return packed_logprobs(
+        nnx.merge(gd, params), input_ids, segment_ids, positions, head_slots, temperature
+    )
 
   merge_fn = jax.jit(lambda p: merged(p, graphdef))
 
