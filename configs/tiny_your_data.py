@@ -42,6 +42,7 @@ Face tokenizer folder (transformers' AutoTokenizer reads it, and so does the HF 
 """
 
 from configs import common
+from configs import tiny
 from grpo_jax.data import byte_tokenizer
 
 
@@ -49,18 +50,11 @@ def get_config():
   c = common.base()
   # tiny.py's decoder (qwen3-0.6b's architecture: q/k norms, GQA, tied embeddings), f32, its
   # vocabulary the byte tokenizer's.
-  c.model.preset = "tiny"
+  c.model = tiny.get_config().model
   c.model.vocab_size = byte_tokenizer.VOCAB_SIZE  # 256 bytes + <|endoftext|>
-  c.model.hidden_size = 128
-  c.model.intermediate_size = 384
-  c.model.num_layers = 2
-  c.model.num_heads = 4
-  c.model.num_kv_heads = 2
-  c.model.head_dim = 32
   # RoPE holds no table per position: this only bounds prompt + completion, so a larger
   # max_prompt_length needs no second override.
   c.model.max_position_embeddings = 4096
-  c.model.rope_theta = 10000.0  # Qwen3's 1e6 is for long contexts
 
   # No file to download: the byte-level folder inside the package.
   c.tokenizer.kind = "hf"
