@@ -35,6 +35,8 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from grpo_jax.run import saved_config
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
     None,
@@ -75,52 +77,11 @@ _VERBOSE = flags.DEFINE_bool(
     "line saying what went wrong and the fix).",
 )
 
-RUN_CONFIG = "config.json"  # what a training run writes into its workdir (run/session.py)
-
 # ============================================================================ the config
 
 
-def run_config(path: str):
-  """A run's config.json as a locked ConfigDict: configs/common.py's `base()` (every field, with
-  its type) with the run's values on top (fields it has no place for are named by
-  `effective_config`'s warning)."""
-  from configs import common
-  from grpo_jax.run import paths
-
-  config = common.base()
-  try:
-    overlay(config, json.loads(paths.read_text(path)))
-  except (OSError, ValueError) as e:
-    raise ValueError(f"{path}: not a readable run config ({e})") from None
-  config.lock()
-  return config
-
-
-def overlay(config, saved: dict, keep=frozenset(), prefix: str = "") -> list[str]:
-  """Sets the fields of `config` to a run's saved values (its config.json as a dict), except the
-  fields named in `keep` (command-line overrides) and everything below them. -> the saved
-  fields `config` has no place for (a run of other code), left out."""
-  import ml_collections
-
-  skipped = []
-  for key, value in saved.items():
-    name = prefix + key
-    if name in keep:
-      continue
-    if key not in config:
-      skipped.append(name)
-    elif isinstance(config[key], ml_collections.ConfigDict) and isinstance(value, dict):
-      skipped += overlay(config[key], value, keep, name + ".")
-    else:
-      try:
-        config[key] = value
-      except (TypeError, ValueError):  # a value to_json_best_effort could only write as text
-        skipped.append(name)
-  return skipped
-
-
 class _ConfigParser(flags.ArgumentParser):
-  """--config=FILE.py[:ARG] as ml_collections reads it, or a run's config.json (`run_config`);
+  """--config=FILE.py[:ARG] as ml_collections reads it, or a run's config.json (`saved_config.load`);
   `--config.a.b=v` overrides apply to either."""
 
   def __init__(self, file_parser):
@@ -128,7 +89,7 @@ class _ConfigParser(flags.ArgumentParser):
 
   def parse(self, argument):
     if argument.split(":", 1)[0].endswith(".json"):
-      return run_config(argument)
+      return saved_config.load(argument)
     return self._file_parser.parse(argument)
 
   def flag_type(self):
@@ -136,53 +97,6 @@ class _ConfigParser(flags.ArgumentParser):
 
 
 flags.FLAGS["config"].parser = _ConfigParser(flags.FLAGS["config"].parser)
-
-
-def _with_run_config(argv: list[str]) -> list[str]:
-  """`argv` with --config=WORKDIR/config.json when it names no --config and the workdir has one."""
-  from grpo_jax.run import paths
-
-  if any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
-    return argv
-  workdir = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--workdir=")), None)
-  if workdir is None and "--workdir" in argv[1:-1]:
-    workdir = argv[argv.index("--workdir") + 1]
-  if not workdir or not paths.exists(paths.path(workdir) / RUN_CONFIG):
-    return argv
-  return [argv[0], f"--config={os.fspath(paths.path(workdir) / RUN_CONFIG)}", *argv[1:]]
-
-
-def effective_config(config, workdir: str | None, overridden: dict | None = None):
-  """The config to sample with: `config` (from --config, with the command-line overrides
-  `overridden`: {field: value}) under the run's own values from WORKDIR/config.json, which win
-  for every field not overridden. -> `config`, updated in place (as it is without a config.json).
-
-  Overrides of model.* / lora.* fields that differ from the run's and that the checkpoint does
-  not record (so it still loads, e.g. model.qk_norm: the policy then computes another function
-  than the one trained) get one warning line; the recorded ones are `check_shapes`'s."""
-  from grpo_jax.run import paths
-  from grpo_jax.run import session as session_lib
-
-  overridden = overridden or {}
-  path = paths.path(workdir) / RUN_CONFIG if workdir else None
-  if path is None or not paths.exists(path):
-    return config
-  run = json.loads(paths.read_text(path))
-  skipped = overlay(config, run, keep=frozenset(overridden))
-  if skipped:
-    logging.warning("%s: fields this code does not have, left out: %s", path, ", ".join(skipped))
-  recorded = session_lib.resume_fields(config)
-  differ = []
-  for name, value in overridden.items():
-    theirs = run
-    for part in name.split("."):
-      theirs = theirs.get(part) if isinstance(theirs, dict) else None
-    if name.startswith(("model.", "lora.")) and name not in recorded and theirs is not None:
-      if json.dumps(theirs) != json.dumps(value):
-        differ.append(f"{name}={value!r} (the run's: {theirs!r})")
-  if differ:
-    logging.warning("sampling with other model settings than the run's: %s", ", ".join(differ))
-  return config
 
 
 # ============================================================================ the policy
@@ -226,7 +140,7 @@ def load_params(config, workdir, step, mesh):
       raise ValueError(
           f"checkpoint {ckpt_dir}/{step} does not restore into this config's policy ({why}). "
           f"Fix: sample with the run's own config: --workdir={workdir} alone reads its "
-          f"{RUN_CONFIG}; drop --config.model.* / --config.lora.* overrides"
+          f"{saved_config.FILE}; drop --config.model.* / --config.lora.* overrides"
       ) from e
     logging.info("restored the policy from %s/%d", ckpt_dir, step)
   elif not config.model.hf_path:
@@ -254,7 +168,7 @@ def check_shapes(ckpt, step: int, config, workdir: str):
   runs = " ".join(f"--config.{k}={saved[k]}" for k in changed)
   raise ValueError(
       f"checkpoint {ckpt.directory}/{step} holds a policy of other shapes ({diff}). Fix: drop "
-      f"those --config overrides (--workdir={workdir} alone reads the run's {RUN_CONFIG}), or "
+      f"those --config overrides (--workdir={workdir} alone reads the run's {saved_config.FILE}), or "
       f"pass the run's values: {runs}"
   )
 
@@ -412,14 +326,14 @@ def _run(prompts: list[str]):
         f"--workdir={workdir}: no such folder. Fix: name a training run's folder (the demo's: "
         "runs/tiny-<date>-<time>)"
         if workdir and not paths.isdir(workdir)
-        else f"--workdir={workdir} holds no {RUN_CONFIG} (the config a training run writes). "
+        else f"--workdir={workdir} holds no {saved_config.FILE} (the config a training run writes). "
         "Fix: pass the config the run was trained with, --config=FILE"
         if workdir
         else "no config. Fix: --workdir=DIR (a training run's folder: its config.json is "
         "used), or --config=FILE (e.g. --config=configs/tiny.py)"
     )
   overridden = config_flags.get_override_values(flags.FLAGS["config"])
-  config = effective_config(_CONFIG.value, workdir, overridden)
+  config = saved_config.under_run(_CONFIG.value, workdir, overridden)
   mesh = build.make_mesh(config)
   policy, step = load_params(config, workdir, _STEP.value, mesh)
   if _EXPORT_HF.value:  # the policy's own format: Qwen3/Llama, or T5ForConditionalGeneration
@@ -515,7 +429,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
   workdir's config.json as the default --config, and a bad flag as one line."""
   from grpo_jax.run import paths
 
-  argv = _with_run_config(paths.config_file_args(argv))
+  argv = saved_config.with_config_arg(paths.config_file_args(argv))
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
