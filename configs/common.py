@@ -193,6 +193,15 @@ def base() -> ml_collections.ConfigDict:
   # up to k updates old (rollout/staleness). Their old log-probs are the sampler's (the
   # behaviour policy's). With placement=disaggregated, 1 overlaps rollout and update.
   c.rollout.max_staleness = 0
+  # The native engine's decode slots (rollout/slots.py): 0 = the lockstep group sampler (every
+  # row of a step decoded together until the longest is done); N > 0 = N slots, each row at its
+  # own position, a finished row's slot refilled with the next queued group between decode
+  # chunks of at most `slot_chunk` steps (benchmarks/slot_engine.py). Native decoder policies.
+  c.rollout.slots = 0
+  c.rollout.slot_chunk = 64
+  # Streaming (slots > 0, max_staleness >= 1): a row still running when its step is due trains
+  # in the step after it finishes (True), or its step waits for it (False).
+  c.rollout.partial_rollout = False
   c.rollout.vllm = ml_collections.ConfigDict()
   c.rollout.vllm.gpu_memory_utilization = 0.5
   c.rollout.vllm.kv_cache_space_gib = 1  # vLLM's CPU backend only (VLLM_CPU_KVCACHE_SPACE).

@@ -292,7 +292,7 @@ def _check_optimizer(c: _Checker, cfg):
 
 
 def _check_rollout(c: _Checker, cfg):
-  r = cfg.rollout
+  r, m = cfg.rollout, cfg.model
   c.one_of("rollout.engine", rollout_engine.ENGINES, "rollout engine")
   c.require(
       r.temperature > 0,
@@ -329,6 +329,22 @@ def _check_rollout(c: _Checker, cfg):
         "disaggregated: the reward judge "
         "(reward.judge.path) runs on the trainer's mesh and is not supported yet",
         "--config.rollout.placement=colocated",
+    )
+  c.require(r.slots >= 0, "rollout.slots", "must be >= 0", "0 = the lockstep sampler; e.g. 64")
+  c.require(r.slot_chunk >= 1, "rollout.slot_chunk", "must be >= 1", "e.g. 64")
+  if r.slots:
+    c.require(
+        r.engine == "native" and m.impl == "native" and m.family == "decoder",
+        "rollout.slots",
+        f"the slot engine runs the native decoder (engine={r.engine!r}, "
+        f"model.impl={m.impl!r}, model.family={m.family!r})",
+        "--config.rollout.slots=0 (the lockstep sampler)",
+    )
+    c.require(
+        r.slots >= cfg.num_generations,
+        "rollout.slots",
+        f"{r.slots} slots hold less than one group of num_generations={cfg.num_generations}",
+        f"--config.rollout.slots={cfg.batch_size * cfg.num_generations} (one step's rows)",
     )
   c.require(
       r.max_staleness >= 0,

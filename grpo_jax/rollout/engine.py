@@ -24,6 +24,7 @@ from grpo_jax.parallel import multihost
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.rollout.sampler import config_options
 from grpo_jax.rollout.seq2seq_sampler import Seq2SeqSampler
+from grpo_jax.rollout.slots import SlotEngine
 from grpo_jax.rollout.types import Rollout
 
 ENGINES = ("native", "vllm")
@@ -45,7 +46,11 @@ class NativeEngine:
       decode_phases: int = 0,
       decode_block: int = 0,
       decode_attention: str | None = None,
+      slots: int = 0,
+      slot_chunk: int = 64,
   ):
+    """slots > 0: the slot engine (rollout/slots.py) with that many decode slots, else the
+    lockstep group sampler."""
     self.mesh = mesh
     kw = dict(
         max_prompt_length=max_prompt_length,
@@ -55,7 +60,9 @@ class NativeEngine:
         pad_id=pad_id,
         mesh=mesh,
     )
-    if policy.decoder_start_id is None:
+    if slots and policy.decoder_start_id is None:
+      self.sampler = SlotEngine(policy.sampler_graphdef, slots=slots, chunk=slot_chunk, **kw)
+    elif policy.decoder_start_id is None:
       self.sampler = Sampler(
           policy.sampler_graphdef,
           decode_phases=decode_phases,
@@ -92,6 +99,8 @@ class NativeEngine:
     prompt["ids"] / ["mask"], for compiling it ahead (run/compile_ahead.py): -> (an object with
     .lower(*args), args), or None while the rollout weights' shardings are unknown (a policy
     whose sampler weights are mapped from the trained ones, before its first generate)."""
+    if isinstance(self.sampler, SlotEngine):
+      return None  # several programs, compiled at their first call
     if self._to_rollout is None:
       state = params
     elif self._rollout_spec is not None:
@@ -152,4 +161,6 @@ def make_engine(
       eos_ids=tokenizer.stop_ids,
       pad_id=tokenizer.pad_id,
       **config_options(config),
+      slots=config.rollout.slots,
+      slot_chunk=config.rollout.slot_chunk,
   )

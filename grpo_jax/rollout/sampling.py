@@ -91,9 +91,19 @@ def top_k(x_nv: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Arr
 
 
 def _uniform_in(key, n, total_n):
-  """u in (0, total]: never 0, so a leading zero-probability token is never chosen."""
-  u = jax.random.uniform(key, (n,), jnp.float32) * total_n
+  """u in (0, total]: never 0, so a leading zero-probability token is never chosen. `key`: one
+  key for the batch (row i's draw depends on i), or one key per row ([N]: the slot engine's,
+  a row's draw depends on its own key only)."""
+  if _per_row(key):
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(key) * total_n
+  else:
+    u = jax.random.uniform(key, (n,), jnp.float32) * total_n
   return jnp.clip(u, jnp.finfo(jnp.float32).tiny, total_n)
+
+
+def _per_row(key) -> bool:
+  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  return key.ndim == (1 if typed else 2)
 
 
 _top_k = top_k  # sample_token's argument `top_k` shadows the function
@@ -110,6 +120,8 @@ def sample_token(
     greedy: bool
 ):
   """-> (token [N] int32, sampled-distribution log-prob [N], raw log-prob [N]).
+
+  `key`: one key for the batch, or one per row ([N] keys: row i's draw reads key i only).
 
   `top_k`, `use_top_p` and `greedy` are static (they pick the compiled path); `temperature`
   and `top_p` may be traced. top_k = 0 means no top-k; with top-p alone the whole vocabulary

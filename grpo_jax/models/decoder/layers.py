@@ -368,6 +368,39 @@ class Block(nnx.Module):
       )
     return self._residual(x_btd, a, kernels), k, v
 
+  def decode_rows(self, x_btd, cache_k, cache_v, at_b, kernels: Kernels, local=False):
+    """The slot engine's decode step (rollout/slots.py): one new token per row, each row at its
+    own position. A row's cache holds its sequence contiguously from slot 0 (prompt, then
+    completion: no padding), so a token's slot is its position: the token is written at slot
+    `at` of its row and attends to slots 0..at of it (the last `sliding_window` of them in a
+    local layer).
+
+    x [B, 1, D]; cache_k, cache_v head-major [B, Hkv, S, K]; at [B] int32 (< S). -> (x, cache
+    k, cache v), the caches updated in place (written first, as `decode`)."""
+    cfg = self.cfg
+    positions = at_b[:, None]
+    q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions, local)
+    rows = jnp.arange(x_btd.shape[0])
+    k, v = (
+        c.at[rows, :, at_b].set(n[:, 0].astype(c.dtype), unique_indices=True)
+        for c, n in ((cache_k, k), (cache_v, v))
+    )
+    s_len = cache_k.shape[2]
+    kv_slot = jnp.arange(s_len)
+    valid = jnp.ones((x_btd.shape[0], s_len), jnp.int32)  # slot_mask's causality does the rest
+    empty = jnp.zeros((x_btd.shape[0], k.shape[1], 0, k.shape[3]), k.dtype)
+    prefix = (empty, empty, jnp.zeros((x_btd.shape[0], 0), jnp.int32))
+    a = cache_attention(
+        q,
+        k,
+        v,
+        slot_mask(positions, kv_slot, valid, self._window(local)),
+        prefix,
+        jnp.zeros((x_btd.shape[0], 1, 1, 0), bool),
+        softcap=cfg.attn_logit_softcap,
+    )
+    return self._residual(x_btd, a, kernels), k, v
+
   def _window(self, local):
     """The layer's sliding window: None (a global layer, or a model without windows),
     cfg.sliding_window (a local one), or under the layer scan a traced choice between it and a

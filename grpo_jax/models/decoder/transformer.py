@@ -267,6 +267,42 @@ class Transformer(nnx.Module):
     )
     return (logits if all_logits else logits[:, 0]), cache
 
+  def prefill_rows(self, tokens_bp, mask_bp):
+    """The slot engine's prefill (rollout/slots.py): a prompt batch (any padding) with each
+    row's real tokens moved to its front, so slot j of a row holds its token at position j.
+    -> (logits [B, V] f32 of the next token after each prompt's last real token, keys and
+    values: per layer (a tuple) head-major [B, Hkv, P, K], slots >= length unspecified, and
+    length [B] int32, the real tokens of each row)."""
+    src, _ = compaction(mask_bp)
+    tokens, mask = _take(tokens_bp, src), _take(mask_bp, src)
+    length = (mask_bp != 0).sum(-1).astype(jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    x, ks, vs = self._forward_layers(self._embed(tokens), positions, (mask != 0).astype(jnp.int32))
+    last = jnp.take_along_axis(x, jnp.maximum(length - 1, 0)[:, None, None], axis=1)
+    logits = self.logits_from_hidden(self.final_norm(last))[:, 0]
+    per_layer = lambda kv: (  # noqa: E731
+        tuple(a.swapaxes(1, 2) for a in kv)
+        if isinstance(kv, tuple)
+        else tuple(kv[i].swapaxes(1, 2) for i in range(kv.shape[0]))
+    )
+    return logits, per_layer(ks), per_layer(vs), length
+
+  def decode_rows(self, token_b, ks, vs, at_b):
+    """One new token per row, each at its own position `at` [B] (the slot engine's cache:
+    per-layer tuples ks, vs of [B, Hkv, S, K], a row's sequence contiguous from slot 0; see
+    `Block.decode_rows`). -> (logits [B, V] float32, ks, vs). Layers as a list only (the
+    engine decodes cache.sampling_copy's per-layer model)."""
+    if self.cfg.scan_layers:
+      raise ValueError("decode_rows runs the per-layer model: decode cache.sampling_copy(model)")
+    kernels = self.kernels
+
+    def step(block, x, xs_l, local):
+      x, k, v = block.decode_rows(x, xs_l[0], xs_l[1], at_b, kernels, local)
+      return x, (k, v)
+
+    x, (ks, vs) = self._run_layers(step, self._embed(token_b[:, None]), (ks, vs))
+    return self.logits_from_hidden(self.final_norm(x))[:, 0], ks, vs
+
   def decode(self, token_b, cache: dict):
     """One new token per row at slot `cache["index"]`. -> (logits [B, V] float32, cache).
 

@@ -1,0 +1,198 @@
+r"""The slot engine (rollout/slots.py) vs the lockstep sampler (rollout/sampler.py) on a
+long-tailed batch built from GSM8K's real lengths: finished completion tokens per second.
+
+    python benchmarks/slot_engine.py            # ~2-4 min on 2 CPU cores
+    python benchmarks/slot_engine.py --quick    # < 60 s (the test)
+    python benchmarks/slot_engine.py --json=out.json
+
+Lengths: benchmarks/packed_update.py's (issue 42's): a prompt is a GSM8K train question rendered
+as configs/qwen3_8b.py renders it, in Qwen tokens; a completion is 1.5 x the Qwen tokens of a
+GSM8K reference answer, 5% of the rows at the 1024 cap; the CPU workload divides every length
+by 8 (P 32, C 128) on packed_update's CPU model (L4 d256, vocab 4096, f32).
+
+A row's length is imposed, not drawn: no stop token, each row's completion budget set to its
+length (the slot engine's per-row `caps`). The lockstep sampler decodes every row of a batch
+until its longest row is done: it runs with max_new_tokens = the batch's longest length (a
+program per distinct maximum, compiled before timing), which is what its stop check gives when
+every row stops at its own length. Useful tokens = the rows' lengths.
+
+Modes, each timed after a warm-up run that compiles every program it uses:
+- lockstep: one batch at a time (B x G rows);
+- on-policy slots: one batch at a time with half as many slots as rows (rows queued, refilled
+  as slots free), the step's rollout taken when its last row is done;
+- streaming slots: every batch queued at once (steps in flight), slots = B x G: the engine
+  admits the next steps' groups as slots free (rollout.max_staleness >= 1's generation).
+Printed: tokens/s, ratios vs lockstep (one run), lockstep's fill (useful / issued row-steps)
+and the slots' busy fraction (live slots / slots, per decode chunk).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from flax import nnx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import packed_update  # noqa: E402
+from configs import qwen3_8b  # noqa: E402
+from grpo_jax.models import PRESETS  # noqa: E402
+from grpo_jax.models import build_model  # noqa: E402
+from grpo_jax.rollout import Sampler  # noqa: E402
+from grpo_jax.rollout.slots import SlotEngine  # noqa: E402
+
+WORKLOADS = {
+    "cpu": dict(scale=8, batch_size=16, num_generations=2, batches=16, model="cpu"),
+    "quick": dict(scale=16, batch_size=8, num_generations=2, batches=4, model="quick"),
+}
+GENERATION = "standard"
+
+
+def model_for(name: str):
+  spec = packed_update.WORKLOADS[name]["model"]
+  cfg = PRESETS["tiny-qwen3"].replace(**spec, dtype="float32", param_dtype="float32")
+  return build_model(cfg.replace(max_position_embeddings=4096), seed=0)
+
+
+def prompt_arrays(rng, bt, vocab: int):
+  b, w = bt.prompt_b.size, bt.width
+  mask = (np.arange(w)[None] >= (w - bt.prompt_b)[:, None]).astype(np.int32)
+  ids = rng.integers(1, vocab, (b, w)) * mask
+  return jnp.asarray(ids, jnp.int32), jnp.asarray(mask)
+
+
+def run_lockstep(samplers, state, batches, key):
+  out = []
+  for bt, ids, mask in batches:
+    r = samplers[int(bt.completion_n.max())](state, ids, mask, key, GENERATION)
+    out.append(r)
+  jax.block_until_ready(out)
+  return out
+
+
+def run_slots(engine, state, batches, key, streaming: bool):
+  n = batches[0][0].completion_n.size
+  engine.reset(GENERATION, rows_per_step=n)
+  engine.set_weights(state, version=0)
+  out = []
+  steady = None
+  if streaming:
+    t0 = time.perf_counter()
+    for i, (bt, ids, mask) in enumerate(batches):
+      engine.enqueue(i, ids, mask, jax.random.fold_in(key, i), caps=bt.completion_n)
+    for i in range(len(batches)):
+      while not engine.finished(i):
+        engine.advance()
+        if steady is None and not engine.pending():  # the queue ran dry: the drain begins
+          stats = engine.stats()
+          admitted = n * len(batches)  # every row admitted, each drew its first token there
+          steady = (stats["live_steps"] + admitted, time.perf_counter() - t0)
+      out.append(engine.take(i)[0])
+  else:
+    for i, (bt, ids, mask) in enumerate(batches):
+      engine.enqueue(i, ids, mask, jax.random.fold_in(key, i), caps=bt.completion_n)
+      while not engine.finished(i):
+        engine.advance()
+      out.append(engine.take(i)[0])
+  jax.block_until_ready(out)
+  run_slots.steady = steady
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--data", default=packed_update.SHARED)
+  ap.add_argument("--tokenizer", default=os.path.join(packed_update.SHARED, "qwen_tokenizer"))
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--chunk", type=int, default=8, help="decode steps between admissions")
+  ap.add_argument("--json", default="")
+  args = ap.parse_args(argv)
+  w = WORKLOADS["quick" if args.quick else "cpu"]
+  recipe = qwen3_8b.get_config()
+  p, c = recipe.max_prompt_length // w["scale"], recipe.max_completion_length // w["scale"]
+  lengths = packed_update.gsm8k_lengths(args.data, args.tokenizer, recipe)
+  rng = np.random.default_rng(args.seed)
+  b, g = w["batch_size"], w["num_generations"]
+  n = b * g
+  model = model_for(w["model"])
+  graphdef, state = nnx.split(model)
+  batches = []
+  for _ in range(w["batches"]):
+    bt = packed_update.draw_batch(rng, lengths, b, g, p, c, w["scale"])
+    batches.append((bt, *prompt_arrays(rng, bt, model.cfg.vocab_size)))
+  useful = sum(int(bt.completion_n.sum()) for bt, _, _ in batches)
+  issued = sum(n * int(bt.completion_n.max()) for bt, _, _ in batches)
+  key = jax.random.key(args.seed)
+  samplers = {
+      m: Sampler(graphdef, max_prompt_length=p, max_new_tokens=m, num_generations=g)
+      for m in sorted({int(bt.completion_n.max()) for bt, _, _ in batches})
+  }
+  kw = dict(max_prompt_length=p, max_new_tokens=c, num_generations=g, chunk=args.chunk)
+  engines = {
+      "on-policy slots": (SlotEngine(graphdef, slots=n // 2, **kw), False),
+      "streaming slots": (SlotEngine(graphdef, slots=n, steps_in_flight=len(batches), **kw), True),
+  }
+  print(
+      f"{len(batches)} batches of B {b} x G {g}: lengths / {w['scale']} (P {p}, C {c}), "
+      f"completion mean {useful / len(batches) / n:.1f}, max per batch "
+      f"{[int(bt.completion_n.max()) for bt, _, _ in batches]}; model L{model.cfg.num_layers} "
+      f"d{model.cfg.hidden_size} V{model.cfg.vocab_size} f32; {GENERATION} sampling; "
+      f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+  )
+  results = dict(
+      rows=n, batches=len(batches), useful_tokens=useful, lockstep_fill=useful / issued, modes={}
+  )
+  runs = {"lockstep": lambda: run_lockstep(samplers, state, batches, key)}
+  for name, (engine, streaming) in engines.items():
+    runs[name] = lambda e=engine, s=streaming: run_slots(e, state, batches, key, s)
+  for name, run in runs.items():  # warm-up: every program compiled
+    got = run()
+    want = issued if name == "lockstep" else useful  # lockstep: every row to the batch's max
+    assert sum(int(r.lengths.sum()) for r in got) == want, (name, want)
+  for name, run in runs.items():
+    t0 = time.perf_counter()
+    run()
+    sec = time.perf_counter() - t0
+    entry = dict(sec=sec, tokens_per_sec=useful / sec)
+    if name in engines:
+      e = engines[name][0]
+      entry.update(e.stats())
+      if engines[name][1]:
+        tokens, at = run_slots.steady
+        entry["steady_tokens_per_sec"] = tokens / at
+      entry["slots"] = e.num_slots
+    results["modes"][name] = entry
+  base = results["modes"]["lockstep"]["tokens_per_sec"]
+  for name, entry in results["modes"].items():
+    entry["vs_lockstep"] = entry["tokens_per_sec"] / base
+    if "steady_tokens_per_sec" in entry:
+      entry["steady_vs_lockstep"] = entry["steady_tokens_per_sec"] / base
+    extra = (
+        f"fill {results['lockstep_fill']:.3f}"
+        if name == "lockstep"
+        else f"{entry['slots']} slots, busy {entry['busy']:.3f}, {entry['steps']} decode steps"
+    )
+    print(
+        f"  {name:<16} {entry['tokens_per_sec']:>9.0f} tok/s  {entry['sec']:6.2f} s  "
+        f"x{entry['vs_lockstep']:.2f}  ({extra})"
+    )
+    if "steady_tokens_per_sec" in entry:
+      print(
+          f"  {'  while queued':<16} {entry['steady_tokens_per_sec']:>9.0f} tok/s            "
+          f"x{entry['steady_vs_lockstep']:.2f}  (until the queue ran dry, before the drain)"
+      )
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=2)
+  return results
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,536 @@
+"""The slot engine: generation that does not wait for the longest row.
+
+    engine = SlotEngine(graphdef, slots=16, max_prompt_length=P, max_new_tokens=C,
+                        num_generations=G, eos_ids=(eos,), pad_id=pad)
+    rollout = engine(params_state, prompt_ids, prompt_mask, rng, "standard")   # on-policy
+    # streaming: several steps' prompts in flight, new weights between decode chunks
+    engine.set_weights(params_state, version=3)
+    engine.enqueue(step, prompt_ids, prompt_mask, key)
+    while not engine.finished(step): engine.advance()
+    rollout, versions = engine.take(step)
+
+The lockstep sampler (sampler.py) decodes all B x G rows together until the longest has
+stopped: on a long-tailed batch most of its decode steps run for rows that are done. Here a
+fixed number of decode *slots* each hold one row at its own position; a row that stops frees its
+slot, and the host admits the next queued group into free slots between decode chunks.
+
+Device programs (static shapes; one compile per (slots, admission width, prompt width)):
+- admit: prefills A prompts once each (`Transformer.prefill_rows`: real tokens first, so slot j
+  of a row holds position j), copies each prompt's keys/values into its G rows' slots, draws
+  each row's first token;
+- decode: `chunk` steps for every slot at its own position (`Transformer.decode_rows`), each
+  drawing one token per live row, writing it, its log-probs and the weight version that drew it
+  into the output rows, and stopping a row at a stop token or its budget (`caps`, default C);
+- take: a step's output rows as a `Rollout` (+ versions [N, C]).
+The decode reads the compute-dtype, per-layer copy of the weights (cache.sampling_copy) made
+once per weight version by `set_weights`.
+
+KV layout (measured choice, benchmarks/README.md "Slot engine"): per-slot contiguous caches
+[slots, Hkv, P + C, K] per layer. A prompt is prefilled once per group; its keys are copied into
+each of its G slots (P x G slots, not P: the price of per-row refill, and what multi-turn rows
+need, whose contexts diverge after the prompt). The XLA attention reads every slot of a row's
+cache each step (masked past its position). Sliding-window layers keep full caches here (no
+rings). The GPU ragged kernel takes one length for all rows (decode_attention.py); the slot
+engine uses the XLA attention on every platform for now.
+
+Randomness: row r of a step with key `rng` draws its token at completion column t from
+fold_in(fold_in(rng, r), t): a row's tokens depend on its own key only, never on which slot it
+got or when it was admitted (the lockstep sampler's draws depend on the row's place in the
+batch instead: same distributions, different draws; tests/rollout/test_slots.py).
+
+Multi-host: every process holds all prompts (the scheduler's decisions read replicated arrays
+only), so every process makes the same decisions and dispatches the same programs.
+"""
+
+import collections
+import dataclasses
+import functools
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax.models.decoder.cache import sampling_copy
+from grpo_jax.models.decoder.kernels import Kernels
+from grpo_jax.models.decoder.transformer import compaction
+from grpo_jax.parallel import multihost
+from grpo_jax.parallel import sharding
+from grpo_jax.rollout import sampling
+from grpo_jax.rollout.types import GenerationConfig
+from grpo_jax.rollout.types import Rollout
+from grpo_jax.rollout.types import generation_config
+
+# The state's small arrays, replicated on a mesh (every process reads them and decides alike).
+REFILL_DIV = 8
+_CONTROL = (
+    "length",
+    "seq",
+    "token",
+    "col",
+    "cap",
+    "row",
+    "live",
+    "keys",
+    "out_tokens",
+    "out_logp",
+    "out_raw",
+    "out_version",
+    "out_len",
+    "out_stop",
+    "steps",
+    "live_steps",
+)
+
+
+@dataclasses.dataclass
+class _Group:
+  """A queued prompt: its host ids/mask [W], the step key, its G output rows and budgets."""
+
+  tag: int
+  ids: np.ndarray
+  mask: np.ndarray
+  key: jax.Array
+  rows: np.ndarray  # [G] output row ids
+  index: np.ndarray  # [G] the rows' index within their step (their rng fold)
+  caps: np.ndarray  # [G] completion budgets
+
+
+class SlotEngine:
+  """Generation in decode slots with per-row positions and refill (see the module docstring)."""
+
+  def __init__(
+      self,
+      graphdef,
+      *,
+      slots: int,
+      max_prompt_length: int,
+      max_new_tokens: int,
+      num_generations: int = 1,
+      eos_ids=(),
+      pad_id: int = 0,
+      mesh=None,
+      chunk: int = 8,
+      steps_in_flight: int = 1,
+  ):
+    g = num_generations
+    if slots < g:
+      raise ValueError(f"rollout.slots={slots}: needs at least num_generations={g} slots")
+    self.graphdef = graphdef
+    self.num_slots, self.g = int(slots), int(g)
+    self.max_prompt_length, self.c = int(max_prompt_length), int(max_new_tokens)
+    self.eos_ids = tuple(int(e) for e in eos_ids)
+    self.pad_id = int(pad_id)
+    self.mesh = mesh
+    self.chunk = max(1, int(chunk))
+    # Free slots that end a decode chunk when groups are queued: whole groups, about 1/8 of the
+    # slots, so admissions come in batches (one prefill each) yet slots idle little.
+    self.refill = self.g * max(1, self.num_slots // (REFILL_DIV * self.g))
+    self.ring = max(1, int(steps_in_flight))
+    self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    self._programs = {}
+    self._copy_graphdef = None
+    self._model_cfg = None
+    self._weights = None
+    self._version = None
+    self._state = None
+    self._rows_per_tag = None
+    self._queue = collections.deque()
+    self._tags = {}  # tag -> (base row, rows, generation)
+    self._slot_row = np.full(self.num_slots, -1, np.int64)  # host view: the row in each slot
+    self._open_rows = collections.Counter()  # tag -> rows not finished
+    self._gen = None
+
+  # ------------------------------------------------------------------------- on-policy
+
+  def __call__(self, state, prompt_ids, prompt_mask, rng, generation="greedy", caps=None):
+    """All rows of one prompt batch (global arrays [B, W]) from the weights `state`: the
+    on-policy rollout, in the layout the lockstep sampler returns. caps: optional per-row
+    completion budgets [B*G] (<= max_new_tokens)."""
+    self.reset(generation, rows_per_step=prompt_ids.shape[0] * self.g)
+    self.set_weights(state, version=0)
+    self.enqueue(0, prompt_ids, prompt_mask, rng, caps=caps)
+    while not self.finished(0):
+      self.advance()
+    return self.take(0)[0]
+
+  # ------------------------------------------------------------------------- streaming
+
+  def reset(self, generation, *, rows_per_step: int):
+    """Empties the engine for a generation config and a step size (rows per step)."""
+    self._gen = generation_config(generation)
+    self._rows_per_tag = int(rows_per_step)
+    self._queue.clear()
+    self._tags.clear()
+    self._open_rows.clear()
+    self._slot_row[:] = -1
+    self._state = None
+
+  def set_weights(self, state, version: int):
+    """New weights for every decode from now on; the compute-dtype copy is made once here. Rows
+    in flight continue under them: their keys/values are computed again from their tokens so
+    far (one prefill of the live slots), so each later token's log-prob is exactly the new
+    version's given the row's context (no keys of the old weights stay in a cache)."""
+    if self._model_cfg is None:
+      self._model_cfg = nnx.merge(self.graphdef, state).cfg
+    self._weights = self._program("copy")(state)
+    self._version = self._replicated(np.int32(version))
+    if self._state is not None and np.any(self._slot_row >= 0):
+      self._state = self._program("refresh")(self._state, self._weights)
+
+  def enqueue(self, tag: int, prompt_ids, prompt_mask, key, caps=None):
+    """Queues the B prompts (arrays [B, W], left-padded; global or host) of step `tag`, G rows
+    each, drawn with `key` (row r: fold_in(key, r))."""
+    ids, mask = self._whole(prompt_ids), self._whole(prompt_mask)
+    b = ids.shape[0]
+    n = b * self.g
+    if n != self._rows_per_tag:
+      raise ValueError(f"{b} prompts x {self.g} = {n} rows; this engine takes {self._rows_per_tag}")
+    if ids.shape[1] > self.max_prompt_length:
+      raise ValueError(f"prompts of {ids.shape[1]} columns > max_prompt_length")
+    live_tags = {t for t in self._tags}
+    slot = tag % self.ring
+    if any(t % self.ring == slot for t in live_tags):
+      raise ValueError(f"step {tag}: more than {self.ring} steps in flight (steps_in_flight)")
+    caps = np.full(n, self.c, np.int64) if caps is None else np.minimum(self._whole(caps), self.c)
+    base = slot * n
+    self._tags[tag] = base
+    self._open_rows[tag] = n
+    for i in range(b):
+      rows = np.arange(i * self.g, (i + 1) * self.g)
+      self._queue.append(_Group(tag, ids[i], mask[i], key, base + rows, rows, caps[rows]))
+
+  def advance(self):
+    """Admits queued groups into free slots, then runs one decode chunk."""
+    if self._state is None:
+      self._state = self._program("init")()
+    self._admit_ready()
+    # The chunk ends early once enough slots are free to admit queued groups.
+    refill = self.refill if self._queue else self.num_slots + 1
+    self._state = self._program("decode")(
+        self._state,
+        self._weights,
+        self._version,
+        self._replicated(np.int32(refill)),
+        *self._scalars(),
+    )
+    live = _host(self._state["live"])
+    for s in np.nonzero((self._slot_row >= 0) & ~live)[0]:
+      row = self._slot_row[s]
+      self._open_rows[self._tag_of(row)] -= 1
+      self._slot_row[s] = -1
+
+  def finished(self, tag: int) -> bool:
+    return self._open_rows[tag] == 0 and not any(g.tag == tag for g in self._queue)
+
+  def take(self, tag: int):
+    """A finished step's rows -> (Rollout, versions int32 [N, C]: the weight version that drew
+    each token, 0 where masked); its output rows are free for a later step."""
+    base = self._tags.pop(tag)
+    del self._open_rows[tag]
+    rows = self._replicated(np.arange(base, base + self._rows_per_tag, dtype=np.int32))
+    return self._program("take")(self._state, rows)
+
+  def stats(self) -> dict:
+    """Decode steps run since `reset` and the slots' busy fraction over them (live slots /
+    slots, per step)."""
+    if self._state is None:
+      return dict(steps=0, live_steps=0, busy=0.0)
+    steps, live = (int(_host(self._state[k])) for k in ("steps", "live_steps"))
+    return dict(steps=steps, live_steps=live, busy=live / max(1, steps * self.num_slots))
+
+  def pending(self) -> int:
+    """Groups queued, not yet admitted."""
+    return len(self._queue)
+
+  # ------------------------------------------------------------------------- host side
+
+  def _tag_of(self, row: int) -> int:
+    base = row // self._rows_per_tag * self._rows_per_tag
+    return next(t for t, b in self._tags.items() if b == base)
+
+  def _admit_ready(self):
+    free = list(np.nonzero(self._slot_row < 0)[0])
+    groups = []
+    while self._queue and len(free) >= self.g * (len(groups) + 1):
+      groups.append(self._queue.popleft())
+    if not groups:
+      return
+    a = 1 << (len(groups) - 1).bit_length()  # admission widths: powers of two
+    w = max(grp.ids.shape[0] for grp in groups)
+    ids = np.full((a, w), self.pad_id, np.int32)
+    mask = np.zeros((a, w), np.int32)
+    n = a * self.g
+    slot_ids = np.full(n, self.num_slots, np.int32)  # out of range: dropped
+    row_ids = np.full(n, self.ring * self._rows_per_tag, np.int32)
+    index = np.zeros(n, np.int32)
+    caps = np.ones(n, np.int32)
+    keys = []
+    for j, grp in enumerate(groups):
+      width = grp.ids.shape[0]
+      ids[j, w - width :], mask[j, w - width :] = grp.ids, grp.mask
+      sl = slice(j * self.g, (j + 1) * self.g)
+      slot_ids[sl] = free[sl]
+      row_ids[sl], index[sl], caps[sl] = grp.rows, grp.index, grp.caps
+      self._slot_row[free[sl]] = grp.rows
+      keys.append(grp.key)
+    keys += [groups[0].key] * (a - len(groups))
+    args = [self._replicated(x) for x in (ids, mask, slot_ids, row_ids, index, caps)]
+    self._state = self._program("admit", a, w)(
+        self._state, self._weights, *args, jnp.stack(keys), self._version, *self._scalars()
+    )
+
+  def _scalars(self):
+    return (
+        self._replicated(np.float32(self._gen.temperature)),
+        self._replicated(np.float32(self._gen.top_p)),
+    )
+
+  def _whole(self, x) -> np.ndarray:
+    """Every row of a (global, possibly row-sharded over processes) array, on this host."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      everywhere = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+      x = jax.jit(lambda a: a, out_shardings=everywhere)(x)
+    return _host(x)
+
+  def _replicated(self, x):
+    return jnp.asarray(x) if self.mesh is None else multihost.replicated(np.asarray(x), self.mesh)
+
+  def _static(self):
+    gen: GenerationConfig = self._gen
+    return dict(
+        top_k=int(gen.top_k) if not gen.is_greedy else 0,
+        use_top_p=gen.top_p < 1.0,
+        greedy=gen.is_greedy,
+    )
+
+  # ------------------------------------------------------------------------- programs
+
+  def _program(self, name, *shape):
+    static = self._static() if name in ("admit", "decode") else {}
+    key = (name, shape, tuple(sorted(static.items())))
+    if key not in self._programs:
+      fn = getattr(self, "_" + name)
+      fn = functools.partial(fn, **static) if static else fn
+      kw = {}
+      if name in ("admit", "decode", "refresh"):
+        kw["donate_argnums"] = (0,)
+      if self.mesh is not None and name in ("init", "admit", "decode", "refresh"):
+        kw["out_shardings"] = self._state_shardings()
+      if self.mesh is not None and name == "take":
+        rows, vec = (sharding.batch_sharding(self.mesh, k) for k in (2, 1))
+        kw["out_shardings"] = (
+            Rollout(
+                tokens=rows, mask=rows, logprobs=rows, raw_logprobs=rows, lengths=vec, truncated=vec
+            ),
+            rows,
+        )
+      jitted = jax.jit(fn, **kw)
+      self._programs[key] = jitted if self.mesh is None else _InMesh(jitted, self.mesh)
+    return self._programs[key]
+
+  def _state_shardings(self):
+    """The state's layout on the mesh: caches' slots over (data, fsdp); the rest replicated
+    (every process reads the slots' status and makes the same decisions)."""
+    rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    cache = sharding.batch_sharding(self.mesh, 4)
+    layers = self._model_cfg.num_layers
+    return dict(k=(cache,) * layers, v=(cache,) * layers, **{k: rep for k in _CONTROL})
+
+  def _model(self, weights):
+    model = nnx.merge(self._copy_graphdef, weights)
+    model.kernels = Kernels.resolve(model.cfg, self.platform)
+    return model
+
+  def _copy(self, state):
+    model = nnx.merge(self.graphdef, state)
+    model.kernels = Kernels.resolve(model.cfg, self.platform)
+    copy = sampling_copy(model)
+    graphdef, weights = nnx.split(copy)
+    self._copy_graphdef = graphdef
+    return weights
+
+  def _init(self):
+    model_cfg = self._model_cfg
+    s, n, r = self.max_prompt_length + self.c, self.num_slots, self.ring * self._rows_per_tag
+    shape = (n, model_cfg.num_kv_heads, s, model_cfg.head_dim)
+    dt = jnp.dtype(model_cfg.dtype)
+    zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(model_cfg.num_layers))  # noqa
+    return dict(
+        k=zeros(),
+        v=zeros(),
+        length=jnp.zeros((n,), jnp.int32),
+        seq=jnp.zeros((n, s), jnp.int32),
+        token=jnp.zeros((n,), jnp.int32),
+        col=jnp.zeros((n,), jnp.int32),
+        cap=jnp.zeros((n,), jnp.int32),
+        row=jnp.full((n,), r, jnp.int32),
+        live=jnp.zeros((n,), bool),
+        keys=jax.random.split(jax.random.key(0), n),
+        out_tokens=jnp.full((r, self.c), self.pad_id, jnp.int32),
+        out_logp=jnp.zeros((r, self.c), jnp.float32),
+        out_raw=jnp.zeros((r, self.c), jnp.float32),
+        out_version=jnp.zeros((r, self.c), jnp.int32),
+        out_len=jnp.zeros((r,), jnp.int32),
+        out_stop=jnp.zeros((r,), bool),
+        steps=jnp.zeros((), jnp.int32),
+        live_steps=jnp.zeros((), jnp.int32),
+    )
+
+  def _draw(self, temperature, top_p, *, top_k, use_top_p, greedy):
+    return functools.partial(
+        sampling.sample_token,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        use_top_p=use_top_p,
+        greedy=greedy,
+    )
+
+  def _record(self, st, slots, active, token, logp, raw, version):
+    """Writes each active entry's token (at its row's column) into the output rows and moves
+    its slot on: column + 1, stopped at a stop token or its budget. `slots` [E]: the entries'
+    slots (out-of-range entries are dropped)."""
+    r = self.ring * self._rows_per_tag
+    take = lambda x: x.at[slots].get(mode="fill", fill_value=0)  # noqa: E731
+    row = jnp.where(active, take(st["row"]), r)
+    col = take(st["col"])
+    stop_ids = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
+    stop = active & jnp.isin(token, stop_ids)
+    col2 = col + active
+    live = active & ~stop & (col2 < take(st["cap"]))
+    put = lambda x, v: x.at[slots].set(v, mode="drop")  # noqa: E731
+    out = dict(
+        st,
+        out_tokens=st["out_tokens"].at[row, col].set(token, mode="drop"),
+        out_logp=st["out_logp"].at[row, col].set(logp, mode="drop"),
+        out_raw=st["out_raw"].at[row, col].set(raw, mode="drop"),
+        out_version=st["out_version"].at[row, col].set(version, mode="drop"),
+        out_len=st["out_len"].at[row].set(col2, mode="drop"),
+        out_stop=st["out_stop"].at[row].set(stop, mode="drop"),
+        col=put(st["col"], col2),
+        live=put(st["live"], live),
+        token=put(st["token"], jnp.where(active, token, take(st["token"]))),
+    )
+    return out
+
+  def _admit(
+      self,
+      st,
+      weights,
+      ids,
+      mask,
+      slot_ids,
+      row_ids,
+      index,
+      caps,
+      keys,
+      version,
+      temperature,
+      top_p,
+      **static,
+  ):
+    model = self._model(weights)
+    logits, ks, vs, length = model.prefill_rows(ids, mask)
+    g, w = self.g, ids.shape[1]
+    rep = lambda x: jnp.repeat(x, g, axis=0)  # noqa: E731
+    put = lambda c, x: c.at[slot_ids].set(x.astype(c.dtype), mode="drop")  # noqa: E731
+    kv = lambda cache, new: tuple(  # noqa: E731
+        c.at[slot_ids, :, :w].set(rep(x).astype(c.dtype), mode="drop") for c, x in zip(cache, new)
+    )
+    row_keys = jax.vmap(jax.random.fold_in)(rep(keys), index)
+    compact = jnp.take_along_axis(ids, compaction(mask)[0], axis=1)
+    st = dict(
+        st,
+        seq=st["seq"].at[slot_ids, :w].set(rep(compact), mode="drop"),
+        k=_constrain_cache(kv(st["k"], ks)),
+        v=_constrain_cache(kv(st["v"], vs)),
+        length=put(st["length"], rep(length)),
+        col=put(st["col"], jnp.zeros_like(slot_ids)),
+        cap=put(st["cap"], caps),
+        row=put(st["row"], row_ids),
+        keys=st["keys"].at[slot_ids].set(row_keys, mode="drop"),
+    )
+    draw = self._draw(temperature, top_p, **static)
+    token, lp, raw = draw(
+        rep(logits), jax.vmap(jax.random.fold_in)(row_keys, jnp.zeros_like(index))
+    )
+    active = slot_ids < self.num_slots
+    return self._record(st, slot_ids, active, token, lp, raw, version)
+
+  def _decode(self, st, weights, version, refill, temperature, top_p, **static):
+    model = self._model(weights)
+    draw = self._draw(temperature, top_p, **static)
+    s_len = self.max_prompt_length + self.c
+    every = jnp.arange(self.num_slots)
+
+    def body(c):
+      i, st = c
+      live = st["live"]
+      at = jnp.minimum(st["length"], s_len - 1)
+      logits, ks, vs = model.decode_rows(st["token"], st["k"], st["v"], at)
+      st = dict(
+          st,
+          k=_constrain_cache(ks),
+          v=_constrain_cache(vs),
+          seq=st["seq"].at[every, at].set(st["token"], unique_indices=True),
+          length=st["length"] + live,
+          steps=st["steps"] + 1,
+          live_steps=st["live_steps"] + live.sum(),
+      )
+      token, lp, raw = draw(logits, jax.vmap(jax.random.fold_in)(st["keys"], st["col"]))
+      return i + 1, self._record(st, every, live, token, lp, raw, version)
+
+    def cond(c):
+      live = c[1]["live"].sum()
+      return (c[0] < self.chunk) & (live > 0) & (self.num_slots - live < refill)
+
+    return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), st))[1]
+
+  def _refresh(self, st, weights):
+    """Every slot's keys/values computed again from its tokens (new weights)."""
+    model = self._model(weights)
+    s_len = st["seq"].shape[1]
+    mask = (jnp.arange(s_len)[None, :] < st["length"][:, None]).astype(jnp.int32)
+    _, ks, vs, _ = model.prefill_rows(st["seq"], mask)
+    fresh = lambda cache, new: tuple(x.astype(c.dtype) for c, x in zip(cache, new))  # noqa: E731
+    return dict(st, k=_constrain_cache(fresh(st["k"], ks)), v=_constrain_cache(fresh(st["v"], vs)))
+
+  def _take(self, st, rows):
+    length = st["out_len"][rows]
+    mask = (jnp.arange(self.c)[None, :] < length[:, None]).astype(jnp.int32)
+    on = mask != 0
+    rollout = Rollout(
+        tokens=jnp.where(on, st["out_tokens"][rows], self.pad_id),
+        mask=mask,
+        logprobs=jnp.where(on, st["out_logp"][rows], 0.0),
+        raw_logprobs=jnp.where(on, st["out_raw"][rows], 0.0),
+        lengths=length,
+        truncated=~st["out_stop"][rows],
+    )
+    return rollout, jnp.where(on, st["out_version"][rows], 0)
+
+
+def _constrain_cache(kv: tuple) -> tuple:
+  return tuple(sharding.constrain(x, "batch", "kv_heads", "length", "head_dim") for x in kv)
+
+
+def _host(x) -> np.ndarray:
+  """A host copy of a (replicated or host) array; on several processes each reads its own."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return np.asarray(x.addressable_data(0))
+  return np.asarray(x)
+
+
+class _InMesh:
+
+  def __init__(self, fn, mesh):
+    self.fn, self.mesh = fn, mesh
+
+  def __call__(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.fn(*args)
+
+  def lower(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.fn.lower(*args)

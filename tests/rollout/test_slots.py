@@ -1,0 +1,191 @@
+"""The slot engine (rollout/slots.py): the lockstep sampler's tokens and log-probs on-policy,
+per-row randomness, budgets, and each token's log-prob under the weight version that drew it."""
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from grpo_jax.models import PRESETS
+from grpo_jax.models import build_model
+from grpo_jax.parallel import sharding
+from grpo_jax.rollout import GenerationConfig
+from grpo_jax.rollout import Sampler
+from grpo_jax.rollout.slots import SlotEngine
+from tests.rollout.test_sampler import prompts
+from tests.rollout.test_sampler import trainer_logprobs
+
+CFG = PRESETS["tiny-qwen3"]
+P, C, G = 7, 12, 3
+
+
+@pytest.fixture(scope="module")
+def model():
+  return build_model(CFG, seed=0)
+
+
+def engine(graphdef, slots, **kw):
+  kw = dict(max_prompt_length=P, max_new_tokens=C, num_generations=G, eos_ids=(5, 9)) | kw
+  return SlotEngine(graphdef, slots=slots, **kw)
+
+
+@pytest.mark.parametrize("slots,chunk", [(12, 64), (5, 3), (3, 1)])
+def test_greedy_equals_the_lockstep_sampler(model, slots, chunk):
+  """Fewer, as many or more slots than rows, any chunk: the lockstep sampler's greedy tokens,
+  masks, lengths and stops; raw log-probs = the trainer's within 1e-5 (f32)."""
+  ids, mask = prompts(CFG.vocab_size, b=4)
+  graphdef, state = nnx.split(model)
+  lock = Sampler(graphdef, max_prompt_length=P, max_new_tokens=C, num_generations=G, eos_ids=(5, 9))
+  want = lock(state, ids, mask, jax.random.key(1), "greedy")
+  got = engine(graphdef, slots, chunk=chunk)(state, ids, mask, jax.random.key(1), "greedy")
+  for name in ("tokens", "mask", "lengths", "truncated"):
+    np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+  assert 0 < int(got.truncated.sum()) < got.truncated.size  # some rows stop, some run out
+  m = np.asarray(got.mask) > 0
+  train = np.asarray(trainer_logprobs(model, ids, mask, got, G))
+  assert np.abs(train - np.asarray(got.raw_logprobs))[m].max() <= 1e-5
+  np.testing.assert_allclose(got.raw_logprobs, want.raw_logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("gen", ["standard", GenerationConfig(temperature=1.0)])
+def test_sampled_logprobs_equal_the_trainers(model, gen):
+  ids, mask = prompts(CFG.vocab_size, b=4, seed=3)
+  graphdef, state = nnx.split(model)
+  r = engine(graphdef, 5, chunk=4)(state, ids, mask, jax.random.key(2), gen)
+  m = np.asarray(r.mask) > 0
+  train = np.asarray(trainer_logprobs(model, ids, mask, r, G))
+  assert np.abs(train - np.asarray(r.raw_logprobs))[m].max() <= 1e-5
+  if isinstance(gen, GenerationConfig):  # T = 1, no truncation: sampled == raw
+    assert np.abs(train - np.asarray(r.logprobs))[m].max() <= 1e-5
+  assert np.all(np.asarray(r.logprobs)[~m] == 0) and np.all(np.asarray(r.tokens)[~m] == 0)
+
+
+def test_a_rows_tokens_do_not_depend_on_its_slot_or_admission(model):
+  """Row r draws from fold_in(fold_in(key, r), column): 3 slots and chunk 1 (rows queued,
+  admitted late, into other slots) give the same samples as 12 slots and one long chunk."""
+  ids, mask = prompts(CFG.vocab_size, b=4, seed=5)
+  graphdef, state = nnx.split(model)
+  a = engine(graphdef, 12)(state, ids, mask, jax.random.key(7), "liberal")
+  b = engine(graphdef, 3, chunk=1)(state, ids, mask, jax.random.key(7), "liberal")
+  c = engine(graphdef, 12)(state, ids, mask, jax.random.key(8), "liberal")
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)  # other batches: last bits
+  assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+
+
+def test_samples_follow_the_lockstep_samplers_distribution():
+  """Same distributions as the lockstep sampler (whose draws depend on the row's place in the
+  batch instead of its own key): the first two tokens of 600 rows of one prompt, two-sample
+  chi-square on a 16-token vocabulary."""
+  cfg = CFG.replace(vocab_size=16)
+  model = build_model(cfg, seed=1)
+  graphdef, state = nnx.split(model)
+  ids, mask = jnp.asarray([[3, 4, 7]], jnp.int32), jnp.ones((1, 3), jnp.int32)
+  gen = GenerationConfig(temperature=1.0)
+  kw = dict(max_prompt_length=3, max_new_tokens=2, num_generations=600)
+  lock = Sampler(graphdef, **kw)(state, ids, mask, jax.random.key(0), gen)
+  slot = SlotEngine(graphdef, slots=600, **kw)(state, ids, mask, jax.random.key(1), gen)
+  for col in (0, 1):
+    table = np.stack(
+        [np.bincount(np.asarray(r.tokens)[:, col], minlength=16) for r in (lock, slot)]
+    )
+    table = table[:, table.sum(0) > 0]
+    assert stats.chi2_contingency(table)[1] > 1e-3, (col, table)
+
+
+def test_budgets_stop_each_row_at_its_own_length(model):
+  ids, mask = prompts(CFG.vocab_size, b=4)
+  graphdef, state = nnx.split(model)
+  caps = np.array([1, 2, 3, 12, 7, 5, 4, 9, 11, 6, 8, 10])
+  e = engine(graphdef, 4, eos_ids=(), chunk=2)
+  r = e(state, ids, mask, jax.random.key(1), "standard", caps=caps)
+  np.testing.assert_array_equal(r.lengths, caps)
+  np.testing.assert_array_equal(np.asarray(r.mask).sum(-1), caps)
+  assert np.all(np.asarray(r.truncated))  # no stop token: every row ran out of budget
+  s = e.stats()  # 4 slots refilled: about sum(caps) / 4 steps, not 12 per 4 rows
+  assert s["steps"] <= int(np.ceil((caps.sum() - caps.size) / 4)) + 12
+  assert s["busy"] > 0.6
+
+
+def test_streaming_tokens_keep_the_log_probs_of_the_version_that_drew_them(model):
+  """Two steps in flight, new weights landing between decode chunks: rows straddle the two
+  versions, and each token's recorded log-prob is the trainer's under the version recorded
+  with it (1e-5, f32)."""
+  graphdef, state = nnx.split(model)
+  state2 = jax.tree.map(lambda x: x * 1.05 if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+  model2 = nnx.merge(graphdef, state2)
+  e = engine(graphdef, 6, eos_ids=(), chunk=3, steps_in_flight=2)
+  e.reset(GenerationConfig(temperature=1.0), rows_per_step=12)
+  e.set_weights(state, version=0)
+  batches = [prompts(CFG.vocab_size, b=4, seed=s) for s in (1, 2)]
+  for tag, (ids, mask) in enumerate(batches):
+    e.enqueue(tag, ids, mask, jax.random.key(10 + tag))
+  e.advance()
+  e.advance()
+  e.set_weights(state2, version=1)
+  straddled = 0
+  for tag, (ids, mask) in enumerate(batches):
+    while not e.finished(tag):
+      e.advance()
+    r, versions = e.take(tag)
+    m = np.asarray(r.mask) > 0
+    v = np.asarray(versions)
+    want = np.where(
+        v == 0,
+        np.asarray(trainer_logprobs(model, ids, mask, r, G)),
+        np.asarray(trainer_logprobs(model2, ids, mask, r, G)),
+    )
+    assert np.abs(want - np.asarray(r.logprobs))[m].max() <= 1e-5
+    straddled += int(np.sum((v[:, 0] == 0) & (v.max(-1) == 1)))
+    assert np.all(v[~m] == 0)
+  assert straddled > 0
+
+
+def test_too_many_steps_in_flight_and_too_few_slots_are_refused(model):
+  graphdef, state = nnx.split(model)
+  with pytest.raises(ValueError, match="num_generations"):
+    engine(graphdef, 2)
+  e = engine(graphdef, 6)
+  e.reset("greedy", rows_per_step=12)
+  ids, mask = prompts(CFG.vocab_size, b=4)
+  e.enqueue(0, ids, mask, jax.random.key(0))
+  with pytest.raises(ValueError, match="steps_in_flight"):
+    e.enqueue(1, ids, mask, jax.random.key(0))
+
+
+def test_sliding_window_model_equals_the_lockstep_sampler():
+  """Gemma 3's local layers (window 4 < the sequences) and soft-capping choices: the same
+  greedy tokens as the lockstep sampler (whose local layers use ring caches)."""
+  cfg = PRESETS["tiny-gemma3"].replace(sliding_window=4, dtype="float32")
+  model = build_model(cfg, seed=2)
+  graphdef, state = nnx.split(model)
+  ids, mask = prompts(cfg.vocab_size, b=4)
+  kw = dict(max_prompt_length=P, max_new_tokens=C, num_generations=G, eos_ids=(5,))
+  want = Sampler(graphdef, **kw)(state, ids, mask, jax.random.key(1), "greedy")
+  got = SlotEngine(graphdef, slots=5, chunk=2, **kw)(state, ids, mask, jax.random.key(1), "greedy")
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.raw_logprobs, want.raw_logprobs, atol=1e-5)
+
+
+def test_mesh_results_equal_single_device(model):
+  """8 devices (data 2 x fsdp 2 x tensor 2): the slot caches' rows over (data, fsdp), the
+  control arrays replicated: the single device's tokens and log-probs."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 (fake) devices")
+  ids, mask = prompts(CFG.vocab_size, b=4, seed=9)
+  graphdef, state = nnx.split(model)
+  one = engine(graphdef, 8, chunk=4)(state, ids, mask, jax.random.key(4), "standard")
+  mesh = sharding.make_mesh(2, 2, 2)
+  sharded = jax.device_put(state, sharding.state_shardings(state, mesh))
+  got = engine(graphdef, 8, chunk=4, mesh=mesh)(
+      sharded,
+      jax.device_put(ids, sharding.batch_sharding(mesh)),
+      jax.device_put(mask, sharding.batch_sharding(mesh)),
+      jax.random.key(4),
+      "standard",
+  )
+  assert got.tokens.sharding.spec[0] == sharding.BATCH_AXES
+  np.testing.assert_array_equal(got.tokens, one.tokens)
+  np.testing.assert_allclose(got.logprobs, one.logprobs, atol=1e-5)
