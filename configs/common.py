@@ -240,6 +240,15 @@ def base() -> ml_collections.ConfigDict:
   c.loss.kl_clamp = placeholder(float)  # verl clamps k3 to [-10, 10].
   c.loss.loss_agg_mode = "seq-mean-token-mean"
   c.loss.tis_cap = 0.0  # > 0: truncated importance sampling weights min(p_train/p_sample, cap).
+  # Off-policy correction of the sampler/trainer gap (rl/corrections.py, docs/design.md): "tis"
+  # (token TIS, on when tis_cap > 0) | "sequence_is" (the sequence's ratio, truncated at tis_cap)
+  # | "icepop" (tokens whose ratio leaves [correction_low, correction_high] are masked) |
+  # "geometric_mask" (sequences whose geometric-mean ratio leaves it are masked). With the
+  # masks, tis_cap > 0 also truncates the kept tokens' ratios.
+  c.loss.offpolicy_correction = "tis"
+  # The band: IcePop's is [0.5, 5]; a geometric mean needs a tight one, e.g. [0.999, 1.001].
+  c.loss.correction_low = 0.5
+  c.loss.correction_high = 5.0
   # DAPO dynamic sampling: groups whose G rewards are all equal carry no signal. True: sample
   # more prompts (up to max_resample_rounds extra rollout rounds per step) until the batch holds
   # batch_size groups with reward variance; groups still missing then stay in the batch, masked

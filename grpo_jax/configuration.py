@@ -237,6 +237,7 @@ def _check_loss(c: _Checker, cfg):
     c.require(l.kl_clamp > 0, "loss.kl_clamp", "must be > 0", "use e.g. 10.0 or None")
   c.require(l.adv_eps > 0, "loss.adv_eps", "must be > 0", "use e.g. 1e-6")
   c.require(l.tis_cap >= 0, "loss.tis_cap", "must be >= 0", "0 disables TIS; e.g. 2.0")
+  _check_correction(c, l)
   c.require(
       0 <= l.overlong_buffer < cfg.max_completion_length,
       "loss.overlong_buffer",
@@ -275,6 +276,37 @@ def _check_loss(c: _Checker, cfg):
         "reference.refresh_every_steps",
         "beta=0 builds no reference to refresh",
         "set beta > 0 or refresh_every_steps=0",
+    )
+
+
+def _check_correction(c: _Checker, l):
+  """loss.offpolicy_correction and the fields it reads (rl/corrections.py)."""
+  c.one_of(
+      "loss.offpolicy_correction",
+      rl_registry.OFFPOLICY_CORRECTIONS.names(),
+      "off-policy correction",
+  )
+  kind = l.offpolicy_correction
+  if kind == "sequence_is" and l.tis_cap == 0:
+    c.fail(
+        "loss.tis_cap",
+        "offpolicy_correction='sequence_is' truncates each sequence's weight at tis_cap, and 0 "
+        "would zero every weight",
+        "set a cap, e.g. --config.loss.tis_cap=5.0 (verl suggests 2-10 for sequences)",
+    )
+  if kind in ("icepop", "geometric_mask"):
+    band = "the band [correction_low, correction_high] must hold ratio 1 (tokens on-policy)"
+    c.require(
+        0 <= l.correction_low <= 1,
+        "loss.correction_low",
+        f"must lie in [0, 1]: {band}",
+        "use e.g. 0.5 (icepop) or 0.999 (geometric_mask)",
+    )
+    c.require(
+        l.correction_high >= 1,
+        "loss.correction_high",
+        f"must be >= 1: {band}",
+        "use e.g. 5.0 (icepop) or 1.001 (geometric_mask)",
     )
 
 

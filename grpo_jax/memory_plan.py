@@ -69,6 +69,7 @@ from grpo_jax import configuration
 from grpo_jax.parallel import sharding
 from grpo_jax.models import build
 from grpo_jax.models import policy as policy_lib
+from grpo_jax.rl import corrections
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rollout import sampler as sampler_lib
 from grpo_jax.rollout.types import GenerationConfig
@@ -457,7 +458,7 @@ def _step_inputs(cfg, policy, fns, mesh) -> dict:
   )
   needs_old = (
       cfg.num_iterations > 1
-      or cfg.loss.tis_cap > 0
+      or corrections.active(cfg.loss.offpolicy_correction, cfg.loss.tis_cap)
       or not policy.sampler_is_trainer
       or cfg.rollout.engine != "native"
   )

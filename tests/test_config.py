@@ -352,3 +352,39 @@ def test_disaggregated_placement_is_checked_against_the_trainer_half():
   c.mesh.data = -1
   c.rollout.engine = "vllm"
   assert any(e.startswith("rollout.placement=") for e in configuration.validate(c, num_devices=8))
+
+
+def test_offpolicy_correction_names_and_the_fields_each_reads():
+  """Every registered correction validates with the fields it reads; a bad name, a sequence
+  weight with no cap and a band that leaves out ratio 1 are one line each, naming the field."""
+  from grpo_jax.rl import registry
+
+  config = load("tiny")
+  for name in registry.OFFPOLICY_CORRECTIONS.names():
+    _set(config, "loss.offpolicy_correction", name)
+    _set(config, "loss.tis_cap", 5.0 if name == "sequence_is" else 0.0)
+    assert errors_of(config) == [], name
+  cases = [
+      ({"loss.offpolicy_correction": "seq_is"}, "loss.offpolicy_correction='seq_is'", "icepop"),
+      ({"loss.offpolicy_correction": "sequence_is"}, "loss.tis_cap=0.0", "tis_cap=5.0"),
+      (
+          {"loss.offpolicy_correction": "icepop", "loss.correction_low": 1.5},
+          "loss.correction_low=1.5",
+          "[0, 1]",
+      ),
+      (
+          {"loss.offpolicy_correction": "geometric_mask", "loss.correction_high": 0.99},
+          "loss.correction_high=0.99",
+          "1.001",
+      ),
+  ]
+  for overrides, start, words in cases:
+    config = load("tiny")
+    for field, value in overrides.items():
+      _set(config, field, value)
+    (line,) = errors_of(config)
+    assert line.startswith(start) and words in line and "Fix:" in line, line
+  # tis reads no band: one that would be refused for icepop is no error there.
+  config = load("tiny")
+  _set(config, "loss.correction_high", 0.5)
+  assert errors_of(config) == []

@@ -27,6 +27,7 @@ import optax
 
 from grpo_jax.parallel import sharding
 from grpo_jax.rl import advantages as adv_lib
+from grpo_jax.rl import corrections
 from grpo_jax.rl import losses
 from grpo_jax.rl import packing
 from grpo_jax.run import metrics as metrics_lib
@@ -47,6 +48,9 @@ class LossSettings:
   policy_loss: str = "ppo_clip"
   max_completion_length: int | None = None
   tis_cap: float = 0.0
+  offpolicy_correction: str = "tis"
+  correction_low: float = 0.5
+  correction_high: float = 5.0
 
   @classmethod
   def from_config(cls, config) -> "LossSettings":
@@ -63,6 +67,9 @@ class LossSettings:
         policy_loss=l.policy_loss,
         max_completion_length=config.max_completion_length,
         tis_cap=l.tis_cap,
+        offpolicy_correction=l.offpolicy_correction,
+        correction_low=l.correction_low,
+        correction_high=l.correction_high,
     )
 
 
@@ -112,7 +119,8 @@ def grpo_micro_loss(
 
   input_ids, attention_mask [b, P+C]; completion_mask [b, C]; advantages [b];
   old_logp [b, C] (optional: None means on-policy, ratio = 1 in value);
-  ref_logp [b, C] (when beta > 0); sampler_logp [b, C] (when tis_cap > 0).
+  ref_logp [b, C] (when beta > 0); sampler_logp [b, C] (when an off-policy correction is on:
+  rl/corrections.py `active`; its weights multiply the policy-gradient token loss).
   Packed rows (`layout` a packing.PackedLayout): input_ids, segment_ids, positions and every
   per-token field [r, L], advantages per token [r, L] (rl/packing.py: pack).
   """
@@ -120,10 +128,18 @@ def grpo_micro_loss(
   old_bc = batch.get("old_logp")
   if old_bc is None:
     old_bc = jax.lax.stop_gradient(logp_bc)
-  tis_bc = None
-  if settings.tis_cap > 0:
-    tis_bc = losses.tis_weights(old_bc, batch["sampler_logp"], settings.tis_cap)
-  return losses.policy_loss(
+  seqs = layout.seqs(batch)
+  weights_bc, correction_metrics = corrections.correction_weights(
+      settings.offpolicy_correction,
+      old_bc,
+      batch.get("sampler_logp"),
+      batch["completion_mask"],
+      cap=settings.tis_cap,
+      low=settings.correction_low,
+      high=settings.correction_high,
+      seqs=seqs,
+  )
+  loss, metrics = losses.policy_loss(
       logp_bc,
       old_bc,
       batch.get("ref_logp"),
@@ -138,9 +154,10 @@ def grpo_micro_loss(
       policy_loss_kind=settings.policy_loss,
       clip_ratio_c=settings.clip_ratio_c,
       kl_clamp=settings.kl_clamp,
-      tis_weights=tis_bc,
-      seqs=layout.seqs(batch),
+      tis_weights=weights_bc,
+      seqs=seqs,
   )
+  return loss, dict(metrics, **correction_metrics)
 
 
 def accumulate_gradients(
@@ -369,7 +386,7 @@ def build(config, policy, mesh) -> TrainFunctions:
         completion_mask=completion_mask_nc,
         advantages=adv_n,
     )
-    if config.loss.tis_cap > 0:
+    if corrections.active(config.loss.offpolicy_correction, config.loss.tis_cap):
       batch["sampler_logp"] = rollout.logprobs
     return batch
 
@@ -483,13 +500,14 @@ def build(config, policy, mesh) -> TrainFunctions:
 def old_logprobs_source(config, matches_trainer: bool) -> str:
   """Where the update's old-policy log-probs come from: "sampler" off-policy
   (rollout.max_staleness > 0: the behaviour policy's); "trainer" (a log-prob pass) for the PPO
-  ratio over several passes, for TIS, for kl_in_reward, and whenever the sampler is another
-  program than the trainer (its log-probs are then only close); else "" (none: ratio 1)."""
+  ratio over several passes, for an off-policy correction (TIS and the others: rl/corrections.py),
+  for kl_in_reward, and whenever the sampler is another program than the trainer (its log-probs
+  are then only close); else "" (none: ratio 1)."""
   if config.rollout.max_staleness > 0:
     return "sampler"
   if (
       config.num_iterations > 1
-      or config.loss.tis_cap > 0
+      or corrections.active(config.loss.offpolicy_correction, config.loss.tis_cap)
       or config.kl_in_reward
       or not matches_trainer
   ):

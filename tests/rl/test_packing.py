@@ -367,8 +367,17 @@ def _step_both(overrides, seed=0):
             "loss.policy_loss": "gspo",
             "loss.loss_agg_mode": "seq-mean-token-sum-norm",
         },
+        {  # a sequence mask over segments (rl/corrections.py; ~97% of these rows masked, the
+            # rest with token TIS), 2 micro-batches
+            "loss.offpolicy_correction": "geometric_mask",
+            "loss.correction_low": 0.2,
+            "loss.correction_high": 5.0,
+            "loss.tis_cap": 2.0,
+            "loss.loss_agg_mode": "token-mean",
+            "micro_batch_size": 16,
+        },
     ],
-    ids=["kl_loss_tis_clip_micro", "kl_reward_dynamic_gspo"],
+    ids=["kl_loss_tis_clip_micro", "kl_reward_dynamic_gspo", "geometric_mask_micro"],
 )
 @pytest.mark.slow  # ~40 s each: a tiny_config policy's update compiled in both layouts
 def test_grpo_step_packed_equals_padded(overrides):
