@@ -604,6 +604,12 @@ def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
         f"must divide over the {num_processes} JAX processes (each loads its " "own prompts)",
         f"use a multiple of {num_processes}",
     )
+  if cfg.rollout.slots and cfg.rollout.placement == "colocated" and cfg.rollout.slots % dp:
+    c.fail(
+        "rollout.slots",
+        f"the decode slots do not divide over the data-parallel mesh size {dp_name} = {dp}",
+        f"use a multiple of {dp}, e.g. {-(-cfg.rollout.slots // dp) * dp}",
+    )
   _check_micro_batch(c, cfg, dp)
   heads, tensor = _num_heads(cfg), ici[2]
   if heads and heads % tensor:

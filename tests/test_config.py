@@ -388,3 +388,25 @@ def test_offpolicy_correction_names_and_the_fields_each_reads():
   config = load("tiny")
   _set(config, "loss.correction_high", 0.5)
   assert errors_of(config) == []
+
+
+def test_slot_engine_fields():
+  """rollout.slots: the native decoder only, at least one group, whole data-parallel shares;
+  each a line naming the field and the fix."""
+  config = load("tiny")
+  _set(config, "rollout.slots", 16)
+  assert errors_of(config) == []
+  cases = [
+      ({"rollout.slots": 12}, "rollout.slots=12", "multiple of 8, e.g. 16"),
+      ({"rollout.slots": 2}, "rollout.slots=2", "num_generations"),
+      ({"rollout.slots": -1}, "rollout.slots=-1", ">= 0"),
+      ({"rollout.slot_chunk": 0}, "rollout.slot_chunk=0", ">= 1"),
+      ({"rollout.engine": "vllm"}, "rollout.slots=16", "native decoder"),
+  ]
+  for fields, field_line, why in cases:
+    config = load("tiny")
+    _set(config, "rollout.slots", 16)
+    for k, v in fields.items():
+      _set(config, k, v)
+    errs = [e for e in errors_of(config) if e.startswith("rollout.slot")]
+    assert len(errs) >= 1 and errs[0].startswith(field_line) and why in " ".join(errs), errs

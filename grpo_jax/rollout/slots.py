@@ -116,6 +116,12 @@ class SlotEngine:
     g = num_generations
     if slots < g:
       raise ValueError(f"rollout.slots={slots}: needs at least num_generations={g} slots")
+    if mesh is not None and slots % sharding.data_parallel_size(mesh):
+      dp = sharding.data_parallel_size(mesh)
+      raise ValueError(
+          f"rollout.slots={slots} does not divide over the sampler's data-parallel mesh size "
+          f"{dp}: use a multiple of {dp}, e.g. {-(-slots // dp) * dp}"
+      )
     self.graphdef = graphdef
     self.num_slots, self.g = int(slots), int(g)
     self.max_prompt_length, self.c = int(max_prompt_length), int(max_new_tokens)
