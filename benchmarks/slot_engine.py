@@ -20,10 +20,15 @@ Modes, each timed after a warm-up run that compiles every program it uses:
 - lockstep: one batch at a time (B x G rows);
 - on-policy slots: one batch at a time with half as many slots as rows (rows queued, refilled
   as slots free), the step's rollout taken when its last row is done;
-- streaming slots: every batch queued at once (steps in flight), slots = B x G: the engine
-  admits the next steps' groups as slots free (rollout.max_staleness >= 1's generation).
+- streaming slots: every batch queued at once (steps in flight), slots = B x G (the lockstep
+  sampler's rows: the same KV cache memory, P + C per row): the engine admits the next steps'
+  groups as slots free (rollout.max_staleness >= 1's generation);
+- streaming 2x slots: the same with 2 x B x G slots (twice the KV memory): rows of two steps
+  decode together, which a lockstep batch cannot (its rows are one step's).
 Printed: tokens/s, ratios vs lockstep (one run), lockstep's fill (useful / issued row-steps)
-and the slots' busy fraction (live slots / slots, per decode chunk).
+and the slots' busy fraction (live slots / slots, per decode step). Streaming is also given
+"while queued": tokens drawn per second until the queue ran dry, before the last rows drain
+(the loop's steady state, where new steps keep arriving; the whole run includes one drain).
 """
 
 import argparse
@@ -138,6 +143,10 @@ def main(argv=None):
   engines = {
       "on-policy slots": (SlotEngine(graphdef, slots=n // 2, **kw), False),
       "streaming slots": (SlotEngine(graphdef, slots=n, steps_in_flight=len(batches), **kw), True),
+      "streaming 2x slots": (
+          SlotEngine(graphdef, slots=2 * n, steps_in_flight=len(batches), **kw),
+          True,
+      ),
   }
   print(
       f"{len(batches)} batches of B {b} x G {g}: lengths / {w['scale']} (P {p}, C {c}), "
@@ -180,12 +189,12 @@ def main(argv=None):
         else f"{entry['slots']} slots, busy {entry['busy']:.3f}, {entry['steps']} decode steps"
     )
     print(
-        f"  {name:<16} {entry['tokens_per_sec']:>9.0f} tok/s  {entry['sec']:6.2f} s  "
+        f"  {name:<18} {entry['tokens_per_sec']:>9.0f} tok/s  {entry['sec']:6.2f} s  "
         f"x{entry['vs_lockstep']:.2f}  ({extra})"
     )
     if "steady_tokens_per_sec" in entry:
       print(
-          f"  {'  while queued':<16} {entry['steady_tokens_per_sec']:>9.0f} tok/s            "
+          f"  {'  while queued':<18} {entry['steady_tokens_per_sec']:>9.0f} tok/s            "
           f"x{entry['steady_vs_lockstep']:.2f}  (until the queue ran dry, before the drain)"
       )
   if args.json:

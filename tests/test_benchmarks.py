@@ -236,3 +236,30 @@ def test_packed_update_benchmark_quick(tmp_path):
   assert t["speedup"] > 1 and t["packed_rows"] and max(t["packed_rows"]) < t["rows"]
   assert 0 < max(t["head_rows"]) <= max(t["packed_rows"])  # the LM head on completions only
   assert "speedup padded / packed" in r.stdout
+
+
+@pytest.mark.skipif(
+    not os.path.isdir(os.path.join(ROOT, "..", "shared", "data", "gsm8k")),
+    reason="needs ../shared/data (GSM8K and the Qwen tokenizer)",
+)
+def test_slot_engine_benchmark_quick(tmp_path):
+  """benchmarks/slot_engine.py --quick (~30 s): every mode produced the batch's lengths (the
+  script asserts it), the streaming slots were busier than lockstep's rows were useful."""
+  out = tmp_path / "slots.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  r = subprocess.run(
+      [sys.executable, "benchmarks/slot_engine.py", "--quick", f"--json={out}"],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  res = json.loads(out.read_text())
+  modes = res["modes"]
+  assert set(modes) == {"lockstep", "on-policy slots", "streaming slots", "streaming 2x slots"}
+  assert 0 < res["lockstep_fill"] < 0.5  # long-tailed: most lockstep row-steps are wasted
+  assert modes["streaming slots"]["busy"] > 1.5 * res["lockstep_fill"]
+  assert all(m["tokens_per_sec"] > 0 for m in modes.values())
