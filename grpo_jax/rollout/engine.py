@@ -61,7 +61,13 @@ class NativeEngine:
         mesh=mesh,
     )
     if slots and policy.decoder_start_id is None:
-      self.sampler = SlotEngine(policy.sampler_graphdef, slots=slots, chunk=slot_chunk, **kw)
+      self.sampler = SlotEngine(
+          policy.sampler_graphdef,
+          slots=slots,
+          chunk=slot_chunk,
+          decode_attention=decode_attention,
+          **kw,
+      )
     elif policy.decoder_start_id is None:
       self.sampler = Sampler(
           policy.sampler_graphdef,

@@ -25,13 +25,13 @@ Device programs (static shapes; one compile per (slots, admission width, prompt 
 The decode reads the compute-dtype, per-layer copy of the weights (cache.sampling_copy) made
 once per weight version by `set_weights`.
 
-KV layout (measured choice, benchmarks/README.md "Slot engine"): per-slot contiguous caches
-[slots, Hkv, P + C, K] per layer. A prompt is prefilled once per group; its keys are copied into
+KV layout (benchmarks/README.md "Slot engine"): per-slot contiguous caches
+[slots, Hkv, P + C, K] per layer (P + C rounded up to the ragged kernel's block on GPU). A prompt is prefilled once per group; its keys are copied into
 each of its G slots (P x G slots, not P: the price of per-row refill, and what multi-turn rows
 need, whose contexts diverge after the prompt). The XLA attention reads every slot of a row's
-cache each step (masked past its position). Sliding-window layers keep full caches here (no
-rings). The GPU ragged kernel takes one length for all rows (decode_attention.py); the slot
-engine uses the XLA attention on every platform for now.
+cache each step (masked past its position); on GPU (decode_attention "auto") one kernel per
+layer reads each row's written slots only (decode_attention.ragged with per-row lengths).
+Sliding-window layers keep full caches here (no rings) and the XLA attention.
 
 Randomness: row r of a step with key `rng` draws its token at completion column t from
 fold_in(fold_in(rng, r), t): a row's tokens depend on its own key only, never on which slot it
@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax.models.decoder import decode_attention as decode_attention_lib
 from grpo_jax.models.decoder.cache import sampling_copy
 from grpo_jax.models.decoder.kernels import Kernels
 from grpo_jax.models.decoder.transformer import compaction
@@ -112,6 +113,7 @@ class SlotEngine:
       mesh=None,
       chunk: int = 8,
       steps_in_flight: int = 1,
+      decode_attention: str | None = None,
   ):
     g = num_generations
     if slots < g:
@@ -134,6 +136,12 @@ class SlotEngine:
     self.refill = self.g * max(1, self.num_slots // (REFILL_DIV * self.g))
     self.ring = max(1, int(steps_in_flight))
     self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    # The decode attention: on GPU by default one kernel over each row's written slots only
+    # (decode_attention.ragged, per-row lengths); else the XLA attention over every slot.
+    self.ragged = decode_attention_lib.choose(decode_attention, self.platform)
+    s = self.max_prompt_length + self.c
+    block = decode_attention_lib.BLOCK
+    self.cache_len = -(-s // block) * block if self.ragged else s  # the kernel reads blocks
     self._programs = {}
     self._copy_graphdef = None
     self._model_cfg = None
@@ -345,7 +353,7 @@ class SlotEngine:
 
   def _model(self, weights):
     model = nnx.merge(self._copy_graphdef, weights)
-    model.kernels = Kernels.resolve(model.cfg, self.platform)
+    model.kernels = Kernels.resolve(model.cfg, self.platform, ragged_decode=self.ragged)
     return model
 
   def _copy(self, state):
@@ -358,7 +366,7 @@ class SlotEngine:
 
   def _init(self):
     model_cfg = self._model_cfg
-    s, n, r = self.max_prompt_length + self.c, self.num_slots, self.ring * self._rows_per_tag
+    s, n, r = self.cache_len, self.num_slots, self.ring * self._rows_per_tag
     shape = (n, model_cfg.num_kv_heads, s, model_cfg.head_dim)
     dt = jnp.dtype(model_cfg.dtype)
     zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(model_cfg.num_layers))  # noqa
@@ -467,7 +475,7 @@ class SlotEngine:
   def _decode(self, st, weights, version, refill, temperature, top_p, **static):
     model = self._model(weights)
     draw = self._draw(temperature, top_p, **static)
-    s_len = self.max_prompt_length + self.c
+    s_len = self.cache_len
     every = jnp.arange(self.num_slots)
 
     def body(c):

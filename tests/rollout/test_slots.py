@@ -189,3 +189,17 @@ def test_mesh_results_equal_single_device(model):
   assert got.tokens.sharding.spec[0] == sharding.BATCH_AXES
   np.testing.assert_array_equal(got.tokens, one.tokens)
   np.testing.assert_allclose(got.logprobs, one.logprobs, atol=1e-5)
+
+
+def test_ragged_kernel_with_per_row_lengths_equals_the_xla_attention(model):
+  """decode_attention="pallas" (Pallas's interpreter off GPU): each row's kernel reads its own
+  written slots; the same greedy tokens and log-probs as the XLA attention."""
+  ids, mask = prompts(CFG.vocab_size, b=2, seed=4)
+  graphdef, state = nnx.split(model)
+  xla = engine(graphdef, 4, chunk=4, decode_attention="xla")
+  pallas = engine(graphdef, 4, chunk=4, decode_attention="pallas")
+  assert pallas.ragged and not xla.ragged and pallas.cache_len % 64 == 0
+  want = xla(state, ids, mask, jax.random.key(3), "greedy")
+  got = pallas(state, ids, mask, jax.random.key(3), "greedy")
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.raw_logprobs, want.raw_logprobs, atol=1e-5)

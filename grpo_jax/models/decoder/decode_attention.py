@@ -70,14 +70,16 @@ def ragged(q_bthk, k_nhsk, v_nhsk, length, prefix, *, interpret: bool = False):
   probabilities meet V in the compute dtype, as there).
 
   q [N, 1, H, K]; k, v [N, Hkv, S, K] (head-major cache, slots < length written); length: int32
-  scalar (1..S); prefix = (pk, pv, p_valid): [N/G, Hkv, P, K], [N/G, P]. -> [N, 1, H, K].
+  scalar (1..S), the lockstep sampler's, or [N], one per row (the slot engine's: each row at
+  its own position); prefix = (pk, pv, p_valid): [N/G, Hkv, P, K], [N/G, P]. -> [N, 1, H, K].
   `interpret`: Pallas's interpreter (off GPU: Kernels.interpret), else Triton."""
   pk, pv, p_valid = prefix
   n, _, h, kd = q_bthk.shape
   hkv = k_nhsk.shape[1]
   q = q_bthk.reshape(n, hkv, h // hkv, kd)
-  length = jnp.asarray(length, jnp.int32).reshape(1)
-  call = functools.partial(_call, groups=n // pk.shape[0], interpret=interpret)
+  length = jnp.asarray(length, jnp.int32).reshape(-1)
+  per_row = length.shape[0] > 1 or n == 1
+  call = functools.partial(_call, groups=n // pk.shape[0], interpret=interpret, per_row=per_row)
   mesh = jax.sharding.get_abstract_mesh()
   if not mesh.empty and set(sharding.MESH_AXES) <= set(mesh.axis_names):
     qs = sharding.logical_to_spec(("batch", "kv_heads", "q_heads", "head_dim"), q.shape, mesh)
@@ -92,14 +94,22 @@ def ragged(q_bthk, k_nhsk, v_nhsk, length, prefix, *, interpret: bool = False):
         call,
         mesh=mesh,
         check_vma=False,
-        in_specs=(qs, ks, ks, ps, ps, vs, jax.sharding.PartitionSpec()),
+        in_specs=(
+            qs,
+            ks,
+            ks,
+            ps,
+            ps,
+            vs,
+            jax.sharding.PartitionSpec(qs[0]) if per_row else jax.sharding.PartitionSpec(),
+        ),
         out_specs=qs,
     )
   out = call(q, k_nhsk, v_nhsk, pk, pv, p_valid.astype(jnp.int32), length)
   return out.reshape(n, 1, h, kd)
 
 
-def _call(q, k, v, pk, pv, p_valid, length, *, groups: int, interpret: bool):
+def _call(q, k, v, pk, pv, p_valid, length, *, groups: int, interpret: bool, per_row: bool):
   from jax.experimental import pallas as pl
 
   n, hkv, r, kd = q.shape
@@ -122,7 +132,7 @@ def _call(q, k, v, pk, pv, p_valid, length, *, groups: int, interpret: bool):
           pl.BlockSpec((None, None, p, kd), prompt),
           pl.BlockSpec((None, None, p, kd), prompt),
           pl.BlockSpec((None, p), lambda i, j: (i // groups, 0)),
-          pl.BlockSpec((1,), lambda i, j: (0,)),
+          pl.BlockSpec((1,), (lambda i, j: (i,)) if per_row else (lambda i, j: (0,))),
       ],
       out_specs=pl.BlockSpec((None, None, _ROWS, kd), row),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),

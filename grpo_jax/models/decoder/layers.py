@@ -375,8 +375,11 @@ class Block(nnx.Module):
     `at` of its row and attends to slots 0..at of it (the last `sliding_window` of them in a
     local layer).
 
-    x [B, 1, D]; cache_k, cache_v head-major [B, Hkv, S, K]; at [B] int32 (< S). -> (x, cache
-    k, cache v), the caches updated in place (written first, as `decode`)."""
+    x [B, 1, D]; cache_k, cache_v head-major [B, Hkv, S, K]; at [B] int32 (< S). With
+    `kernels.ragged_decode` (GPU) one kernel reads each row's slots 0..at only
+    (decode_attention.ragged with per-row lengths; S a multiple of its BLOCK), where the layer
+    allows it (no window, no soft-cap); else the XLA attention over all S slots, masked. ->
+    (x, cache k, cache v), the caches updated in place (written first, as `decode`)."""
     cfg = self.cfg
     positions = at_b[:, None]
     q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions, local)
@@ -385,18 +388,27 @@ class Block(nnx.Module):
         c.at[rows, :, at_b].set(n[:, 0].astype(c.dtype), unique_indices=True)
         for c, n in ((cache_k, k), (cache_v, v))
     )
-    s_len = cache_k.shape[2]
+    b, s_len = x_btd.shape[0], cache_k.shape[2]
+    window = self._window(local)
+    if kernels.ragged_decode and window is None and not cfg.attn_logit_softcap:
+      # One kernel over each row's written slots 0..at (GPU); its prompt block is an unread
+      # placeholder (no shared prompt here: the slot's cache holds it).
+      none = jnp.zeros((b, k.shape[1], decode_attention.BLOCK, k.shape[3]), k.dtype)
+      prefix = (none, none, jnp.zeros((b, decode_attention.BLOCK), jnp.int32))
+      if decode_attention.supports(q, k, none, interpret=kernels.interpret):
+        a = decode_attention.ragged(q, k, v, at_b + 1, prefix, interpret=kernels.interpret)
+        return self._residual(x_btd, a, kernels), k, v
     kv_slot = jnp.arange(s_len)
-    valid = jnp.ones((x_btd.shape[0], s_len), jnp.int32)  # slot_mask's causality does the rest
-    empty = jnp.zeros((x_btd.shape[0], k.shape[1], 0, k.shape[3]), k.dtype)
-    prefix = (empty, empty, jnp.zeros((x_btd.shape[0], 0), jnp.int32))
+    valid = jnp.ones((b, s_len), jnp.int32)  # slot_mask's causality does the rest
+    empty = jnp.zeros((b, k.shape[1], 0, k.shape[3]), k.dtype)
+    prefix = (empty, empty, jnp.zeros((b, 0), jnp.int32))
     a = cache_attention(
         q,
         k,
         v,
-        slot_mask(positions, kv_slot, valid, self._window(local)),
+        slot_mask(positions, kv_slot, valid, window),
         prefix,
-        jnp.zeros((x_btd.shape[0], 1, 1, 0), bool),
+        jnp.zeros((b, 1, 1, 0), bool),
         softcap=cfg.attn_logit_softcap,
     )
     return self._residual(x_btd, a, kernels), k, v
