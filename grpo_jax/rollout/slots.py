@@ -23,7 +23,15 @@ Device programs (static shapes; one compile per (slots, admission width, prompt 
   into the output rows, and stopping a row at a stop token or its budget (`caps`, default C);
 - take: a step's output rows as a `Rollout` (+ versions [N, C]).
 The decode reads the compute-dtype, per-layer copy of the weights (cache.sampling_copy) made
-once per weight version by `set_weights`.
+once per weight version by `set_weights`; with `scan_layers=True` the same weights kept stacked
+(cache.stacked_sampling_copy) and caches stacked [L, slots, Hkv, S, K], which every program runs
+as one `lax.scan` over the layers (the decode carries the caches and scatters each layer's
+token into them in place: no cache copy per step; each layer's weights and cache are sliced out
+of the stacks, a read and a write of their size per step). Measured (benchmarks/slot_compile.py,
+Qwen3-0.6B recipe shapes): on CPU the scan halves a 28-layer decode's compile but steps 1.47x
+slower; for an H100 (deviceless) the decode compiles in ~10 s at 2 layers and at 28, per-layer
+or scanned (its compile is the sampling's and the head's, not the layers'). So per-layer is
+the default.
 
 KV layout (benchmarks/README.md "Slot engine"): per-slot contiguous caches
 [slots, Hkv, P + C, K] per layer (P + C rounded up to the ragged kernel's block on GPU). A prompt is prefilled once per group; its keys are copied into
@@ -53,6 +61,7 @@ import numpy as np
 
 from grpo_jax.models.decoder import decode_attention as decode_attention_lib
 from grpo_jax.models.decoder.cache import sampling_copy
+from grpo_jax.models.decoder.cache import stacked_sampling_copy
 from grpo_jax.models.decoder.kernels import Kernels
 from grpo_jax.models.decoder.transformer import compaction
 from grpo_jax.parallel import multihost
@@ -114,7 +123,14 @@ class SlotEngine:
       chunk: int = 8,
       steps_in_flight: int = 1,
       decode_attention: str | None = None,
+      scan_layers: bool | None = False,
   ):
+    """scan_layers: the decode (and prefills) as one `lax.scan` over stacked layers and caches
+    [L, slots, Hkv, S, K] (compile time flat in depth) instead of a program per layer; None: as
+    the policy's model.scan_layers. Default False, measured (benchmarks/slot_compile.py and
+    the module docstring): the scan slices each layer's weights and cache out of the stacks
+    every step (1.47x the per-layer decode's step time on CPU at 28 layers) and the H100's
+    decode compile does not grow with depth either way."""
     g = num_generations
     if slots < g:
       raise ValueError(f"rollout.slots={slots}: needs at least num_generations={g} slots")
@@ -135,6 +151,7 @@ class SlotEngine:
     # slots, so admissions come in batches (one prefill each) yet slots idle little.
     self.refill = self.g * max(1, self.num_slots // (REFILL_DIV * self.g))
     self.ring = max(1, int(steps_in_flight))
+    self.scan_layers = scan_layers
     self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     # The decode attention: on GPU by default one kernel over each row's written slots only
     # (decode_attention.ragged, per-row lengths); else the XLA attention over every slot.
@@ -187,6 +204,8 @@ class SlotEngine:
     version's given the row's context (no keys of the old weights stay in a cache)."""
     if self._model_cfg is None:
       self._model_cfg = nnx.merge(self.graphdef, state).cfg
+      if self.scan_layers is None:
+        self.scan_layers = bool(self._model_cfg.scan_layers)
     self._weights = self._program("copy")(state)
     self._version = self._replicated(np.int32(version))
     if self._state is not None and np.any(self._slot_row >= 0):
@@ -347,6 +366,10 @@ class SlotEngine:
     """The state's layout on the mesh: caches' slots over (data, fsdp); the rest replicated
     (every process reads the slots' status and makes the same decisions)."""
     rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    if self.scan_layers:  # [L, slots, ...]: the slots over (data, fsdp)
+      spec = sharding.batch_sharding(self.mesh, 4).spec
+      cache = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, *spec))
+      return dict(k=cache, v=cache, **{k: rep for k in _CONTROL})
     cache = sharding.batch_sharding(self.mesh, 4)
     layers = self._model_cfg.num_layers
     return dict(k=(cache,) * layers, v=(cache,) * layers, **{k: rep for k in _CONTROL})
@@ -359,7 +382,7 @@ class SlotEngine:
   def _copy(self, state):
     model = nnx.merge(self.graphdef, state)
     model.kernels = Kernels.resolve(model.cfg, self.platform)
-    copy = sampling_copy(model)
+    copy = stacked_sampling_copy(model) if self.scan_layers else sampling_copy(model)
     graphdef, weights = nnx.split(copy)
     self._copy_graphdef = graphdef
     return weights
@@ -369,7 +392,10 @@ class SlotEngine:
     s, n, r = self.cache_len, self.num_slots, self.ring * self._rows_per_tag
     shape = (n, model_cfg.num_kv_heads, s, model_cfg.head_dim)
     dt = jnp.dtype(model_cfg.dtype)
-    zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(model_cfg.num_layers))  # noqa
+    if self.scan_layers:
+      zeros = lambda: jnp.zeros((model_cfg.num_layers, *shape), dt)  # noqa: E731
+    else:
+      zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(model_cfg.num_layers))  # noqa
     return dict(
         k=zeros(),
         v=zeros(),
@@ -445,13 +471,20 @@ class SlotEngine:
       **static,
   ):
     model = self._model(weights)
-    logits, ks, vs, length = model.prefill_rows(ids, mask)
+    scan = self.scan_layers
+    logits, ks, vs, length = model.prefill_rows(ids, mask, stacked=scan)
     g, w = self.g, ids.shape[1]
     rep = lambda x: jnp.repeat(x, g, axis=0)  # noqa: E731
     put = lambda c, x: c.at[slot_ids].set(x.astype(c.dtype), mode="drop")  # noqa: E731
-    kv = lambda cache, new: tuple(  # noqa: E731
-        c.at[slot_ids, :, :w].set(rep(x).astype(c.dtype), mode="drop") for c, x in zip(cache, new)
-    )
+
+    def kv(cache, new):
+      if scan:  # stacked [L, slots, ...]: the prompts' rows repeated on axis 1
+        new = jnp.repeat(new, g, axis=1).astype(cache.dtype)
+        return cache.at[:, slot_ids, :, :w].set(new, mode="drop")
+      return tuple(
+          c.at[slot_ids, :, :w].set(rep(x).astype(c.dtype), mode="drop") for c, x in zip(cache, new)
+      )
+
     row_keys = jax.vmap(jax.random.fold_in)(rep(keys), index)
     compact = jnp.take_along_axis(ids, compaction(mask)[0], axis=1)
     st = dict(
@@ -506,8 +539,13 @@ class SlotEngine:
     model = self._model(weights)
     s_len = st["seq"].shape[1]
     mask = (jnp.arange(s_len)[None, :] < st["length"][:, None]).astype(jnp.int32)
-    _, ks, vs, _ = model.prefill_rows(st["seq"], mask)
-    fresh = lambda cache, new: tuple(x.astype(c.dtype) for c, x in zip(cache, new))  # noqa: E731
+    _, ks, vs, _ = model.prefill_rows(st["seq"], mask, stacked=self.scan_layers)
+
+    def fresh(cache, new):
+      if self.scan_layers:
+        return new.astype(cache.dtype)
+      return tuple(x.astype(c.dtype) for c, x in zip(cache, new))
+
     return dict(st, k=_constrain_cache(fresh(st["k"], ks)), v=_constrain_cache(fresh(st["v"], vs)))
 
   def _take(self, st, rows):
@@ -525,7 +563,10 @@ class SlotEngine:
     return rollout, jnp.where(on, st["out_version"][rows], 0)
 
 
-def _constrain_cache(kv: tuple) -> tuple:
+def _constrain_cache(kv):
+  """Per-layer caches (a tuple) or the stacked one [L, ...]: slots over the batch axes."""
+  if not isinstance(kv, tuple):
+    return sharding.constrain(kv, "layers", "batch", "kv_heads", "length", "head_dim")
   return tuple(sharding.constrain(x, "batch", "kv_heads", "length", "head_dim") for x in kv)
 
 

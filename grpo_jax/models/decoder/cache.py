@@ -4,6 +4,7 @@
     cache = share_prompt(prefilled, G, slots, BLOCK, rings)  # B prompts -> B*G decode rows
     cache = grow_cache(cache, more_slots, rings)          # between decode phases
     model = sampling_copy(model)                          # compute-dtype, per-layer weights
+    model = stacked_sampling_copy(model)                  # the same, layers stacked (scanned)
 
 A decode cache (`Transformer.decode`) is the prefill's cache (`Transformer.init_cache`) with
 its prompts' keys/values kept once per group of G rows ("prefix_k", "prefix_v",
@@ -140,6 +141,28 @@ def sampling_copy(model: Transformer) -> Transformer:
       {p: (v.astype(dt) if jnp.issubdtype(v.dtype, jnp.floating) else v) for p, v in flat.items()}
   )
   nnx.replace_by_pure_dict(state, filled)
+  return nnx.merge(graphdef, state)
+
+
+def stacked_sampling_copy(model: Transformer) -> Transformer:
+  """sampling_copy's weights (compute dtype, effective) with the layers kept stacked
+  (scan_layers): what the slot engine's scanned decode runs (one compiled layer body whatever
+  the depth; rollout/slots.py). A scanned plain model is cast as it is; any other goes through
+  sampling_copy and its per-layer weights are stacked again."""
+  cfg = model.cfg
+  dt = model.compute_dtype
+  out_cfg = cfg.replace(scan_layers=True, param_dtype=cfg.dtype, remat_policy="none")
+  target = nnx.eval_shape(lambda: Transformer(out_cfg, rngs=nnx.Rngs(0), kernels=model.kernels))
+  graphdef, state = nnx.split(target)
+  cast = lambda v: v.astype(dt) if jnp.issubdtype(v.dtype, jnp.floating) else v  # noqa: E731
+  plain = not lora.has_adapters(nnx.state(model)) and not _has_quantized(model)
+  if cfg.scan_layers and plain:
+    pure = jax.tree.map(cast, nnx.to_pure_dict(nnx.state(model)))
+  else:
+    pure = nnx.to_pure_dict(nnx.state(sampling_copy(model)))
+    per_layer = [pure["layers"][i] for i in range(cfg.num_layers)]
+    pure = dict(pure, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer))
+  nnx.replace_by_pure_dict(state, pure)
   return nnx.merge(graphdef, state)
 
 

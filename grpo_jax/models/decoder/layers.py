@@ -368,7 +368,7 @@ class Block(nnx.Module):
       )
     return self._residual(x_btd, a, kernels), k, v
 
-  def decode_rows(self, x_btd, cache_k, cache_v, at_b, kernels: Kernels, local=False):
+  def decode_rows(self, x_btd, cache_k, cache_v, at_b, kernels: Kernels, local=False, layer=None):
     """The slot engine's decode step (rollout/slots.py): one new token per row, each row at its
     own position. A row's cache holds its sequence contiguously from slot 0 (prompt, then
     completion: no padding), so a token's slot is its position: the token is written at slot
@@ -379,16 +379,24 @@ class Block(nnx.Module):
     `kernels.ragged_decode` (GPU) one kernel reads each row's slots 0..at only
     (decode_attention.ragged with per-row lengths; S a multiple of its BLOCK), where the layer
     allows it (no window, no soft-cap); else the XLA attention over all S slots, masked. ->
-    (x, cache k, cache v), the caches updated in place (written first, as `decode`)."""
+    (x, cache k, cache v), the caches updated in place (written first, as `decode`). `layer` (an
+    int32 scalar, under the layer scan): the caches are every layer's, stacked [L, B, Hkv, S, K];
+    the token is written into layer `layer`'s slots of them (in place in the scan's carry) and
+    the attention reads that layer's."""
     cfg = self.cfg
     positions = at_b[:, None]
     q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions, local)
     rows = jnp.arange(x_btd.shape[0])
-    k, v = (
-        c.at[rows, :, at_b].set(n[:, 0].astype(c.dtype), unique_indices=True)
+    at = (rows, slice(None), at_b) if layer is None else (layer, rows, slice(None), at_b)
+    cache_k, cache_v = (
+        c.at[at].set(n[:, 0].astype(c.dtype), unique_indices=True)
         for c, n in ((cache_k, k), (cache_v, v))
     )
-    b, s_len = x_btd.shape[0], cache_k.shape[2]
+    if layer is None:
+      k, v = cache_k, cache_v
+    else:
+      k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (cache_k, cache_v))
+    b, s_len = x_btd.shape[0], k.shape[2]
     window = self._window(local)
     if kernels.ragged_decode and window is None and not cfg.attn_logit_softcap:
       # One kernel over each row's written slots 0..at (GPU); its prompt block is an unread
@@ -397,7 +405,7 @@ class Block(nnx.Module):
       prefix = (none, none, jnp.zeros((b, decode_attention.BLOCK), jnp.int32))
       if decode_attention.supports(q, k, none, interpret=kernels.interpret):
         a = decode_attention.ragged(q, k, v, at_b + 1, prefix, interpret=kernels.interpret)
-        return self._residual(x_btd, a, kernels), k, v
+        return self._residual(x_btd, a, kernels), cache_k, cache_v
     kv_slot = jnp.arange(s_len)
     valid = jnp.ones((b, s_len), jnp.int32)  # slot_mask's causality does the rest
     empty = jnp.zeros((b, k.shape[1], 0, k.shape[3]), k.dtype)
@@ -411,7 +419,7 @@ class Block(nnx.Module):
         jnp.zeros((b, 1, 1, 0), bool),
         softcap=cfg.attn_logit_softcap,
     )
-    return self._residual(x_btd, a, kernels), k, v
+    return self._residual(x_btd, a, kernels), cache_k, cache_v
 
   def _window(self, local):
     """The layer's sliding window: None (a global layer, or a model without windows),

@@ -267,12 +267,13 @@ class Transformer(nnx.Module):
     )
     return (logits if all_logits else logits[:, 0]), cache
 
-  def prefill_rows(self, tokens_bp, mask_bp):
+  def prefill_rows(self, tokens_bp, mask_bp, *, stacked: bool = False):
     """The slot engine's prefill (rollout/slots.py): a prompt batch (any padding) with each
     row's real tokens moved to its front, so slot j of a row holds its token at position j.
     -> (logits [B, V] f32 of the next token after each prompt's last real token, keys and
-    values: per layer (a tuple) head-major [B, Hkv, P, K], slots >= length unspecified, and
-    length [B] int32, the real tokens of each row)."""
+    values: per layer (a tuple) head-major [B, Hkv, P, K], or with `stacked` one array
+    [L, B, Hkv, P, K], slots >= length unspecified, and length [B] int32, the real tokens of
+    each row)."""
     src, _ = compaction(mask_bp)
     tokens, mask = _take(tokens_bp, src), _take(mask_bp, src)
     length = (mask_bp != 0).sum(-1).astype(jnp.int32)
@@ -280,27 +281,55 @@ class Transformer(nnx.Module):
     x, ks, vs = self._forward_layers(self._embed(tokens), positions, (mask != 0).astype(jnp.int32))
     last = jnp.take_along_axis(x, jnp.maximum(length - 1, 0)[:, None, None], axis=1)
     logits = self.logits_from_hidden(self.final_norm(last))[:, 0]
-    per_layer = lambda kv: (  # noqa: E731
-        tuple(a.swapaxes(1, 2) for a in kv)
-        if isinstance(kv, tuple)
-        else tuple(kv[i].swapaxes(1, 2) for i in range(kv.shape[0]))
-    )
-    return logits, per_layer(ks), per_layer(vs), length
+
+    def layout(kv):
+      if stacked:
+        return jnp.stack(kv).swapaxes(2, 3) if isinstance(kv, tuple) else kv.swapaxes(2, 3)
+      if isinstance(kv, tuple):
+        return tuple(a.swapaxes(1, 2) for a in kv)
+      return tuple(kv[i].swapaxes(1, 2) for i in range(kv.shape[0]))
+
+    return logits, layout(ks), layout(vs), length
 
   def decode_rows(self, token_b, ks, vs, at_b):
-    """One new token per row, each at its own position `at` [B] (the slot engine's cache:
-    per-layer tuples ks, vs of [B, Hkv, S, K], a row's sequence contiguous from slot 0; see
-    `Block.decode_rows`). -> (logits [B, V] float32, ks, vs). Layers as a list only (the
-    engine decodes cache.sampling_copy's per-layer model)."""
-    if self.cfg.scan_layers:
-      raise ValueError("decode_rows runs the per-layer model: decode cache.sampling_copy(model)")
+    """One new token per row, each at its own position `at` [B] (the slot engine's cache: a
+    row's sequence contiguous from slot 0; see `Block.decode_rows`). -> (logits [B, V] float32,
+    ks, vs). Per-layer model (layers as a list, cache.sampling_copy): ks, vs per-layer tuples of
+    [B, Hkv, S, K], one program per layer. scan_layers (cache.stacked_sampling_copy): ks, vs
+    stacked [L, B, Hkv, S, K], carried by one `lax.scan` over the layers (compile time flat in
+    depth) that writes each layer's token into them in place."""
     kernels = self.kernels
+    if self.cfg.scan_layers:
+      return self._decode_rows_scanned(token_b, ks, vs, at_b)
 
     def step(block, x, xs_l, local):
       x, k, v = block.decode_rows(x, xs_l[0], xs_l[1], at_b, kernels, local)
       return x, (k, v)
 
     x, (ks, vs) = self._run_layers(step, self._embed(token_b[:, None]), (ks, vs))
+    return self.logits_from_hidden(self.final_norm(x))[:, 0], ks, vs
+
+  def _decode_rows_scanned(self, token_b, ks, vs, at_b):
+    """decode_rows over stacked layers: the caches ride in the scan's carry (not its outputs,
+    which would be a new stacked cache per step), each layer scattering its token into its own
+    slots of them. No remat and no LoRA here: the engine decodes the effective compute-dtype
+    copy."""
+    kinds = self.cfg.local_layers
+    kernels = self.kernels
+    graphdef, stacked = nnx.split(self.layers)
+    mixed = any(kinds) and not all(kinds)  # local and global layers: a traced per-layer flag
+    same = all(kinds) and any(kinds)
+
+    def body(carry, per_layer):
+      x, ks, vs = carry
+      state, index, flag = per_layer
+      block = nnx.merge(graphdef, state)
+      x, ks, vs = block.decode_rows(x, ks, vs, at_b, kernels, flag if mixed else same, layer=index)
+      return (sharding.constrain(x, "batch", "length", "act_embed"), ks, vs), None
+
+    layers_xs = (stacked, jnp.arange(len(kinds), dtype=jnp.int32), jnp.asarray(kinds))
+    x = self._embed(token_b[:, None])
+    (x, ks, vs), _ = jax.lax.scan(body, (x, ks, vs), layers_xs)
     return self.logits_from_hidden(self.final_norm(x))[:, 0], ks, vs
 
   def decode(self, token_b, cache: dict):

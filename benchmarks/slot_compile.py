@@ -1,0 +1,198 @@
+r"""Compile seconds of the slot engine's programs (rollout/slots.py) vs the lockstep sampler's
+(rollout/sampler.py), for a recipe's model and shapes, with abstract inputs (no weights made).
+
+    # XLA:GPU's deviceless compile for one H100 (the CUDA plugin: .venv-aot, scripts/test_aot.sh)
+    JAX_PLATFORMS=cpu .venv-aot/bin/python benchmarks/slot_compile.py --platform=h100
+    python benchmarks/slot_compile.py --platform=cpu          # XLA:CPU, this machine
+    python benchmarks/slot_compile.py --platform=cpu --layers=4 --programs=decode  # depth check
+
+The model is the recipe's (--config: configs/qwen3_0p6b.py, Qwen3-0.6B, f32 master weights,
+scanned, bf16 compute); shapes are its own: prompts P = max_prompt_length, completions C =
+max_completion_length, slots = batch_size x num_generations (every row of a step at once), its
+generation (temperature, top-k). Each program is lowered from ShapeDtypeStructs with the
+loop's shardings (a one-device mesh) and compiled once; the time is lower + compile, in one
+process, programs in order, after a warm-up compile of a trivial program:
+  lockstep   the sampler's one program (weight copy, prefill, every decode step), as the loop
+             compiles it (memory_plan's sampler row)
+  copy       the engine's compute-dtype weight copy (once per weight version)
+  admit      prefill of `--admit` prompts into their G slots each (one program per admission
+             width, powers of two; the on-policy step with slots = B x G admits all B at once)
+  decode     a chunk of decode steps over every slot
+  refresh    re-prefill of every slot (new weights in flight)
+  take       a step's rows as a Rollout
+  init       the empty state
+for the engine's per-layer programs (scan_layers=False: one program per layer, as the lockstep
+sampler) and its scanned ones (scan_layers=True: one lax.scan over stacked layers and caches).
+On the H100 every program compiles with XLA's sort kernel instead of cub
+(xla_gpu_deviceless_cub_mode: a top-k > 16 otherwise fails at the deviceless compile's end;
+grpo_jax/plan/tpu_targets.compile_program), the same for all.
+Printed: seconds per program, each engine's sum and its ratio to the lockstep sampler.
+"""
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+ENGINE_PROGRAMS = ("copy", "admit", "decode", "refresh", "take", "init")
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--platform", default="h100", choices=("h100", "cpu"))
+  p.add_argument("--config", default="configs/qwen3_0p6b.py")
+  p.add_argument("--layers", type=int, default=0, help="override model.num_layers (0: as is)")
+  p.add_argument(
+      "--programs",
+      default="lockstep," + ",".join(ENGINE_PROGRAMS),
+      help="comma list of lockstep and engine programs",
+  )
+  p.add_argument("--engines", default="layers,scan", help="layers (per-layer) and/or scan")
+  p.add_argument("--admit", type=int, default=0, help="admission width (0: batch_size)")
+  p.add_argument("--json", default="")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  if args.platform == "h100":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin then wants no driver
+  import jax
+  import jax.numpy as jnp
+  from grpo_jax.models import build
+  from grpo_jax.plan import tpu_targets
+  from grpo_jax.rollout import sampler as sampler_lib
+  from grpo_jax.rollout.slots import SlotEngine
+  from grpo_jax.rollout.types import GenerationConfig
+  from grpo_jax.parallel import sharding
+
+  name = os.path.splitext(os.path.basename(args.config))[0]
+  cfg = importlib.import_module(f"configs.{name}").get_config()
+  if args.layers:
+    cfg.model.num_layers = args.layers
+  if args.platform == "h100":
+    if tpu_targets.cuda_plugin_version() is None:
+      sys.exit("no jax-cuda13-plugin: run with .venv-aot (scripts/test_aot.sh), or --platform=cpu")
+    target = tpu_targets.make_target("h100")
+  else:
+    target = tpu_targets.make_target(None)
+    target = target.__class__(**{**target.__dict__, "devices": target.devices[:1]})
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 1
+  mesh = build.make_mesh(cfg, devices=target.devices[:1])
+  policy = build.make_policy(cfg, mesh, abstract=True)
+  params = policy.params
+  b, g = cfg.batch_size, cfg.num_generations
+  p, c = cfg.max_prompt_length, cfg.max_completion_length
+  gen = GenerationConfig(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+  rep = sharding.replicated(mesh)
+  sds = lambda shape, dt, s=rep: jax.ShapeDtypeStruct(shape, dt, sharding=s)  # noqa: E731
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  gpu = target.devices[0].platform == "gpu"
+  options = {"xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED"} if gpu else None
+  programs = args.programs.split(",")
+  print(
+      f"[slot_compile] {target.compiler}; {name}: L={cfg.model.num_layers} "
+      f"d={cfg.model.hidden_size} V={cfg.model.vocab_size} scan_layers={cfg.model.scan_layers} "
+      f"param {cfg.model.param_dtype} / compute {cfg.model.dtype}; P={p} C={c} B x G={b}x{g}; "
+      f"top_k={gen.top_k}",
+      flush=True,
+  )
+
+  def timed(label, lower):
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+      lowered = lower()
+    t1 = time.perf_counter()
+    compiled = lowered.compile(compiler_options=options)
+    t2 = time.perf_counter()
+    print(f"  {label:<22} {t2 - t0:7.2f} s  (lower {t1 - t0:5.2f}, compile {t2 - t1:6.2f})")
+    return compiled, t2 - t0
+
+  timed("warm-up (a + 1)", lambda: jax.jit(lambda x: x + 1).lower(sds((8,), jnp.float32)))
+  results = {}
+  if "lockstep" in programs:
+    sampler = sampler_lib.Sampler(
+        policy.sampler_graphdef,
+        max_prompt_length=p,
+        max_new_tokens=c,
+        num_generations=g,
+        eos_ids=(0,),
+        mesh=mesh,
+        **sampler_lib.config_options(cfg),
+    )
+    fn = sampler._fn(0 if gen.is_greedy else int(gen.top_k), gen.top_p < 1.0, gen.is_greedy)
+    prompt = sds((b, p), jnp.int32, sharding.batch_sharding(mesh, 2))
+    scalar = sds((), jnp.float32)
+    sargs = (params, prompt, prompt, sds(key.shape, key.dtype), scalar, scalar)
+    _, results["lockstep"] = timed("lockstep sampler", lambda: fn.lower(*sargs))
+
+  for kind in args.engines.split(","):
+    scan = kind == "scan"
+    engine = SlotEngine(
+        policy.sampler_graphdef,
+        slots=b * g,
+        max_prompt_length=p,
+        max_new_tokens=c,
+        num_generations=g,
+        eos_ids=(0,),
+        mesh=mesh,
+        chunk=cfg.rollout.slot_chunk,
+        scan_layers=scan,
+    )
+    engine.reset(gen, rows_per_step=b * g)
+    engine._model_cfg = policy.model_config  # what set_weights reads from the weights
+    copy, secs = timed(f"{kind}: copy", lambda: engine._program("copy").lower(params))
+    if "copy" in programs:
+      results[f"{kind}:copy"] = secs
+    weights = jax.tree.map(
+        lambda x, s: sds(x.shape, x.dtype, s),
+        jax.eval_shape(engine._copy, params),
+        copy.output_shardings,
+    )
+    shardings = engine._state_shardings()
+    with jax.set_mesh(mesh):
+      st = jax.eval_shape(engine._init)
+    st = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), st, shardings)
+    i32, f32 = jnp.int32, jnp.float32
+    a = args.admit or b
+    n = a * g
+    scalars = (sds((), f32), sds((), f32))
+    lowers = {
+        "admit": lambda: engine._program("admit", a, p).lower(
+            st,
+            weights,
+            sds((a, p), i32),
+            sds((a, p), i32),
+            *(sds((n,), i32) for _ in range(4)),
+            sds((a, *key.shape), key.dtype),
+            sds((), i32),
+            *scalars,
+        ),
+        "decode": lambda: engine._program("decode").lower(
+            st, weights, sds((), i32), sds((), i32), *scalars
+        ),
+        "refresh": lambda: engine._program("refresh").lower(st, weights),
+        "take": lambda: engine._program("take").lower(st, sds((b * g,), i32)),
+        "init": lambda: engine._program("init").lower(),
+    }
+    for prog in ENGINE_PROGRAMS[1:]:
+      if prog in programs:
+        _, results[f"{kind}:{prog}"] = timed(f"{kind}: {prog}", lowers[prog])
+    total = sum(v for k, v in results.items() if k.startswith(kind + ":"))
+    results[f"{kind}:total"] = total
+    line = f"  {kind + ': all programs':<22} {total:7.2f} s"
+    if "lockstep" in results:
+      line += f"   engine / lockstep = {total / results['lockstep']:.3f}"
+    print(line, flush=True)
+  if args.json:
+    with open(args.json, "w") as fh:
+      json.dump(dict(vars(args), target=target.compiler, seconds=results), fh, indent=1)
+
+
+if __name__ == "__main__":
+  main()
