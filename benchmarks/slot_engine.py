@@ -110,13 +110,42 @@ def run_slots(engine, state, batches, key, streaming: bool):
   return out
 
 
+def uniform(graphdef, state, batches, samplers, kw, key) -> dict:
+  """On-policy on a batch whose rows all have the same length (the batches' largest maximum,
+  so the lockstep sampler compiled for it serves): slots = rows, no refill to gain."""
+  bt, ids, mask = batches[0]
+  length = max(samplers)
+  n = bt.completion_n.size
+  engine = SlotEngine(graphdef, slots=n, **kw)
+  caps = np.full(n, length)
+  runs = dict(
+      lockstep_sec=lambda: samplers[length](state, ids, mask, key, GENERATION),
+      slots_sec=lambda: engine(state, ids, mask, key, GENERATION, caps=caps),
+  )
+  out = dict(length=length)
+  for name, run in runs.items():
+    jax.block_until_ready(run())
+    times = []
+    for _ in range(3):
+      t0 = time.perf_counter()
+      jax.block_until_ready(run())
+      times.append(time.perf_counter() - t0)
+    out[name] = float(np.median(times))
+  return out
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--data", default=packed_update.SHARED)
   ap.add_argument("--tokenizer", default=os.path.join(packed_update.SHARED, "qwen_tokenizer"))
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--chunk", type=int, default=8, help="decode steps between admissions")
+  ap.add_argument(
+      "--chunk",
+      type=int,
+      default=64,
+      help="rollout.slot_chunk: most decode steps between admissions",
+  )
   ap.add_argument("--json", default="")
   args = ap.parse_args(argv)
   w = WORKLOADS["quick" if args.quick else "cpu"]
@@ -197,6 +226,13 @@ def main(argv=None):
           f"  {'  while queued':<18} {entry['steady_tokens_per_sec']:>9.0f} tok/s            "
           f"x{entry['steady_vs_lockstep']:.2f}  (until the queue ran dry, before the drain)"
       )
+  results["uniform"] = uniform(graphdef, state, batches, samplers, kw, key)
+  u = results["uniform"]
+  print(
+      f"  uniform batch (every row {u['length']} tokens), on-policy slots = rows vs lockstep: "
+      f"{u['lockstep_sec'] * 1e3:.0f} ms vs {u['slots_sec'] * 1e3:.0f} ms, "
+      f"x{u['lockstep_sec'] / u['slots_sec']:.2f} (medians of 3)"
+  )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=2)

@@ -289,7 +289,10 @@ class SlotEngine:
       groups.append(self._queue.popleft())
     if not groups:
       return
-    a = 1 << (len(groups) - 1).bit_length()  # admission widths: powers of two
+    # Two admission widths, so two compiles per prompt width (an admit program costs about a
+    # decode program's compile; benchmarks/slot_compile.py): a refill's and a whole engine's.
+    small = self.refill // self.g
+    a = small if len(groups) <= small else self.num_slots // self.g
     w = max(grp.ids.shape[0] for grp in groups)
     ids = np.full((a, w), self.pad_id, np.int32)
     mask = np.zeros((a, w), np.int32)
