@@ -199,8 +199,10 @@ def base() -> ml_collections.ConfigDict:
   # chunks of at most `slot_chunk` steps (benchmarks/slot_engine.py). Native decoder policies.
   c.rollout.slots = 0
   c.rollout.slot_chunk = 64
-  # Streaming (slots > 0, max_staleness >= 1): a row still running when its step is due trains
-  # in the step after it finishes (True), or its step waits for it (False).
+  # Streaming (slots > 0, max_staleness = k >= 1; rollout/source.py): the prompts of up to k
+  # steps ahead queue in the slots, new weights land between decode chunks, each token keeps the
+  # version that drew it. partial_rollout: a row still running when its step is due trains in
+  # the step after it finishes (True: not built yet, refused), or its step waits for it (False).
   c.rollout.partial_rollout = False
   c.rollout.vllm = ml_collections.ConfigDict()
   c.rollout.vllm.gpu_memory_utilization = 0.5

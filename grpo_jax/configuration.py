@@ -385,6 +385,29 @@ def _check_rollout(c: _Checker, cfg):
       "0 = on-policy; 1 = the next step's rollout overlaps this step's update",
   )
   c.require(
+      not r.partial_rollout,
+      "rollout.partial_rollout",
+      "True (rows still running when their step is due carried into a later step) is not "
+      "built yet; streaming steps wait for their rows",
+      "--config.rollout.partial_rollout=False",
+  )
+  if r.slots and r.max_staleness:  # streaming (rollout/source.py, rollout/streaming.py)
+    c.require(
+        not (cfg.loss.dynamic_sampling and cfg.loss.max_resample_rounds > 0),
+        "loss.dynamic_sampling",
+        "extra rounds are not built for streaming rollouts (rollout.slots > 0 with "
+        "rollout.max_staleness > 0)",
+        "--config.loss.dynamic_sampling=False, or --config.rollout.slots=0",
+    )
+  if r.slots:
+    c.require(
+        cfg.debug.transfer_guard != "disallow",
+        "debug.transfer_guard",
+        "'disallow' stops the slot engine, whose scheduler reads the slots' status on the "
+        "host between decode chunks",
+        "--config.debug.transfer_guard=log, or --config.rollout.slots=0",
+    )
+  c.require(
       0 <= r.num_devices,
       "rollout.num_devices",
       "must be >= 0",

@@ -4,6 +4,8 @@
     rollout = engine.generate(params, batch, rng, generation)    # -> Rollout (global arrays)
     engine.matches_trainer    # True: its log-probs are the trainer's (same program, same weights)
     engine.stats()            # optional figures, e.g. {"perf/weight_sync_sec": 0.02}
+    engine.stream()           # native slot engine only: streaming.Stream (several steps in
+                              # flight, weights landing between decode chunks), else None
     engine.close()
 
 `params` are the policy's trainable params (the engine maps them to its own layout with
@@ -24,6 +26,7 @@ from grpo_jax.parallel import multihost
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.rollout.sampler import config_options
 from grpo_jax.rollout.seq2seq_sampler import Seq2SeqSampler
+from grpo_jax.rollout import streaming
 from grpo_jax.rollout.slots import SlotEngine
 from grpo_jax.rollout.types import Rollout
 
@@ -48,8 +51,10 @@ class NativeEngine:
       decode_attention: str | None = None,
       slots: int = 0,
       slot_chunk: int = 64,
+      steps_in_flight: int = 1,
   ):
-    """slots > 0: the slot engine (rollout/slots.py) with that many decode slots, else the
+    """slots > 0: the slot engine (rollout/slots.py) with that many decode slots, room for
+    `steps_in_flight` steps' rows at once (streaming: rollout.max_staleness + 1), else the
     lockstep group sampler."""
     self.mesh = mesh
     kw = dict(
@@ -66,6 +71,7 @@ class NativeEngine:
           slots=slots,
           chunk=slot_chunk,
           decode_attention=decode_attention,
+          steps_in_flight=steps_in_flight,
           **kw,
       )
     elif policy.decoder_start_id is None:
@@ -86,11 +92,7 @@ class NativeEngine:
     self._rollout_spec = None  # the mapped weights' shapes and shardings, once seen
 
   def generate(self, params, batch: dict, rng, generation) -> Rollout:
-    state = params if self._to_rollout is None else self._to_rollout(params)
-    if self._to_rollout is not None and self._rollout_spec is None:  # for program()
-      self._rollout_spec = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-      )
+    state = self._rollout_weights(params)
     rows = batch.get("global_rows")  # (a process without devices here has no rows)
     return self.sampler(
         state,
@@ -115,8 +117,24 @@ class NativeEngine:
       return None
     return self.sampler.program(state, prompt["ids"], prompt["mask"], rng, generation)
 
+  def stream(self):
+    """The slot engine's streaming interface (rollout/streaming.py's Stream, which maps the
+    trained params to the sampler's as `generate` does), or None for the lockstep samplers."""
+    if not isinstance(self.sampler, SlotEngine):
+      return None
+    return streaming.Stream(self.sampler, self._rollout_weights)
+
   def stats(self) -> dict[str, float]:
     return {}
+
+  def _rollout_weights(self, params):
+    """The sampler's weights for the policy's params (a native policy's: the params)."""
+    state = params if self._to_rollout is None else self._to_rollout(params)
+    if self._to_rollout is not None and self._rollout_spec is None:  # for program()
+      self._rollout_spec = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+      )
+    return state
 
   def close(self):
     pass
@@ -169,4 +187,5 @@ def make_engine(
       **config_options(config),
       slots=config.rollout.slots,
       slot_chunk=config.rollout.slot_chunk,
+      steps_in_flight=config.rollout.max_staleness + 1,
   )

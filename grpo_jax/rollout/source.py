@@ -13,8 +13,22 @@ The loop asks it for "the next scored batch" and does not care how it was made:
   it (rollout of step s: the weights after s - k updates; the first k steps are fresher);
   rollout/staleness logs s minus that version. The loss stays correct off-policy: the loop
   takes the old log-probs from the sampler (`Scored.behaviour_logp`), the behaviour policy.
+- streaming (rollout.slots > 0 and max_staleness = k > 0; rollout/streaming.py): the prompts
+  of up to k steps ahead are queued in the slot engine, each step with its own key
+  step_key(rng, step); between updates the engine decodes until the step that is due has all
+  its rows, while slots freed by its finished rows take the next steps' groups. After each
+  update the new weights land between decode chunks (`set_weights`, version = updates
+  applied; disaggregated: after their move to the sampler's devices), so a row may straddle
+  versions; every token keeps the version that drew it and its log-prob under it (the
+  loss's old log-probs). Step u is queued at step u - k at the earliest, so no token is more
+  than k updates old. Disaggregated, the next step's rows are finished while the trainer
+  updates (`while_updating`); colocated, the device takes turns. Logged: rollout/staleness
+  (step - the oldest version in the batch), rollout/staleness_token_mean and _max (step - each
+  completion token's version), rollout/slots_busy. partial_rollout=True (rows carried into a
+  later step) is not built: a step waits for all its rows.
 - DAPO dynamic sampling's extra rounds (loss.dynamic_sampling) happen inside: on fresh prompts,
-  from the current weights, until the step holds batch_size groups with signal.
+  from the current weights, until the step holds batch_size groups with signal (not with
+  streaming).
 
 Compiling ahead (run/compile_ahead.py, `ahead`): the source knows each batch's prompt width
 first, so it submits it: the first before the loop (`start`), each next one while the device
@@ -25,6 +39,13 @@ Checkpoints: the in-flight rollouts are saved with the step (`saved()`: their ar
 "rollout_pending": the data iterator's position before each of their prompt batches) and put
 back by `restore()`, so a resumed run trains on exactly the rollouts an uninterrupted one does.
 Rewards are host functions of the saved completions: recomputed on resume.
+Streaming saves no rows in flight: the source queues no step past the next checkpoint it can
+foresee (every save_interval_steps, num_steps, the max_steps_per_run stop), so the engine is
+empty at those and a resumed run equals one never stopped. At a checkpoint it cannot foresee
+(a preemption's), the queued steps are dropped: meta "rollout_pending" holds the iterator
+position before the first of them, and the resumed run draws them again from there with the
+restored weights (same prompts and keys; the tokens match the uninterrupted run's only where
+the weights that drew them would match, so from that checkpoint on the runs may differ).
 
 Multi-host: each process scores its own rows of the batch (multihost.local_rows).
 """
@@ -51,8 +72,9 @@ from grpo_jax.rollout.types import Rollout
 class Scored:
   """One step's batch. prompt: global {"ids", "mask"} [B, P]; rollout: global Rollout [N, C];
   rewards: global f32 [N]; host: this process's rows (tokens, mask, truncated, rewards,
-  per_function, errors); figures: host figures to log; behaviour_logp: the sampler's per-token
-  log-probs [N, C] when the batch is off-policy (the old log-probs), else None."""
+  per_function, errors; versions [n, C] when streaming, else None); figures: host figures to
+  log; behaviour_logp: the sampler's per-token log-probs [N, C] when the batch is off-policy
+  (the old log-probs), else None."""
 
   prompt: dict
   rollout: Rollout
@@ -74,6 +96,8 @@ class _Drawn:
   version: int
   iterator_before: dict
   scored: tuple | None = None  # (prompt, rollout, host) once scored ahead (while_updating)
+  step: int = -1  # streaming: the step it was queued for (rollout None until taken)
+  versions: jax.Array | None = None  # streaming: each token's weight version [N, C]
   timing: dict = dataclasses.field(default_factory=lambda: {"rollout": 0.0, "rewards": 0.0})
 
 
@@ -107,6 +131,11 @@ class RolloutSource:
     self.disaggregated = self.sampler_mesh is not mesh
     self.rng = rng
     self._pending = collections.deque()  # _Drawn, oldest first
+    self._version = 0  # updates applied to the weights the sampler reads
+    self._first_step = 0
+    self.stream = engine.stream() if streaming(config) else None
+    if self.stream is not None:
+      self.stream.reset(self.generation, rows_per_step=config.batch_size * config.num_generations)
     self._take_groups = jax.jit(
         functools.partial(dyn_lib.take, group_size=config.num_generations),
         out_shardings=sharding.batch_sharding(self.sampler_mesh, 1),
@@ -128,20 +157,21 @@ class RolloutSource:
 
   def start(self, state: dict, step: int):
     """Before the first step (`step`: of a fresh or a resumed run): disaggregated, the weights
-    move to the sampler; the first batch's programs start compiling ahead."""
-    if self.disaggregated:
-      self.after_update(state["params"])
+    move to the sampler (streaming: they land in the engine); the first batch's programs
+    start compiling ahead."""
+    self._version, self._first_step = step, step
+    self._land(state["params"])
     self._look_ahead(state, step)
 
   def next(self, state: dict, step: int) -> Scored:
     """The scored batch of `step`; `state`: the trainer's update state now (after `step`
     updates). Off-policy, the rollouts of the next steps are dispatched before this returns."""
     timing = {"rollout": 0.0, "rewards": 0.0}
-    weights = state["params"]
-    if self.disaggregated:
-      weights = self._combine(self._weights, self._base) if self._split else self._weights
+    weights = self._sampler_weights(state["params"])
     if not self._pending:
       self._pending.append(self._dispatch(weights, state, step, step, timing))
+    if self.stream is not None:  # the next steps' groups fill the slots this step frees
+      self._queue_ahead(weights, state, step, timing)
     drawn = self._pending.popleft()
     first = drawn.scored or self._score(drawn, timing)
     for k, v in drawn.timing.items():  # what scoring it ahead cost
@@ -167,12 +197,8 @@ class RolloutSource:
             ),
         )
       figures["perf/batch_transfer_sec"] = span.sec
-    while len(self._pending) < self.depth and (
-        step + 1 + len(self._pending) < self.config.num_steps
-    ):
-      self._pending.append(
-          self._dispatch(weights, state, step + 1 + len(self._pending), step, timing)
-      )
+    if self.stream is None:
+      self._queue_ahead(weights, state, step, timing)
     if self.ahead:  # a width's first step: its step programs compiled meanwhile (the wait is
       with profiling.phase("advantages"):  # step 4's, as their first calls' compiles would be)
         self.ahead.wait(prompt["ids"].shape[1])
@@ -185,6 +211,9 @@ class RolloutSource:
             **self.engine.stats(),
         }
     )
+    if self.stream is not None:
+      figures.update(token_staleness(step, host["versions"], host["mask"]))
+      figures.update(self.stream.stats())
     return Scored(
         prompt=prompt,
         rollout=rollout,
@@ -198,7 +227,10 @@ class RolloutSource:
     """Host work while the device runs the update: off-policy, the next step's rollout is
     scored as soon as it is done (rewards on the host, beside the update); the next batch's
     prompts are prepared."""
-    if self._pending and self._pending[0].scored is None:
+    # (Streaming colocated, the next step's rows wait for the update's weights: the device
+    # takes turns; disaggregated they are decoded here, beside the update.)
+    ready = self.stream is None or self.disaggregated
+    if self._pending and self._pending[0].scored is None and ready:
       drawn = self._pending[0]
       drawn.scored = self._score(drawn, drawn.timing)
     if step + 1 + len(self._pending) < self.config.num_steps:
@@ -206,11 +238,31 @@ class RolloutSource:
         self.prompts.prefetch()  # (done already when compiling ahead: _look_ahead)
 
   def after_update(self, params):
-    """The trainer's weights changed. Colocated, the sampler reads them as they are;
-    disaggregated, they move to the sampler's devices (device to device, in the compute
-    dtype, into the buffers of the copy they replace), once an in-flight rollout that reads
-    that copy is done. perf/weight_sync_sec includes that wait; perf/weight_sync_gb_per_sec
-    is logged on-policy only, where there is none."""
+    """The trainer's weights changed (one more update applied). Colocated, the sampler reads
+    them as they are; disaggregated, they move to the sampler's devices (device to device, in
+    the compute dtype, into the buffers of the copy they replace), once an in-flight rollout
+    that reads that copy is done. perf/weight_sync_sec includes that wait;
+    perf/weight_sync_gb_per_sec is logged on-policy only, where there is none. Streaming,
+    they land in the slot engine (between decode chunks)."""
+    self._version += 1
+    self._land(params)
+
+  def _land(self, params):
+    """The weights after self._version updates reach the sampler: moved when disaggregated,
+    set in the slot engine when streaming."""
+    self._move(params)
+    if self.stream is not None:
+      self.stream.set_weights(self._sampler_weights(params), self._version)
+
+  def _sampler_weights(self, params):
+    """The weights the sampler reads: the trainer's `params` colocated, else the moved copy
+    (LoRA: the moved adapters on the base)."""
+    if not self.disaggregated:
+      return params
+    return self._combine(self._weights, self._base) if self._split else self._weights
+
+  def _move(self, params):
+    """Disaggregated: the trainer's params to the sampler's devices (self._weights)."""
     if not self.disaggregated:
       return
     dtype = jnp.dtype(self.config.model.dtype)
@@ -245,9 +297,10 @@ class RolloutSource:
   # ---------------------------------------------------------------------- checkpoints
 
   def saved(self) -> dict:
-    """The in-flight rollouts' arrays for the checkpoint ({} on-policy), on the trainer's mesh
-    (run/checkpoint.py writes arrays local to some processes from process 0, a trainer's)."""
-    if not self._pending:
+    """The in-flight rollouts' arrays for the checkpoint ({} on-policy and streaming), on the
+    trainer's mesh (run/checkpoint.py writes arrays local to some processes from process 0, a
+    trainer's)."""
+    if not self._pending or self.stream is not None:
       return {}
     pending = [dataclasses.asdict(d.rollout) for d in self._pending]
     if self.disaggregated:
@@ -258,12 +311,17 @@ class RolloutSource:
 
   def pending_meta(self) -> list:
     """For the checkpoint's meta ("rollout_pending"): per in-flight rollout, the iterator
-    position before its prompts and the version of the weights that sampled it."""
+    position before its prompts and the version of the weights that sampled it. Streaming:
+    the steps in flight are dropped (redrawn on resume): one entry, {"iterator": the position
+    before the first one's prompts, "redraw": True}, or none (the usual case: nothing is in
+    flight at a checkpoint the source foresaw)."""
+    if self.stream is not None:
+      return [{"iterator": d.iterator_before, "redraw": True} for d in self._pending][:1]
     return [{"iterator": d.iterator_before, "version": d.version} for d in self._pending]
 
   def target(self, meta: dict) -> dict:
     """The abstract arrays of the in-flight rollouts a checkpoint with `meta` holds."""
-    n = len(meta.get("rollout_pending", []))
+    n = len([e for e in meta.get("rollout_pending", []) if not e.get("redraw")])
     if not n:
       return {}
     spec = Rollout.spec(
@@ -275,18 +333,30 @@ class RolloutSource:
 
   def restore(self, restored: dict, meta: dict):
     """Puts back a checkpoint's in-flight rollouts: their prompt batches taken again from the
-    iterator positions in meta, their arrays restored (not sampled again)."""
+    iterator positions in meta, their arrays restored (not sampled again). Streaming's dropped
+    steps: the iterator goes back before their prompts, and they are drawn again."""
+    entries = meta.get("rollout_pending", [])
+    if entries and entries[0].get("redraw"):
+      self.prompts.it.set_state(entries[0]["iterator"])
+      return
     after, pending = self.prompts.it.get_state(), restored.get("pending", [])
     if self.disaggregated and pending:
       pending = self._to_sampler.move(
           pending,
           jax.tree.map(lambda x: sharding.batch_sharding(self.sampler_mesh, x.ndim), pending),
       )
-    for entry, arrays in zip(meta.get("rollout_pending", []), pending):
+    for i, (entry, arrays) in enumerate(zip(entries, pending)):
       self.prompts.it.set_state(entry["iterator"])
       batch, prompt = self.prompts.take()
       self._pending.append(
-          _Drawn(batch, prompt, Rollout(**arrays), entry["version"], entry["iterator"])
+          _Drawn(
+              batch,
+              prompt,
+              Rollout(**arrays),
+              entry["version"],
+              entry["iterator"],
+              step=meta["grpo_step"] + i,
+          )
       )
     self.prompts.it.set_state(after)
 
@@ -304,10 +374,35 @@ class RolloutSource:
       if self.ahead:  # a width's first rollout: its sampler compiled meanwhile
         self.ahead.wait(prompt["ids"].shape[1], only="sampler")
       key = step_key(self.rng, step, self.sampler_mesh) if key is None else key
-      rollout = self.engine.generate(params, batch, key, self.generation)
+      if self.stream is not None:  # queued: decoded by _score's wait (and the next steps')
+        self.stream.enqueue(step, prompt, key)
+        rollout = None
+      else:
+        rollout = self.engine.generate(params, batch, key, self.generation)
       self._look_ahead(state, version + 1)  # host work while the device samples
     timing["rollout"] += span.sec
-    return _Drawn(batch, prompt, rollout, version, before)
+    return _Drawn(batch, prompt, rollout, version, before, step=step)
+
+  def _queue_ahead(self, params, state: dict, step: int, timing: dict):
+    """Off-policy: dispatches (streaming: queues) the rollouts of the steps after `step`, up to
+    max_staleness of them, none at or past num_steps; streaming, none past the next
+    checkpoint the source foresees (`_horizon`)."""
+    end = self.config.num_steps if self.stream is None else self._horizon(step)
+    while True:
+      ahead = self._pending[-1].step + 1 if self._pending else step + 1
+      if ahead >= end or ahead > step + self.depth:
+        return
+      self._pending.append(self._dispatch(params, state, ahead, step, timing))
+
+  def _horizon(self, step: int) -> int:
+    """The first checkpoint after `step` (in updates applied: step s is trained by update
+    s + 1) that the loop writes on schedule: every save_interval_steps, at num_steps, and at
+    the max_steps_per_run stop. Streaming queues only steps below it."""
+    c = self.config
+    ends = [c.num_steps, (step // c.save_interval_steps + 1) * c.save_interval_steps]
+    if c.max_steps_per_run:
+      ends += [t for t in (self._first_step + c.max_steps_per_run,) if t > step]
+    return min(ends)
 
   def _look_ahead(self, state: dict, step: int):
     """Compiling ahead: the prompts of `step` are taken early, and the programs of their width
@@ -321,9 +416,12 @@ class RolloutSource:
     rollout, host rows: tokens, mask, truncated, rewards (f32, + DAPO's overlong penalty),
     per_function, errors)."""
     with profiling.phase("rollout") as span:  # this process's rows, on the host (one transfer)
+      if drawn.rollout is None:  # streaming: decode until its rows are done
+        drawn.rollout, drawn.versions = self.stream.wait(drawn.step)
       tokens_nc, mask_nc, truncated_n = multihost.local_rows(
           (drawn.rollout.tokens, drawn.rollout.mask, drawn.rollout.truncated)
       )
+      versions_nc = None if drawn.versions is None else multihost.local_rows(drawn.versions)
     timing["rollout"] += span.sec
     with profiling.phase("rewards") as span:
       rewards_n, per_function, errors = self.scorer(drawn.batch, tokens_nc, mask_nc)
@@ -338,6 +436,7 @@ class RolloutSource:
             rewards=rewards_n,
             per_function=per_function,
             errors=errors,
+            versions=versions_nc,
         ),
     )
 
@@ -367,6 +466,25 @@ class Scorer:
         mask_nc.sum(-1), c.max_completion_length, c.loss.overlong_buffer, c.loss.overlong_factor
     )
     return rewards_n.astype(np.float32), per_function, scored.errors
+
+
+def streaming(config) -> bool:
+  """The loop streams rollouts through the slot engine: rollout.slots > 0, max_staleness > 0."""
+  return config.rollout.slots > 0 and config.rollout.max_staleness > 0
+
+
+def token_staleness(step: int, versions_nc, mask_nc) -> dict:
+  """Per completion token, `step` minus the weight version that drew it: its mean and max
+  over this process's masked tokens (versions_nc, mask_nc: [n, C]); rollout/staleness: step
+  minus the oldest version in the batch (the max)."""
+  ages = step - np.asarray(versions_nc)[np.asarray(mask_nc) > 0]
+  if not ages.size:
+    return {}
+  return {
+      "rollout/staleness": int(ages.max()),
+      "rollout/staleness_token_mean": float(ages.mean()),
+      "rollout/staleness_token_max": int(ages.max()),
+  }
 
 
 def generation(config) -> GenerationConfig:
