@@ -160,7 +160,9 @@ def base() -> ml_collections.ConfigDict:
   c.data.arithmetic.ops = "+"
   c.data.arithmetic.num_train = 10000
   c.data.arithmetic.num_test = 256
-  c.data.arithmetic.demonstration = "answer"  # answer | reasoning
+  c.data.arithmetic.demonstration = "answer"  # answer | reasoning | working (partial results)
+  # > num_ops: long-tailed operation counts (half num_ops, geometric up to max_ops); 0 = fixed.
+  c.data.arithmetic.max_ops = 0
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.engine = "native"  # native | vllm

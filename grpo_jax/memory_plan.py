@@ -530,6 +530,9 @@ def _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log, measure_)
   if cfg.rollout.engine != "native":
     log(f"rollout.engine={cfg.rollout.engine}: its memory is its own; no sampler row")
     return rows
+  if cfg.rollout.slots:
+    rows.append(_plan_slots(cfg, policy, inputs, mesh, measure_, row, log, host_ref))
+    return rows
   weights, *other_args = inputs["sampler_args"]
   rollout_w = sampler_weight_copy_bytes(cfg, policy, weights)
   copy_in_temp = rollout_w if policy.sampler_is_trainer else 0  # native: made in the program
@@ -563,6 +566,57 @@ def _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log, measure_)
       )
   )
   return rows
+
+
+def _plan_slots(cfg, policy, inputs, mesh, measure_, row, log, host_ref):
+  """The slot engine's row (rollout.slots > 0): its weight copy (made once per version, kept
+  between programs: rollout_w), its slot caches [slots, Hkv, P + C, K] per layer (kv_cache) and
+  the largest temporaries of its admit (whole engine), decode and refresh programs."""
+  from grpo_jax.rollout import slots as slots_lib
+
+  weights = inputs["sampler_args"][0]
+  b, g = cfg.batch_size, cfg.num_generations
+  engine = slots_lib.SlotEngine(
+      policy.sampler_graphdef,
+      slots=cfg.rollout.slots,
+      max_prompt_length=cfg.max_prompt_length,
+      max_new_tokens=cfg.max_completion_length,
+      num_generations=g,
+      eos_ids=(0,),
+      mesh=mesh,
+      chunk=cfg.rollout.slot_chunk,
+      steps_in_flight=cfg.rollout.max_staleness + 1,
+      decode_attention=cfg.rollout.decode_attention,
+  )
+  gen = GenerationConfig(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+  programs = engine.abstract_programs(weights, policy.model_config, gen, rows_per_step=b * g)
+  st, copy = programs["decode"][1][0], programs["decode"][1][1]
+  kv = shard_bytes((st["k"], st["v"]))
+  rollout_w = shard_bytes(copy)
+  state_b = shard_bytes(st)
+  temps, stats = {}, {}
+  for name in ("admit_all", "decode", "refresh"):
+    fn, args = programs[name]
+    log(f"compiling slot engine {name} ...")
+    temps[name], stats[name] = measure_(
+        fn.lower(*args), shard_bytes(args), name=program_name(f"slots_{name}")
+    )
+  worst = max(temps, key=temps.get)
+  log(
+      f"slot engine: {cfg.rollout.slots} slots; temporaries by program "
+      + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in temps.items())
+  )
+  return row(
+      function="sampler",
+      remat=None,
+      micro_batch=None,
+      rollout_weights=rollout_w,
+      temp=max(temps[worst] - (state_b - kv), 0),
+      kv_cache=kv,
+      io=state_b - kv,
+      host_offload=host_ref + _host(stats[worst]),
+      compiled=stats[worst],
+  )
 
 
 # ================================================================================== main

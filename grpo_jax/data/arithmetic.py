@@ -9,7 +9,16 @@ Rows follow the dataset row shape (datasets.py): prompt "12+30=", ground_truth "
 data_source "arithmetic", and a demonstration in the chosen style:
   "answer"    -> "<answer>42</answer>"
   "reasoning" -> "<reasoning>12+30=42</reasoning><answer>42</answer>"
+  "working"   -> "<reasoning>12+30=42 42+7=49</reasoning><answer>49</answer>": one partial
+                 result per operation, left to right (ops "+" and "-" only, where left to right
+                 is the value)
 Answers are integers, checkable by the GSM8K-style rewards (answer_match, check_answer).
+
+Long-tailed lengths (`max_ops` > num_ops): each problem's operation count is num_ops + k with
+k geometric (P(k) = 2^-(k+1), cut at max_ops): half the problems have num_ops operations, one in
+2^(max_ops - num_ops) the most. With the "working" demonstration a policy's completion grows
+with the count, so a batch's completions are long-tailed like real reasoning traces (the slot
+engine's loop benchmark, benchmarks/streaming_loop.py).
 """
 
 import hashlib
@@ -41,12 +50,23 @@ def make_problem(rng: np.random.Generator, digits: int, num_ops: int, ops: str):
   return _evaluate(operands, chosen)
 
 
+def _working(text: str, answer: int) -> str:
+  tokens = text.replace("-", " - ").replace("+", " + ").split()
+  steps, value = [], int(tokens[0])
+  for op, x in zip(tokens[1::2], tokens[2::2]):
+    new = value + int(x) if op == "+" else value - int(x)
+    steps.append(f"{value}{op}{x}={new}")
+    value = new
+  return f"<reasoning>{' '.join(steps)}</reasoning><answer>{answer}</answer>"
+
+
 # config.data.arithmetic.demonstration -> the SFT target for (expression, answer).
 DEMONSTRATION_STYLES = {
     "answer": lambda text, answer: f"<answer>{answer}</answer>",
     "reasoning": lambda text, answer: (
         f"<reasoning>{text}={answer}</reasoning>" f"<answer>{answer}</answer>"
     ),
+    "working": _working,
 }
 
 
@@ -67,6 +87,7 @@ def arithmetic_rows(
     num_ops: int = 1,
     ops: str = "+",
     style: str = "answer",
+    max_ops: int = 0,
 ) -> list[dict]:
   """`n` distinct problems of the `split` ("train" or "test"); deterministic for the seed.
 
@@ -77,12 +98,19 @@ def arithmetic_rows(
     raise ValueError(f"split must be 'train' or 'test', got {split!r}")
   if not ops or any(o not in "+-*" for o in ops):
     raise ValueError(f"ops must be a non-empty string of + - *, got {ops!r}")
+  if style == "working" and "*" in ops:
+    raise ValueError(f"demonstration 'working' goes left to right: ops '+' and '-' only, got {ops!r}")
+  if max_ops and max_ops < num_ops:
+    raise ValueError(f"max_ops={max_ops} < num_ops={num_ops}: use 0 (fixed) or >= num_ops")
   want_test = split == "test"
   rng = np.random.default_rng([seed, 0 if want_test else 1])
   seen, rows = set(), []
   misses = 0  # consecutive draws that gave nothing new: many means the space is exhausted
   while len(rows) < n and misses < 2000:
-    answer, text = make_problem(rng, digits, num_ops, ops)
+    count = num_ops
+    if max_ops > num_ops:
+      count = min(max_ops, num_ops + int(rng.geometric(0.5)) - 1)
+    answer, text = make_problem(rng, digits, count, ops)
     if text in seen or _is_test(text, seed) != want_test:
       misses += 1
       continue

@@ -29,6 +29,7 @@ def _read(config, source: str, path: str, split: str) -> list[dict]:
         num_ops=a.num_ops,
         ops=a.ops,
         style=a.demonstration,
+        max_ops=a.max_ops,
     )
   if source in tables.READERS:
     return tables.READERS[source](path, config.data.columns, split)

@@ -272,6 +272,45 @@ class SlotEngine:
     steps, live = (int(_host(self._state[k])) for k in ("steps", "live_steps"))
     return dict(steps=steps, live_steps=live, busy=live / max(1, steps * self.num_slots))
 
+  def abstract_programs(self, params, model_cfg, generation, *, rows_per_step: int):
+    """The engine's programs on abstract inputs, for compiling ahead of time without weights
+    (memory_plan.py, benchmarks/slot_compile.py): params, the policy's abstract params
+    (ShapeDtypeStructs with shardings). -> {"copy": (program, args), "admit", "decode",
+    "refresh", "take", "init"}, each program with .lower(*args); admit at the refill's and at
+    the whole engine's width ("admit", "admit_all") and the full prompt width."""
+    self.reset(generation, rows_per_step=rows_per_step)
+    self._model_cfg = model_cfg
+    rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    sds = lambda shape, dt, s=rep: jax.ShapeDtypeStruct(shape, dt, sharding=s)  # noqa: E731
+    copy = self._program("copy")
+    shardings = copy.lower(params).compile().output_shardings
+    weights = jax.tree.map(
+        lambda x, sh: sds(x.shape, x.dtype, sh), jax.eval_shape(self._copy, params), shardings
+    )
+    with jax.set_mesh(self.mesh):
+      st = jax.eval_shape(self._init)
+    st = jax.tree.map(lambda x, sh: sds(x.shape, x.dtype, sh), st, self._state_shardings())
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    i32, f32, p = jnp.int32, jnp.float32, self.max_prompt_length
+    scalars = (sds((), f32), sds((), f32))
+
+    def admit(a):
+      n = a * self.g
+      args = (st, weights, sds((a, p), i32), sds((a, p), i32))
+      args += tuple(sds((n,), i32) for _ in range(4))
+      args += (sds((a, *key.shape), key.dtype), sds((), i32), *scalars)
+      return self._program("admit", a, p), args
+
+    return dict(
+        copy=(copy, (params,)),
+        admit=admit(self.refill // self.g),
+        admit_all=admit(self.num_slots // self.g),
+        decode=(self._program("decode"), (st, weights, sds((), i32), sds((), i32), *scalars)),
+        refresh=(self._program("refresh"), (st, weights)),
+        take=(self._program("take"), (st, sds((rows_per_step,), i32))),
+        init=(self._program("init"), ()),
+    )
+
   def pending(self) -> int:
     """Groups queued, not yet admitted."""
     return len(self._queue)

@@ -329,3 +329,24 @@ def test_reference_is_planned_in_the_compute_dtype():
   params = mp.shard_bytes(fns.abstract_state["params"])
   assert mp.reference_bytes(c, fns) == params // 2
   assert mp._resident(c, fns)["reference"] == params // 2
+
+
+def test_slot_engine_is_planned_by_its_programs():
+  """rollout.slots > 0: the sampler row is the slot engine's: kv = its slot caches (2 x layers x
+  slots x Hkv x (P + C) x K in the compute dtype, slots split over the data-parallel devices),
+  rollout_w = its bf16 weight copy, temporaries from its admit / decode / refresh compiles."""
+  c = _deep_config()
+  c.model.param_dtype, c.model.dtype = "float32", "bfloat16"
+  c.mesh.data, c.mesh.fsdp = -1, 1  # slots over 8 data-parallel devices
+  c.rollout.slots = 64
+  logged = []
+  rows, _ = mp.plan(c, mp.make_target(), functions=("sampler",), log=logged.append)
+  (row,) = rows
+  m = c.model
+  slots_per_device = 64 // 8
+  heads = m.num_kv_heads
+  kv = 2 * m.num_layers * slots_per_device * heads * (16 + 16) * m.head_dim * 2  # bf16
+  assert row.kv_cache == kv
+  assert row.rollout_weights == row.params // 2 > 0
+  assert row.temp > 0
+  assert any("slot engine: 64 slots" in line for line in logged)
