@@ -99,7 +99,9 @@ def arithmetic_rows(
   if not ops or any(o not in "+-*" for o in ops):
     raise ValueError(f"ops must be a non-empty string of + - *, got {ops!r}")
   if style == "working" and "*" in ops:
-    raise ValueError(f"demonstration 'working' goes left to right: ops '+' and '-' only, got {ops!r}")
+    raise ValueError(
+        f"demonstration 'working' goes left to right: ops '+' and '-' only, got {ops!r}"
+    )
   if max_ops and max_ops < num_ops:
     raise ValueError(f"max_ops={max_ops} < num_ops={num_ops}: use 0 (fixed) or >= num_ops")
   want_test = split == "test"

@@ -407,3 +407,24 @@ def test_next_prompts_prefetch_gives_the_same_batches_and_leaves_the_iterator_al
     np.testing.assert_array_equal(np.asarray(got_g["mask"]), np.asarray(want_g["mask"]))
     assert got["prompts"] == want["prompts"]
     assert ahead_it.get_state() == plain_it.get_state()
+
+
+def test_arithmetic_long_tailed_working():
+  """max_ops: operation counts geometric from num_ops (about half the problems), up to max_ops;
+  "working": each partial result, left to right, whose last value is the ground truth."""
+  from grpo_jax.data.arithmetic import arithmetic_rows
+
+  rows = arithmetic_rows(2000, split="train", num_ops=1, max_ops=6, ops="+-", style="working")
+  counts = np.array([sum(r["prompt"].count(o) for o in "+-") for r in rows])
+  assert counts.min() == 1 and counts.max() == 6
+  assert 0.4 < np.mean(counts == 1) < 0.6 and 0.15 < np.mean(counts == 2) < 0.35
+  for r in rows[:200]:
+    steps = r["demonstration"].split("<reasoning>")[1].split("</reasoning>")[0].split()
+    assert len(steps) == r["prompt"].count("+") + r["prompt"].count("-")
+    assert steps[-1].split("=")[-1] == r["ground_truth"]
+    assert r["demonstration"].endswith(f"<answer>{r['ground_truth']}</answer>")
+  assert len({len(r["demonstration"]) for r in rows}) > 30  # lengths spread out
+  with pytest.raises(ValueError, match="left to right"):
+    arithmetic_rows(4, split="train", ops="+*", style="working")
+  with pytest.raises(ValueError, match="max_ops"):
+    arithmetic_rows(4, split="train", num_ops=3, max_ops=2)
