@@ -153,6 +153,11 @@ class SlotEngine:
     self.ring = max(1, int(steps_in_flight))
     self.scan_layers = scan_layers
     self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    # A process without devices in the mesh (placement=disaggregated: the trainer's processes
+    # for the sampler's engine, and the other way round) schedules nothing: the programs it
+    # calls run nowhere on it, and it cannot read the slots' status.
+    me = jax.process_index()
+    self.local = mesh is None or any(d.process_index == me for d in mesh.devices.flat)
     # The decode attention: on GPU by default one kernel over each row's written slots only
     # (decode_attention.ragged, per-row lengths); else the XLA attention over every slot.
     self.ragged = decode_attention_lib.choose(decode_attention, self.platform)
@@ -208,12 +213,16 @@ class SlotEngine:
         self.scan_layers = bool(self._model_cfg.scan_layers)
     self._weights = self._program("copy")(state)
     self._version = self._replicated(np.int32(version))
-    if self._state is not None and np.any(self._slot_row >= 0):
+    if self.local and self._state is not None and np.any(self._slot_row >= 0):
       self._state = self._program("refresh")(self._state, self._weights)
 
   def enqueue(self, tag: int, prompt_ids, prompt_mask, key, caps=None):
     """Queues the B prompts (arrays [B, W], left-padded; global or host) of step `tag`, G rows
     each, drawn with `key` (row r: fold_in(key, r))."""
+    if not self.local:
+      self._tags[tag] = tag % self.ring * self._rows_per_tag
+      self._open_rows[tag] = 0
+      return
     ids, mask = self._whole(prompt_ids), self._whole(prompt_mask)
     b = ids.shape[0]
     n = b * self.g
@@ -235,6 +244,8 @@ class SlotEngine:
 
   def advance(self):
     """Admits queued groups into free slots, then runs one decode chunk."""
+    if not self.local:
+      return
     if self._state is None:
       self._state = self._program("init")()
     self._admit_ready()
@@ -261,12 +272,16 @@ class SlotEngine:
     each token, 0 where masked); its output rows are free for a later step."""
     base = self._tags.pop(tag)
     del self._open_rows[tag]
+    if self._state is None:  # (a process that schedules nothing)
+      self._state = self._program("init")()
     rows = self._replicated(np.arange(base, base + self._rows_per_tag, dtype=np.int32))
     return self._program("take")(self._state, rows)
 
   def stats(self) -> dict:
     """Decode steps run since `reset` and the slots' busy fraction over them (live slots /
     slots, per step)."""
+    if not self.local:
+      return {}  # (the slots' status lives on other processes)
     if self._state is None:
       return dict(steps=0, live_steps=0, busy=0.0)
     steps, live = (int(_host(self._state[k])) for k in ("steps", "live_steps"))

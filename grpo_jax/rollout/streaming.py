@@ -58,4 +58,5 @@ class Stream:
 
   def stats(self) -> dict[str, float]:
     """rollout/slots_busy: live slots / slots over the decode steps since `reset`."""
-    return {"rollout/slots_busy": self.slots.stats()["busy"]}
+    stats = self.slots.stats()  # {} on a process without the sampler's devices
+    return {"rollout/slots_busy": stats["busy"]} if stats else {}
