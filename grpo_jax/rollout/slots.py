@@ -14,13 +14,15 @@ stopped: on a long-tailed batch most of its decode steps run for rows that are d
 fixed number of decode *slots* each hold one row at its own position; a row that stops frees its
 slot, and the host admits the next queued group into free slots between decode chunks.
 
-Device programs (static shapes; one compile per (slots, admission width, prompt width)):
+Device programs (static shapes; one compile per (slots, admission width, prompt width); two
+admission widths, a refill's and the whole engine's):
 - admit: prefills A prompts once each (`Transformer.prefill_rows`: real tokens first, so slot j
   of a row holds position j), copies each prompt's keys/values into its G rows' slots, draws
   each row's first token;
 - decode: `chunk` steps for every slot at its own position (`Transformer.decode_rows`), each
   drawing one token per live row, writing it, its log-probs and the weight version that drew it
   into the output rows, and stopping a row at a stop token or its budget (`caps`, default C);
+- refresh: the live slots' keys/values computed again from their tokens (new weights);
 - take: a step's output rows as a `Rollout` (+ versions [N, C]).
 The decode reads the compute-dtype, per-layer copy of the weights (cache.sampling_copy) made
 once per weight version by `set_weights`; with `scan_layers=True` the same weights kept stacked
@@ -33,9 +35,9 @@ slower; for an H100 (deviceless) the decode compiles in ~10 s at 2 layers and at
 or scanned (its compile is the sampling's and the head's, not the layers'). So per-layer is
 the default.
 
-KV layout (benchmarks/README.md "Slot engine"): per-slot contiguous caches
-[slots, Hkv, P + C, K] per layer (P + C rounded up to the ragged kernel's block on GPU). A prompt is prefilled once per group; its keys are copied into
-each of its G slots (P x G slots, not P: the price of per-row refill, and what multi-turn rows
+KV layout (benchmarks/README.md "Slot engine"): per-slot contiguous caches [slots, Hkv, P + C, K]
+per layer (P + C rounded up to the ragged kernel's block on GPU). A prompt is prefilled once
+per group; its keys are copied into each of its G slots (P x G slots, not P: the price of per-row refill, and what multi-turn rows
 need, whose contexts diverge after the prompt). The XLA attention reads every slot of a row's
 cache each step (masked past its position); on GPU (decode_attention "auto") one kernel per
 layer reads each row's written slots only (decode_attention.ragged with per-row lengths).
@@ -47,7 +49,9 @@ got or when it was admitted (the lockstep sampler's draws depend on the row's pl
 batch instead: same distributions, different draws; tests/rollout/test_slots.py).
 
 Multi-host: every process holds all prompts (the scheduler's decisions read replicated arrays
-only), so every process makes the same decisions and dispatches the same programs.
+only), so every process makes the same decisions and dispatches the same programs; a process
+without devices in the engine's mesh (disaggregated placement) schedules nothing.
+tests/parallel/test_multihost.py: 2 processes == 1, colocated and disaggregated streaming.
 """
 
 import collections
@@ -71,8 +75,9 @@ from grpo_jax.rollout.types import GenerationConfig
 from grpo_jax.rollout.types import Rollout
 from grpo_jax.rollout.types import generation_config
 
-# The state's small arrays, replicated on a mesh (every process reads them and decides alike).
+# A decode chunk ends early, groups queued, once this share of the slots is free (whole groups).
 REFILL_DIV = 8
+# The state's small arrays, replicated on a mesh (every process reads them and decides alike).
 _CONTROL = (
     "length",
     "seq",
@@ -120,7 +125,7 @@ class SlotEngine:
       eos_ids=(),
       pad_id: int = 0,
       mesh=None,
-      chunk: int = 8,
+      chunk: int = 64,
       steps_in_flight: int = 1,
       decode_attention: str | None = None,
       scan_layers: bool | None = False,
@@ -172,7 +177,7 @@ class SlotEngine:
     self._state = None
     self._rows_per_tag = None
     self._queue = collections.deque()
-    self._tags = {}  # tag -> (base row, rows, generation)
+    self._tags = {}  # tag -> its first output row (a step of rows_per_step rows)
     self._slot_row = np.full(self.num_slots, -1, np.int64)  # host view: the row in each slot
     self._open_rows = collections.Counter()  # tag -> rows not finished
     self._gen = None
