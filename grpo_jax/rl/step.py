@@ -499,12 +499,16 @@ def build(config, policy, mesh) -> TrainFunctions:
 
 def old_logprobs_source(config, matches_trainer: bool) -> str:
   """Where the update's old-policy log-probs come from: "sampler" off-policy
-  (rollout.max_staleness > 0: the behaviour policy's); "trainer" (a log-prob pass) for the PPO
-  ratio over several passes, for an off-policy correction (TIS and the others: rl/corrections.py),
-  for kl_in_reward, and whenever the sampler is another program than the trainer (its log-probs
-  are then only close); else "" (none: ratio 1)."""
+  (rollout.max_staleness > 0: the behaviour policy's), unless an off-policy correction is on:
+  then "trainer" off-policy too (decoupled PPO, as AReaL: the ratio is clipped against the
+  weights before this update, the proximal policy, and the correction's weights compare those
+  with the behaviour policy's log-probs, the staleness's gap); "trainer" (a log-prob pass) for
+  the PPO ratio over several passes, for an off-policy correction (TIS and the others:
+  rl/corrections.py), for kl_in_reward, and whenever the sampler is another program than the
+  trainer (its log-probs are then only close); else "" (none: ratio 1)."""
   if config.rollout.max_staleness > 0:
-    return "sampler"
+    active = corrections.active(config.loss.offpolicy_correction, config.loss.tis_cap)
+    return "trainer" if active else "sampler"
   if (
       config.num_iterations > 1
       or corrections.active(config.loss.offpolicy_correction, config.loss.tis_cap)

@@ -333,3 +333,20 @@ def test_micro_batches_give_the_whole_batch_gradient(kind, cap, low, high):
     np.testing.assert_allclose(loss, loss1, rtol=1e-5, atol=1e-6)
     for k in grads1:
       np.testing.assert_allclose(grads[k], grads1[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_off_policy_with_a_correction_takes_the_trainers_old_log_probs():
+  """max_staleness > 0: the sampler's log-probs are the old ones unless a correction is on;
+  with one, the trainer's (the proximal policy), so the correction weighs trainer vs sampler."""
+  from configs import tiny
+  from grpo_jax.rl import step as step_lib
+
+  config = tiny.get_config()
+  assert step_lib.old_logprobs_source(config, True) == ""
+  config.rollout.max_staleness = 1
+  assert step_lib.old_logprobs_source(config, True) == "sampler"
+  config.loss.tis_cap = 2.0
+  assert step_lib.old_logprobs_source(config, True) == "trainer"
+  config.loss.tis_cap = 0.0
+  config.loss.offpolicy_correction = "icepop"
+  assert step_lib.old_logprobs_source(config, True) == "trainer"
