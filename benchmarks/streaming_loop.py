@@ -94,7 +94,7 @@ def main(argv=None):
         med = overlap.metric_medians(
             workdir,
             (
-                "completion/mean_length",
+                "completions/mean_length",
                 "rollout/staleness_token_mean",
                 "rollout/slots_busy",
                 "perf/rollout_sec",
