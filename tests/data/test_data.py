@@ -307,7 +307,9 @@ def test_arithmetic_small_space_returns_all_problems():
 def _data_config(**data_fields):
   import ml_collections
 
-  arith = dict(digits=2, num_ops=1, ops="+", num_train=50, num_test=20, demonstration="reasoning")
+  arith = dict(
+      digits=2, num_ops=1, max_ops=0, ops="+", num_train=50, num_test=20, demonstration="reasoning"
+  )
   d = dict(
       train_source="arithmetic",
       train_path="",
