@@ -238,6 +238,7 @@ def device_batch(rng, bt: Batch, vocab: int) -> tuple:
       raw_logprobs=logprobs,
       lengths=jnp.asarray(bt.completion_n, jnp.int32),
       truncated=jnp.asarray(bt.completion_n == bt.c),
+      tool_mask=jnp.zeros_like(jnp.asarray(cmask)),
   )
   ids = jnp.asarray(rng.integers(1, vocab, (b, bt.width)) * pmask, jnp.int32)
   rewards = jnp.asarray(rng.uniform(0, 1, n), jnp.float32)

@@ -147,6 +147,7 @@ def test_advantage_clip_binds_and_is_counted(tiny_fns):
       raw_logprobs=np.zeros((n, c), np.float32),
       lengths=np.full(n, c, np.int32),
       truncated=np.zeros(n, bool),
+      tool_mask=np.zeros((n, c), np.int32),
   )
   prompts = np.ones((config.batch_size, 4), np.int32)
   adv = np.asarray(fns.assemble(prompts, prompts, rollout, rewards)["advantages"])

@@ -89,6 +89,34 @@ def read(tree, mesh):
   return multihost_utils.broadcast_one_to_all(values)
 
 
+def spans_processes(mesh) -> bool:
+  """Whether `mesh` holds devices of more than one process."""
+  return len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+def from_first_process(value: np.ndarray, mesh) -> np.ndarray:
+  """The host value of the first process among `mesh`'s, on every process of `mesh` (a
+  collective over its devices only: processes outside it, disaggregated, are not waited for).
+  Every process of the mesh passes an array of the same shape and dtype."""
+  value = np.asarray(value)
+  devices = list(mesh.devices.flat)
+  first = min(d.process_index for d in devices)
+  flat = jax.sharding.Mesh(np.array(devices), ("all",))
+  mine = value if jax.process_index() == first else np.zeros_like(value)
+  with jax.transfer_guard_host_to_device("allow"):
+    stacked = jax.make_array_from_callback(
+        (len(devices), *value.shape),
+        jax.sharding.NamedSharding(flat, jax.sharding.PartitionSpec("all")),
+        lambda index: mine[None],
+        dtype=value.dtype,
+    )
+  i = next(k for k, d in enumerate(devices) if d.process_index == first)
+  out = jax.jit(
+      lambda a: a[i], out_shardings=jax.sharding.NamedSharding(flat, jax.sharding.PartitionSpec())
+  )(stacked)
+  return np.asarray(out.addressable_data(0))
+
+
 def sum_over_processes(x) -> np.ndarray:
   """Elementwise sum of a host value over all JAX processes (identity on one process)."""
   x = np.asarray(x)

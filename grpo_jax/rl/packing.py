@@ -182,7 +182,9 @@ def pack(
     mine = jnp.sort(local_nc[k::num_micro].reshape(-1))[:per_micro]
     slots.append(jnp.pad(mine, (0, per_micro - mine.size), constant_values=size_micro))
   out["head_slots"] = jnp.stack(slots).reshape(num_micro, -1, s).swapaxes(0, 1).reshape(-1, s)
-  out["sequences"] = dict(advantages=upd["advantages"], slot=dest_ns[:, s - c :])
+  # kl_mask (assemble's): the policy's tokens, which the KL penalty sums (not tool responses)
+  kl_mask = upd.get("kl_mask", real_ns[:, s - c :].astype(jnp.int32))
+  out["sequences"] = dict(advantages=upd["advantages"], slot=dest_ns[:, s - c :], kl_mask=kl_mask)
   return out
 
 

@@ -376,7 +376,8 @@ def build(config, policy, mesh) -> TrainFunctions:
 
   def assemble(prompt_ids_bp, prompt_mask_bp, rollout, rewards_n):
     adv_n = advantages(rewards_n)
-    completion_mask_nc = rollout.mask
+    # The policy's own tokens are trained; tool responses are context (attention only).
+    completion_mask_nc = rollout.action_mask
     if config.loss.dynamic_sampling:  # DAPO: groups with equal rewards leave the loss
       keep_n = adv_lib.dynamic_sampling_mask(rewards_n, group)
       completion_mask_nc = completion_mask_nc * keep_n[:, None].astype(completion_mask_nc.dtype)
@@ -385,6 +386,7 @@ def build(config, policy, mesh) -> TrainFunctions:
         attention_mask=jnp.concatenate([jnp.repeat(prompt_mask_bp, group, 0), rollout.mask], 1),
         completion_mask=completion_mask_nc,
         advantages=adv_n,
+        kl_mask=rollout.action_mask,  # the KL penalty's tokens (kl_in_reward)
     )
     if corrections.active(config.loss.offpolicy_correction, config.loss.tis_cap):
       batch["sampler_logp"] = rollout.logprobs
@@ -395,7 +397,7 @@ def build(config, policy, mesh) -> TrainFunctions:
     return rewards_n - config.beta * jnp.where(mask_nc > 0, kl_nc, 0.0).sum(-1)
 
   def fold_kl(batch, rewards_n):
-    mask_nc = batch["attention_mask"][:, -completion_len:]
+    mask_nc = batch.get("kl_mask", batch["attention_mask"][:, -completion_len:])
     rewards_n = kl_penalized(rewards_n, batch["old_logp"], batch["ref_logp"], mask_nc)
     return dict(batch, advantages=advantages(rewards_n)), rewards_n
 
@@ -425,7 +427,7 @@ def build(config, policy, mesh) -> TrainFunctions:
     # The sums per sequence over the rollout's [N, C] layout, as fold_kl's, so bit for bit.
     slot_nc = batch["sequences"]["slot"]
     old_nc, ref_nc = (packing.unpack(batch[k], slot_nc) for k in ("old_logp", "ref_logp"))
-    rewards_n = kl_penalized(rewards_n, old_nc, ref_nc, slot_nc < batch["old_logp"].size)
+    rewards_n = kl_penalized(rewards_n, old_nc, ref_nc, batch["sequences"]["kl_mask"])
     adv_n = advantages(rewards_n)
     adv_rl = adv_n[packing.sequence_index(batch["segment_ids"], num_micro)]
     sequences = dict(batch["sequences"], advantages=adv_n)
@@ -592,4 +594,4 @@ class GrpoStep:
     )
     if kl_rewards_n is not None:
       mismatch["kl_rewards_n"] = kl_rewards_n
-    return self.stats_fn(batch.rewards, advantages_n, batch.rollout.mask, **mismatch)
+    return self.stats_fn(batch.rewards, advantages_n, batch.rollout.action_mask, **mismatch)

@@ -93,7 +93,13 @@ class Sampler:
         rows = sharding.batch_sharding(self.mesh, 2)
         vec = sharding.batch_sharding(self.mesh, 1)
         kw["out_shardings"] = Rollout(
-            tokens=rows, mask=rows, logprobs=rows, raw_logprobs=rows, lengths=vec, truncated=vec
+            tokens=rows,
+            mask=rows,
+            logprobs=rows,
+            raw_logprobs=rows,
+            lengths=vec,
+            truncated=vec,
+            tool_mask=rows,
         )
       self._compiled[key] = jax.jit(fn, **kw)
     return self._compiled[key]
@@ -238,7 +244,12 @@ class Sampler:
         )
       final = jax.lax.while_loop(functools.partial(cond, end=end), body, final)
     out = {k: final[k][:, :c_len] for k in ("tokens", "mask", "logprobs", "raw_logprobs")}
-    return Rollout(**out, lengths=out["mask"].sum(-1), truncated=~final["done"])
+    return Rollout(
+        **out,
+        lengths=out["mask"].sum(-1),
+        truncated=~final["done"],
+        tool_mask=jnp.zeros_like(out["mask"]),
+    )
 
 
 class _InMesh:

@@ -130,6 +130,7 @@ class Seq2SeqSampler(Sampler):
         raw_logprobs=final["raw_logprobs"],
         lengths=final["mask"].sum(-1),
         truncated=~final["done"],
+        tool_mask=jnp.zeros_like(final["mask"]),
     )
 
 

@@ -93,8 +93,10 @@ _CONTROL = (
     "out_version",
     "out_len",
     "out_stop",
+    "out_tool",
     "steps",
     "live_steps",
+    "extended",
 )
 
 
@@ -129,13 +131,21 @@ class SlotEngine:
       steps_in_flight: int = 1,
       decode_attention: str | None = None,
       scan_layers: bool | None = False,
+      turns=None,
+      max_append: int = 0,
   ):
     """scan_layers: the decode (and prefills) as one `lax.scan` over stacked layers and caches
     [L, slots, Hkv, S, K] (compile time flat in depth) instead of a program per layer; None: as
     the policy's model.scan_layers. Default False, measured (benchmarks/slot_compile.py and
     the module docstring): the scan slices each layer's weights and cache out of the stacks
     every step (1.47x the per-layer decode's step time on CPU at 28 layers) and the H100's
-    decode compile does not grow with depth either way."""
+    decode compile does not grow with depth either way.
+
+    turns: multi-turn rows (rollout/turns.py's ToolTurns, or any object with its methods): a
+    row that stops is offered to `turns.stopped`; if it takes the row (a tool call is running),
+    the row keeps its slot, paused, until `turns.ready` hands back the tokens to append (at
+    most `max_append`), which are fed into the row's live cache (only they are prefilled) with
+    tool_mask 1; the row then goes on drawing."""
     g = num_generations
     if slots < g:
       raise ValueError(f"rollout.slots={slots}: needs at least num_generations={g} slots")
@@ -181,6 +191,14 @@ class SlotEngine:
     self._slot_row = np.full(self.num_slots, -1, np.int64)  # host view: the row in each slot
     self._open_rows = collections.Counter()  # tag -> rows not finished
     self._gen = None
+    # Multi-turn rows (turns): slots paused on a tool call; where each slot's turn began.
+    self.turns = turns
+    self.max_append = int(max_append)
+    if turns is not None and self.max_append < 1:
+      raise ValueError("a slot engine with turns needs max_append >= 1 (tool response tokens)")
+    self._paused = set()
+    self._turn_col = np.zeros(self.num_slots, np.int64)
+    self._live = np.zeros(self.num_slots, bool)  # host view after the last program
 
   # ------------------------------------------------------------------------- on-policy
 
@@ -206,6 +224,10 @@ class SlotEngine:
     self._open_rows.clear()
     self._slot_row[:] = -1
     self._state = None
+    self._paused.clear()
+    self._live[:] = False
+    if self.turns is not None:
+      self.turns.reset()
 
   def set_weights(self, state, version: int):
     """New weights for every decode from now on; the compute-dtype copy is made once here. Rows
@@ -254,8 +276,14 @@ class SlotEngine:
     if self._state is None:
       self._state = self._program("init")()
     self._admit_ready()
-    # The chunk ends early once enough slots are free to admit queued groups.
-    refill = self.refill if self._queue else self.num_slots + 1
+    if self._paused:  # tool responses that came back: appended, their rows live again
+      self._extend_ready()
+    # The chunk ends early once enough slots are free to admit queued groups (multi-turn: once
+    # that many more rows stopped, beyond those paused on tool calls: new calls to start).
+    if self._queue or self._paused:
+      refill = min(self.refill + len(self._paused), self.num_slots + 1)
+    else:
+      refill = self.num_slots + 1
     self._state = self._program("decode")(
         self._state,
         self._weights,
@@ -263,11 +291,74 @@ class SlotEngine:
         self._replicated(np.int32(refill)),
         *self._scalars(),
     )
-    live = _host(self._state["live"])
-    for s in np.nonzero((self._slot_row >= 0) & ~live)[0]:
-      row = self._slot_row[s]
-      self._open_rows[self._tag_of(row)] -= 1
-      self._slot_row[s] = -1
+    self._live = np.array(_host(self._state["live"]))
+    stopped = np.nonzero((self._slot_row >= 0) & ~self._live)[0]
+    stopped = [s for s in stopped if s not in self._paused]
+    if self.turns is not None and stopped:
+      stopped = self._offer_turns(stopped)
+    for s in stopped:
+      self._free(s)
+
+  def _free(self, s):
+    row = self._slot_row[s]
+    self._open_rows[self._tag_of(row)] -= 1
+    self._slot_row[s] = -1
+    if self.turns is not None:
+      self.turns.finish(int(row))
+
+  def _offer_turns(self, slots) -> list:
+    """Stopped rows -> the ones that are done; the others (a tool call running) stay paused."""
+    rows = np.full(self.num_slots, self.ring * self._rows_per_tag, np.int32)
+    rows[: len(slots)] = self._slot_row[slots]
+    tokens, length, stop = (
+        _host(x) for x in self._program("peek")(self._state, self._replicated(rows))
+    )
+    done = []
+    for i, s in enumerate(slots):
+      row = int(self._slot_row[s])
+      turn = tokens[i, self._turn_col[s] : length[i]]
+      if stop[i] and self.turns.stopped(row, turn):
+        self._paused.add(s)
+      else:
+        done.append(s)
+    return done
+
+  def _extend_ready(self):
+    """Appends the tool responses that are back to their paused rows (blocking for one when no
+    slot is live: nothing else to run meanwhile)."""
+    block = not self._live.any()
+    ready = self._agree(self.turns.ready(block=block))
+    if not ready:
+      return
+    by_row = {int(self._slot_row[s]): s for s in self._paused}
+    n_slots, r = self.num_slots, self.max_append
+    col, cap = _host(self._state["col"]), _host(self._state["cap"])
+    slot_ids = np.full(n_slots, n_slots, np.int32)
+    tokens = np.full((n_slots, r), self.pad_id, np.int32)
+    counts = np.zeros(n_slots, np.int32)
+    go = np.zeros(n_slots, bool)
+    ready = {row: ids for row, ids in ready.items() if row in by_row}
+    for i, (row, ids) in enumerate(sorted(ready.items())):
+      s = by_row[row]
+      ids = np.asarray(ids, np.int32)[:r]
+      # The response and at least one more drawn token must fit the row's budget; else the
+      # row ends here, truncated (the call was not answered).
+      slot_ids[i], counts[i], go[i] = s, len(ids), col[s] + len(ids) < cap[s]
+      tokens[i, : len(ids)] = ids
+      self._paused.discard(s)
+    args = [self._replicated(x) for x in (slot_ids, tokens, counts, go)]
+    self._state = self._program("extend")(
+        self._state, self._weights, *args, self._version, *self._scalars()
+    )
+    self._live = np.array(_host(self._state["live"]))
+    col = _host(self._state["col"])
+    for i in range(len(ready)):
+      s = int(slot_ids[i])
+      if go[i]:
+        self._turn_col[s] = col[s] - 1  # the new turn starts at its first drawn token
+      if not self._live[s]:  # stopped at once (its first token) or ended: offered next chunk
+        if not go[i]:
+          self._free(s)
 
   def finished(self, tag: int) -> bool:
     return self._open_rows[tag] == 0 and not any(g.tag == tag for g in self._queue)
@@ -335,6 +426,20 @@ class SlotEngine:
     """Groups queued, not yet admitted."""
     return len(self._queue)
 
+  def _agree(self, ready: dict) -> dict:
+    """The tool responses every process appends now: the engine's first process's (it runs
+    the tools; which calls are back is a matter of timing), sent to the others, so every
+    process dispatches the same programs. One process: as they are."""
+    if self.mesh is None or not multihost.spans_processes(self.mesh):
+      return ready
+    n, r = self.num_slots, self.max_append
+    table = np.full((n, r + 2), -1, np.int32)  # row, count, tokens
+    for i, (row, ids) in enumerate(sorted(ready.items())):
+      ids = list(ids)[:r]
+      table[i, 0], table[i, 1], table[i, 2 : 2 + len(ids)] = row, len(ids), ids
+    table = multihost.from_first_process(table, self.mesh)
+    return {int(t[0]): t[2 : 2 + t[1]].tolist() for t in table if t[0] >= 0}
+
   # ------------------------------------------------------------------------- host side
 
   def _tag_of(self, row: int) -> int:
@@ -368,6 +473,8 @@ class SlotEngine:
       slot_ids[sl] = free[sl]
       row_ids[sl], index[sl], caps[sl] = grp.rows, grp.index, grp.caps
       self._slot_row[free[sl]] = grp.rows
+      self._turn_col[free[sl]] = 0
+      self._live[free[sl]] = True
       keys.append(grp.key)
     keys += [groups[0].key] * (a - len(groups))
     args = [self._replicated(x) for x in (ids, mask, slot_ids, row_ids, index, caps)]
@@ -402,21 +509,27 @@ class SlotEngine:
   # ------------------------------------------------------------------------- programs
 
   def _program(self, name, *shape):
-    static = self._static() if name in ("admit", "decode") else {}
+    static = self._static() if name in ("admit", "decode", "extend") else {}
     key = (name, shape, tuple(sorted(static.items())))
     if key not in self._programs:
       fn = getattr(self, "_" + name)
       fn = functools.partial(fn, **static) if static else fn
       kw = {}
-      if name in ("admit", "decode", "refresh"):
+      if name in ("admit", "decode", "refresh", "extend"):
         kw["donate_argnums"] = (0,)
-      if self.mesh is not None and name in ("init", "admit", "decode", "refresh"):
+      if self.mesh is not None and name in ("init", "admit", "decode", "refresh", "extend"):
         kw["out_shardings"] = self._state_shardings()
       if self.mesh is not None and name == "take":
         rows, vec = (sharding.batch_sharding(self.mesh, k) for k in (2, 1))
         kw["out_shardings"] = (
             Rollout(
-                tokens=rows, mask=rows, logprobs=rows, raw_logprobs=rows, lengths=vec, truncated=vec
+                tokens=rows,
+                mask=rows,
+                logprobs=rows,
+                raw_logprobs=rows,
+                lengths=vec,
+                truncated=vec,
+                tool_mask=rows,
             ),
             rows,
         )
@@ -475,8 +588,10 @@ class SlotEngine:
         out_version=jnp.zeros((r, self.c), jnp.int32),
         out_len=jnp.zeros((r,), jnp.int32),
         out_stop=jnp.zeros((r,), bool),
+        out_tool=jnp.zeros((r, self.c), jnp.int32),
         steps=jnp.zeros((), jnp.int32),
         live_steps=jnp.zeros((), jnp.int32),
+        extended=jnp.zeros((), jnp.int32),
     )
 
   def _draw(self, temperature, top_p, *, top_k, use_top_p, greedy):
@@ -559,6 +674,7 @@ class SlotEngine:
         cap=put(st["cap"], caps),
         row=put(st["row"], row_ids),
         keys=st["keys"].at[slot_ids].set(row_keys, mode="drop"),
+        out_tool=st["out_tool"].at[row_ids].set(0, mode="drop"),
     )
     draw = self._draw(temperature, top_p, **static)
     token, lp, raw = draw(
@@ -621,8 +737,71 @@ class SlotEngine:
         raw_logprobs=jnp.where(on, st["out_raw"][rows], 0.0),
         lengths=length,
         truncated=~st["out_stop"][rows],
+        tool_mask=jnp.where(on, st["out_tool"][rows], 0),
     )
     return rollout, jnp.where(on, st["out_version"][rows], 0)
+
+  def _peek(self, st, rows):
+    """Rows' tokens, lengths and whether they stopped at a stop token (multi-turn: the host
+    reads a stopped row's last turn); out-of-range rows give zeros."""
+    get = lambda x: x.at[rows].get(mode="fill", fill_value=0)  # noqa: E731
+    return get(st["out_tokens"]), get(st["out_len"]), get(st["out_stop"])
+
+  def _extend(
+      self, st, weights, slot_ids, tokens, counts, go, version, temperature, top_p, **static
+  ):
+    """Tool responses into paused rows: entry i's first counts[i] `tokens` [E, R] are appended
+    to slot slot_ids[i]'s row after its last token (which, drawn last, enters the cache with
+    them: `Transformer.extend_rows` over the slots' live caches, only these tokens computed),
+    written to its output with tool_mask 1, and the row draws its next token from there.
+    go[i] False: the row ends instead, truncated (no room for the response)."""
+    model = self._model(weights)
+    n_slots, r_out = self.num_slots, self.ring * self._rows_per_tag
+    take = lambda x: x.at[slot_ids].get(mode="fill", fill_value=0)  # noqa: E731
+    put = lambda x, v: x.at[slot_ids].set(v, mode="drop")  # noqa: E731
+    valid = slot_ids < n_slots
+    go = go & valid
+    row = jnp.where(valid, take(st["row"]), r_out)
+    # Stopped for good: a stop token is no longer the row's end.
+    st = dict(st, out_stop=st["out_stop"].at[jnp.where(valid & ~go, row, r_out)].set(False))
+    # Every slot's row as the model sees it: the appended tokens at the rows' own positions.
+    e, r = tokens.shape
+    feed = jnp.zeros((n_slots, r + 1), jnp.int32)
+    first = jnp.where(go, take(st["token"]), 0)
+    n = jnp.where(go, counts + 1, 0)
+    feed = feed.at[slot_ids].set(jnp.concatenate([first[:, None], tokens], 1), mode="drop")
+    n_all = jnp.zeros((n_slots,), jnp.int32).at[slot_ids].set(n, mode="drop")
+    at = jnp.minimum(st["length"], self.cache_len - 1)
+    logits, ks, vs = model.extend_rows(feed, st["k"], st["v"], at, n_all)
+    j = jnp.arange(r + 1)
+    s_len = st["seq"].shape[1]
+    seq_at = jnp.where(j[None] < n_all[:, None], at[:, None] + j[None], s_len)
+    every = jnp.arange(n_slots)
+    # Tool columns of the output rows: counts[i] of them after the stop token's column.
+    col = take(st["col"])
+    jr = jnp.arange(r)
+    out_r = jnp.where(go[:, None] & (jr[None] < counts[:, None]), row[:, None], r_out)
+    out_c = col[:, None] + jr[None]
+    zero = jnp.zeros((e, r))
+    st = dict(
+        st,
+        k=_constrain_cache(ks),
+        v=_constrain_cache(vs),
+        seq=st["seq"].at[every[:, None], seq_at].set(feed, mode="drop"),
+        length=st["length"] + n_all,
+        out_tokens=st["out_tokens"].at[out_r, out_c].set(tokens, mode="drop"),
+        out_tool=st["out_tool"].at[out_r, out_c].set(1, mode="drop"),
+        out_logp=st["out_logp"].at[out_r, out_c].set(zero, mode="drop"),
+        out_raw=st["out_raw"].at[out_r, out_c].set(zero, mode="drop"),
+        out_version=st["out_version"].at[out_r, out_c].set(0, mode="drop"),
+        out_len=st["out_len"].at[jnp.where(go, row, r_out)].set(col + counts, mode="drop"),
+        col=put(st["col"], jnp.where(go, col + counts, col)),
+        extended=st["extended"] + n.sum(),
+    )
+    draw = self._draw(temperature, top_p, **static)
+    token, lp, raw = draw(logits, jax.vmap(jax.random.fold_in)(st["keys"], st["col"]))
+    on = n_all > 0  # only the appended rows move on (the others keep their slot's state)
+    return self._record(st, jnp.where(on, every, n_slots), on, token, lp, raw, version)
 
 
 def _constrain_cache(kv):

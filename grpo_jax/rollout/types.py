@@ -50,13 +50,20 @@ def generation_config(generation: "str | GenerationConfig") -> GenerationConfig:
 class Rollout:
   """Completions of B prompts x G samples, group-major (prompt i -> rows i*G .. i*G+G-1).
 
-  tokens      int32 [B*G, C]  sampled tokens; after the stop token, pad_id.
-  mask        int32 [B*G, C]  1 up to and including the stop token, else 0.
+  tokens      int32 [B*G, C]  sampled tokens (and, in multi-turn rows, the tool responses
+                              appended between turns); after the stop token, pad_id.
+  mask        int32 [B*G, C]  1 up to and including the stop token, else 0: the tokens the
+                              row holds (the trainer's attention mask).
   logprobs    f32   [B*G, C]  log-prob of each sampled token under the distribution it was
-                              sampled from (temperature, top-k, top-p applied); 0 where masked.
+                              sampled from (temperature, top-k, top-p applied); 0 where masked
+                              and on tool tokens.
   raw_logprobs f32  [B*G, C]  log-prob under the raw policy (temperature 1, no truncation).
   lengths     int32 [B*G]     completion lengths (= mask.sum(-1)).
   truncated   bool  [B*G]     True when the row hit C tokens without a stop token.
+  tool_mask   int32 [B*G, C]  1 on tokens a tool wrote (context, not actions: no loss, no KL,
+                              not counted in lengths' statistics), else 0; zeros without tools.
+
+  `action_mask` (mask without the tool tokens) is what is trained.
   """
 
   tokens: jax.Array
@@ -65,6 +72,12 @@ class Rollout:
   raw_logprobs: jax.Array
   lengths: jax.Array
   truncated: jax.Array
+  tool_mask: jax.Array
+
+  @property
+  def action_mask(self) -> jax.Array:
+    """The tokens the policy drew: mask without the tool tokens."""
+    return self.mask * (1 - self.tool_mask)
 
   @classmethod
   def spec(cls, rows: int, completion_len: int, mesh) -> "Rollout":
@@ -81,4 +94,5 @@ class Rollout:
         raw_logprobs=sds(jnp.float32, rows, completion_len),
         lengths=sds(jnp.int32, rows),
         truncated=sds(jnp.bool_, rows),
+        tool_mask=sds(jnp.int32, rows, completion_len),
     )

@@ -564,6 +564,7 @@ class VLLMEngine:
           raw_logprobs=logp_g,
           lengths=to_g(mask.sum(-1).astype(np.int32)),
           truncated=to_g(truncated),
+          tool_mask=to_g(np.zeros_like(mask)),
       )
 
   def stats(self) -> dict[str, float]:

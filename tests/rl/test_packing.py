@@ -322,6 +322,7 @@ def _scored(config, policy, seed):
       raw_logprobs=logprobs,
       lengths=jnp.asarray(clen, jnp.int32),
       truncated=jnp.asarray(clen == c),
+      tool_mask=jnp.zeros_like(jnp.asarray(cmask)),
   )
   prompt = dict(
       ids=jnp.asarray(rng.integers(1, vocab, (b, p)) * pmask, jnp.int32), mask=jnp.asarray(pmask)

@@ -369,13 +369,14 @@ class Block(nnx.Module):
     return self._residual(x_btd, a, kernels), k, v
 
   def decode_rows(self, x_btd, cache_k, cache_v, at_b, kernels: Kernels, local=False, layer=None):
-    """The slot engine's decode step (rollout/slots.py): one new token per row, each row at its
-    own position. A row's cache holds its sequence contiguously from slot 0 (prompt, then
+    """The slot engine's decode step (rollout/slots.py): one new token per row (or T, appended
+    after each other: a tool response fed into a live row), each row at its own position. A row's cache holds its sequence contiguously from slot 0 (prompt, then
     completion: no padding), so a token's slot is its position: the token is written at slot
     `at` of its row and attends to slots 0..at of it (the last `sliding_window` of them in a
     local layer).
 
-    x [B, 1, D]; cache_k, cache_v head-major [B, Hkv, S, K]; at [B] int32 (< S). With
+    x [B, T, D] (token i of a row at slot at + i; slots past S are dropped); cache_k, cache_v
+    head-major [B, Hkv, S, K]; at [B] int32 (< S). With T = 1 and
     `kernels.ragged_decode` (GPU) one kernel reads each row's slots 0..at only
     (decode_attention.ragged with per-row lengths; S a multiple of its BLOCK), where the layer
     allows it (no window, no soft-cap); else the XLA attention over all S slots, masked. ->
@@ -384,12 +385,15 @@ class Block(nnx.Module):
     the token is written into layer `layer`'s slots of them (in place in the scan's carry) and
     the attention reads that layer's."""
     cfg = self.cfg
-    positions = at_b[:, None]
+    t = x_btd.shape[1]
+    positions = at_b[:, None] + jnp.arange(t, dtype=at_b.dtype)
     q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions, local)
-    rows = jnp.arange(x_btd.shape[0])
-    at = (rows, slice(None), at_b) if layer is None else (layer, rows, slice(None), at_b)
+    rows = jnp.arange(x_btd.shape[0])[:, None]
+    at = (rows, slice(None), positions)
+    at = at if layer is None else (layer, *at)
+    # [B, T] slots, then heads: the [B, T, Hkv, K] keys as they are
     cache_k, cache_v = (
-        c.at[at].set(n[:, 0].astype(c.dtype), unique_indices=True)
+        c.at[at].set(n.astype(c.dtype), unique_indices=True, mode="drop")
         for c, n in ((cache_k, k), (cache_v, v))
     )
     if layer is None:
@@ -398,7 +402,7 @@ class Block(nnx.Module):
       k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (cache_k, cache_v))
     b, s_len = x_btd.shape[0], k.shape[2]
     window = self._window(local)
-    if kernels.ragged_decode and window is None and not cfg.attn_logit_softcap:
+    if kernels.ragged_decode and t == 1 and window is None and not cfg.attn_logit_softcap:
       # One kernel over each row's written slots 0..at (GPU); its prompt block is an unread
       # placeholder (no shared prompt here: the slot's cache holds it).
       none = jnp.zeros((b, k.shape[1], decode_attention.BLOCK, k.shape[3]), k.dtype)

@@ -298,18 +298,34 @@ class Transformer(nnx.Module):
     [B, Hkv, S, K], one program per layer. scan_layers (cache.stacked_sampling_copy): ks, vs
     stacked [L, B, Hkv, S, K], carried by one `lax.scan` over the layers (compile time flat in
     depth) that writes each layer's token into them in place."""
+    x, ks, vs = self._rows(self._embed(token_b[:, None]), ks, vs, at_b)
+    return self.logits_from_hidden(self.final_norm(x))[:, 0], ks, vs
+
+  def extend_rows(self, tokens_bt, ks, vs, at_b, n_b):
+    """Appends up to T tokens to each live row of the slot engine's cache (a tool's response
+    after the row's last token: rollout/slots.py): row b's first n_b of `tokens` [B, T] are
+    written at slots at_b .. at_b + n_b - 1 and attend to the row's cache before them and to
+    each other causally, with the same keys/values a decode of them one by one would write
+    (columns past n_b write slots the row's next tokens overwrite before reading). -> (logits
+    [B, V] float32 of the token after each row's n_b-th, ks, vs)."""
+    x, ks, vs = self._rows(self._embed(tokens_bt), ks, vs, at_b)
+    last = jnp.take_along_axis(x, jnp.maximum(n_b - 1, 0)[:, None, None], axis=1)
+    return self.logits_from_hidden(self.final_norm(last))[:, 0], ks, vs
+
+  def _rows(self, x, ks, vs, at_b):
+    """The layers of decode_rows / extend_rows: x [B, T, D] at slots at_b + (0..T-1)."""
     kernels = self.kernels
     if self.cfg.scan_layers:
-      return self._decode_rows_scanned(token_b, ks, vs, at_b)
+      return self._rows_scanned(x, ks, vs, at_b)
 
     def step(block, x, xs_l, local):
       x, k, v = block.decode_rows(x, xs_l[0], xs_l[1], at_b, kernels, local)
       return x, (k, v)
 
-    x, (ks, vs) = self._run_layers(step, self._embed(token_b[:, None]), (ks, vs))
-    return self.logits_from_hidden(self.final_norm(x))[:, 0], ks, vs
+    x, (ks, vs) = self._run_layers(step, x, (ks, vs))
+    return x, ks, vs
 
-  def _decode_rows_scanned(self, token_b, ks, vs, at_b):
+  def _rows_scanned(self, x, ks, vs, at_b):
     """decode_rows over stacked layers: the caches ride in the scan's carry (not its outputs,
     which would be a new stacked cache per step), each layer scattering its token into its own
     slots of them. No remat and no LoRA here: the engine decodes the effective compute-dtype
@@ -328,9 +344,8 @@ class Transformer(nnx.Module):
       return (sharding.constrain(x, "batch", "length", "act_embed"), ks, vs), None
 
     layers_xs = (stacked, jnp.arange(len(kinds), dtype=jnp.int32), jnp.asarray(kinds))
-    x = self._embed(token_b[:, None])
     (x, ks, vs), _ = jax.lax.scan(body, (x, ks, vs), layers_xs)
-    return self.logits_from_hidden(self.final_norm(x))[:, 0], ks, vs
+    return x, ks, vs
 
   def decode(self, token_b, cache: dict):
     """One new token per row at slot `cache["index"]`. -> (logits [B, V] float32, cache).
