@@ -32,8 +32,9 @@ sys.addaudithook hook in C, always installed, which raises PermissionError):
   output    OS: stdout/stderr are /dev/null; nothing the program prints reaches the scorer.
             With capture_bytes > 0 (the python tool, grpo_jax/rollout/tools/builtin.py) they are
             instead two unlinked files the scorer created and holds open: no path names them,
-            RLIMIT_FSIZE caps them (a write past it kills C with SIGXFSZ), and the scorer reads
-            back at most capture_bytes of each from its own descriptors once C is dead.
+            RLIMIT_FSIZE caps them (a write past it fails: Python ignores SIGXFSZ), and the
+            scorer reads back at most capture_bytes of each through its own descriptors once C
+            is dead.
   processes audit: os.fork/exec/spawn/system/posix_spawn, subprocess, and imports of
             _posixsubprocess (its fork_exec raises no audit event) are blocked. OS: RLIMIT_NPROC
             (16; it counts threads too). RLIMIT_NPROC is per user: it is counted per sandbox only
