@@ -3,7 +3,7 @@ the call / response text formats, and the runner the engine hands calls to (host
 
     toolset = load_tools(config.rollout.tools.file, config.rollout.tools.names)  # or None
     fmt = formats.get("hermes")                          # or "plain"
-    runner = ToolRunner(toolset, timeout_sec=10.0, max_workers=16, max_response_chars=4096)
+    runner = ToolRunner(toolset, timeout_sec=10.0, max_workers=16, max_response_chars=16384)
     handle = runner.submit(row_id, fmt.parse_calls(turn_text))
     ... runner.poll() -> finished handles; fmt.response_text([r.text for r in handle.results])
 """

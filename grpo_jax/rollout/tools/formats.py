@@ -9,7 +9,8 @@ plain variant for a char-level model without chat markup.
 hermes is what Qwen2.5's and Qwen3's chat templates render (tests/rollout/test_tools.py renders
 Qwen3's published template with tools and compares byte for byte):
 
-    system_block: <|im_start|>system\n[system prompt\n\n]# Tools ... </tool_call><|im_end|>\n
+    the prompt:   <|im_start|>system\n{system_block}<|im_end|>\n, system_block =
+                  [system prompt\n\n]# Tools ... </tool_call>
     the model:    <|im_start|>assistant\n[text\n]<tool_call>\n{"name": "f", "arguments": {..}}
                   \n</tool_call>[\n<tool_call>...</tool_call>]<|im_end|>
     response_text: \n<|im_start|>user\n<tool_response>\nresult 1\n</tool_response>

@@ -1,6 +1,6 @@
 """Runs the tool calls of many rows at once, on host threads, without ever raising into the engine.
 
-    runner = ToolRunner(toolset, timeout_sec=10.0, max_workers=16, max_response_chars=4096)
+    runner = ToolRunner(toolset, timeout_sec=10.0, max_workers=16, max_response_chars=16384)
     handle = runner.submit(row_id, fmt.parse_calls(turn_text))  # returns at once
     for handle in runner.poll():                                  # finished, each once
       text = fmt.response_text([r.text for r in handle.results])
@@ -96,7 +96,7 @@ class ToolRunner:
       *,
       timeout_sec: float = 10.0,
       max_workers: int = 16,
-      max_response_chars: int = 4096,
+      max_response_chars: int = 16384,
       max_argument_bytes: int = 1 << 20,
   ):
     self.toolset = toolset
@@ -288,7 +288,8 @@ class ToolRunner:
       return ToolResult(tool.name, self._clip(_as_text(value)), "ok", 0.0)
     except TimeoutError as e:
       return ToolResult(tool.name, self._clip(f"Error: TimeoutError: {e}"), "timeout", 0.0)
-    except Exception as e:  # noqa: BLE001 -- the tool's failure is the model's to read
+    except BaseException as e:  # noqa: BLE001 -- the tool's failure (SystemExit too) is the
+      # model's to read; a worker thread has no KeyboardInterrupt to pass on
       return ToolResult(tool.name, self._clip(f"Error: {type(e).__name__}: {e}"), "error", 0.0)
 
   def _instance(self, row_id, tool: spec.Tool):
