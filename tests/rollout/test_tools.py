@@ -124,6 +124,21 @@ class Lookup:
     pass
 
 
+class Weather:
+  name = "weather"
+  description = "The weather in a city."
+  parameters = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+  def create(self):
+    return None
+
+  def call(self, instance_id, city):
+    return "sunny"
+
+  def release(self, instance_id):
+    pass
+
+
 def test_class_tool_schemas():
   counter = tools.make_tool(Counter).schema["function"]
   assert counter["name"] == "Counter"
@@ -134,6 +149,12 @@ def test_class_tool_schemas():
   }
   lookup = tools.make_tool(Lookup).schema
   assert lookup == {"type": "function", "function": {**Lookup.schema, "name": "lookup"}}
+  weather = tools.make_tool(Weather).schema["function"]
+  assert weather == {
+      "name": "weather",
+      "description": Weather.description,
+      "parameters": Weather.parameters,
+  }
 
 
 # ================================================================================ loader
@@ -154,6 +175,9 @@ def good(n: int) -> int:
 
 def undocumented(n: int):
   return n
+
+def nodesc(n: int):
+  """Echo."""
 
 def unhinted(n):
   """Echo.
@@ -209,9 +233,13 @@ def test_load_tools(tool_file):
 @pytest.mark.parametrize(
     "name, says",
     [
-        ("missing", "defines no tool 'missing' (it defines Half, Thing, calculator, custom, good"),
+        (
+            "missing",
+            "defines no tool 'missing' (it defines Half, Thing, calculator, custom, good, nodesc",
+        ),
         ("undocumented", "tool 'undocumented' has no docstring"),
         ("unhinted", "parameter 'n' has no type hint"),
+        ("nodesc", "the docstring does not describe parameter 'n'"),
         ("custom", "parameter 't' has type Thing, which a JSON schema cannot express"),
         ("Half", "tool 'Half' is a class without release"),
     ],

@@ -11,7 +11,8 @@ One result per call, in call order: ToolResult(name, text, status, seconds), sta
 STATUSES. Everything that can go wrong becomes a result whose text tells the model what happened:
 a malformed call, an unknown tool, arguments over max_argument_bytes (refused before calling),
 an exception ("ValueError: ..." with no traceback), a TimeoutError raised by the tool, and a
-call still running after timeout_sec. A text longer than max_response_chars is cut (noted).
+call still running timeout_sec after it started (time waiting for a free worker does not
+count). A text longer than max_response_chars is cut (noted).
 
 Threads: a pool of max_workers daemon threads. Calls of different rows, and the calls of one row
 to different tools, run in parallel; calls of one row to the same stateful (class) tool run one
