@@ -2,6 +2,7 @@
 scored; this file how it is contained).
 
     res = run_sandboxed(program, tests, timeout_sec=5.0)  # SandboxResult: passed, total, mode
+    res = run_sandboxed(code, [], capture_bytes=4096)     # + res.stdout, res.stderr (the python tool)
     sandbox_info()                                         # which OS guards work on this machine
 
 One completion = one fresh process tree, started and torn down by the scoring process:
@@ -29,6 +30,11 @@ sys.addaudithook hook in C, always installed, which raises PermissionError):
             then the wall clock applies and the tests reported so far count).
   memory    OS: RLIMIT_AS (1 GiB default). files: OS: RLIMIT_FSIZE (10 MiB), RLIMIT_NOFILE (64).
   output    OS: stdout/stderr are /dev/null; nothing the program prints reaches the scorer.
+            With capture_bytes > 0 (the python tool, grpo_jax/rollout/tools/builtin.py) they are
+            instead two unlinked files the scorer created and holds open: no path names them,
+            RLIMIT_FSIZE caps them (a write past it fails: Python ignores SIGXFSZ), and the
+            scorer reads back at most capture_bytes of each through its own descriptors once C
+            is dead.
   processes audit: os.fork/exec/spawn/system/posix_spawn, subprocess, and imports of
             _posixsubprocess (its fork_exec raises no audit event) are blocked. OS: RLIMIT_NPROC
             (16; it counts threads too). RLIMIT_NPROC is per user: it is counted per sandbox only
@@ -182,6 +188,8 @@ class SandboxResult:
     self.launcher_pid = None  # host pid of L (== its process group and session id)
     self.workdir = None  # the private directory (removed when the run ends)
     self.setup_error = None  # the sandbox itself failed (not the program)
+    self.stdout = self.stderr = ""  # with capture_bytes: the first capture_bytes of each
+    self.stdout_size = self.stderr_size = 0  # with capture_bytes: bytes the program wrote
     self.__dict__.update(kw)
 
   @property
@@ -232,12 +240,14 @@ def run_sandboxed(
     nproc: int = NPROC,
     audit: bool = True,
     namespaces="auto",
+    capture_bytes: int = 0,
 ) -> SandboxResult:
   """Runs `program` then each of `tests` in one fresh sandbox; the detailed result.
 
   namespaces: "auto" (the probed strongest mode), True (try them), or False (none: rlimits,
   uid drop and the audit hook only). audit=False leaves out the audit hook (to test the OS
-  layers alone); never use it for real scoring."""
+  layers alone); never use it for real scoring. capture_bytes > 0: the program's stdout and
+  stderr (unbuffered) come back in res.stdout / res.stderr, at most that many bytes of each."""
   import secrets
   import shutil
   import subprocess
@@ -275,6 +285,13 @@ def run_sandboxed(
     fds.remove(nonce_w)
     result_r, result_w = os.pipe()
     fds += [result_r, result_w]
+    output_fds = []
+    if capture_bytes > 0:  # unlinked at once: only descriptors reach them
+      for name in ("stdout", "stderr"):
+        path = os.path.join(workdir, f".{name}.{nonce}")
+        output_fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        fds.append(output_fds[-1])
+        os.unlink(path)
     cfg = {
         "program": program,
         "tests": tests,
@@ -288,6 +305,7 @@ def run_sandboxed(
         "namespaces": bool(namespaces),
         "result_fd": result_w,
         "nonce_fd": nonce_r,
+        "output_fds": output_fds,
         "uid": os.getuid(),
         "gid": os.getgid(),
     }
@@ -301,7 +319,7 @@ def run_sandboxed(
         stderr=subprocess.DEVNULL,
         cwd=workdir,
         env={"HOME": workdir, "TMPDIR": workdir},
-        pass_fds=(result_w, nonce_r),
+        pass_fds=(result_w, nonce_r, *output_fds),
         start_new_session=True,
         close_fds=True,
     )
@@ -316,6 +334,10 @@ def run_sandboxed(
       pass  # L died at start: reported below
     report = _read_report(proc, result_r, start + timeout_sec + GRACE_SEC, due)
     _finish(proc, start + timeout_sec + GRACE_SEC, res, due)
+    if output_fds:  # C and everything it started are dead: nothing writes any more
+      (res.stdout, res.stdout_size), (res.stderr, res.stderr_size) = (
+          _read_output(fd, capture_bytes) for fd in output_fds
+      )
   finally:
     for fd in fds:
       try:
@@ -362,6 +384,12 @@ def _read_report(proc, fd, deadline, due) -> bytes:
       if len(buf) < MAX_REPORT_BYTES:
         buf += chunk[: MAX_REPORT_BYTES - len(buf)]
   return bytes(buf)
+
+
+def _read_output(fd, limit) -> tuple[str, int]:
+  """(the first `limit` bytes of a capture file as text, the bytes written to it)."""
+  size = os.fstat(fd).st_size
+  return os.pread(fd, min(limit, size), 0).decode("utf-8", "replace"), size
 
 
 def _exited(pid) -> bool:
@@ -503,8 +531,8 @@ def _launcher_main():
     except OSError:
       pass
     _out("setup", {"started": True})
-    os.close(cfg["result_fd"])
-    os.close(cfg["nonce_fd"])
+    for fd in (cfg["result_fd"], cfg["nonce_fd"], *cfg["output_fds"]):
+      os.close(fd)
     timed_out = _wait_child(pid, cfg["t0"] + cfg["timeout"])
     _out("end", {"timed_out": timed_out})
   except BaseException as e:  # noqa: BLE001 -- report anything to the scorer
@@ -712,6 +740,18 @@ def _child_main(cfg, mode):
   devnull = os.open("/dev/null", os.O_RDWR)
   for fd in (0, 1, 2):
     os.dup2(devnull, fd)
+  if cfg["output_fds"]:  # the scorer's capture files (run_sandboxed's capture_bytes)
+    import io
+
+    for fd, src in zip((1, 2), cfg["output_fds"]):
+      os.dup2(src, fd)
+    # Unbuffered: C ends with os._exit (and may be killed), which would lose a buffer.
+    sys.stdout, sys.stderr = (
+        io.TextIOWrapper(
+            io.FileIO(fd, "w", closefd=False), "utf-8", "backslashreplace", write_through=True
+        )
+        for fd in (1, 2)
+    )
   nonce = os.read(cfg["nonce_fd"], 64).decode()
   os.dup2(cfg["result_fd"], 3)
   os.closerange(4, 1 << 16)
