@@ -206,6 +206,20 @@ def base() -> ml_collections.ConfigDict:
   # version that drew it. partial_rollout: a row still running when its step is due trains in
   # the step after it finishes (True: not built yet, refused), or its step waits for it (False).
   c.rollout.partial_rollout = False
+  # Tools (rollout/turns.py, rollout/tools/): a row whose turn ends with tool calls pauses in
+  # its slot, the calls run on the host (threads, `timeout_sec` each), the response is appended
+  # to the row (context: no loss, no KL) and it goes on, up to `max_turns` model turns and the
+  # completion length. names: comma-separated built-ins (python, calculator) or functions /
+  # classes of `file`; "" = no tools. format: "hermes" (Qwen's chatml tool format) | "plain"
+  # (<tool_call>{json}</tool_call> without chat markup, the char-level demo's). Needs slots > 0.
+  c.rollout.tools = ml_collections.ConfigDict()
+  c.rollout.tools.file = ""
+  c.rollout.tools.names = ""
+  c.rollout.tools.format = "hermes"
+  c.rollout.tools.timeout_sec = 10.0
+  c.rollout.tools.workers = 8
+  c.rollout.max_turns = 4
+  c.rollout.max_tool_response_tokens = 256
   c.rollout.vllm = ml_collections.ConfigDict()
   c.rollout.vllm.gpu_memory_utilization = 0.5
   c.rollout.vllm.kv_cache_space_gib = 1  # vLLM's CPU backend only (VLLM_CPU_KVCACHE_SPACE).

@@ -391,6 +391,8 @@ def _check_rollout(c: _Checker, cfg):
       "built yet; streaming steps wait for their rows",
       "--config.rollout.partial_rollout=False",
   )
+  if r.tools.names.strip():
+    _validate_tools(c, cfg)
   if r.slots and r.max_staleness:  # streaming (rollout/source.py, rollout/streaming.py)
     c.require(
         not (cfg.loss.dynamic_sampling and cfg.loss.max_resample_rounds > 0),
@@ -693,6 +695,38 @@ def _check_packing(c: _Checker, cfg, num_processes: int):
       )
   if why:
     c.fail("pack_sequences", why, "--config.pack_sequences=False")
+
+
+def _validate_tools(c: _Checker, cfg):
+  """rollout.tools (rollout/turns.py): the slot engine, a known format, sane bounds, and the
+  tools themselves loaded (one line naming the file, the tool and the fix)."""
+  from grpo_jax.rollout.tools import formats as tool_formats
+  from grpo_jax.rollout.tools import loader as tool_loader
+
+  r = cfg.rollout
+  c.require(
+      r.slots > 0,
+      "rollout.tools.names",
+      "tools need the slot engine (a row pauses in its slot while its tool runs)",
+      f"--config.rollout.slots={cfg.batch_size * cfg.num_generations} (one step's rows)",
+  )
+  c.one_of("rollout.tools.format", tuple(tool_formats.FORMATS), "tool format")
+  c.require(r.max_turns >= 1, "rollout.max_turns", "must be >= 1", "e.g. 4 (model turns)")
+  c.require(
+      0 < r.max_tool_response_tokens < cfg.max_completion_length,
+      "rollout.max_tool_response_tokens",
+      f"must be in [1, max_completion_length={cfg.max_completion_length})",
+      "e.g. 256",
+  )
+  c.require(r.tools.timeout_sec > 0, "rollout.tools.timeout_sec", "must be > 0", "e.g. 10")
+  c.require(r.tools.workers >= 1, "rollout.tools.workers", "must be >= 1", "e.g. 8")
+  c.path_exists("rollout.tools.file", "the tools file")
+  if r.tools.file and not paths.exists(r.tools.file):
+    return
+  try:
+    tool_loader.load_tools(r.tools.file, r.tools.names)
+  except ValueError as e:  # ToolConfigError: the file, the tool and the fix, in one line
+    c.fail("rollout.tools.names", str(e), "see above")
 
 
 def _check_debug(c: _Checker, cfg):

@@ -288,7 +288,8 @@ def _log_step(parts: Parts, step: int, batch, span, device: dict):
   """7a. The step's figures (run/metrics.py's StepLog reads them at the log interval): host
   sums over this process's rows, the phases' seconds (span: the step's, run/profiling.py), and
   `device`: jax scalars where they were computed."""
-  host, lengths_n = batch.host, batch.host["mask"].sum(-1)
+  host = batch.host
+  lengths_n = host.get("action_mask", host["mask"]).sum(-1)  # the policy's tokens (no tool's)
   parts.log.add(
       step,
       means={

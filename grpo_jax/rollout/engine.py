@@ -28,6 +28,9 @@ from grpo_jax.rollout.sampler import config_options
 from grpo_jax.rollout.seq2seq_sampler import Seq2SeqSampler
 from grpo_jax.rollout import streaming
 from grpo_jax.rollout.slots import SlotEngine
+from grpo_jax.rollout.tools import formats as tool_formats
+from grpo_jax.rollout.tools import loader as tools_loader
+from grpo_jax.rollout.turns import ToolTurns
 from grpo_jax.rollout.types import Rollout
 
 ENGINES = ("native", "vllm")
@@ -52,6 +55,8 @@ class NativeEngine:
       slots: int = 0,
       slot_chunk: int = 64,
       steps_in_flight: int = 1,
+      turns=None,
+      max_append: int = 0,
   ):
     """slots > 0: the slot engine (rollout/slots.py) with that many decode slots, room for
     `steps_in_flight` steps' rows at once (streaming: rollout.max_staleness + 1), else the
@@ -72,6 +77,8 @@ class NativeEngine:
           chunk=slot_chunk,
           decode_attention=decode_attention,
           steps_in_flight=steps_in_flight,
+          turns=turns,
+          max_append=max_append,
           **kw,
       )
     elif policy.decoder_start_id is None:
@@ -125,7 +132,9 @@ class NativeEngine:
     return streaming.Stream(self.sampler, self._rollout_weights)
 
   def stats(self) -> dict[str, float]:
-    return {}
+    """Tool turns' figures since the last call (tool_call/...), when the rows call tools."""
+    turns = getattr(self.sampler, "turns", None)
+    return {} if turns is None else turns.stats()
 
   def _rollout_weights(self, params):
     """The sampler's weights for the policy's params (a native policy's: the params)."""
@@ -137,7 +146,38 @@ class NativeEngine:
     return state
 
   def close(self):
-    pass
+    turns = getattr(self.sampler, "turns", None)
+    if turns is not None:
+      turns.close()
+
+
+def tool_turns(config, tokenizer, mesh):
+  """rollout.tools as the slot engine's `turns` (rollout/turns.py), or None without tools. ->
+  (turns, the extra stop ids: the format's turn end when it is one token of its own)."""
+  r = config.rollout
+  toolset = tools_loader.load_tools(r.tools.file, r.tools.names)
+  if toolset is None:
+    return None, ()
+  fmt = tool_formats.get(r.tools.format)
+  end = tokenizer.encode(fmt.turn_end)
+  if len(end) != 1:
+    raise ValueError(
+        f"rollout.tools.format={fmt.name!r}: its turn end {fmt.turn_end!r} is {len(end)} tokens "
+        "in this tokenizer; a row stops at one token. Fix: a tokenizer with it as a special "
+        "token (tokenizer.kind='char_tools' for the char demo; Qwen's has <|im_end|>)"
+    )
+  first = min(d.process_index for d in mesh.devices.flat) if mesh is not None else 0
+  turns = ToolTurns(
+      toolset,
+      fmt,
+      tokenizer,
+      max_turns=r.max_turns,
+      max_response_tokens=r.max_tool_response_tokens,
+      timeout_sec=r.tools.timeout_sec,
+      workers=r.tools.workers,
+      runs_tools=jax.process_index() == first,
+  )
+  return turns, tuple(end)
 
 
 def make_engine(
@@ -176,16 +216,19 @@ def make_engine(
     return cls.from_config(config, policy, tokenizer, mesh, num_generations=g, max_new_tokens=c)
   if kind != "native":
     raise ValueError(f"rollout.engine={kind!r}: use one of {', '.join(ENGINES)}")
+  turns, turn_end = tool_turns(config, tokenizer, mesh)
   return NativeEngine(
       policy,
       mesh,
       num_generations=g,
       max_prompt_length=config.max_prompt_length,
       max_new_tokens=c,
-      eos_ids=tokenizer.stop_ids,
+      eos_ids=tuple(dict.fromkeys((*tokenizer.stop_ids, *turn_end))),
       pad_id=tokenizer.pad_id,
       **config_options(config),
       slots=config.rollout.slots,
       slot_chunk=config.rollout.slot_chunk,
       steps_in_flight=config.rollout.max_staleness + 1,
+      turns=turns,
+      max_append=config.rollout.max_tool_response_tokens if turns is not None else 0,
   )

@@ -133,6 +133,7 @@ class SlotEngine:
       scan_layers: bool | None = False,
       turns=None,
       max_append: int = 0,
+      reprefill_turns: bool = False,
   ):
     """scan_layers: the decode (and prefills) as one `lax.scan` over stacked layers and caches
     [L, slots, Hkv, S, K] (compile time flat in depth) instead of a program per layer; None: as
@@ -145,7 +146,9 @@ class SlotEngine:
     row that stops is offered to `turns.stopped`; if it takes the row (a tool call is running),
     the row keeps its slot, paused, until `turns.ready` hands back the tokens to append (at
     most `max_append`), which are fed into the row's live cache (only they are prefilled) with
-    tool_mask 1; the row then goes on drawing."""
+    tool_mask 1; the row then goes on drawing. reprefill_turns: instead, every slot's whole
+    history is prefilled again after each append, as engines without a live cache do (the
+    baseline of benchmarks/tool_turns.py)."""
     g = num_generations
     if slots < g:
       raise ValueError(f"rollout.slots={slots}: needs at least num_generations={g} slots")
@@ -194,6 +197,7 @@ class SlotEngine:
     # Multi-turn rows (turns): slots paused on a tool call; where each slot's turn began.
     self.turns = turns
     self.max_append = int(max_append)
+    self.reprefill_turns = bool(reprefill_turns)
     if turns is not None and self.max_append < 1:
       raise ValueError("a slot engine with turns needs max_append >= 1 (tool response tokens)")
     self._paused = set()
@@ -772,11 +776,26 @@ class SlotEngine:
     feed = feed.at[slot_ids].set(jnp.concatenate([first[:, None], tokens], 1), mode="drop")
     n_all = jnp.zeros((n_slots,), jnp.int32).at[slot_ids].set(n, mode="drop")
     at = jnp.minimum(st["length"], self.cache_len - 1)
-    logits, ks, vs = model.extend_rows(feed, st["k"], st["v"], at, n_all)
     j = jnp.arange(r + 1)
     s_len = st["seq"].shape[1]
     seq_at = jnp.where(j[None] < n_all[:, None], at[:, None] + j[None], s_len)
     every = jnp.arange(n_slots)
+    if self.reprefill_turns:  # the baseline: each row's whole history again
+      seq = st["seq"].at[every[:, None], seq_at].set(feed, mode="drop")
+      length = st["length"] + n_all
+      mask = (jnp.arange(s_len)[None, :] < length[:, None]).astype(jnp.int32)
+      logits, ks, vs, _ = model.prefill_rows(seq, mask, stacked=self.scan_layers)
+      if not self.scan_layers:
+        ks, vs = (
+            tuple(x.astype(c.dtype) for c, x in zip(old, new))
+            for old, new in ((st["k"], ks), (st["v"], vs))
+        )
+      else:
+        ks, vs = ks.astype(st["k"].dtype), vs.astype(st["v"].dtype)
+      extended = jnp.where(n_all > 0, length, 0).sum()
+    else:
+      logits, ks, vs = model.extend_rows(feed, st["k"], st["v"], at, n_all)
+      extended = n_all.sum()
     # Tool columns of the output rows: counts[i] of them after the stop token's column.
     col = take(st["col"])
     jr = jnp.arange(r)
@@ -796,7 +815,7 @@ class SlotEngine:
         out_version=st["out_version"].at[out_r, out_c].set(0, mode="drop"),
         out_len=st["out_len"].at[jnp.where(go, row, r_out)].set(col + counts, mode="drop"),
         col=put(st["col"], jnp.where(go, col + counts, col)),
-        extended=st["extended"] + n.sum(),
+        extended=st["extended"] + extended,
     )
     draw = self._draw(temperature, top_p, **static)
     token, lp, raw = draw(logits, jax.vmap(jax.random.fold_in)(st["keys"], st["col"]))

@@ -212,7 +212,7 @@ class RolloutSource:
         }
     )
     if self.stream is not None:
-      figures.update(token_staleness(step, host["versions"], host["mask"]))
+      figures.update(token_staleness(step, host["versions"], host["action_mask"]))
       figures.update(self.stream.stats())
     return Scored(
         prompt=prompt,
@@ -418,8 +418,13 @@ class RolloutSource:
     with profiling.phase("rollout") as span:  # this process's rows, on the host (one transfer)
       if drawn.rollout is None:  # streaming: decode until its rows are done
         drawn.rollout, drawn.versions = self.stream.wait(drawn.step)
-      tokens_nc, mask_nc, truncated_n = multihost.local_rows(
-          (drawn.rollout.tokens, drawn.rollout.mask, drawn.rollout.truncated)
+      tokens_nc, mask_nc, truncated_n, tool_nc = multihost.local_rows(
+          (
+              drawn.rollout.tokens,
+              drawn.rollout.mask,
+              drawn.rollout.truncated,
+              drawn.rollout.tool_mask,
+          )
       )
       versions_nc = None if drawn.versions is None else multihost.local_rows(drawn.versions)
     timing["rollout"] += span.sec
@@ -432,6 +437,7 @@ class RolloutSource:
         dict(
             tokens=tokens_nc,
             mask=mask_nc,
+            action_mask=mask_nc * (1 - tool_nc),  # the policy's tokens (lengths, staleness)
             truncated=truncated_n,
             rewards=rewards_n,
             per_function=per_function,

@@ -22,7 +22,6 @@ EOS = 5
 # often, greedy included (the `call` fixture).
 
 
-
 class Scripted:
   """Every turn that ends at CALL gets a response of 1 + (row + turn) % R tokens, back after
   `delay` polls; at most `max_turns` turns per row."""
@@ -77,7 +76,7 @@ def call(model):
   return int(np.argmax(counts))
 
 
-def run(model, slots, chunk, gen, turns, seed=1, b=4, call=None):
+def run(model, slots, chunk, gen, turns, seed=1, b=4, call=None, **kw):
   call = turns.call if call is None else call
   ids, mask = prompts(CFG.vocab_size, b=b, seed=seed)
   graphdef, state = nnx.split(model)
@@ -91,6 +90,7 @@ def run(model, slots, chunk, gen, turns, seed=1, b=4, call=None):
       eos_ids=(EOS, call),
       turns=turns,
       max_append=R,
+      **kw,
   )
   return e, ids, mask, e(state, ids, mask, jax.random.key(seed), gen)
 
@@ -164,6 +164,22 @@ def test_a_response_that_does_not_fit_ends_the_row_truncated(model, call):
     assert int(r.lengths[row]) == first[row] + 1 and bool(r.truncated[row])
     assert int(r.tokens[row, first[row]]) == call
   assert not np.asarray(r.tool_mask).any()
+
+
+def test_the_live_cache_equals_prefilling_the_whole_history_again(model, call):
+  """The baseline engine (reprefill_turns: every row's history prefilled again after each
+  append) draws the same tokens with the same log-probs; the live cache prefills only the
+  appended tokens."""
+  live_turns, again_turns = Scripted(call, delay=1), Scripted(call, delay=1)
+  e1, _, _, a = run(model, 5, 3, GenerationConfig(temperature=1.0), live_turns)
+  e2, _, _, b = run(
+      model, 5, 3, GenerationConfig(temperature=1.0), again_turns, reprefill_turns=True
+  )
+  assert len(live_turns.log) >= 3
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.tool_mask, b.tool_mask)
+  np.testing.assert_allclose(a.raw_logprobs, b.raw_logprobs, atol=1e-5)
+  assert int(e2._state["extended"]) > 2 * int(e1._state["extended"])
 
 
 def test_without_turns_nothing_changes(model):
