@@ -4,6 +4,7 @@
     rc.check(rows[0])                           # start-up: every function once on a sample row
     result = rc(prompts, completions, rows)     # rows: dicts with ground_truth, data_source, ...
     result = rc.score_turns(turns, rows)        # completions with tool turns (conversation.py)
+    result = rc.score_tool_rows(tokenizer, prompts, rows, tokens_nc, mask_nc, tool_nc)  # the same
     result.total        np.float32 [N]          weighted sum
     result.per_function {name: np.float32 [N]}  unweighted, for the reward/<name> metrics
     result.errors       int                     rows scored 0 because of an error (on_error=zero)
@@ -166,6 +167,14 @@ class RewardComputer:
       answer = kind == "builtin" and arg in ANSWER_BUILTINS
       picked[name] = views["custom"] if answer else views[kind]
     return self._combine(picked, rows)
+
+  def score_tool_rows(
+      self, tokenizer, prompts: list[str], rows: list[dict], tokens_nc, mask_nc, tool_nc
+  ) -> RewardResult:
+    """score_turns of N rollout rows: tokens_nc, mask_nc, tool_nc [N, C] (tool_nc: 1 on the
+    tool-response tokens; conversation.build)."""
+    turns = conversation.build(tokenizer, prompts, rows, tokens_nc, mask_nc, tool_nc)
+    return self.score_turns(turns, rows)
 
   def _combine(self, inputs: dict[str, tuple[list, list]], rows: list[dict]) -> RewardResult:
     """inputs: function name -> (prompts, completions) it is called with."""

@@ -115,6 +115,8 @@ def test_reward_computer_gives_each_kind_its_view(tmp_path):
       custom_function="think_format_reward",
   )
   got = trl.score_turns(turns, rows)
+  same = trl.score_tool_rows(tok, ["p"] * 3, rows, tokens, mask, tool)
+  np.testing.assert_array_equal(same.total, got.total)
   # completion[0]["content"] is the first assistant turn: only row 0 starts with <think>.
   np.testing.assert_array_equal(got.per_function["custom"], [1.0, 0.0, 0.0])
   np.testing.assert_array_equal(got.per_function["answer_match"], [1.0, 1.0, 1.0])
