@@ -156,11 +156,13 @@ def base() -> ml_collections.ConfigDict:
   c.data.prompt_width = "bucket"
   c.data.arithmetic = ml_collections.ConfigDict()  # The synthetic task (data_source arithmetic).
   c.data.arithmetic.digits = 2
+  c.data.arithmetic.digits2 = 0  # > 0: digits of the operands after the first (3 x 2: 3, 2)
   c.data.arithmetic.num_ops = 1
   c.data.arithmetic.ops = "+"
   c.data.arithmetic.num_train = 10000
   c.data.arithmetic.num_test = 256
-  c.data.arithmetic.demonstration = "answer"  # answer | reasoning | working (partial results)
+  # answer | reasoning | working (partial results) | tool (a calculator call, plain format)
+  c.data.arithmetic.demonstration = "answer"
   # > num_ops: long-tailed operation counts (half num_ops, geometric up to max_ops); 0 = fixed.
   c.data.arithmetic.max_ops = 0
 

@@ -72,7 +72,8 @@ def run(config, session, policy, mesh, train_data, evaluator):
 class SFTStage:
   """Supervised next-token training on demonstrations: its state, data and jitted step.
 
-  Loss: mean negative log-likelihood of the demonstration tokens (eos included), on the first
+  Loss: mean negative log-likelihood of the demonstration tokens (eos included; not the tool
+  responses a multi-turn demonstration holds: data/pipeline.py sft_batch), on the first
   `sft.num_demonstrations` train rows, AdamW at a constant `sft.learning_rate`.
   """
 

@@ -1,6 +1,7 @@
 """A synthetic verifiable task for the CPU demo: arithmetic problems like "12+30=".
 
-Difficulty: `digits` per operand and `num_ops` operations (from `ops`, e.g. "+-*"). Problems
+Difficulty: `digits` per operand (`digits2` > 0: the operands after the first have that many,
+e.g. 3-digit x 2-digit) and `num_ops` operations (from `ops`, e.g. "+-*"). Problems
 are drawn deterministically from a seed. The held-out test split is fixed by the seed and
 disjoint from train: a problem's split is decided by a hash of its text, so no test problem
 ever appears in the train rows, whatever the sizes asked for.
@@ -12,6 +13,11 @@ data_source "arithmetic", and a demonstration in the chosen style:
   "working"   -> "<reasoning>12+30=42 42+7=49</reasoning><answer>49</answer>": one partial
                  result per operation, left to right (ops "+" and "-" only, where left to right
                  is the value)
+  "tool"      -> '<tool_call>{"name": "calculator", "arguments": {"expression": "12+30"}}'
+                 '</tool_call><tool_response>42</tool_response><answer>42</answer>': the
+                 calculator called in the "plain" tool format (json.dumps of the call); the
+                 response span is context, which SFT does not train on (data/tool_traces.py).
+                 Needs the char_tools tokenizer (configs/tiny_tools.py).
 Answers are integers, checkable by the GSM8K-style rewards (answer_match, check_answer).
 
 Long-tailed lengths (`max_ops` > num_ops): each problem's operation count is num_ops + k with
@@ -22,6 +28,7 @@ engine's loop benchmark, benchmarks/streaming_loop.py).
 """
 
 import hashlib
+import json
 
 import numpy as np
 
@@ -43,9 +50,10 @@ def _is_test(text: str, seed: int) -> bool:
   return h[0] * 100 // 256 < _TEST_PERCENT
 
 
-def make_problem(rng: np.random.Generator, digits: int, num_ops: int, ops: str):
-  hi = 10**digits
-  operands = [int(rng.integers(0, hi)) for _ in range(num_ops + 1)]
+def make_problem(rng: np.random.Generator, digits: int, num_ops: int, ops: str, digits2: int = 0):
+  """digits2 > 0: the operands after the first have digits2 digits (same draws as digits2=0)."""
+  highs = [10**digits] + [10 ** (digits2 or digits)] * num_ops
+  operands = [int(rng.integers(0, hi)) for hi in highs]
   chosen = [ops[int(rng.integers(0, len(ops)))] for _ in range(num_ops)]
   return _evaluate(operands, chosen)
 
@@ -60,6 +68,14 @@ def _working(text: str, answer: int) -> str:
   return f"<reasoning>{' '.join(steps)}</reasoning><answer>{answer}</answer>"
 
 
+def _tool(text: str, answer: int) -> str:
+  call = json.dumps({"name": "calculator", "arguments": {"expression": text}})
+  return (
+      f"<tool_call>{call}</tool_call><tool_response>{answer}</tool_response>"
+      f"<answer>{answer}</answer>"
+  )
+
+
 # config.data.arithmetic.demonstration -> the SFT target for (expression, answer).
 DEMONSTRATION_STYLES = {
     "answer": lambda text, answer: f"<answer>{answer}</answer>",
@@ -67,6 +83,7 @@ DEMONSTRATION_STYLES = {
         f"<reasoning>{text}={answer}</reasoning>" f"<answer>{answer}</answer>"
     ),
     "working": _working,
+    "tool": _tool,
 }
 
 
@@ -88,6 +105,7 @@ def arithmetic_rows(
     ops: str = "+",
     style: str = "answer",
     max_ops: int = 0,
+    digits2: int = 0,
 ) -> list[dict]:
   """`n` distinct problems of the `split` ("train" or "test"); deterministic for the seed.
 
@@ -112,7 +130,7 @@ def arithmetic_rows(
     count = num_ops
     if max_ops > num_ops:
       count = min(max_ops, num_ops + int(rng.geometric(0.5)) - 1)
-    answer, text = make_problem(rng, digits, count, ops)
+    answer, text = make_problem(rng, digits, count, ops, digits2)
     if text in seen or _is_test(text, seed) != want_test:
       misses += 1
       continue

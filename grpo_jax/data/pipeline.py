@@ -19,6 +19,7 @@ from absl import logging
 import grain
 import numpy as np
 
+from grpo_jax.data import tool_traces
 from grpo_jax.data.templates import render_prompt
 
 # What happens to prompts longer than max_prompt_length (config data.overlong_prompts): "error"
@@ -218,25 +219,31 @@ def sft_batch(data: PromptData, indices, completion_length: int) -> dict:
   """Teacher-forcing batch: [prompt (left-padded); demonstration + eos (right-padded)].
 
   tokens, attention_mask int32 [b, P + C]; loss_mask [b, C] marks the demonstration tokens
-  (eos included) whose log-probs the SFT loss maximizes. Longer demonstrations are cut at C.
+  (eos included) whose log-probs the SFT loss maximizes: not the tool responses a demonstration
+  holds (context the model reads but did not write: data/tool_traces.py). Longer
+  demonstrations are cut at C.
   """
   tok = data.tokenizer
   b = data.batch(indices)
-  comps = []
+  comps, contexts = [], []
   for r in b["rows"]:
     if "demonstration" not in r:
       raise ValueError(
           "sft_steps > 0 needs rows with a 'demonstration' field (the dataset "
           f"{r.get('data_source')!r} has none)"
       )
-    comps.append((tok.encode(r["demonstration"]) + [tok.eos_id])[:completion_length])
+    ids, context = tool_traces.encode_with_context(tok, r["demonstration"])
+    comps.append((ids + [tok.eos_id])[:completion_length])
+    contexts.append((context + [0])[:completion_length])
   comp_ids = np.full((len(comps), completion_length), tok.pad_id, np.int32)
   comp_mask = np.zeros((len(comps), completion_length), np.int32)
-  for i, c in enumerate(comps):
+  loss_mask = np.zeros((len(comps), completion_length), np.int32)
+  for i, (c, context) in enumerate(zip(comps, contexts)):
     comp_ids[i, : len(c)] = c
     comp_mask[i, : len(c)] = 1
+    loss_mask[i, : len(c)] = 1 - np.asarray(context, np.int32)
   return dict(
       tokens=np.concatenate([b["prompt_ids"], comp_ids], 1),
       attention_mask=np.concatenate([b["prompt_mask"], comp_mask], 1),
-      loss_mask=comp_mask,
+      loss_mask=loss_mask,
   )

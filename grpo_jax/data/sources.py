@@ -30,6 +30,7 @@ def _read(config, source: str, path: str, split: str) -> list[dict]:
         ops=a.ops,
         style=a.demonstration,
         max_ops=a.max_ops,
+        digits2=a.digits2,
     )
   if source in tables.READERS:
     return tables.READERS[source](path, config.data.columns, split)

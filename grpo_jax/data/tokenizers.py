@@ -45,9 +45,19 @@ CHAR_ALPHABET = (
     "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" " \n+-*/=()[].,?!:;'\"%$#&<>_"
 )
 
+# The char tokenizer of the tool demo (configs/tiny_tools.py): tool-call markers atomic, and the
+# braces of a call's JSON arguments. Its ids are its own (the markers shift the alphabet's).
+CHAR_TOOL_SPECIALS = CHAR_SPECIALS + (
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+CHAR_TOOL_ALPHABET = CHAR_ALPHABET + "{}"
+
 
 class CharTokenizer:
-  """Characters of a fixed alphabet plus atomic special tokens (ids 0..7, `<pad>` = 0)."""
+  """Characters of a fixed alphabet plus atomic special tokens (ids 0.., `<pad>` = 0)."""
 
   def __init__(self, specials: Sequence[str] = CHAR_SPECIALS, alphabet: str = CHAR_ALPHABET):
     self.specials = tuple(specials)
@@ -258,7 +268,11 @@ def folder_chat_template(path: str) -> str | None:
 
 
 # tokenizer.kind -> constructor from a folder path (the char tokenizer needs none).
-KINDS = {"char": lambda path: CharTokenizer(), "hf": lambda path: HFTokenizer(path)}
+KINDS = {
+    "char": lambda path: CharTokenizer(),
+    "char_tools": lambda path: CharTokenizer(CHAR_TOOL_SPECIALS, CHAR_TOOL_ALPHABET),
+    "hf": lambda path: HFTokenizer(path),
+}
 
 
 def build_tokenizer(kind: str, path: str = "") -> Tokenizer:

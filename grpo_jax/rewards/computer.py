@@ -3,6 +3,8 @@
     rc = build_reward_computer(("check_answer", "match_format_exactly"), (1.0, 0.5))
     rc.check(rows[0])                           # start-up: every function once on a sample row
     result = rc(prompts, completions, rows)     # rows: dicts with ground_truth, data_source, ...
+    result = rc.score_turns(turns, rows)        # completions with tool turns (conversation.py)
+    result = rc.score_tool_rows(tokenizer, prompts, rows, tokens_nc, mask_nc, tool_nc)  # the same
     result.total        np.float32 [N]          weighted sum
     result.per_function {name: np.float32 [N]}  unweighted, for the reward/<name> metrics
     result.errors       int                     rows scored 0 because of an error (on_error=zero)
@@ -57,6 +59,7 @@ import time
 from absl import logging
 import numpy as np
 
+from grpo_jax.rewards import conversation
 from grpo_jax.rewards import registry
 from grpo_jax.rewards import scoring
 from grpo_jax.rewards import workers
@@ -76,6 +79,9 @@ _FIX = (
     "in reward/errors)"
 )
 
+
+# Built-in functions that are verl's compute_score: with tool turns they score the final answer.
+ANSWER_BUILTINS = ("verl_default",)
 
 # Value types accepted in one vectorized check (bool is not among them: it is refused per row).
 _PLAIN_NUMBERS = frozenset({float, int, np.float64, np.float32, np.float16, np.int64, np.int32})
@@ -144,11 +150,40 @@ class RewardComputer:
     return tuple(self.specs)
 
   def __call__(self, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardResult:
-    n = len(completions)
+    """Every function gets the prompt texts and completion texts."""
+    return self._combine({name: (prompts, completions) for name in self.specs}, rows)
+
+  def score_turns(self, turns: conversation.Turns, rows: list[dict]) -> RewardResult:
+    """Completions with tool turns (rewards/conversation.py): TRL-style functions get TRL's
+    shapes (message lists for conversational rows), compute_score (custom_file, verl_default)
+    the final answer, the other built-in functions the whole texts."""
+    views = {
+        "builtin": (turns.prompts, turns.texts),
+        "custom": (turns.prompts, turns.answers),
+        "custom_trl": (turns.trl_prompts, turns.trl_completions),
+    }
+    picked = {}
+    for name, (kind, arg) in self.specs.items():
+      answer = kind == "builtin" and arg in ANSWER_BUILTINS
+      picked[name] = views["custom"] if answer else views[kind]
+    return self._combine(picked, rows)
+
+  def score_tool_rows(
+      self, tokenizer, prompts: list[str], rows: list[dict], tokens_nc, mask_nc, tool_nc
+  ) -> RewardResult:
+    """score_turns of N rollout rows: tokens_nc, mask_nc, tool_nc [N, C] (tool_nc: 1 on the
+    tool-response tokens; conversation.build)."""
+    turns = conversation.build(tokenizer, prompts, rows, tokens_nc, mask_nc, tool_nc)
+    return self.score_turns(turns, rows)
+
+  def _combine(self, inputs: dict[str, tuple[list, list]], rows: list[dict]) -> RewardResult:
+    """inputs: function name -> (prompts, completions) it is called with."""
+    n = len(rows)
     fields = row_fields(rows)
     stop = self.on_error == "raise"
     per_fn, errors = {}, 0
     for name in self.specs:
+      prompts, completions = inputs[name]
       scores, failures = self._score(name, prompts, completions, fields, stop)
       if failures:
         if stop:

@@ -308,7 +308,14 @@ def _data_config(**data_fields):
   import ml_collections
 
   arith = dict(
-      digits=2, num_ops=1, max_ops=0, ops="+", num_train=50, num_test=20, demonstration="reasoning"
+      digits=2,
+      digits2=0,
+      num_ops=1,
+      max_ops=0,
+      ops="+",
+      num_train=50,
+      num_test=20,
+      demonstration="reasoning",
   )
   d = dict(
       train_source="arithmetic",
