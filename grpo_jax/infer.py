@@ -200,6 +200,7 @@ def generate_rows(
   from grpo_jax import data as data_lib
   from grpo_jax.parallel import multihost
   from grpo_jax import rollout
+  from grpo_jax.rollout import turns as turns_lib
   from grpo_jax.parallel import sharding
 
   tok = data_lib.build_tokenizer(
@@ -209,7 +210,9 @@ def generate_rows(
       rows,
       tok,
       template=config.data.template,
-      system_prompt=data_lib.system_prompt(config.data.system_prompt),
+      system_prompt=turns_lib.system_prompt(
+          config, data_lib.system_prompt(config.data.system_prompt)
+      ),
       max_prompt_length=config.max_prompt_length,
   )
   dp = sharding.data_parallel_size(mesh)

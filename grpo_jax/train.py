@@ -46,6 +46,7 @@ from grpo_jax.run import metrics as metrics_lib
 from grpo_jax.run import profiling
 from grpo_jax.data import prompts as prompts_lib
 from grpo_jax.rollout import source as source_lib
+from grpo_jax.rollout import turns as turns_lib
 from grpo_jax import report as report_lib
 from grpo_jax import rewards as rewards_lib
 from grpo_jax import rollout as rollout_lib
@@ -155,7 +156,11 @@ def _setup(config, session, mesh, sampler_mesh) -> tuple[Parts, dict]:
   tokenizer = data_lib.build_tokenizer(
       config.tokenizer.kind, config.tokenizer.path or config.model.hf_path
   )
-  train_data, eval_data = prompts_lib.prompt_data(config, tokenizer)
+  train_data, eval_data = prompts_lib.prompt_data(
+      config,
+      tokenizer,
+      turns_lib.system_prompt(config, data_lib.system_prompt(config.data.system_prompt)),
+  )
   config = _run_length(config, len(train_data))
   decode = source_lib.decoder(tokenizer)
   policy = build.make_policy(config, mesh, abstract=session.resume_step is not None)

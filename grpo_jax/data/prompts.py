@@ -14,9 +14,11 @@ from grpo_jax.data import checks
 from grpo_jax.parallel import multihost
 
 
-def prompt_data(config, tokenizer):
+def prompt_data(config, tokenizer, system_prompt: str | None = None):
   """Train and eval prompts, rendered, tokenized and left-padded once, after the start-up
-  checks of data/checks.py: ground truths the scorers can match, prompts that fit."""
+  checks of data/checks.py: ground truths the scorers can match, prompts that fit.
+  system_prompt: the system turn's text (default: data.system_prompt's; with tools, the
+  loop's adds their schemas: rollout/turns.py)."""
   if tokenizer.vocab_size > config.model.vocab_size and not config.model.hf_path:
     raise ValueError(
         f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size="
@@ -36,7 +38,11 @@ def prompt_data(config, tokenizer):
   kw = dict(
       template=config.data.template,
       max_prompt_length=config.max_prompt_length,
-      system_prompt=data_lib.system_prompt(config.data.system_prompt),
+      system_prompt=(
+          data_lib.system_prompt(config.data.system_prompt)
+          if system_prompt is None
+          else system_prompt
+      ),
       log_truncated=config.data.overlong_prompts != "error",
   )
   train_data = data_lib.PromptData(train_rows, tokenizer, **kw)

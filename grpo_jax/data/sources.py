@@ -17,6 +17,17 @@ FILE_SOURCES = (*datasets.READERS, *TABLE_SOURCES)  # need data.{split}_path
 SOURCES = (*FILE_SOURCES, ARITHMETIC)
 
 
+def _style(config) -> str:
+  """The arithmetic demonstration: "tool" traces call the calculator only when the run has
+  tools (rollout.tools.names); without, the same config's traces answer directly ("answer"),
+  so one config trains the with-tool and the no-tool policy (configs/tiny_tools.py)."""
+  style = config.data.arithmetic.demonstration
+  tools = config.rollout.get("tools")
+  if style == "tool" and (tools is None or not tools.names.strip()):
+    return "answer"
+  return style
+
+
 def _read(config, source: str, path: str, split: str) -> list[dict]:
   if source == ARITHMETIC:
     a = config.data.arithmetic
@@ -28,7 +39,7 @@ def _read(config, source: str, path: str, split: str) -> list[dict]:
         digits=a.digits,
         num_ops=a.num_ops,
         ops=a.ops,
-        style=a.demonstration,
+        style=_style(config),
         max_ops=a.max_ops,
         digits2=a.digits2,
     )

@@ -134,6 +134,8 @@ class RolloutSource:
     self._version = 0  # updates applied to the weights the sampler reads
     self._first_step = 0
     self.stream = engine.stream() if streaming(config) else None
+    # Rows with tool turns: rewards see them turn by turn (Scorer's tool_nc).
+    self.tools = bool(config.rollout.tools.names.strip())
     if self.stream is not None:
       self.stream.reset(self.generation, rows_per_step=config.batch_size * config.num_generations)
     self._take_groups = jax.jit(
@@ -429,7 +431,9 @@ class RolloutSource:
       versions_nc = None if drawn.versions is None else multihost.local_rows(drawn.versions)
     timing["rollout"] += span.sec
     with profiling.phase("rewards") as span:
-      rewards_n, per_function, errors = self.scorer(drawn.batch, tokens_nc, mask_nc)
+      rewards_n, per_function, errors = self.scorer(
+          drawn.batch, tokens_nc, mask_nc, tool_nc=tool_nc if self.tools else None
+      )
     timing["rewards"] += span.sec
     return (
         drawn.prompt,
@@ -456,14 +460,23 @@ class Scorer:
     rewards/judge.py's model judge, or None."""
     self.config, self.reward_fn, self.decode, self.judge = config, reward_fn, decode, judge
 
-  def __call__(self, batch: dict, tokens_nc, mask_nc):
+  def __call__(self, batch: dict, tokens_nc, mask_nc, tool_nc=None):
     """batch: the host prompt batch (prompts, rows) of B prompts; tokens_nc, mask_nc: its
-    N = B*G completions (this process's rows). -> (rewards f32 [N], per_function, errors)."""
+    N = B*G completions (this process's rows); tool_nc int [N, C]: 1 on tool-response tokens
+    (rollouts with tools; None: none), scored turn by turn (rewards/conversation.py).
+    -> (rewards f32 [N], per_function, errors)."""
     c, G = self.config, self.config.num_generations
     prompts_n = [p for p in batch["prompts"] for _ in range(G)]
-    completions_n = self.decode.rows(tokens_nc, mask_nc)
     rows_n = [r for r in batch["rows"] for _ in range(G)]
-    scored = self.reward_fn(prompts_n, completions_n, rows_n)
+    if tool_nc is None:
+      completions_n = self.decode.rows(tokens_nc, mask_nc)
+      scored = self.reward_fn(prompts_n, completions_n, rows_n)
+    else:
+      # The judge reads each row's whole text: model and tool tokens.
+      completions_n = self.decode.rows(tokens_nc, np.maximum(mask_nc, tool_nc))
+      scored = self.reward_fn.score_tool_rows(
+          self.decode.tokenizer, prompts_n, rows_n, tokens_nc, mask_nc, tool_nc
+      )
     per_function, total = dict(scored.per_function), scored.total
     if self.judge is not None:  # collective: every process, its own rows
       per_function["judge"] = self.judge(prompts_n, completions_n)
@@ -513,6 +526,7 @@ def decoder(tokenizer):
   def decode(tokens, mask):
     return text(np.asarray(tokens).tolist(), np.asarray(mask).tolist())
 
+  decode.tokenizer = tokenizer  # the Scorer's tool turns decode runs with and without markup
   decode.rows = lambda tokens, mask: list(
       map(text, np.asarray(tokens).tolist(), np.asarray(mask).tolist())
   )

@@ -22,7 +22,24 @@ the same turns (the same decisions) and receive the responses from it (SlotEngin
 import collections
 import time
 
+from grpo_jax.rollout.tools import formats
+from grpo_jax.rollout.tools import loader
 from grpo_jax.rollout.tools.runner import ToolRunner
+
+
+def system_prompt(config, base: str) -> str:
+  """The prompts' system turn with rollout.tools: the format's tool block after `base` (Qwen's
+  text, as its chat template renders `tools`: tests/rollout/test_tools.py), so the policy is
+  told its tools' schemas; without tools, or in the plain format (the demo learns its one tool
+  from SFT traces), `base` as it is."""
+  tools = config.rollout.get("tools")  # (a run saved before tools existed has none)
+  if tools is None:
+    return base
+  toolset = loader.load_tools(tools.file, tools.names)
+  fmt = formats.get(tools.format)
+  if toolset is None or not fmt.system:
+    return base
+  return fmt.system_block(toolset.schemas(), base)
 
 
 class ToolTurns:
