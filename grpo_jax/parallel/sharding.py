@@ -36,6 +36,8 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": TENSOR,
     "head_dim": None,
     "mlp": TENSOR,
+    "experts": None,  # an MoE layer's expert axis (models/decoder/moe.py)
+    "moe_mlp": TENSOR,  # an expert's MLP width
     "norm": None,
     "layers": None,
     "act_embed": None,  # the embed dim of activations: replicated (fsdp shards params only)
