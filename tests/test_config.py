@@ -446,3 +446,19 @@ def test_slot_engine_fields():
       _set(config, k, v)
     errs = [e for e in errors_of(config) if e.startswith("rollout.slot")]
     assert len(errs) >= 1 and errs[0].startswith(field_line) and why in " ".join(errs), errs
+
+
+def test_mesh_expert_must_divide_the_devices_and_the_experts():
+  c = load("tiny_moe")  # 8 experts per layer
+  c.mesh.expert = 4
+  c.batch_size = 32
+  assert errors_of(c) == []  # data fills the 8 / 4 devices left: rows over data * expert = 8
+  c.mesh.expert = 3
+  assert any(e.startswith("mesh.expert=3") and "8 devices" in e for e in errors_of(c))
+  c.mesh.expert = 8
+  c.model.num_experts = 4
+  c.model.num_experts_per_tok = 2
+  assert any(e.startswith("mesh.expert=8") and "4 experts" in e for e in errors_of(c))
+  dense = load("tiny")
+  dense.mesh.expert = 2
+  assert any(e.startswith("mesh.expert=2") and "dense" in e for e in errors_of(dense))
