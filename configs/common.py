@@ -370,6 +370,10 @@ def base() -> ml_collections.ConfigDict:
   c.mesh.data = -1
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
+  # Expert parallelism: an MoE layer's experts split over this many devices (it must divide
+  # model.num_experts); data * fsdp * tensor then spans the devices / expert left. Outside the
+  # experts the axis carries rows, as data does. 1 = none (dense models: leave it).
+  c.mesh.expert = 1
   # Multi-slice data parallelism over the slow data-center network (DCN): the number of slices
   # (TPU multi-slice: devices' slice_index; CPU/GPU: groups of JAX processes) the data axis spans.
   # It must divide the slices (or processes). Each slice is a (data, fsdp, tensor) ICI mesh of

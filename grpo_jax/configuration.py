@@ -584,8 +584,10 @@ def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
   bad = sharding.dcn_problem(dcn, None, count, unit)
   if bad:
     c.fail("mesh.dcn_data", *bad)
-  if any(s != -1 and s < 1 for s in sizes) or bad:
+  if any(s != -1 and s < 1 for s in sizes) or bad or not _expert_ok(c, cfg, num_devices):
     return
+  expert = cfg.mesh.expert
+  num_devices //= expert  # data * fsdp * tensor span what the expert axis leaves
   try:
     ici = sharding.resolve_ici_shape(sizes, num_devices, dcn)
   except ValueError as e:
@@ -607,9 +609,11 @@ def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
     if bad:
       c.fail("mesh.dcn_data", *bad)
       return
-  shape = (dcn * ici[0], *ici[1:])
+  shape = (dcn * ici[0], *ici[1:], expert)
   dp = sharding.data_parallel_size(shape)
   dp_name = "data * fsdp" if dcn == 1 else f"data * fsdp (data includes mesh.dcn_data={dcn})"
+  if expert > 1:
+    dp_name = dp_name.replace("data * fsdp", "data * fsdp * expert", 1)
   if cfg.batch_size % dp:  # the prompts of a step (and so their G samples) shard over it
     c.fail(
         "batch_size",
@@ -644,6 +648,50 @@ def _check_mesh(c: _Checker, cfg, num_devices: int, num_processes: int):
         "cannot shard over tensor",
         f"use a divisor of {heads}",
     )
+
+
+def _expert_ok(c: _Checker, cfg, num_devices: int) -> bool:
+  """mesh.expert: a divisor of the devices and of the model's experts; single-slice, native.
+  False when the rest of the mesh cannot be sized."""
+  expert, m = cfg.mesh.expert, cfg.model
+  if not isinstance(expert, int) or expert < 1 or num_devices % expert:
+    c.fail(
+        "mesh.expert",
+        f"must be an integer >= 1 dividing the {num_devices} devices",
+        "use 1 (no expert parallelism) or a divisor of the devices",
+    )
+    return False
+  if expert == 1:
+    return True
+  ok = True
+  if cfg.mesh.dcn_data != 1:
+    c.fail("mesh.expert", "with mesh.dcn_data > 1: not supported yet", "use 1 on multi-slice")
+    ok = False
+  if m.impl != "native" or m.family != "decoder":
+    c.fail("mesh.expert", "expert parallelism is the native decoder's", "use 1")
+    ok = False
+  experts = m.num_experts if not m.hf_path else _hf_num_experts(m.hf_path)
+  if experts == 0:
+    c.fail("mesh.expert", "the model is dense: no experts to split", "use 1 (or mesh.data)")
+  elif experts is not None and experts % expert:
+    c.fail(
+        "mesh.expert",
+        f"does not divide the model's {experts} experts per layer",
+        f"use a divisor of {experts}",
+    )
+  return ok
+
+
+def _hf_num_experts(path: str) -> int | None:
+  """The experts per layer of an HF folder's config.json (0: dense; transformers 5 writes
+  num_local_experts); None when it cannot be read (a missing folder: _check_model says so)."""
+  try:
+    import json
+
+    hf = json.loads(paths.read_text(paths.path(path) / "config.json"))
+    return int(hf.get("num_experts", hf.get("num_local_experts")) or 0)
+  except (OSError, KeyError, TypeError, ValueError):
+    return None
 
 
 def _check_micro_batch(c: _Checker, cfg, dp: int):

@@ -20,6 +20,8 @@ CONFIGS = (
     "llama3_8b",
     "gemma3_1b",
     "tiny_your_data",
+    "tiny_moe",
+    "qwen3_30b_a3b",
 )
 
 
@@ -98,6 +100,40 @@ def test_qwen3_8b_has_the_recipe_values():
   assert (c.num_steps, c.save_interval_steps, c.checkpoint.max_to_keep) == (200, 500, 4)
   assert (c.model.param_dtype, c.model.dtype) == ("float32", "bfloat16")  # f32 master weights
   assert (c.model.num_layers, c.model.hidden_size, c.model.vocab_size) == (36, 4096, 151936)
+
+
+def test_qwen3_30b_a3b_has_the_published_shape_and_the_recipe_values():
+  c = load("qwen3_30b_a3b")
+  m = c.model
+  assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim) == (
+      48,
+      2048,
+      32,
+      4,
+      128,
+  )
+  assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.vocab_size) == (
+      128,
+      8,
+      768,
+      151936,
+  )
+  assert m.norm_topk_prob and m.rope_theta == 1e6 and tuple(m.mlp_only_layers) == ()
+  assert (m.param_dtype, m.dtype, m.scan_layers) == ("float32", "bfloat16", True)
+  assert (c.num_generations, c.beta, c.optimizer.learning_rate, c.max_completion_length) == (
+      2,
+      0.08,
+      3e-6,
+      1024,
+  )
+  # A mixed dense / MoE stack cannot be scanned: one line names the field and the fix.
+  with c.unlocked():
+    c.data.train_path = c.data.eval_path = __file__
+    c.tokenizer.path = CHAT_TOKENIZER
+  m.mlp_only_layers = (0,)
+  assert any(
+      e.startswith("model.scan_layers=True") and "scan_layers=False" in e for e in errors_of(c)
+  )
 
 
 BAD_VALUES = [
@@ -410,3 +446,19 @@ def test_slot_engine_fields():
       _set(config, k, v)
     errs = [e for e in errors_of(config) if e.startswith("rollout.slot")]
     assert len(errs) >= 1 and errs[0].startswith(field_line) and why in " ".join(errs), errs
+
+
+def test_mesh_expert_must_divide_the_devices_and_the_experts():
+  c = load("tiny_moe")  # 8 experts per layer
+  c.mesh.expert = 4
+  c.batch_size = 32
+  assert errors_of(c) == []  # data fills the 8 / 4 devices left: rows over data * expert = 8
+  c.mesh.expert = 3
+  assert any(e.startswith("mesh.expert=3") and "8 devices" in e for e in errors_of(c))
+  c.mesh.expert = 8
+  c.model.num_experts = 4
+  c.model.num_experts_per_tok = 2
+  assert any(e.startswith("mesh.expert=8") and "4 experts" in e for e in errors_of(c))
+  dense = load("tiny")
+  dense.mesh.expert = 2
+  assert any(e.startswith("mesh.expert=2") and "dense" in e for e in errors_of(dense))

@@ -35,6 +35,7 @@ def make_mesh(config, devices=None):
       config.mesh.tensor,
       devices=devices,
       dcn_data=config.mesh.dcn_data,
+      expert=config.mesh.expert,
   )
   if config.model.impl == "maxtext":
     from grpo_jax.models.maxtext import adapter as maxtext_adapter  # optional dependency
@@ -54,7 +55,11 @@ def make_meshes(config):
   devices = jax.devices()
   n = sampler_devices(config.rollout.num_devices, len(devices))
   sampler = sharding.make_mesh(
-      config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices[len(devices) - n :]
+      config.mesh.data,
+      config.mesh.fsdp,
+      config.mesh.tensor,
+      devices=devices[len(devices) - n :],
+      expert=config.mesh.expert,
   )
   return make_mesh(config, devices[: len(devices) - n]), sampler
 

@@ -31,7 +31,7 @@ class Family:
 
 FAMILIES = (
     Family(
-        "decoder (Qwen3, Llama 3, Gemma 2, Gemma 3)",
+        "decoder (Qwen3, Qwen3-MoE, Llama 3, Gemma 2, Gemma 3)",
         tuple(model_config.HF_MODEL_TYPES),
         tuple(model_config.HF_ARCHITECTURES),
         hf.load_hf,

@@ -2,8 +2,12 @@
 
 Every parameter carries logical axis names (`logical_axes=("embed", "mlp")` metadata on its
 nnx.Param); `LOGICAL_RULES` maps each name to mesh axes. Batch dimensions shard over
-`BATCH_AXES` = (data, fsdp): plain data parallelism over `data`, ZeRO-3-style parameter
-sharding over `fsdp`, Megatron-style tensor parallelism over `tensor`.
+`BATCH_AXES` = (data, fsdp, expert): plain data parallelism over `data`, ZeRO-3-style parameter
+sharding over `fsdp`, Megatron-style tensor parallelism over `tensor`, expert parallelism over
+`expert` (an MoE layer's experts split over it, models/decoder/moe.py; outside the experts the
+axis carries rows like `data`). The mesh is (data, fsdp, tensor, expert); `expert` (config
+.mesh.expert, default 1) is a factor of its own, the three others are sized as before over the
+devices it leaves.
 
 Multi-slice (config.mesh.dcn_data > 1): the DCN (data-center network) factor is part of `data`,
 its slowest-varying part, so the axes stay (data, fsdp, tensor): each slice is an ICI mesh of
@@ -23,8 +27,9 @@ import numpy as np
 DATA = "data"
 FSDP = "fsdp"
 TENSOR = "tensor"
-MESH_AXES = (DATA, FSDP, TENSOR)
-BATCH_AXES = (DATA, FSDP)
+EXPERT = "expert"
+MESH_AXES = (DATA, FSDP, TENSOR, EXPERT)
+BATCH_AXES = (DATA, FSDP, EXPERT)
 
 # logical axis name -> mesh axis (or tuple of mesh axes, or None = replicated)
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -36,6 +41,8 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": TENSOR,
     "head_dim": None,
     "mlp": TENSOR,
+    "experts": EXPERT,  # an MoE layer's expert axis (models/decoder/moe.py)
+    "moe_mlp": TENSOR,  # an expert's MLP width
     "norm": None,
     "layers": None,
     "act_embed": None,  # the embed dim of activations: replicated (fsdp shards params only)
@@ -89,9 +96,9 @@ def data_parallel_size(mesh_or_shape) -> int:
 
   Takes a Mesh, or a global (data, fsdp, tensor) shape from `resolve_mesh_shape`."""
   if isinstance(mesh_or_shape, Mesh):
-    return mesh_or_shape.shape[DATA] * mesh_or_shape.shape[FSDP]
-  data, fsdp, _ = mesh_or_shape
-  return data * fsdp
+    return math.prod(mesh_or_shape.shape.get(a, 1) for a in BATCH_AXES)
+  data, fsdp, _, *expert = mesh_or_shape  # (data, fsdp, tensor[, expert])
+  return data * fsdp * math.prod(expert)
 
 
 # ------------------------------------------------------------------- multi-slice (DCN) meshes
@@ -236,19 +243,32 @@ def split_off_local(num_devices: int, devices=None) -> tuple[list, list]:
 
 
 def make_mesh(
-    data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None, dcn_data: int = 1
+    data: int = -1,
+    fsdp: int = 1,
+    tensor: int = 1,
+    devices=None,
+    dcn_data: int = 1,
+    expert: int = 1,
 ) -> Mesh:
-  """A (data, fsdp, tensor) mesh over all global devices (every process, multi-host ready).
+  """A (data, fsdp, tensor, expert) mesh over all global devices (every process, multi-host
+  ready).
 
-  dcn_data > 1: a multi-slice mesh. The sizes are per slice (data = -1 fills a slice) and the
-  global data axis is dcn_data * data, the DCN factor outermost: slice i holds the i-th block of
-  `data` (see hybrid_device_array). dcn_data = 1 is the single-slice mesh (jax.make_mesh)."""
+  `expert` (>= 1) divides the devices first; data, fsdp and tensor (one of them -1: fills) are
+  sized over the rest, as without it. dcn_data > 1: a multi-slice mesh (expert = 1 only). The
+  sizes are per slice (data = -1 fills a slice) and the global data axis is dcn_data * data, the
+  DCN factor outermost: slice i holds the i-th block of `data` (see hybrid_device_array).
+  dcn_data = 1 is the single-slice mesh (jax.make_mesh)."""
   devices = jax.devices() if devices is None else list(devices)
-  axis_types = (jax.sharding.AxisType.Auto,) * 3
+  axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+  if expert < 1 or len(devices) % expert:
+    raise ValueError(f"mesh.expert={expert} does not divide the {len(devices)} devices")
   if dcn_data != 1:
+    if expert != 1:
+      raise ValueError(f"mesh.expert={expert} with mesh.dcn_data={dcn_data}: not supported yet")
     ici = resolve_ici_shape((data, fsdp, tensor), len(devices), dcn_data)
-    return Mesh(hybrid_device_array(ici, dcn_data, devices), MESH_AXES, axis_types=axis_types)
-  shape = resolve_mesh_shape((data, fsdp, tensor), len(devices))
+    grid = hybrid_device_array(ici, dcn_data, devices)[..., None]
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
+  shape = (*resolve_mesh_shape((data, fsdp, tensor), len(devices) // expert), expert)
   if len(devices) == len(jax.devices()):
     return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=axis_types)

@@ -53,7 +53,7 @@ def test_an_unknown_architecture_names_the_supported_ones(tmp_path):
       ValueError,
       match=r"config.json: unsupported architecture \(model_type="
       r"'gpt2', architectures=\['GPT2LMHeadModel'\]\)\. Supported: decoder .*"
-      r"model_type qwen3, llama, gemma2, gemma3_text, gemma3; t5 .*model_type t5",
+      r"model_type qwen3, llama, gemma2, gemma3_text, gemma3, qwen3_moe; t5 .*model_type t5",
   ):
     models.load_hf(str(tmp_path))
   # architectures alone pick the family when model_type is missing

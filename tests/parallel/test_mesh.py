@@ -135,11 +135,14 @@ def test_dcn_data_1_is_the_mesh_as_before(data, fsdp, tensor):
   mesh = build.make_mesh(config)
   shape = sharding.resolve_mesh_shape((data, fsdp, tensor), jax.device_count())
   before = jax.make_mesh(
-      shape, sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices()
+      shape,
+      sharding.MESH_AXES[:3],
+      axis_types=(jax.sharding.AxisType.Auto,) * 3,
+      devices=jax.devices(),
   )
-  assert mesh.axis_names == sharding.MESH_AXES
-  assert mesh.shape == before.shape
-  assert (mesh.devices == before.devices).all()
+  assert mesh.axis_names == sharding.MESH_AXES  # (data, fsdp, tensor) + expert of size 1
+  assert dict(mesh.shape) == dict(before.shape, expert=1)
+  assert (mesh.devices[..., 0] == before.devices).all()
 
 
 def test_dcn_data_2_needs_two_processes_here():
@@ -151,7 +154,7 @@ def test_maxtext_layout_keeps_the_dcn_order():
   """impl=maxtext re-lays our mesh over MaxText's axes: same devices in the same data order."""
   from grpo_jax.models.maxtext import adapter as maxtext_adapter
 
-  devices = np.asarray(jax.devices()[::-1]).reshape(4, 2, 1)  # any order: it must survive
+  devices = np.asarray(jax.devices()[::-1]).reshape(4, 2, 1, 1)  # any order: it must survive
   base = jax.sharding.Mesh(devices, sharding.MESH_AXES)
   mt = SimpleNamespace(
       mesh_axes=["data", "stage", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert"]
@@ -282,9 +285,9 @@ config = tiny.get_config()
 config.mesh.dcn_data = 2
 assert configuration.validate(config) == [], configuration.validate(config)
 mesh = build.make_mesh(config)
-assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}, mesh.shape
+assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}, mesh.shape
 assert sharding.data_parallel_size(mesh) == 8
-owners = [d.process_index for d in mesh.devices[:, 0, 0]]
+owners = [d.process_index for d in mesh.devices[:, 0, 0, 0]]
 assert owners == [0] * 4 + [1] * 4, owners  # the DCN factor is the outermost part of `data`
 
 # Rows over (data, fsdp): process p holds rows 4p..4p+3, each filled with p + 1.

@@ -65,7 +65,7 @@ def remat_rows(tmp_path_factory):
 
 def test_params_and_optimizer_bytes_match_the_analytic_count(remat_rows):
   target, rows, mesh_shape, _ = remat_rows
-  assert mesh_shape == {"data": 1, "fsdp": 8, "tensor": 1}
+  assert mesh_shape == {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}
   cfg = _deep_config().model
   d, f, v, k = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
   h, kv, layers = cfg.num_heads, cfg.num_kv_heads, cfg.num_layers

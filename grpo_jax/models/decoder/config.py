@@ -12,6 +12,9 @@ The architecture name fixes the layer's structure; the numbers stay fields:
                   query_pre_attn_scalar, attn/final_logit_softcap (Gemma 2), sliding_window +
                   sliding_window_pattern (local layers interleaved with global ones),
                   rope_local_theta (Gemma 3's local RoPE base), rope_linear_factor, qk_norm.
+Mixture of experts (Qwen3-MoE, `num_experts` > 0; moe.py): layer i's MLP is a top-k routed
+set of experts unless i is in `mlp_only_layers` or (i + 1) % decoder_sparse_step != 0 (HF's
+Qwen3MoeDecoderLayer), where it is the dense MLP of width intermediate_size.
 """
 
 import dataclasses
@@ -43,6 +46,7 @@ HF_MODEL_TYPES = {
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "qwen3_moe": "qwen3",
 }
 HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -50,6 +54,7 @@ HF_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3",
 }
 
 
@@ -89,6 +94,16 @@ class ModelConfig:
   #                                  6); 0: every layer local (when sliding_window > 0)
   rope_local_theta: float = 0.0  # the local layers' RoPE base (Gemma 3: 1e4); 0: rope_theta
   rope_linear_factor: float = 1.0  # linear RoPE scaling of the global layers (Gemma 3 4B+: 8)
+  # Mixture of experts (Qwen3-MoE; 0 experts = every layer dense, nothing below is read):
+  num_experts: int = 0
+  num_experts_per_tok: int = 0  # k of the top-k router
+  moe_intermediate_size: int = 0  # each expert's MLP width
+  norm_topk_prob: bool = False  # the k gates renormalized to sum to 1 (HF's default: False)
+  decoder_sparse_step: int = 1  # layer i routed iff (i + 1) % step == 0 ...
+  mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (those stay dense)
+
+  def __post_init__(self):  # a list from config.json or a ConfigDict: hashable, one form
+    object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
 
   @property
   def gemma(self) -> bool:
@@ -103,6 +118,18 @@ class ModelConfig:
   @property
   def local_layers(self) -> tuple[bool, ...]:
     return tuple(self.layer_is_local(i) for i in range(self.num_layers))
+
+  def layer_is_moe(self, i: int) -> bool:
+    """Whether layer i's MLP is the routed experts (HF's Qwen3MoeDecoderLayer's rule)."""
+    return (
+        self.num_experts > 0
+        and i not in self.mlp_only_layers
+        and (i + 1) % max(self.decoder_sparse_step, 1) == 0
+    )
+
+  @property
+  def moe_layers(self) -> tuple[bool, ...]:
+    return tuple(self.layer_is_moe(i) for i in range(self.num_layers))
 
   def problems(self) -> list[tuple[str, str, str]]:
     """(field, why, fix) for every bad value; empty when the config is usable."""
@@ -164,6 +191,41 @@ class ModelConfig:
       out.append(
           ("remat_policy", "unknown remat policy", f"use one of {', '.join(remat.POLICIES)}")
       )
+    return out + self._moe_problems()
+
+  def _moe_problems(self) -> list[tuple[str, str, str]]:
+    if self.num_experts < 0:
+      return [("num_experts", "must be >= 0", "0 = dense MLPs, else the experts per layer")]
+    if self.num_experts == 0:
+      return []
+    out = []
+    if self.arch != "qwen3":
+      out.append(("num_experts", f"MoE layers are Qwen3-MoE's, not {self.arch}'s", "arch=qwen3"))
+    if not 1 <= self.num_experts_per_tok <= self.num_experts:
+      out.append(
+          (
+              "num_experts_per_tok",
+              f"the router picks k of num_experts={self.num_experts} experts",
+              f"use 1..{self.num_experts}",
+          )
+      )
+    if self.moe_intermediate_size < 1:
+      out.append(("moe_intermediate_size", "must be >= 1", "give each expert's MLP width"))
+    if self.decoder_sparse_step < 1:
+      out.append(("decoder_sparse_step", "must be >= 1", "1 = every layer routed"))
+    bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+    if bad:
+      out.append(("mlp_only_layers", f"layers {bad} do not exist", f"use 0..{self.num_layers - 1}"))
+    kinds = self.moe_layers
+    if self.scan_layers and any(kinds) and not all(kinds):
+      out.append(
+          (
+              "scan_layers",
+              "the layer scan stacks one structure: dense and MoE layers mix here "
+              "(mlp_only_layers / decoder_sparse_step)",
+              "scan_layers=False",
+          )
+      )
     return out
 
   def validate(self) -> "ModelConfig":
@@ -189,8 +251,10 @@ class ModelConfig:
         self.vocab_size,
     )
     attn = d * hd * (2 * h + 2 * k) + (2 * hd if self.qk_norm else 0)
-    layer = attn + 3 * d * f + (4 if self.gemma else 2) * d
-    return self.num_layers * layer + v * d * (1 if self.tie_embeddings else 2) + d
+    layer = attn + (4 if self.gemma else 2) * d
+    moe = self.num_experts * (3 * d * self.moe_intermediate_size + d)  # experts + router
+    mlps = sum(moe if routed else 3 * d * f for routed in self.moe_layers)
+    return self.num_layers * layer + mlps + v * d * (1 if self.tie_embeddings else 2) + d
 
   # ------------------------------------------------------------------ HF config.json
 
@@ -276,6 +340,16 @@ class ModelConfig:
           sliding_window_pattern=pattern,
           rope_local_theta=float(local_theta or 0.0),
       )
+    moe_type = model_type == "qwen3_moe" or "Qwen3MoeForCausalLM" in archs
+    if moe_type:  # transformers 5 writes num_local_experts, the Qwen releases num_experts
+      kw.update(
+          num_experts=int(hf.get("num_experts", hf.get("num_local_experts")) or 0),
+          num_experts_per_tok=int(hf["num_experts_per_tok"]),
+          moe_intermediate_size=int(hf["moe_intermediate_size"]),
+          norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+          decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
+          mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+      )
     if rope_type == "llama3":
       kw.update(
           rope_scaling_factor=float(scaling["factor"]),
@@ -321,6 +395,8 @@ class ModelConfig:
     if bad:
       raise ValueError("this model has no Hugging Face config.json: " + "; ".join(bad))
     hf_arch, model_type = _HF_ARCH[self.arch]
+    if self.num_experts:
+      hf_arch, model_type = "Qwen3MoeForCausalLM", "qwen3_moe"
     hf = {
         "architectures": [hf_arch],
         "model_type": model_type,
@@ -374,6 +450,16 @@ class ModelConfig:
       hf["use_sliding_window"] = False
       hf["sliding_window"] = None
       hf["rope_scaling"] = None
+    if self.num_experts:
+      hf.update(
+          num_experts=self.num_experts,
+          num_experts_per_tok=self.num_experts_per_tok,
+          moe_intermediate_size=self.moe_intermediate_size,
+          norm_topk_prob=self.norm_topk_prob,
+          decoder_sparse_step=self.decoder_sparse_step,
+          mlp_only_layers=list(self.mlp_only_layers),
+          output_router_logits=False,
+      )
     return hf
 
 
@@ -453,17 +539,19 @@ def _gemma3(**kw):
 
 
 def _qwen3(**kw):
-  return ModelConfig(
-      arch="qwen3",
-      vocab_size=151936,
-      num_kv_heads=8,
-      head_dim=128,
-      rope_theta=1e6,
-      rms_norm_eps=1e-6,
-      qk_norm=True,
-      max_position_embeddings=40960,
+  kw = dict(
+      dict(
+          vocab_size=151936,
+          num_kv_heads=8,
+          head_dim=128,
+          rope_theta=1e6,
+          rms_norm_eps=1e-6,
+          qk_norm=True,
+          max_position_embeddings=40960,
+      ),
       **kw,
   )
+  return ModelConfig(arch="qwen3", **kw)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -500,6 +588,32 @@ PRESETS: dict[str, ModelConfig] = {
         qk_norm=False,
         max_position_embeddings=131072,
     ),
+    # huggingface.co/Qwen/Qwen3-30B-A3B, Qwen3-235B-A22B/blob/main/config.json (intermediate_size:
+    # the dense MLP width config.json names; every layer is routed, no mlp_only_layers)
+    "qwen3-30b-a3b": _qwen3(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        tie_embeddings=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+    "qwen3-235b-a22b": _qwen3(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=94,
+        num_heads=64,
+        num_kv_heads=4,
+        tie_embeddings=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1536,
+        norm_topk_prob=True,
+    ),
     # Test shapes.
     "tiny-qwen3": ModelConfig(
         arch="qwen3",
@@ -513,6 +627,23 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=10000.0,
         tie_embeddings=False,
         max_position_embeddings=256,
+    ),
+    "tiny-qwen3-moe": ModelConfig(
+        arch="qwen3",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        tie_embeddings=False,
+        max_position_embeddings=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
     ),
     "tiny-llama3": ModelConfig(
         arch="llama3",

@@ -32,10 +32,14 @@ class Entry:
   """One native parameter <-> one HF tensor per layer (or one tensor for non-layer params)."""
 
   path: tuple  # native path; for per-layer params without the layer index, e.g. ("attn", "q")
-  hf_name: str  # may contain "{i}" for the layer index
+  hf_name: str  # may contain "{i}" for the layer index (and "{j}" for the expert, `experts`)
   to_native: Callable[[np.ndarray], np.ndarray]
   to_hf: Callable[[np.ndarray], np.ndarray]
   per_layer: bool
+  # Which layers hold it: None every layer, True the MoE layers only, False the dense ones.
+  moe: bool | None = None
+  # One HF tensor per expert ("{j}"), stacked on the native tensor's expert axis (moe.py).
+  experts: bool = False
 
 
 def _identity(x):
@@ -56,6 +60,7 @@ def param_mapping(cfg: ModelConfig, prefix: str = "model.") -> list[Entry]:
 
   t = (lambda w: w.T), (lambda w: w.T)
   ident = _identity, _identity
+  dense = False if cfg.num_experts else None  # with MoE layers, the dense MLP's are the others
   entries = [
       Entry(("embed",), prefix + "embed_tokens.weight", *ident, False),
       Entry(("final_norm", "scale"), prefix + "norm.weight", *ident, False),
@@ -70,10 +75,18 @@ def param_mapping(cfg: ModelConfig, prefix: str = "model.") -> list[Entry]:
           lambda w: w.reshape(h * k, d).T,
           True,
       ),
-      Entry(("mlp", "gate"), layer + "mlp.gate_proj.weight", *t, True),
-      Entry(("mlp", "up"), layer + "mlp.up_proj.weight", *t, True),
-      Entry(("mlp", "down"), layer + "mlp.down_proj.weight", *t, True),
+      Entry(("mlp", "gate"), layer + "mlp.gate_proj.weight", *t, True, dense),
+      Entry(("mlp", "up"), layer + "mlp.up_proj.weight", *t, True, dense),
+      Entry(("mlp", "down"), layer + "mlp.down_proj.weight", *t, True, dense),
   ]
+  if cfg.num_experts:  # Qwen3-MoE: the router is HF's mlp.gate, each expert its own Linear
+    expert = layer + "mlp.experts.{j}."
+    entries += [
+        Entry(("mlp", "router"), layer + "mlp.gate.weight", *t, True, True),
+        Entry(("mlp", "gate"), expert + "gate_proj.weight", *t, True, True, True),
+        Entry(("mlp", "up"), expert + "up_proj.weight", *t, True, True, True),
+        Entry(("mlp", "down"), expert + "down_proj.weight", *t, True, True, True),
+    ]
   if cfg.gemma:  # HF's post_attention_layernorm is Gemma's norm after attention
     entries += [
         Entry(("post_attn_norm", "scale"), layer + "post_attention_layernorm.weight", *ident, True),
@@ -104,12 +117,18 @@ def param_mapping(cfg: ModelConfig, prefix: str = "model.") -> list[Entry]:
 
 
 def _native_paths(cfg: ModelConfig, e: Entry):
-  """[(native path, layer index or None, hf name)] for one entry."""
+  """[(native path, at, hf name)] for one entry: `at` indexes the native tensor's stacked
+  leading axes, () when it is the HF tensor's whole: (i,) layer i of the scanned stack, (j,)
+  expert j, (i, j) both."""
   if not e.per_layer:
-    return [(e.path, None, e.hf_name)]
-  if cfg.scan_layers:
-    return [(("layers", *e.path), i, e.hf_name.format(i=i)) for i in range(cfg.num_layers)]
-  return [(("layers", i, *e.path), None, e.hf_name.format(i=i)) for i in range(cfg.num_layers)]
+    return [(e.path, (), e.hf_name)]
+  layers = [i for i in range(cfg.num_layers) if e.moe is None or cfg.layer_is_moe(i) == e.moe]
+  experts = [(j,) for j in range(cfg.num_experts)] if e.experts else [()]
+  out = []
+  for i in layers:
+    path, at = (("layers", *e.path), (i,)) if cfg.scan_layers else (("layers", i, *e.path), ())
+    out += [(path, at + x, e.hf_name.format(i=i, j=x[0] if x else 0)) for x in experts]
+  return out
 
 
 # ---------------------------------------------------------------------------------- reading
@@ -173,7 +192,7 @@ def load_hf(
     scan_layers=False,
     **overrides,
 ) -> Transformer:
-  """Loads a Qwen3 / Llama / Gemma 2 / Gemma 3 (text) Hugging Face checkpoint folder into a
+  """Loads a Qwen3 / Qwen3-MoE / Llama / Gemma 2 / Gemma 3 (text) Hugging Face checkpoint folder into a
   native Transformer (a Gemma 3 multimodal folder: its text tower).
 
   `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype.
@@ -210,21 +229,21 @@ def load_hf(
       {p: v.get_value() for p, v in nnx.to_flat_state(shardings)} if shardings is not None else {}
   )
   values = {}
+  one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   for e in param_mapping(cfg, prefix):
-    pairs = _native_paths(cfg, e)
-    native_path = pairs[0][0]
-    var = flat[native_path]
-    shape, pdtype = var.get_value().shape, var.get_value().dtype
-    target = flat_shardings.get(native_path) or jax.sharding.SingleDeviceSharding(
-        jax.local_devices()[0]
-    )
-    if cfg.scan_layers and e.per_layer:
-      names = [n for _, _, n in pairs]
-      values[native_path] = _stacked_array(ckpt, names, e, shape, pdtype, target)
-    else:
-      for p, _, name in pairs:
-        shape_p = flat[p].get_value().shape
-        values[p] = _array(ckpt, name, e, shape_p, pdtype, flat_shardings.get(p) or target)
+    by_path: dict[tuple, list] = {}
+    for p, at, name in _native_paths(cfg, e):
+      by_path.setdefault(p, []).append((at, name))
+    for p, named in by_path.items():
+      shape, pdtype = flat[p].get_value().shape, flat[p].get_value().dtype
+      target = flat_shardings.get(p) or one_device
+      if named[0][0] == ():
+        values[p] = _array(ckpt, named[0][1], e, shape, pdtype, target)
+      else:  # HF tensors stacked on the leading axes `at` indexes (layers, experts)
+        names = np.empty(shape[: len(named[0][0])], object)
+        for at, name in named:
+          names[at] = name
+        values[p] = _stacked_array(ckpt, names, e, shape, pdtype, target)
   missing = set(flat) - set(values)
   if missing:
     raise ValueError(f"{path}: no mapping for native parameters {sorted(missing)}")
@@ -261,14 +280,19 @@ def _array(ckpt, name, e, shape, pdtype, target):
 
 
 def _stacked_array(ckpt, names, e, shape, pdtype, target):
+  """`names` [*lead] (an object array): the HF tensors stacked on the native tensor's leading
+  axes; each shard reads the tensors of its own slice of them."""
+  lead = names.ndim
+
   def cb(index):
-    rows = range(shape[0])[index[0]]
-    return np.stack(
-        [
-            np.asarray(_checked(ckpt, names[i], e, shape, shape[1:])[index[1:]], dtype=pdtype)
-            for i in rows
-        ]
-    )
+    picked = names[index[:lead]]
+    out = None
+    for at in np.ndindex(picked.shape):
+      w = _checked(ckpt, picked[at], e, shape, shape[lead:])[index[lead:]]
+      if out is None:
+        out = np.empty(picked.shape + w.shape, pdtype)
+      out[at] = w
+    return out
 
   return jax.make_array_from_callback(shape, target, cb, dtype=pdtype)
 
@@ -284,12 +308,11 @@ def hf_tensors(model: Transformer, dtype=None) -> Iterator[tuple[str, Callable[[
   cfg = model.cfg
   flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   for e in param_mapping(cfg):
-    for p, layer, name in _native_paths(cfg, e):
+    for p, at, name in _native_paths(cfg, e):
       var = flat[p]
 
-      def produce(var=var, layer=layer, e=e):
-        x = var[...] if layer is None else var[...][layer]
-        x = _to_host(x)
+      def produce(var=var, at=at, e=e):
+        x = _to_host(var[...][at])
         return e.to_hf(x if dtype is None else x.astype(dtype))
 
       yield name, produce
@@ -313,9 +336,8 @@ def save_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int =
   shapes = {}
   abstract = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   for e in param_mapping(cfg):
-    for p, layer, name in _native_paths(cfg, e):
-      shape = abstract[p].get_value().shape
-      shape = shape if layer is None else shape[1:]
+    for p, at, name in _native_paths(cfg, e):
+      shape = abstract[p].get_value().shape[len(at) :]
       shapes[name] = tuple(e.to_hf(np.broadcast_to(np.zeros((), np.float32), shape)).shape)
   writer = jax.process_index() == 0
   if writer:

@@ -41,6 +41,7 @@ from grpo_jax.models.decoder.attention import prefix_mask
 from grpo_jax.models.decoder.attention import slot_mask
 from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.models.decoder.kernels import Kernels
+from grpo_jax.models.decoder.moe import MoE
 
 
 def _dtype(name: str):
@@ -256,14 +257,15 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
   """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)); Gemma's adds a norm
-  after each: x + post_attn_norm(attn(attn_norm(x))), then + post_mlp_norm(mlp(mlp_norm(.)))."""
+  after each: x + post_attn_norm(attn(attn_norm(x))), then + post_mlp_norm(mlp(mlp_norm(.))).
+  `moe` (cfg.layer_is_moe(i)): the MLP is the routed experts (moe.py), in every mode."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
     self.cfg = cfg
     self.attn_norm = norm(cfg, cfg.hidden_size, rngs)
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = norm(cfg, cfg.hidden_size, rngs)
-    self.mlp = MLP(cfg, rngs=rngs)
+    self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
     if cfg.gemma:
       self.post_attn_norm = norm(cfg, cfg.hidden_size, rngs)
       self.post_mlp_norm = norm(cfg, cfg.hidden_size, rngs)
@@ -442,7 +444,8 @@ class Block(nnx.Module):
     if self.cfg.gemma:
       a = self.post_attn_norm(a)
     x_btd = x_btd + a
-    m = self.mlp(self.mlp_norm(x_btd), kernels.fuse_gate_up)
+    h = self.mlp_norm(x_btd)
+    m = self.mlp(h) if isinstance(self.mlp, MoE) else self.mlp(h, kernels.fuse_gate_up)
     if self.cfg.gemma:
       m = self.post_mlp_norm(m)
     return x_btd + m

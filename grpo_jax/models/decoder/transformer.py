@@ -83,13 +83,15 @@ class Transformer(nnx.Module):
 
       @nnx.split_rngs(splits=cfg.num_layers)
       @nnx.vmap(in_axes=0, out_axes=0)
-      def make(rngs):
-        return Block(cfg, rngs=rngs)
+      def make(rngs):  # one structure: MoE layers all or none (ModelConfig.problems)
+        return Block(cfg, rngs=rngs, moe=all(cfg.moe_layers))
 
       self.layers = make(rngs)
       _prepend_layers_axis(self.layers)
     else:
-      self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+      self.layers = nnx.List(
+          [Block(cfg, rngs=rngs, moe=cfg.layer_is_moe(i)) for i in range(cfg.num_layers)]
+      )
     self.final_norm = layers.norm(cfg, d, rngs)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), pd, fan_in=d)
