@@ -61,6 +61,19 @@ ROWS = {
         ("grpo_jax.main", "--config=configs/tiny_lora.py"),
         "grpo",
     ),
+    "tools": Row(
+        "CPU tool demo: 3-digit x 2-digit products, a calculator tool (slot engine, rows pause "
+        "for it), SFT on traces that call it, then GRPO",
+        "python -m grpo_jax.main --config=configs/tiny_tools.py",
+        ("grpo_jax.main", "--config=configs/tiny_tools.py"),
+        "tools",
+    ),
+    "tools_off": Row(
+        "the same model and budget without the tool (its SFT traces answer directly)",
+        "python -m grpo_jax.main --config=configs/tiny_tools.py --config.rollout.tools.names=",
+        ("grpo_jax.main", "--config=configs/tiny_tools.py", "--config.rollout.tools.names="),
+        "grpo",
+    ),
     "mnist": Row(
         "GRPO-MNIST, 784-128-128-10 policy, G=32",
         "python -m grpo_jax.examples.mnist --data_dir=DIR --seed=S",
@@ -110,10 +123,19 @@ def measure(row_id: str, seed: int, workdir: str, mnist_dir: str) -> dict:
         first_epoch_95=next((i + 1 for i, a in enumerate(acc) if a >= 0.95), None),
     )
     return out
-  metrics = ("accuracy",) if row.kind == "grpo" else ("rouge1", "rouge2", "rougeL")
+  metrics = ("accuracy",) if row.kind in ("grpo", "tools") else ("rouge1", "rouge2", "rougeL")
   for when in ("eval_initial", "eval_before", "eval_after"):
     if when in summary:
       out[when] = {m: summary[when]["greedy"][m] for m in metrics}
+  if row.kind == "tools":  # the rows' tool use at the first and the last logged GRPO step
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      logged = [json.loads(line) for line in f if "tool_call/calls" in line]
+    for when, m in (("first_step", logged[0]), ("last_step", logged[-1])):
+      calls = max(1.0, m["tool_call/calls"])
+      out[when] = dict(
+          calls_per_row=m["tool_call/turns_per_row"] - 1,
+          error_rate=round(m["tool_call/errors"] / calls, 4),
+      )
   return out
 
 
@@ -164,11 +186,22 @@ def _figures(row: Row, runs: list) -> str:
     accs = " / ".join(f"{100 * r['heldout_accuracy']:.2f}" for r in runs)
     first = "/".join(str(r["first_epoch_95"]) for r in runs)
     return f"{accs}% (seeds {_seeds(runs)}, {runs[0]['epochs']} epochs; 95% first at epoch {first})"
-  if row.kind == "grpo":
+  if row.kind in ("grpo", "tools"):
     pairs = " / ".join(
         f"{r['eval_before']['accuracy']:.3f} -> {r['eval_after']['accuracy']:.3f}" for r in runs
     )
-    return f"greedy accuracy after SFT -> after GRPO {pairs} (seeds {_seeds(runs)})"
+    text = f"greedy accuracy after SFT -> after GRPO {pairs} (seeds {_seeds(runs)})"
+    if row.kind == "tools":
+      use = " / ".join(
+          f"{r['first_step']['calls_per_row']:.2f} -> {r['last_step']['calls_per_row']:.2f}"
+          for r in runs
+      )
+      err = " / ".join(
+          f"{100 * r['first_step']['error_rate']:.1f}% -> {100 * r['last_step']['error_rate']:.1f}%"
+          for r in runs
+      )
+      text += f"; tool calls per row, first -> last GRPO step {use}; calls that erred {err}"
+    return text
   r = runs[0]  # rouge rows: one seed
   parts = ", ".join(
       f"{name} {r['eval_before'][m]:.4g} -> {r['eval_after'][m]:.4g}"

@@ -110,12 +110,12 @@ def run(w, reprefill: bool, seed: int):
       times.append(time.perf_counter() - t0)
       tokens += int(np.asarray(r.mask).sum())
       extended += int(e._state["extended"])
-      calls += tool.calls
-    tool.calls = 0
+      tool_mask = np.asarray(r.tool_mask)  # appends: the tool runs of each row
+      calls += int((np.diff(tool_mask, axis=1, prepend=0) == 1).sum())
   return dict(
       seconds_per_batch=float(np.mean(times)),
       prefill_tokens_per_append=extended / max(1, calls),
-      turns_per_row=1 + calls / (w["batches"] * w["rows"]),
+      turns_per_row=1 + calls / (w["batches"] * w["rows"]),  # answered calls + the last turn
       tokens=tokens,
   )
 

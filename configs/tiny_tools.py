@@ -44,10 +44,10 @@ def get_config():
   c.rollout.max_tool_response_tokens = 8
   c.rollout.slots = c.batch_size * c.num_generations  # a row per slot: paused rows keep theirs
 
-  c.sft_steps = 600
+  c.sft_steps = 300
   c.sft.stop_at_accuracy = 0.0  # the same SFT budget with and without the tool
-  c.num_steps = 100
+  c.num_steps = 60
   c.log_interval_steps = 10
-  c.save_interval_steps = 50
+  c.save_interval_steps = 30
   c.eval.generation_configs = ("greedy",)
   return c

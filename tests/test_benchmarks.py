@@ -263,3 +263,25 @@ def test_slot_engine_benchmark_quick(tmp_path):
   assert 0 < res["lockstep_fill"] < 0.5  # long-tailed: most lockstep row-steps are wasted
   assert modes["streaming slots"]["busy"] > 1.5 * res["lockstep_fill"]
   assert all(m["tokens_per_sec"] > 0 for m in modes.values())
+
+
+def test_tool_turns_benchmark_quick(tmp_path):
+  """benchmarks/tool_turns.py --quick (~30 s): both engines drew the same rows (the script
+  asserts it); the live cache prefills the response and one token per append, the baseline
+  every row's whole history."""
+  out = tmp_path / "turns.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  r = subprocess.run(
+      [sys.executable, "benchmarks/tool_turns.py", "--quick", f"--json={out}"],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  res = json.loads(out.read_text())
+  assert res["live"]["turns_per_row"] > 2  # the task has several turns per row
+  assert res["live"]["prefill_tokens_per_append"] == res["workload"]["response"] + 1
+  assert res["reprefill"]["prefill_tokens_per_append"] > 3 * res["workload"]["response"]

@@ -142,6 +142,12 @@ RULES = (
     # Configs that need weights or data the README's user brings: they resolve and parse.
     Rule(r"python -m grpo_jax\.main --config=configs/qwen3_8b\.py .*", "print_config", ""),
     Rule(r"python -m grpo_jax\.main --config=configs/xsum_(rouge|t5)\.py", "print_config", ""),
+    Rule(r"python -m grpo_jax\.main --config=configs/qwen3_8b_tools\.py .*", "print_config", ""),
+    Rule(
+        r"python -m grpo_jax\.main --config=configs/tiny_tools\.py( --config\.rollout\.tools\.names=)?",
+        "run",
+        "test_the_tool_demo_runs_with_and_without_the_tool (slow)",
+    ),
     Rule(r"python -m grpo_jax\.main --distributed ARGS", "skip", "prose: ARGS stands for a run"),
     Rule(
         r"for i in 0 1; do LOCAL_DEVICES=1 launch/multihost\.sh .* & done; wait",
@@ -254,6 +260,7 @@ def test_the_print_config_commands_resolve_from_here_and_from_another_folder(tmp
   for pattern in (
       r"python -m grpo_jax\.main --config=configs/qwen3_8b\.py .*",
       r"python -m grpo_jax\.main --config=configs/xsum_(rouge|t5)\.py",
+      r"python -m grpo_jax\.main --config=configs/qwen3_8b_tools\.py .*",
   ):
     for c in _commands(pattern):
       cmd = _placeholders(c.text, tmp_path) + " --print_config"
@@ -320,6 +327,20 @@ def test_the_one_step_off_demo_runs(tmp_path):
   cmd = f"{c.text} --workdir={tmp_path}/run {TINY}"
   _ok(shell(cmd, timeout=600), str(c))
   assert os.path.exists(tmp_path / "run" / "summary.json")
+
+
+@pytest.mark.slow
+def test_the_tool_demo_runs_with_and_without_the_tool(tmp_path):
+  """The README's two tool-demo commands, CPU-sized: each writes its summary; the first
+  called the calculator (tool_call figures logged), the second had no tool."""
+  runs = _commands(r"python -m grpo_jax\.main --config=configs/tiny_tools\.py.*")
+  assert len(runs) == 2
+  for i, c in enumerate(runs):
+    workdir = tmp_path / f"run{i}"
+    _ok(shell(f"{c.text} --workdir={workdir} {TINY}", timeout=600), str(c))
+    assert os.path.exists(workdir / "summary.json")
+    logged = (workdir / "metrics.jsonl").read_text()
+    assert ("tool_call/calls" in logged) == (not c.text.endswith("names=")), c.text
 
 
 def test_the_lora_run_and_its_peft_export(tmp_path):
