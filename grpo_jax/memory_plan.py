@@ -568,6 +568,11 @@ def _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log, measure_)
   return rows
 
 
+def tools_on(cfg) -> bool:
+  tools = cfg.rollout.get("tools")
+  return tools is not None and bool(tools.names.strip())
+
+
 def _plan_slots(cfg, policy, inputs, mesh, measure_, row, log, host_ref):
   """The slot engine's row (rollout.slots > 0): its weight copy (made once per version, kept
   between programs: rollout_w), its slot caches [slots, Hkv, P + C, K] per layer (kv_cache) and
@@ -587,6 +592,8 @@ def _plan_slots(cfg, policy, inputs, mesh, measure_, row, log, host_ref):
       chunk=cfg.rollout.slot_chunk,
       steps_in_flight=cfg.rollout.max_staleness + 1,
       decode_attention=cfg.rollout.decode_attention,
+      # Multi-turn rows (rollout.tools): the extend program appends tool responses.
+      max_append=cfg.rollout.max_tool_response_tokens if tools_on(cfg) else 0,
   )
   gen = GenerationConfig(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
   programs = engine.abstract_programs(weights, policy.model_config, gen, rows_per_step=b * g)
@@ -595,7 +602,9 @@ def _plan_slots(cfg, policy, inputs, mesh, measure_, row, log, host_ref):
   rollout_w = shard_bytes(copy)
   state_b = shard_bytes(st)
   temps, stats = {}, {}
-  for name in ("admit_all", "decode", "refresh"):
+  for name in ("admit_all", "decode", "refresh", "extend"):
+    if name not in programs:
+      continue
     fn, args = programs[name]
     log(f"compiling slot engine {name} ...")
     temps[name], stats[name] = measure_(

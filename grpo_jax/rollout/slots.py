@@ -391,7 +391,7 @@ class SlotEngine:
     """The engine's programs on abstract inputs, for compiling ahead of time without weights
     (memory_plan.py, benchmarks/slot_compile.py): params, the policy's abstract params
     (ShapeDtypeStructs with shardings). -> {"copy": (program, args), "admit", "decode",
-    "refresh", "take", "init"}, each program with .lower(*args); admit at the refill's and at
+    "refresh", "take", "init", and "extend" with max_append}, each program with .lower(*args); admit at the refill's and at
     the whole engine's width ("admit", "admit_all") and the full prompt width."""
     self.reset(generation, rows_per_step=rows_per_step)
     self._model_cfg = model_cfg
@@ -416,7 +416,15 @@ class SlotEngine:
       args += (sds((a, *key.shape), key.dtype), sds((), i32), *scalars)
       return self._program("admit", a, p), args
 
-    return dict(
+    out = {}
+    if self.max_append:  # multi-turn rows: the tool responses' append
+      n, r = self.num_slots, self.max_append
+      out["extend"] = (
+          self._program("extend"),
+          (st, weights, sds((n,), i32), sds((n, r), i32), sds((n,), i32), sds((n,), jnp.bool_))
+          + (sds((), i32), *scalars),
+      )
+    return out | dict(
         copy=(copy, (params,)),
         admit=admit(self.refill // self.g),
         admit_all=admit(self.num_slots // self.g),

@@ -350,3 +350,17 @@ def test_slot_engine_is_planned_by_its_programs():
   assert row.rollout_weights == row.params // 2 > 0
   assert row.temp > 0
   assert any("slot engine: 64 slots" in line for line in logged)
+
+
+def test_slot_engine_with_tools_plans_its_extend_program():
+  """rollout.tools: the slot engine's extend program (tool responses appended into the live
+  caches) is compiled and counted with the others."""
+  c = _deep_config()
+  c.mesh.data, c.mesh.fsdp = -1, 1
+  c.rollout.slots = 64
+  c.rollout.tools.names = "calculator"
+  c.rollout.max_tool_response_tokens = 8
+  logged = []
+  rows, _ = mp.plan(c, mp.make_target(), functions=("sampler",), log=logged.append)
+  assert any("compiling slot engine extend" in line for line in logged), logged
+  assert any(" extend " in line for line in logged if line.startswith("slot engine:")), logged
