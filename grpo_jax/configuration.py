@@ -753,6 +753,12 @@ def _validate_tools(c: _Checker, cfg):
 
   r = cfg.rollout
   c.require(
+      r.engine == "native",
+      "rollout.engine",
+      f"{r.engine!r} does not run tools yet: rows pause for their tools in the native slot engine",
+      "--config.rollout.engine=native (with rollout.slots > 0)",
+  )
+  c.require(
       r.slots > 0,
       "rollout.tools.names",
       "tools need the slot engine (a row pauses in its slot while its tool runs)",

@@ -22,6 +22,8 @@ CONFIGS = (
     "tiny_your_data",
     "tiny_moe",
     "qwen3_30b_a3b",
+    "tiny_tools",
+    "qwen3_8b_tools",
 )
 
 
@@ -446,6 +448,39 @@ def test_slot_engine_fields():
       _set(config, k, v)
     errs = [e for e in errors_of(config) if e.startswith("rollout.slot")]
     assert len(errs) >= 1 and errs[0].startswith(field_line) and why in " ".join(errs), errs
+
+
+def test_tool_fields(tmp_path):
+  """rollout.tools: the shipped tool configs validate; each bad field is one line naming it and
+  the fix; a tools file that does not import, or a tool without a docstring, names the file
+  and the tool."""
+  off = load("tiny_tools")  # (both shipped configs: test_shipped_configs_are_valid)
+  _set(off, "rollout.tools.names", "")
+  assert errors_of(off) == []
+  cases = [
+      ({"rollout.slots": 0}, "rollout.tools.names=", "slot engine"),
+      ({"rollout.engine": "vllm"}, "rollout.engine='vllm'", "native"),
+      ({"rollout.tools.format": "xml"}, "rollout.tools.format='xml'", "hermes"),
+      ({"rollout.max_turns": 0}, "rollout.max_turns=0", ">= 1"),
+      ({"rollout.max_tool_response_tokens": 500}, "rollout.max_tool_response_tokens=500", "[1,"),
+      ({"rollout.tools.names": "calculator,abacus"}, "rollout.tools.names=", "abacus"),
+  ]
+  for fields, start, words in cases:
+    config = load("tiny_tools")
+    for k, v in fields.items():
+      _set(config, k, v)
+    errs = [e for e in errors_of(config) if e.startswith(start)]
+    assert errs and words in errs[0], (fields, errors_of(config))
+  broken = tmp_path / "my_tools.py"
+  broken.write_text("def lookup(key: str) -> str:\n  return key\n")  # no docstring
+  config = load("tiny_tools")
+  _set(config, "rollout.tools.file", str(broken))
+  _set(config, "rollout.tools.names", "lookup")
+  (line,) = [e for e in errors_of(config) if e.startswith("rollout.tools.names")]
+  assert "my_tools.py" in line and "lookup" in line and "docstring" in line, line
+  broken.write_text("import not_a_module\n")
+  (line,) = [e for e in errors_of(config) if e.startswith("rollout.tools.names")]
+  assert "my_tools.py" in line and "not_a_module" in line, line
 
 
 def test_mesh_expert_must_divide_the_devices_and_the_experts():
