@@ -569,8 +569,7 @@ def _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log, measure_)
 
 
 def tools_on(cfg) -> bool:
-  tools = cfg.rollout.get("tools")
-  return tools is not None and bool(tools.names.strip())
+  return bool(cfg.rollout.tools.names.strip())
 
 
 def _plan_slots(cfg, policy, inputs, mesh, measure_, row, log, host_ref):

@@ -22,8 +22,7 @@ def _style(config) -> str:
   tools (rollout.tools.names); without, the same config's traces answer directly ("answer"),
   so one config trains the with-tool and the no-tool policy (configs/tiny_tools.py)."""
   style = config.data.arithmetic.demonstration
-  tools = config.rollout.get("tools")
-  if style == "tool" and (tools is None or not tools.names.strip()):
+  if style == "tool" and not config.rollout.tools.names.strip():
     return "answer"
   return style
 

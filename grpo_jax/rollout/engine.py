@@ -155,8 +155,6 @@ def tool_turns(config, tokenizer, mesh):
   """rollout.tools as the slot engine's `turns` (rollout/turns.py), or None without tools. ->
   (turns, the extra stop ids: the format's turn end when it is one token of its own)."""
   r = config.rollout
-  if r.get("tools") is None:  # (a run saved before tools existed)
-    return None, ()
   toolset = tools_loader.load_tools(r.tools.file, r.tools.names)
   if toolset is None:
     return None, ()

@@ -32,9 +32,7 @@ def system_prompt(config, base: str) -> str:
   text, as its chat template renders `tools`: tests/rollout/test_tools.py), so the policy is
   told its tools' schemas; without tools, or in the plain format (the demo learns its one tool
   from SFT traces), `base` as it is."""
-  tools = config.rollout.get("tools")  # (a run saved before tools existed has none)
-  if tools is None:
-    return base
+  tools = config.rollout.tools
   toolset = loader.load_tools(tools.file, tools.names)
   fmt = formats.get(tools.format)
   if toolset is None or not fmt.system:
