@@ -395,6 +395,7 @@ def _check_rollout(c: _Checker, cfg):
   if r.tools.names.strip():
     _validate_tools(c, cfg)
   _check_routing_replay(c, cfg)
+  _check_moe_paths(c, cfg)
   if r.slots and r.max_staleness:  # streaming (rollout/source.py, rollout/streaming.py)
     c.require(
         not (cfg.loss.dynamic_sampling and cfg.loss.max_resample_rounds > 0),
@@ -748,6 +749,29 @@ def _check_routing_replay(c: _Checker, cfg):
     c.fail(field, "packed rows do not carry routes yet", "pack_sequences=False")
   if cfg.lora.rank:
     c.fail(field, "the LoRA policy does not replay routes yet", "lora.rank=0")
+
+
+def _check_moe_paths(c: _Checker, cfg):
+  """An MoE model (model.num_experts > 0, or an HF folder's) where only the native decoder and
+  sampler have its layers so far: no LoRA (its default targets would reach the 3-D expert
+  weights), no vLLM / tpu-inference weight sync, no MaxText policy."""
+  m = cfg.model
+  if m.family != "decoder":
+    return
+  experts = m.num_experts if not m.hf_path else _hf_num_experts(m.hf_path)
+  if not experts:
+    return
+  moe = f"an MoE model ({experts} experts per layer)"
+  if cfg.lora.rank:
+    c.fail("lora.rank", f"LoRA on {moe} is not built yet", "lora.rank=0 (full fine-tuning)")
+  if cfg.rollout.engine == "vllm":
+    c.fail(
+        "rollout.engine",
+        f"the vLLM / tpu-inference weight sync has no mapping for {moe}",
+        "rollout.engine=native",
+    )
+  if m.impl == "maxtext":
+    c.fail("model.impl", f"the MaxText policy's mapping for {moe} is not built", "model.impl=native")
 
 
 def _check_packing(c: _Checker, cfg, num_processes: int):

@@ -157,7 +157,10 @@ def test_route_mismatch_counts_recorded_routes_missing_from_own_top_k():
   assert missed > 0 and abs(got - missed / counted) < 1e-6
 
 
+@pytest.mark.slow  # ~40 s on 2 CPU cores
 def test_loop_with_routing_replay_logs_route_mismatch(tmp_path):
+  """configs/tiny_moe.py with replay and bf16 compute: SFT, then 3 GRPO steps whose every
+  log-prob pass replays the sampler's routes; rollout/route_mismatch logged each step."""
   workdir = tmp_path / "run"
   r = subprocess.run(
       [
@@ -167,12 +170,14 @@ def test_loop_with_routing_replay_logs_route_mismatch(tmp_path):
           "--config=configs/tiny_moe.py",
           f"--workdir={workdir}",
           "--config.rollout.routing_replay=rollout",
+          "--config.model.dtype=bfloat16",
           "--config.num_steps=3",
           "--config.sft_steps=2",
           "--config.batch_size=8",
           "--config.num_generations=4",
           "--config.data.arithmetic.num_train=64",
           "--config.data.arithmetic.num_test=16",
+          "--config.sft.num_validation=16",
           "--config.eval.batch_size=16",
           "--config.log_interval_steps=1",
           "--config.report_at_end=False",
@@ -186,4 +191,59 @@ def test_loop_with_routing_replay_logs_route_mismatch(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   values = [row["rollout/route_mismatch"] for row in rows if "rollout/route_mismatch" in row]
+  print("rollout/route_mismatch per step:", values)
   assert len(values) == 3 and all(0.0 <= v <= 1.0 for v in values), values
+
+
+def test_routing_replay_is_validated_in_one_line_each():
+  from tests.test_config import errors_of
+  from tests.test_config import load
+
+  c = load("tiny_moe")
+  c.rollout.routing_replay = "rollout"
+  assert errors_of(c) == []
+  cases = [
+      ({"rollout.routing_replay": "always"}, "unknown routing replay mode"),
+      ({"rollout.slots": 32}, "records routes in the lockstep sampler. Fix: set rollout.slots=0"),
+      ({"pack_sequences": True}, "pack_sequences=False"),
+      ({"lora.rank": 4}, "lora.rank=0"),
+      ({"rollout.engine": "vllm"}, "replayed by the native decoder"),
+  ]
+  for fields, why in cases:
+    c = load("tiny_moe")
+    c.rollout.routing_replay = "rollout"
+    for k, v in fields.items():
+      node, *path = [c, *k.split(".")]
+      for p in path[:-1]:
+        node = node[p]
+      node[path[-1]] = v
+    errs = [e for e in errors_of(c) if e.startswith("rollout.routing_replay")]
+    assert len(errs) == 1 and why in errs[0], (fields, errs)
+  dense = load("tiny")
+  dense.rollout.routing_replay = "rollout"
+  errs = errors_of(dense)
+  assert errs == [
+      "rollout.routing_replay='rollout': the model is dense: no routes to replay. "
+      "Fix: routing_replay=none."
+  ], errs
+
+
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("lora.rank", 4, "LoRA on an MoE model (8 experts per layer) is not built yet"),
+        ("rollout.engine", "vllm", "weight sync has no mapping for an MoE model"),
+        ("model.impl", "maxtext", "MaxText policy's mapping for an MoE model"),
+    ],
+)
+def test_moe_paths_not_built_are_refused_in_one_line(field, value, why):
+  from tests.test_config import errors_of
+  from tests.test_config import load
+
+  c = load("tiny_moe")
+  node, *path = [c, *field.split(".")]
+  for p in path[:-1]:
+    node = node[p]
+  node[path[-1]] = value
+  errs = [e for e in errors_of(c) if e.startswith(f"{field}=")]
+  assert any(why in e for e in errs), errors_of(c)
