@@ -771,7 +771,9 @@ def _check_moe_paths(c: _Checker, cfg):
         "rollout.engine=native",
     )
   if m.impl == "maxtext":
-    c.fail("model.impl", f"the MaxText policy's mapping for {moe} is not built", "model.impl=native")
+    c.fail(
+        "model.impl", f"the MaxText policy's mapping for {moe} is not built", "model.impl=native"
+    )
 
 
 def _check_packing(c: _Checker, cfg, num_processes: int):

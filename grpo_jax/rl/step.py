@@ -31,6 +31,7 @@ from grpo_jax.rl import corrections
 from grpo_jax.rl import losses
 from grpo_jax.rl import packing
 from grpo_jax.rl import replay
+from grpo_jax.models.decoder.moe import routes_dtype
 from grpo_jax.run import metrics as metrics_lib
 from grpo_jax.run import profiling
 
@@ -408,8 +409,16 @@ def build(config, policy, mesh) -> TrainFunctions:
     if corrections.active(config.loss.offpolicy_correction, config.loss.tis_cap):
       batch["sampler_logp"] = rollout.logprobs
     if replaying:  # [N, P + C, L_moe, k], column for column with input_ids
-      batch["routes"] = rollout.routes
+      batch["routes"] = rollout.routes if rollout.routes is not None else no_routes(batch)
     return batch
+
+  def no_routes(batch):
+    """-1 everywhere (each forward its own top-k): an in-flight rollout restored from a
+    checkpoint comes back without its routes (Rollout.spec cannot know their shape)."""
+    cfg = policy.model_config
+    l_moe, k = sum(cfg.moe_layers), cfg.num_experts_per_tok
+    n, s = batch["input_ids"].shape
+    return jnp.full((n, s, l_moe, k), -1, routes_dtype(cfg.num_experts))
 
   def kl_penalized(rewards_n, old_nc, ref_nc, mask_nc):
     kl_nc = losses.token_kl(old_nc, ref_nc, config.loss.kl_kind, config.loss.kl_clamp)

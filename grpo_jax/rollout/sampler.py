@@ -44,11 +44,11 @@ from grpo_jax.models.decoder.cache import ring_sizes
 from grpo_jax.models.decoder.cache import sampling_copy
 from grpo_jax.models.decoder.cache import share_prompt
 from grpo_jax.models.decoder.kernels import Kernels
+from grpo_jax.models.decoder.moe import routes_dtype
 from grpo_jax.rollout import sampling
 from grpo_jax.rollout.types import GenerationConfig
 from grpo_jax.rollout.types import Rollout
 from grpo_jax.rollout.types import generation_config
-from grpo_jax.rollout.types import routes_dtype
 
 
 class Sampler:

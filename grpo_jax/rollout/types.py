@@ -45,12 +45,6 @@ def generation_config(generation: "str | GenerationConfig") -> GenerationConfig:
     ) from None
 
 
-def routes_dtype(num_experts: int):
-  """The compact integer type of recorded routes: int8 up to 127 experts, else int16 (-1 =
-  none recorded)."""
-  return jnp.int8 if num_experts <= 127 else jnp.int16
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Rollout:
@@ -70,13 +64,16 @@ class Rollout:
                               not counted in lengths' statistics), else 0; zeros without tools.
   routes      int8/16 [B*G, P+C, L_moe, k] or None: routing replay's record (an MoE policy
                               on the lockstep sampler with rollout.routing_replay="rollout";
-                              `routes_dtype`): column c holds the experts each MoE layer chose
-                              for the token at index c of the row's [prompt (left-padded to
-                              P); completion] when the sampler fed it to the model (prompt
-                              columns: the prefill's; completion token j: the decode step
-                              after it was drawn; -1 where it was never fed: the last token).
-                              The trainer's forward over the same [prompt; completion] row
-                              replays them column for column (rl/replay.py). None otherwise.
+                              dtype: models/decoder/moe.py `routes_dtype`): column c holds the
+                              experts each MoE layer chose for the token at index c of the
+                              row's [prompt (left-padded to P); completion] when the sampler
+                              fed it to the model (prompt columns: the prefill's; completion
+                              token j: the decode step after it was drawn; -1 where it was
+                              never fed: the last token). The trainer's forward over the same
+                              row replays them column for column (rl/replay.py). None
+                              otherwise, and for an in-flight rollout restored from a
+                              checkpoint (`spec` cannot know P; the trainer then routes it
+                              on its own: rl/step.py).
 
   `action_mask` (mask without the tool tokens) is what is trained.
   """

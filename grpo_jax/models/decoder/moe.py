@@ -47,6 +47,12 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, fan_in: int) -> nnx.Param:
   return nnx.Param(value.astype(dtype), logical_axes=axes)
 
 
+def routes_dtype(num_experts: int):
+  """The compact integer type of recorded routes (rollout/types.py `Rollout.routes`): int8 up
+  to 127 experts, else int16 (-1 = none recorded)."""
+  return jnp.int8 if num_experts <= 127 else jnp.int16
+
+
 class MoE(nnx.Module):
   """Top-k routed SwiGLU experts (Qwen3MoeSparseMoeBlock)."""
 
