@@ -208,6 +208,11 @@ def base() -> ml_collections.ConfigDict:
   # version that drew it. partial_rollout: a row still running when its step is due trains in
   # the step after it finishes (True: not built yet, refused), or its step waits for it (False).
   c.rollout.partial_rollout = False
+  # Rollout routing replay (R3, MoE policies; rl/replay.py): "rollout" = the lockstep sampler
+  # records each token's experts per MoE layer and the trainer's forwards (old, reference,
+  # update) use them instead of their own top-k, gates from the current router (differentiable);
+  # logs rollout/route_mismatch. "none" = each forward routes on its own. Native engine, slots=0.
+  c.rollout.routing_replay = "none"
   # Tools (rollout/turns.py, rollout/tools/): a row whose turn ends with tool calls pauses in
   # its slot, the calls run on the host (threads, `timeout_sec` each), the response is appended
   # to the row (context: no loss, no KL) and it goes on, up to `max_turns` model turns and the

@@ -31,6 +31,7 @@ from grpo_jax.rewards import judge
 from grpo_jax.rewards import registry as reward_registry
 from grpo_jax.rl import advantages
 from grpo_jax.rl import registry as rl_registry
+from grpo_jax.rl import replay as routing_replay
 from grpo_jax.rollout import engine as rollout_engine
 from grpo_jax.rollout import types as rollout_types
 from grpo_jax.rollout import vllm_engine as vllm_sync
@@ -393,6 +394,8 @@ def _check_rollout(c: _Checker, cfg):
   )
   if r.tools.names.strip():
     _validate_tools(c, cfg)
+  _check_routing_replay(c, cfg)
+  _check_moe_paths(c, cfg)
   if r.slots and r.max_staleness:  # streaming (rollout/source.py, rollout/streaming.py)
     c.require(
         not (cfg.loss.dynamic_sampling and cfg.loss.max_resample_rounds > 0),
@@ -714,6 +717,62 @@ def _check_micro_batch(c: _Checker, cfg, dp: int):
         "micro_batch_size",
         f"not divisible by the data-parallel mesh size {dp}",
         f"use a multiple of {dp}",
+    )
+
+
+def _check_routing_replay(c: _Checker, cfg):
+  """rollout.routing_replay (rl/replay.py): "rollout" where its routes are recorded and replayed
+  so far: an MoE native decoder, the lockstep sampler, padded rows, full fine-tuning."""
+  r, m = cfg.rollout, cfg.model
+  c.one_of("rollout.routing_replay", routing_replay.MODES, "routing replay mode")
+  if r.routing_replay != "rollout":
+    return
+  field = "rollout.routing_replay"
+  if m.impl != "native" or m.family != "decoder" or r.engine != "native":
+    c.fail(
+        field,
+        "routes are recorded by the native sampler and replayed by the native decoder "
+        f"(model.impl={m.impl!r}, model.family={m.family!r}, rollout.engine={r.engine!r})",
+        "model.impl=native, model.family=decoder, rollout.engine=native; or routing_replay=none",
+    )
+    return
+  experts = m.num_experts if not m.hf_path else _hf_num_experts(m.hf_path)
+  if experts == 0:
+    c.fail(field, "the model is dense: no routes to replay", "routing_replay=none")
+  if r.slots:
+    c.fail(
+        field,
+        "routing replay records routes in the lockstep sampler",
+        "set rollout.slots=0",
+    )
+  if cfg.pack_sequences:
+    c.fail(field, "packed rows do not carry routes yet", "pack_sequences=False")
+  if cfg.lora.rank:
+    c.fail(field, "the LoRA policy does not replay routes yet", "lora.rank=0")
+
+
+def _check_moe_paths(c: _Checker, cfg):
+  """An MoE model (model.num_experts > 0, or an HF folder's) where only the native decoder and
+  sampler have its layers so far: no LoRA (its default targets would reach the 3-D expert
+  weights), no vLLM / tpu-inference weight sync, no MaxText policy."""
+  m = cfg.model
+  if m.family != "decoder":
+    return
+  experts = m.num_experts if not m.hf_path else _hf_num_experts(m.hf_path)
+  if not experts:
+    return
+  moe = f"an MoE model ({experts} experts per layer)"
+  if cfg.lora.rank:
+    c.fail("lora.rank", f"LoRA on {moe} is not built yet", "lora.rank=0 (full fine-tuning)")
+  if cfg.rollout.engine == "vllm":
+    c.fail(
+        "rollout.engine",
+        f"the vLLM / tpu-inference weight sync has no mapping for {moe}",
+        "rollout.engine=native",
+    )
+  if m.impl == "maxtext":
+    c.fail(
+        "model.impl", f"the MaxText policy's mapping for {moe} is not built", "model.impl=native"
     )
 
 

@@ -171,7 +171,10 @@ def _setup(config, session, mesh, sampler_mesh) -> tuple[Parts, dict]:
       sum(x.size for x in jax.tree.leaves(policy.params)) / 1e6,
   )
   profiling.log_memory("loading the policy")
-  engine = session.closing(rollout_lib.make_engine(config, policy, tokenizer, sampler_mesh))
+  replay = config.rollout.routing_replay == "rollout"  # rl/replay.py: the sampler records routes
+  engine = session.closing(
+      rollout_lib.make_engine(config, policy, tokenizer, sampler_mesh, record_routes=replay)
+  )
   evaluator = _evaluator(config, session, policy, tokenizer, mesh, eval_data, decode)
   reward_fn = session.closing(rewards_lib.from_config(config.reward))
   reward_fn.check(train_data.rows[0])  # a broken plug-in fails now, not after SFT

@@ -116,12 +116,36 @@ def completion_logprobs(
   This is the trainer-side forward of GRPO: the same positions (from the mask) and attention
   pattern as the sampler's prefill + decode. Logits at index j predict token j + 1.
   """
+  h = model.hidden(input_ids_bs, attention_mask_bs)
+  return _completion_head(model, h, input_ids_bs, completion_len, temperature, chunk_size, remat)
+
+
+def completion_logprobs_routed(
+    model,
+    input_ids_bs: jax.Array,
+    attention_mask_bs: jax.Array,
+    routes_bslk: jax.Array,
+    completion_len: int,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    remat: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """`completion_logprobs` of an MoE decoder with routing replay: routes [B, S, L_moe, k] (-1 =
+  the token's own top-k) are the experts each MoE layer uses per token (Transformer.
+  hidden_routed). -> (log-probs [B, C], own [B, S, L_moe, k] int32: the MoE layers' own top-k
+  experts in this forward)."""
+  h, own = model.hidden_routed(input_ids_bs, attention_mask_bs, routes_bslk)
+  logp = _completion_head(model, h, input_ids_bs, completion_len, temperature, chunk_size, remat)
+  return logp, own
+
+
+def _completion_head(model, h_bsd, input_ids_bs, completion_len, temperature, chunk_size, remat):
+  """The LM head's log-probs of the last C tokens from the hidden states before them."""
   s = input_ids_bs.shape[1]
   if remat is None:
     remat = model.cfg.remat_policy != "none"
-  h = model.hidden(input_ids_bs, attention_mask_bs)[:, s - completion_len - 1 : s - 1]
   return chunked_token_logprobs(
-      h,
+      h_bsd[:, s - completion_len - 1 : s - 1],
       model.unembedding(),
       input_ids_bs[:, s - completion_len :],
       temperature,

@@ -26,6 +26,7 @@ from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.models.decoder.kernels import Kernels
 from grpo_jax.models.t5 import hf as t5_hf
 from grpo_jax.models.logprobs import completion_logprobs
+from grpo_jax.models.logprobs import completion_logprobs_routed
 from grpo_jax.models.logprobs import packed_logprobs
 from grpo_jax.models.t5.model import T5
 from grpo_jax.models.t5.model import build_t5
@@ -65,6 +66,10 @@ class Policy:
   # slots) given its sequence before it
   # (models/logprobs.py: packed_logprobs). None: the policy trains on padded rows only.
   packed_logprobs: Callable | None = None
+  # Routing replay (an MoE native decoder; rl/replay.py): (params, input_ids [B,S],
+  # attention_mask [B,S], routes [B,S,L_moe,k] (-1 = own top-k), C, temperature) -> (log-probs
+  # [B, C], the MoE layers' own top-k [B, S, L_moe, k]). None: no MoE layers to replay.
+  routed_logprobs: Callable | None = None
 
   def param_shardings(self, mesh):
     if self.shardings is not None:
@@ -145,6 +150,11 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
         nnx.merge(graphdef, params), input_ids, segment_ids, positions, head_slots, temperature
     )
 
+  def routed(params, input_ids, attention_mask, routes, completion_len, temperature=1.0):
+    return completion_logprobs_routed(
+        nnx.merge(graphdef, params), input_ids, attention_mask, routes, completion_len, temperature
+    )
+
   def save(params, path):
     hf.save_hf(nnx.merge(graphdef, params), path)
 
@@ -157,6 +167,7 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
       model_config=cfg,
       save_hf=save,
       packed_logprobs=packed,
+      routed_logprobs=routed if any(cfg.moe_layers) else None,
   )
 
 

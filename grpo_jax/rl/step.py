@@ -30,6 +30,8 @@ from grpo_jax.rl import advantages as adv_lib
 from grpo_jax.rl import corrections
 from grpo_jax.rl import losses
 from grpo_jax.rl import packing
+from grpo_jax.rl import replay
+from grpo_jax.models.decoder.moe import routes_dtype
 from grpo_jax.run import metrics as metrics_lib
 from grpo_jax.run import profiling
 
@@ -315,6 +317,9 @@ class TrainFunctions:
   packed_logprobs(params, input_ids, segment_ids, positions, head_slots) -> [R, L]
   packed_fold_kl(batch, rewards) -> (batch, rewards)     fold_kl on packed rows
   unpack(x_rl, slot_nc) -> [N, C]       a packed per-token array in the rollout's layout
+  With rollout.routing_replay="rollout" (rl/replay.py), `update` replays the batch's routes, and:
+  routed_logprobs(params, input_ids, attention_mask, routes, completion_mask) -> ([N, C],
+                                        rollout/route_mismatch)   the replayed log-prob pass
   num_micro                             gradient-accumulation passes
   """
 
@@ -329,6 +334,7 @@ class TrainFunctions:
   packed_logprobs: Callable | None = None
   packed_fold_kl: Callable | None = None
   unpack: Callable | None = None
+  routed_logprobs: Callable | None = None
   num_micro: int = 1
 
 
@@ -358,9 +364,21 @@ def build(config, policy, mesh) -> TrainFunctions:
       max_grad_norm=config.optimizer.max_grad_norm,
   )
   temperature = float(config.rollout.temperature)
+  replaying = config.rollout.routing_replay == "rollout"
 
   def logprobs(params, input_ids, attention_mask):
     return policy.logprobs(params, input_ids, attention_mask, completion_len, temperature)
+
+  def routed_update_logprobs(params, input_ids, attention_mask, routes):
+    return policy.routed_logprobs(
+        params, input_ids, attention_mask, routes, completion_len, temperature
+    )[0]
+
+  def routed_logprobs(params, input_ids, attention_mask, routes, completion_mask):
+    logp, own = policy.routed_logprobs(
+        params, input_ids, attention_mask, routes, completion_len, temperature
+    )
+    return logp, replay.route_mismatch(own, routes, completion_mask)
 
   def advantages(rewards_n):
     adv_n = adv_lib.group_advantages(
@@ -390,7 +408,17 @@ def build(config, policy, mesh) -> TrainFunctions:
     )
     if corrections.active(config.loss.offpolicy_correction, config.loss.tis_cap):
       batch["sampler_logp"] = rollout.logprobs
+    if replaying:  # [N, P + C, L_moe, k], column for column with input_ids
+      batch["routes"] = rollout.routes if rollout.routes is not None else no_routes(batch)
     return batch
+
+  def no_routes(batch):
+    """-1 everywhere (each forward its own top-k): an in-flight rollout restored from a
+    checkpoint comes back without its routes (Rollout.spec cannot know their shape)."""
+    cfg = policy.model_config
+    l_moe, k = sum(cfg.moe_layers), cfg.num_experts_per_tok
+    n, s = batch["input_ids"].shape
+    return jnp.full((n, s, l_moe, k), -1, routes_dtype(cfg.num_experts))
 
   def kl_penalized(rewards_n, old_nc, ref_nc, mask_nc):
     kl_nc = losses.token_kl(old_nc, ref_nc, config.loss.kl_kind, config.loss.kl_clamp)
@@ -463,6 +491,8 @@ def build(config, policy, mesh) -> TrainFunctions:
   if config.pack_sequences:
     update_logprobs = packed_logprobs
     layout = packing.PackedLayout(rows // num_micro, num_micro)
+  elif replaying:
+    update_logprobs, layout = routed_update_logprobs, replay.ROUTED
   else:
     update_logprobs, layout = logprobs, packing.PADDED
   update = make_grpo_update(
@@ -492,6 +522,12 @@ def build(config, policy, mesh) -> TrainFunctions:
       packed_logprobs=jax.jit(sharding.traced_in(packed_logprobs_all, mesh), out_shardings=rows2),
       packed_fold_kl=jax.jit(packed_fold_kl),
       unpack=jax.jit(packing.unpack, out_shardings=rows2),
+      routed_logprobs=jax.jit(
+          sharding.traced_in(routed_logprobs, mesh),
+          out_shardings=(rows2, sharding.replicated(mesh)),
+      )
+      if replaying
+      else None,
       num_micro=num_micro,
   )
 
@@ -538,6 +574,10 @@ class GrpoStep:
     self.matches_trainer = matches_trainer
     # The update's rows: as the rollout made them, or packed (rl/packing.py).
     self.rows = packing.Packer(config, fns, mesh) if config.pack_sequences else packing.Padded(fns)
+    # Routing replay (rl/replay.py): every log-prob pass replays the rollout's MoE routes.
+    self.replay = config.rollout.routing_replay == "rollout"
+    if self.replay:
+      self.rows = replay.Routed(fns)
     self.old_logp = old_logprobs_source(config, matches_trainer)
     self.stats_fn = jax.jit(
         functools.partial(
@@ -559,7 +599,12 @@ class GrpoStep:
       if self.old_logp == "sampler":
         upd["old_logp"] = batch.behaviour_logp
       upd = self.rows.rows(upd)  # packed: the plan on the host, the gather on the device
-    if self.old_logp == "trainer":
+    if self.replay:  # a replayed pass measures rollout/route_mismatch (figures)
+      with profiling.phase("old_logprobs"):
+        logp, upd["route_mismatch"] = self.rows.logprobs_and_mismatch(state["params"], upd)
+      if self.old_logp == "trainer":
+        upd["old_logp"] = logp
+    elif self.old_logp == "trainer":
       with profiling.phase("old_logprobs"):
         upd["old_logp"] = self.rows.logprobs(state["params"], upd)
     if self.reference.enabled:
@@ -573,6 +618,7 @@ class GrpoStep:
   def update(self, state: dict, upd: dict) -> tuple[dict, dict]:
     """6. num_iterations optimizer updates over the whole batch, dispatched (`state` donated).
     -> (the new state, the last update's metrics)."""
+    upd = {k: v for k, v in upd.items() if k != "route_mismatch"}  # a figure, not a row
     with profiling.phase("update"):
       for _ in range(self.config.num_iterations):
         state, metrics = self.fns.update(state, upd)
@@ -594,4 +640,7 @@ class GrpoStep:
     )
     if kl_rewards_n is not None:
       mismatch["kl_rewards_n"] = kl_rewards_n
-    return self.stats_fn(batch.rewards, advantages_n, batch.rollout.action_mask, **mismatch)
+    out = self.stats_fn(batch.rewards, advantages_n, batch.rollout.action_mask, **mismatch)
+    if "route_mismatch" in upd:
+      out["rollout/route_mismatch"] = upd["route_mismatch"]
+    return out

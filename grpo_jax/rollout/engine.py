@@ -57,10 +57,12 @@ class NativeEngine:
       steps_in_flight: int = 1,
       turns=None,
       max_append: int = 0,
+      record_routes: bool = False,
   ):
     """slots > 0: the slot engine (rollout/slots.py) with that many decode slots, room for
     `steps_in_flight` steps' rows at once (streaming: rollout.max_staleness + 1), else the
-    lockstep group sampler."""
+    lockstep group sampler. record_routes: the lockstep sampler keeps the MoE routes of its
+    rollouts (Rollout.routes, routing replay: rl/replay.py)."""
     self.mesh = mesh
     kw = dict(
         max_prompt_length=max_prompt_length,
@@ -87,6 +89,7 @@ class NativeEngine:
           decode_phases=decode_phases,
           decode_block=decode_block,
           decode_attention=decode_attention,
+          record_routes=record_routes,
           **kw,
       )
     else:  # encoder-decoder: prompts are the encoder's input
@@ -189,11 +192,14 @@ def make_engine(
     num_generations: int | None = None,
     max_new_tokens: int | None = None,
     kind: str | None = None,
+    record_routes: bool = False,
 ):
   """The engine named by `kind` (default config.rollout.engine) for `policy` on `mesh`.
 
   num_generations / max_new_tokens default to the training rollout's (config.num_generations,
   config.max_completion_length); evaluation asks for 1 and config.eval.max_new_tokens.
+  record_routes: the native lockstep sampler records the MoE routes (the training rollout's
+  with rollout.routing_replay="rollout").
   """
   kind = kind or config.rollout.engine
   g = config.num_generations if num_generations is None else num_generations
@@ -231,4 +237,5 @@ def make_engine(
       steps_in_flight=config.rollout.max_staleness + 1,
       turns=turns,
       max_append=config.rollout.max_tool_response_tokens if turns is not None else 0,
+      record_routes=record_routes,
   )

@@ -17,7 +17,11 @@
    C slots): a step reads about the slots written so far, not all C. Each phase is its own
    compiled loop (compile time grows with the phases; 1 = one loop over C slots; see
    `phase_ends`).
-3. Everything is one jit per (shapes, static sampling path); new parameters, prompts, rng,
+3. Routing replay (`record_routes`, an MoE policy with rollout.routing_replay="rollout"): the
+   prefill's and each decode step's MoE routes (the experts every MoE layer chose for the
+   tokens fed) are kept as `Rollout.routes` [B*G, P+C, L_moe, k] (types.py has the layout),
+   for the trainer's forward to replay (rl/replay.py).
+4. Everything is one jit per (shapes, static sampling path); new parameters, prompts, rng,
    temperature and top_p reuse the compiled program. Batch rows shard over (data, fsdp).
 
 Randomness: step t of a call uses fold_in(rng, t); each draw covers the whole [B*G] batch, so
@@ -40,6 +44,7 @@ from grpo_jax.models.decoder.cache import ring_sizes
 from grpo_jax.models.decoder.cache import sampling_copy
 from grpo_jax.models.decoder.cache import share_prompt
 from grpo_jax.models.decoder.kernels import Kernels
+from grpo_jax.models.decoder.moe import routes_dtype
 from grpo_jax.rollout import sampling
 from grpo_jax.rollout.types import GenerationConfig
 from grpo_jax.rollout.types import Rollout
@@ -62,8 +67,11 @@ class Sampler:
       decode_phases: int = 0,
       decode_block: int = 0,
       decode_attention: str | None = None,
+      record_routes: bool = False,
   ):
+    """record_routes: keep the MoE routes of every token fed (Rollout.routes; an MoE model)."""
     self.graphdef = graphdef
+    self.record_routes = record_routes
     self.max_prompt_length = max_prompt_length
     self.max_new_tokens = max_new_tokens
     self.num_generations = num_generations
@@ -100,6 +108,7 @@ class Sampler:
             lengths=vec,
             truncated=vec,
             tool_mask=rows,
+            routes=sharding.batch_sharding(self.mesh, 4) if self.record_routes else None,
         )
       self._compiled[key] = jax.jit(fn, **kw)
     return self._compiled[key]
@@ -169,7 +178,10 @@ class Sampler:
     n = b * g
     prompt_ids = sharding.constrain(prompt_ids, "batch", "length")
     cache = _constrain_cache(model.init_cache(b, p))
-    logits, cache = model.prefill(prompt_ids, prompt_mask, cache)  # [B, V]
+    logits, cache, prompt_routes = model.prefill_routed(prompt_ids, prompt_mask, cache)  # [B, V]
+    if self.record_routes and prompt_routes is None:
+      raise ValueError("record_routes: the model has no MoE layers (model.num_experts = 0)")
+    routes_dt = routes_dtype(model.cfg.num_experts)
     rings = ring_sizes(model.cfg)  # local layers: window-sized completion caches
     cache = _constrain_cache(
         share_prompt(
@@ -218,8 +230,12 @@ class Sampler:
       return (c["t"] < end) & ~jnp.all(c["done"])
 
     def step(c):
-      logits, cache = model.decode(c["token"], c["cache"])
-      return record(dict(c, cache=_constrain_cache(cache)), c["t"], logits, c["done"])
+      logits, cache, routes = model.decode_routed(c["token"], c["cache"])
+      c = dict(c, cache=_constrain_cache(cache))
+      if self.record_routes:  # the token decoded is column t - 1's
+        new = routes[:, None].astype(routes_dt)
+        c["routes"] = jax.lax.dynamic_update_slice(c["routes"], new, (0, c["t"] - 1, 0, 0))
+      return record(c, c["t"], logits, c["done"])
 
     def body(c):  # `block` steps: a loop of known trip count, no stop check between them
       if self.block == 1:
@@ -236,6 +252,9 @@ class Sampler:
         logprobs=jnp.zeros((n, cols), jnp.float32),
         raw_logprobs=jnp.zeros((n, cols), jnp.float32),
     )
+    if self.record_routes:
+      l_moe, k = prompt_routes.shape[2:]
+      init["routes"] = jnp.full((n, cols, l_moe, k), -1, routes_dt)
     final = record(init, init["t"], logits, init["done"])
     for i, end in enumerate(self.phase_ends):
       if i:
@@ -244,11 +263,16 @@ class Sampler:
         )
       final = jax.lax.while_loop(functools.partial(cond, end=end), body, final)
     out = {k: final[k][:, :c_len] for k in ("tokens", "mask", "logprobs", "raw_logprobs")}
+    routes = None
+    if self.record_routes:  # [N, P + C, L_moe, k]: the prompt's (one prefill per group), then
+      prompt = jnp.repeat(prompt_routes.astype(routes_dt), g, axis=0)
+      routes = jnp.concatenate([prompt, final["routes"][:, :c_len]], axis=1)
     return Rollout(
         **out,
         lengths=out["mask"].sum(-1),
         truncated=~final["done"],
         tool_mask=jnp.zeros_like(out["mask"]),
+        routes=routes,
     )
 
 

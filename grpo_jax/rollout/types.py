@@ -62,6 +62,18 @@ class Rollout:
   truncated   bool  [B*G]     True when the row hit C tokens without a stop token.
   tool_mask   int32 [B*G, C]  1 on tokens a tool wrote (context, not actions: no loss, no KL,
                               not counted in lengths' statistics), else 0; zeros without tools.
+  routes      int8/16 [B*G, P+C, L_moe, k] or None: routing replay's record (an MoE policy
+                              on the lockstep sampler with rollout.routing_replay="rollout";
+                              dtype: models/decoder/moe.py `routes_dtype`): column c holds the
+                              experts each MoE layer chose for the token at index c of the
+                              row's [prompt (left-padded to P); completion] when the sampler
+                              fed it to the model (prompt columns: the prefill's; completion
+                              token j: the decode step after it was drawn; -1 where it was
+                              never fed: the last token). The trainer's forward over the same
+                              row replays them column for column (rl/replay.py). None
+                              otherwise, and for an in-flight rollout restored from a
+                              checkpoint (`spec` cannot know P; the trainer then routes it
+                              on its own: rl/step.py).
 
   `action_mask` (mask without the tool tokens) is what is trained.
   """
@@ -73,6 +85,7 @@ class Rollout:
   lengths: jax.Array
   truncated: jax.Array
   tool_mask: jax.Array
+  routes: jax.Array | None = None
 
   @property
   def action_mask(self) -> jax.Array:

@@ -103,7 +103,7 @@ def reference_decode(model, token_b, cache):
         block._window(local),
         block.cfg.attn_logit_softcap
     )
-    return block._residual(x, a, model.kernels), (k, v)
+    return block._residual(x, a, model.kernels)[0], (k, v)  # (x, the MoE routes)
 
   x, (ks, vs) = model._run_layers(step, model._embed(token_b[:, None]), (cache["k"], cache["v"]))
   logits = model.logits_from_hidden(model.final_norm(x))[:, 0]

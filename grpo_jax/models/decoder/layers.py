@@ -270,7 +270,9 @@ class Block(nnx.Module):
       self.post_attn_norm = norm(cfg, cfg.hidden_size, rngs)
       self.post_mlp_norm = norm(cfg, cfg.hidden_size, rngs)
 
-  def forward(self, x_btd, positions_bt, segments_bt, kernels: Kernels, local=False):
+  def forward(
+      self, x_btd, positions_bt, segments_bt, kernels: Kernels, local=False, routes_btk=None
+  ):
     """The training forward and the prefill: the T tokens of each row attend among themselves.
 
     x [B, T, D]; positions [B, T] (RoPE; the real tokens of its sequence before each);
@@ -280,8 +282,10 @@ class Block(nnx.Module):
     caller has moved each row's real tokens first (transformer.compaction) and one fused causal
     kernel runs (`causal_attention`; one sequence per row, `segments` not read); else the masked
     attention, where slot j is the row's index j. `local`: a sliding-window layer (a bool, or a traced one under the
-    layer scan). -> (x, k, v): k, v [B, T, Hkv, K] are the tokens' keys/values (the prefill's
-    cache entries)."""
+    layer scan). `routes_btk` [B, T, k]: an MoE layer's replayed experts (routing replay,
+    moe.py; -1 = the token's own top-k). -> (x, k, v, own): k, v [B, T, Hkv, K] are the tokens'
+    keys/values (the prefill's cache entries); own [B, T, k] an MoE layer's own top-k experts
+    (None for a dense layer)."""
     cfg = self.cfg
     q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions_bt, local)
     window = self._window(local)
@@ -306,7 +310,8 @@ class Block(nnx.Module):
       if window is not None:  # windows count positions (within the sequence), not slots
         allowed &= positions_bt[:, :, None] - positions_bt[:, None, :] < window
       a = attention(q, k, v, allowed, softcap=cfg.attn_logit_softcap)
-    return self._residual(x_btd, a, kernels), k, v
+    x_btd, own = self._residual(x_btd, a, kernels, routes_btk)
+    return x_btd, k, v, own
 
   def decode(
       self,
@@ -331,7 +336,8 @@ class Block(nnx.Module):
     (the old buffer still read when the update lands). With `kernels.ragged_decode` (the
     sampler's, on GPU) one kernel reads the written slots only, where the layer allows it (no
     window, no soft-cap, `decode_attention.supports`). `local`: as `forward`.
-    -> (x, cache k, cache v): the written cache."""
+    -> (x, cache k, cache v, own): the written cache; own [B, 1, k] an MoE layer's top-k
+    experts (None for a dense layer)."""
     cfg = self.cfg
     q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions_bt, local)
     window = self._window(local)
@@ -368,7 +374,8 @@ class Block(nnx.Module):
           prefix_mask(prefix[2], positions_bt, window),
           softcap=cfg.attn_logit_softcap,
       )
-    return self._residual(x_btd, a, kernels), k, v
+    x_btd, own = self._residual(x_btd, a, kernels)
+    return x_btd, k, v, own
 
   def decode_rows(self, x_btd, cache_k, cache_v, at_b, kernels: Kernels, local=False, layer=None):
     """The slot engine's decode step (rollout/slots.py): one new token per row (or T, appended
@@ -411,7 +418,7 @@ class Block(nnx.Module):
       prefix = (none, none, jnp.zeros((b, decode_attention.BLOCK), jnp.int32))
       if decode_attention.supports(q, k, none, interpret=kernels.interpret):
         a = decode_attention.ragged(q, k, v, at_b + 1, prefix, interpret=kernels.interpret)
-        return self._residual(x_btd, a, kernels), cache_k, cache_v
+        return self._residual(x_btd, a, kernels)[0], cache_k, cache_v
     kv_slot = jnp.arange(s_len)
     valid = jnp.ones((b, s_len), jnp.int32)  # slot_mask's causality does the rest
     empty = jnp.zeros((b, k.shape[1], 0, k.shape[3]), k.dtype)
@@ -425,7 +432,7 @@ class Block(nnx.Module):
         jnp.zeros((b, 1, 1, 0), bool),
         softcap=cfg.attn_logit_softcap,
     )
-    return self._residual(x_btd, a, kernels), cache_k, cache_v
+    return self._residual(x_btd, a, kernels)[0], cache_k, cache_v
 
   def _window(self, local):
     """The layer's sliding window: None (a global layer, or a model without windows),
@@ -438,14 +445,20 @@ class Block(nnx.Module):
       return cfg.sliding_window
     return jnp.where(local, cfg.sliding_window, 2**30)
 
-  def _residual(self, x_btd, attn_bthk, kernels: Kernels):
-    """x + attn, then + mlp (Gemma: each output normed first)."""
+  def _residual(self, x_btd, attn_bthk, kernels: Kernels, routes_btk=None):
+    """x + attn, then + mlp (Gemma: each output normed first). -> (x, own): own [B, T, k]
+    int32, an MoE layer's own top-k experts per token (None for a dense MLP); `routes_btk`:
+    an MoE layer's replayed experts (MoE.routed; -1 = own)."""
     a = self.attn.out(attn_bthk)
     if self.cfg.gemma:
       a = self.post_attn_norm(a)
     x_btd = x_btd + a
     h = self.mlp_norm(x_btd)
-    m = self.mlp(h) if isinstance(self.mlp, MoE) else self.mlp(h, kernels.fuse_gate_up)
+    own = None
+    if isinstance(self.mlp, MoE):
+      m, own = self.mlp.routed(h, routes_btk)
+    else:
+      m = self.mlp(h, kernels.fuse_gate_up)
     if self.cfg.gemma:
       m = self.post_mlp_norm(m)
-    return x_btd + m
+    return x_btd + m, own

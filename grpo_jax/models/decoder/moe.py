@@ -3,6 +3,7 @@ router over E SwiGLU experts, dropless, as grouped matmuls over the tokens sorte
 
     moe = MoE(cfg, rngs=rngs)          # Block's MLP where cfg.layer_is_moe(i) (layers.py)
     y_btd = moe(x_btd)                 # [B, T, D] -> [B, T, D]
+    y_btd, own_btk = moe.routed(x_btd, routes_btk)   # routing replay (below)
 
 Routing (HF's Qwen3MoeTopKRouter, in f32 whatever the compute dtype): p = softmax(x @ router)
 over the E experts; each token takes its k most probable experts, gated by their p, renormalized
@@ -13,6 +14,14 @@ contiguous group; `jax.lax.ragged_dot` runs every expert's gate, up and down pro
 grouped GEMM over those groups (no capacity, no dropped token, no [N, E] dispatch tensor); each
 pair's output is scaled by its gate and summed back onto its token. Padding tokens are routed
 like any other (dropless: they cannot crowd out a real token).
+
+Routing replay (R3, arXiv 2510.11370; rollout.routing_replay="rollout"): `routed(x, routes)`
+takes each token's k experts from `routes` (the ones the sampler chose for it; rollout/sampler.py
+records them) instead of the router's own top-k; a token whose routes are -1 takes its own. The
+gates are R3's: the router's softmax probabilities of the current weights gathered at the
+replayed experts (renormalized over the k with `norm_topk_prob`), so the router still gets
+gradients through them; only the choice of experts is replayed. Without replayed routes the
+gathered probabilities are exactly the top-k's values (one code path).
 
 Parameter layouts (logical axes in parentheses):
   router [D, E]          (embed, None)            replicated over experts: every token needs all E
@@ -36,6 +45,12 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, fan_in: int) -> nnx.Param:
   this module)."""
   value = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
   return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+def routes_dtype(num_experts: int):
+  """The compact integer type of recorded routes (rollout/types.py `Rollout.routes`): int8 up
+  to 127 experts, else int16 (-1 = none recorded)."""
+  return jnp.int8 if num_experts <= 127 else jnp.int16
 
 
 class MoE(nnx.Module):
@@ -63,6 +78,23 @@ class MoE(nnx.Module):
       gates = gates / gates.sum(-1, keepdims=True)
     return experts.astype(jnp.int32), gates
 
+  def replay_route(self, x_nd, routes_nk):
+    """Routing replay: -> (experts [N, k] int32 used, gates [N, k] f32, own [N, k] int32 the
+    router's own top-k). experts = routes where a token's k routes are all >= 0, else its own;
+    gates = the softmax probabilities at those experts (renormalized with norm_topk_prob),
+    differentiable in the router's weights (R3's gates)."""
+    logits = x_nd.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [N, E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    _, own = jax.lax.top_k(probs, self.top_k)
+    own = own.astype(jnp.int32)
+    routes = routes_nk.astype(jnp.int32)
+    replayed = jnp.all(routes >= 0, axis=-1, keepdims=True)  # [N, 1]
+    experts = jnp.where(replayed, routes, own)
+    gates = jnp.take_along_axis(probs, experts, axis=-1)
+    if self.norm_topk_prob:
+      gates = gates / gates.sum(-1, keepdims=True)
+    return experts, gates, own
+
   def experts(self, x_nd, experts_nk, gates_nk):
     """sum_j gates[n, j] * expert_{experts[n, j]}(x[n]), [N, D]: the (token, expert) pairs
     sorted by expert, three grouped GEMMs (ragged_dot), the outputs gathered back per token."""
@@ -86,3 +118,15 @@ class MoE(nnx.Module):
     x = x_btd.reshape(b * t, d)
     experts, gates = self.route(x)
     return checkpoint_name(self.experts(x, experts, gates).reshape(b, t, d), "mlp_out")
+
+  def routed(self, x_btd, routes_btk=None):
+    """-> (y [B, T, D], own [B, T, k] int32: the router's own top-k experts of each token).
+    routes [B, T, k] (any int dtype; -1 = the token's own top-k): the experts to use instead
+    (`replay_route`); None: every token its own (then y == self(x))."""
+    b, t, d = x_btd.shape
+    x = x_btd.reshape(b * t, d)
+    if routes_btk is None:
+      routes_btk = jnp.full((b, t, self.top_k), -1, jnp.int32)
+    experts, gates, own = self.replay_route(x, routes_btk.reshape(b * t, -1))
+    y = checkpoint_name(self.experts(x, experts, gates).reshape(b, t, d), "mlp_out")
+    return y, own.reshape(b, t, -1)

@@ -162,34 +162,66 @@ class Transformer(nnx.Module):
       ys.append(ys_l)
     return x, jax.tree.map(lambda *per_layer: per_layer, *ys)
 
-  def _forward_layers(self, x, positions, segments):
+  def _forward_layers(self, x, positions, segments, routes=None):
     """All layers' `Block.forward` (segments: 0 = padding, else the token's sequence in its
-    row). -> (x, ks, vs): each layer's keys/values [B, T, Hkv, K]."""
+    row). routes [B, T, L_moe, k] (int, -1 = own top-k): the MoE layers' replayed experts
+    (routing replay, moe.py), L_moe the MoE layers in order; None: each layer its own. ->
+    (x, ks, vs, own): each layer's keys/values [B, T, Hkv, K]; own [B, T, L_moe, k] int32, the
+    MoE layers' own top-k experts (None for a dense model)."""
     kernels = self.kernels
 
     def step(block, x, xs_l, local):
-      x, k, v = block.forward(x, positions, segments, kernels, local)
-      return x, (k, v)
+      r = xs_l[0] if xs_l else None
+      x, k, v, own = block.forward(x, positions, segments, kernels, local, routes_btk=r)
+      return x, (k, v, _no_routes(x) if own is None else own)
 
-    x, (ks, vs) = self._run_layers(step, x)
-    return x, ks, vs
+    moe = self.cfg.moe_layers
+    if routes is None:
+      xs = ()
+    elif self.cfg.scan_layers:  # every layer MoE (ModelConfig.problems): [L, B, T, k]
+      xs = (jnp.moveaxis(routes, 2, 0),)
+    else:
+      index = [sum(moe[:i]) for i in range(len(moe))]
+      xs = (tuple(routes[:, :, index[i]] if moe[i] else None for i in range(len(moe))),)
+    x, (ks, vs, own) = self._run_layers(step, x, xs)
+    return x, ks, vs, self._stack_routes(own)
+
+  def _stack_routes(self, own):
+    """The layers' own top-k (stacked [L, B, T, k] under the scan, else a tuple per layer,
+    a dense layer's `_no_routes`) as [B, T, L_moe, k]; None for a dense model."""
+    moe = self.cfg.moe_layers
+    if not any(moe):
+      return None
+    if self.cfg.scan_layers:
+      return jnp.moveaxis(own, 0, 2)
+    return jnp.stack([o for o, m in zip(own, moe) if m], axis=2)
 
   # ------------------------------------------------------------------------- training mode
 
   def hidden(self, input_ids, attention_mask=None):
     """Final-norm hidden states [B, T, D] (compute dtype) for a left- or right-padded batch."""
+    return self.hidden_routed(input_ids, attention_mask)[0]
+
+  def hidden_routed(self, input_ids, attention_mask=None, routes=None):
+    """`hidden` with routing replay (an MoE model; moe.py): routes [B, T, L_moe, k] (int; -1 =
+    the token's own top-k) are the experts each MoE layer uses for each token instead of its
+    own top-k; None: its own. -> (hidden [B, T, D], own [B, T, L_moe, k] int32: each MoE
+    layer's own top-k, as it would route the token without replay; None for a dense model)."""
     if attention_mask is None:
       attention_mask = jnp.ones_like(input_ids)
     positions = positions_from_mask(attention_mask)
     segments = (attention_mask != 0).astype(jnp.int32)  # one sequence per row
     if self.kernels.fused_attention:  # real tokens first, one fused causal kernel
       src, dst = compaction(attention_mask)
-      x, _, _ = self._forward_layers(
-          self._embed(_take(input_ids, src)), _take(positions, src), _take(segments, src)
+      x, _, _, own = self._forward_layers(
+          self._embed(_take(input_ids, src)),
+          _take(positions, src),
+          _take(segments, src),
+          None if routes is None else _take(routes, src),
       )
-      return _take(self.final_norm(x), dst)
-    x, _, _ = self._forward_layers(self._embed(input_ids), positions, segments)
-    return self.final_norm(x)
+      return _take(self.final_norm(x), dst), None if own is None else _take(own, dst)
+    x, _, _, own = self._forward_layers(self._embed(input_ids), positions, segments, routes)
+    return self.final_norm(x), own
 
   def packed_hidden(self, input_ids, segment_ids, positions):
     """Final-norm hidden states [R, L, D] of packed rows (rl/packing.py): several sequences per
@@ -201,7 +233,7 @@ class Transformer(nnx.Module):
           f"packed rows need the masked XLA attention on {self.kernels.platform} until its "
           "fused kernel takes segment ids: set model.attention_impl=xla (or pack_sequences=False)"
       )
-    x, _, _ = self._forward_layers(self._embed(input_ids), positions, segment_ids)
+    x, _, _, _ = self._forward_layers(self._embed(input_ids), positions, segment_ids)
     return self.final_norm(x)
 
   def __call__(self, input_ids, attention_mask=None):
@@ -244,18 +276,26 @@ class Transformer(nnx.Module):
     logits: [B, V] for the last prompt position (the next-token distribution), or
     [B, P, V] with `all_logits`. Every row needs at least one real token.
     """
+    logits, cache, _ = self.prefill_routed(tokens_bp, mask_bp, cache, all_logits=all_logits)
+    return logits, cache
+
+  def prefill_routed(self, tokens_bp, mask_bp, cache: dict, *, all_logits: bool = False):
+    """`prefill` -> (logits, cache, routes): routes [B, P, L_moe, k] int32, the experts each
+    MoE layer chose for each prompt token (the sampler records them for routing replay);
+    None for a dense model."""
     p = tokens_bp.shape[1]
     positions = positions_from_mask(mask_bp)
     if self.kernels.fused_attention:  # real tokens first, one fused causal kernel
       src, dst = compaction(mask_bp)
-      x, ks, vs = self._forward_layers(
+      x, ks, vs, routes = self._forward_layers(
           self._embed(_take(tokens_bp, src)), _take(positions, src), _take(mask_bp, src)
       )
       lead = 1 if self.cfg.scan_layers else 0  # stacked keys: [L, B, P, Hkv, K]
       ks, vs = (jax.tree.map(lambda a: _take(a, dst, axis=1 + lead), kv) for kv in (ks, vs))
+      routes = None if routes is None else _take(routes, dst)
       x = _take(x, dst if all_logits else dst[:, -1:])
     else:
-      x, ks, vs = self._forward_layers(
+      x, ks, vs, routes = self._forward_layers(
           self._embed(tokens_bp), positions, (mask_bp != 0).astype(jnp.int32)
       )
     h = self.final_norm(x if all_logits else x[:, -1:])
@@ -267,7 +307,7 @@ class Transformer(nnx.Module):
         index=jnp.asarray(p, jnp.int32),
         pos=(mask_bp != 0).sum(-1).astype(jnp.int32),
     )
-    return (logits if all_logits else logits[:, 0]), cache
+    return (logits if all_logits else logits[:, 0]), cache, routes
 
   def prefill_rows(self, tokens_bp, mask_bp, *, stacked: bool = False):
     """The slot engine's prefill (rollout/slots.py): a prompt batch (any padding) with each
@@ -280,7 +320,9 @@ class Transformer(nnx.Module):
     tokens, mask = _take(tokens_bp, src), _take(mask_bp, src)
     length = (mask_bp != 0).sum(-1).astype(jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    x, ks, vs = self._forward_layers(self._embed(tokens), positions, (mask != 0).astype(jnp.int32))
+    x, ks, vs, _ = self._forward_layers(
+        self._embed(tokens), positions, (mask != 0).astype(jnp.int32)
+    )
     last = jnp.take_along_axis(x, jnp.maximum(length - 1, 0)[:, None, None], axis=1)
     logits = self.logits_from_hidden(self.final_norm(last))[:, 0]
 
@@ -350,7 +392,13 @@ class Transformer(nnx.Module):
     return x, ks, vs
 
   def decode(self, token_b, cache: dict):
-    """One new token per row at slot `cache["index"]`. -> (logits [B, V] float32, cache).
+    """One new token per row at slot `cache["index"]`. -> (logits [B, V] float32, cache)."""
+    logits, cache, _ = self.decode_routed(token_b, cache)
+    return logits, cache
+
+  def decode_routed(self, token_b, cache: dict):
+    """`decode` -> (logits [B, V] float32, cache, routes): routes [B, L_moe, k] int32, the
+    experts each MoE layer chose for the token (None for a dense model).
 
     Each layer writes the token's key/value into its cache, then attends to the written cache
     and to the prompt's shared keys/values where the cache has them (cache.share_prompt; a
@@ -366,17 +414,23 @@ class Transformer(nnx.Module):
 
     def step(block, x, xs_l, local):
       cache_k, cache_v, pk, pv = xs_l
-      x, k, v = block.decode(
+      x, k, v, own = block.decode(
           x, positions, cache_k, cache_v, valid, index, (pk, pv, prefix_valid), kernels, local
       )
-      return x, (k, v)
+      return x, (k, v, _no_routes(x) if own is None else own)
 
-    x, (ks, vs) = self._run_layers(
+    x, (ks, vs, own) = self._run_layers(
         step, self._embed(token_b[:, None]), (cache["k"], cache["v"], prefix_k, prefix_v)
     )
     logits = self.logits_from_hidden(self.final_norm(x))[:, 0]
     cache = dict(cache, k=ks, v=vs, valid=valid, index=index + 1, pos=cache["pos"] + 1)
-    return logits, cache
+    routes = self._stack_routes(own)
+    return logits, cache, None if routes is None else routes[:, 0]
+
+
+def _no_routes(x_btd):
+  """A dense layer's routes, [B, T, 0]: the layers' outputs keep one structure."""
+  return jnp.zeros((*x_btd.shape[:2], 0), jnp.int32)
 
 
 def _prefix(cache: dict):
