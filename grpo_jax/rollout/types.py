@@ -90,7 +90,8 @@ class Rollout:
   @property
   def action_mask(self) -> jax.Array:
     """The tokens the policy drew: mask without the tool tokens."""
-    return self.mask * (1 - self.tool_mask)
+    # array ops only: no Python scalar to put on a device (the loop's transfer guard)
+    return self.mask - self.mask * self.tool_mask
 
   @classmethod
   def spec(cls, rows: int, completion_len: int, mesh) -> "Rollout":
