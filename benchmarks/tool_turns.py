@@ -7,8 +7,9 @@ without a prefix cache).
     python benchmarks/tool_turns.py --json=out.json
 
 The task: 4 model turns per row. A random model over a small vocabulary (16 tokens) draws a
-designated "call" token about once per 16 tokens; a row's turn ends there, a scripted tool
-answers at once with R tokens, and the row goes on, until its 4th turn ends (or its budget).
+designated "call" token about once per 16 tokens (the only stop token); a row's turn ends there,
+a scripted tool answers at once with R tokens, and the row goes on, until its 4th turn ends
+(or its budget).
 Both engines draw the same tokens with the same log-probs (tests/rollout/test_turns.py); what
 differs is what each append costs: the live cache prefills the row's last token and the
 response (R + 1 tokens), the baseline every slot's whole history (prompt + all turns so far).
@@ -40,7 +41,7 @@ WORKLOADS = {
     "cpu": dict(layers=4, width=256, prompt=32, completion=256, response=32, rows=32, batches=3),
     "quick": dict(layers=2, width=128, prompt=16, completion=128, response=16, rows=16, batches=2),
 }
-VOCAB, CALL, EOS, TURNS = 16, 3, 1, 4
+VOCAB, CALL, TURNS = 16, 3, 4
 
 
 class FixedTool:
@@ -92,7 +93,7 @@ def run(w, reprefill: bool, seed: int):
       max_prompt_length=w["prompt"],
       max_new_tokens=w["completion"],
       num_generations=1,
-      eos_ids=(EOS, CALL),
+      eos_ids=(CALL,),  # a turn ends at a call; the 4th turn's call ends the row
       turns=tool,
       max_append=w["response"],
       reprefill_turns=reprefill,
