@@ -333,7 +333,8 @@ def test_the_one_step_off_demo_runs(tmp_path):
 def test_the_tool_demo_runs_with_and_without_the_tool(tmp_path):
   """The README's two tool-demo commands, CPU-sized: each writes its summary; the first
   called the calculator (tool_call figures logged), the second had no tool."""
-  runs = _commands(r"python -m grpo_jax\.main --config=configs/tiny_tools\.py.*")
+  found = _commands(r"python -m grpo_jax\.main --config=configs/tiny_tools\.py.*")
+  runs = list({c.text: c for c in found}.values())  # (the Results table repeats them)
   assert len(runs) == 2
   for i, c in enumerate(runs):
     workdir = tmp_path / f"run{i}"
