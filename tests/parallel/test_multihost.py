@@ -407,34 +407,38 @@ TOOL_ARGS = [
 ]
 
 
+def _eval_logged(workdir, step) -> bool:
+  path = workdir / "metrics.jsonl"
+  if not path.exists():
+    return False
+  text = path.read_text()
+  return f'{{"step": {step}, "eval/' in text
+
+
 @pytest.mark.slow
-def test_tool_turns_two_processes_equal_one_and_a_kill_changes_nothing(tmp_path):
-  """~4 min: multi-turn rows with the calculator on 2 processes x 4 devices. The first process
-  runs the tools and sends the responses to the other (SlotEngine._agree), so both append the
-  same tokens: GRPO step 1 (rollouts with tool calls, rewards, the update) equals one process
-  with 8 devices. A pair SIGKILLed after step 1's checkpoint (step 2's rows mid-episode) and
-  resumed equals an uninterrupted pair in every logged figure and the final parameters.
-  (Later steps of 1 x 8 and 2 x 4 part by last bits: the meshes' gradient sums differ in the
-  last bits, and over 60 SFT steps and ~2,000 sampled tokens a step one draw can flip.)"""
-  single, pair, killed = (epath.Path(tmp_path / n) for n in ("single", "pair", "killed"))
-  _launch_single(single, base=TOOL_ARGS)
-  for rc, err in _launch_pair(pair, base=TOOL_ARGS):
-    assert rc == 0, err[-3000:]
-  first = killed / "checkpoints" / str(TOOL_SFT + 1)
-  _launch_pair(killed, base=TOOL_ARGS, kill_when=first.exists)
-  assert first.exists()
-  for rc, err in _launch_pair(killed, base=TOOL_ARGS):
+def test_tool_turns_two_processes_equal_one_through_a_kill_mid_episode(tmp_path):
+  """~3 min: multi-turn rows with the calculator on 2 processes x 4 devices, SIGKILLed once
+  the GRPO step's rollout has started (after the eval that precedes it: rows mid-episode,
+  tool calls in flight) and resumed from the SFT checkpoint == one uninterrupted process with
+  8 devices: the same rollouts (tool calls included), rewards, update figures, evals and final
+  parameters. The first process runs the tools and sends the responses to the other
+  (SlotEngine._agree), so both append the same tokens.
+
+  One GRPO step: later steps of 2 x 4 runs part from 1 x 8 (and from each other) by last
+  bits (the processes' gradient sums), and over ~2,000 sampled tokens a step a draw can flip."""
+  args = [*TOOL_ARGS, "--config.num_steps=1"]
+  single, pair = epath.Path(tmp_path / "single"), epath.Path(tmp_path / "pair")
+  _launch_single(single, base=args)
+  _launch_pair(pair, base=args, kill_when=lambda: _eval_logged(pair, TOOL_SFT))
+  assert not (pair / "summary.json").exists(), "the kill came after the run ended"
+  for rc, err in _launch_pair(pair, base=args):
     assert rc == 0, err[-3000:]
   calls = [row.get("tool_call/calls", 0) for row in _logged(single).values()]
   assert sum(calls) > 0, "no tool was called: the test would prove nothing"
-  _assert_same_run(pair, killed)
-  ref, got = _logged(single), _logged(pair)
-  for key in [k for k in ref if k[0] == "sft" or k[1] <= TOOL_SFT + 1]:
-    for name, v in ref[key].items():
-      assert abs(v - got[key][name]) <= 1e-5 * max(1.0, abs(v)), (key, name, v, got[key][name])
+  _assert_same_run(single, pair)
 
 
-def _assert_same_run(single, pair, only_shared=False):
+def _assert_same_run(single, pair, only_shared=False, param_tol=PARAM_TOL):
   """The figures both runs logged agree to 1e-5 (relative above 1), every step of both was
   logged, and the final parameters agree to PARAM_TOL."""
   ref, got = _logged(single), _logged(pair)
