@@ -435,7 +435,10 @@ def test_tool_turns_two_processes_equal_one_through_a_kill_mid_episode(tmp_path)
     assert rc == 0, err[-3000:]
   calls = [row.get("tool_call/calls", 0) for row in _logged(single).values()]
   assert sum(calls) > 0, "no tool was called: the test would prove nothing"
-  _assert_same_run(single, pair)
+  # Every logged figure (rewards, tool calls, loss, grad norm, evals) to 1e-5. The parameters:
+  # 60 AdamW SFT steps at lr 1e-3 turn the meshes' last-bit gradient differences into up to
+  # ~4e-4 where gradients are near zero (measured); a lost or repeated step moves them by ~lr.
+  _assert_same_run(single, pair, param_tol=1e-3)
 
 
 def _assert_same_run(single, pair, only_shared=False, param_tol=PARAM_TOL):
@@ -452,4 +455,4 @@ def _assert_same_run(single, pair, only_shared=False, param_tol=PARAM_TOL):
   (s1, p1), (s2, p2) = _final_params(single), _final_params(pair)
   assert s1 == s2
   diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), p1, p2)
-  assert max(jax.tree.leaves(diffs)) <= PARAM_TOL, diffs
+  assert max(jax.tree.leaves(diffs)) <= param_tol, diffs
