@@ -245,19 +245,7 @@ def test_packed_update_benchmark_quick(tmp_path):
 def test_slot_engine_benchmark_quick(tmp_path):
   """benchmarks/slot_engine.py --quick (~30 s): every mode produced the batch's lengths (the
   script asserts it), the streaming slots were busier than lockstep's rows were useful."""
-  out = tmp_path / "slots.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  r = subprocess.run(
-      [sys.executable, "benchmarks/slot_engine.py", "--quick", f"--json={out}"],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=600,
-  )
-  assert r.returncode == 0, r.stderr[-3000:]
-  res = json.loads(out.read_text())
+  res = _quick_run("benchmarks/slot_engine.py", tmp_path)
   modes = res["modes"]
   assert set(modes) == {"lockstep", "on-policy slots", "streaming slots", "streaming 2x slots"}
   assert 0 < res["lockstep_fill"] < 0.5  # long-tailed: most lockstep row-steps are wasted
@@ -269,11 +257,19 @@ def test_tool_turns_benchmark_quick(tmp_path):
   """benchmarks/tool_turns.py --quick (~30 s): both engines drew the same rows (the script
   asserts it); the live cache prefills the response and one token per append, the baseline
   every row's whole history."""
-  out = tmp_path / "turns.json"
+  res = _quick_run("benchmarks/tool_turns.py", tmp_path)
+  assert res["live"]["turns_per_row"] > 2  # the task has several turns per row
+  assert res["live"]["prefill_tokens_per_append"] == res["workload"]["response"] + 1
+  assert res["reprefill"]["prefill_tokens_per_append"] > 3 * res["workload"]["response"]
+
+
+def _quick_run(script: str, tmp_path) -> dict:
+  """`python SCRIPT --quick --json=OUT` on one real CPU device, as a user runs it -> its JSON."""
+  out = tmp_path / "out.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   r = subprocess.run(
-      [sys.executable, "benchmarks/tool_turns.py", "--quick", f"--json={out}"],
+      [sys.executable, script, "--quick", f"--json={out}"],
       cwd=ROOT,
       env=env,
       capture_output=True,
@@ -281,7 +277,4 @@ def test_tool_turns_benchmark_quick(tmp_path):
       timeout=600,
   )
   assert r.returncode == 0, r.stderr[-3000:]
-  res = json.loads(out.read_text())
-  assert res["live"]["turns_per_row"] > 2  # the task has several turns per row
-  assert res["live"]["prefill_tokens_per_append"] == res["workload"]["response"] + 1
-  assert res["reprefill"]["prefill_tokens_per_append"] > 3 * res["workload"]["response"]
+  return json.loads(out.read_text())

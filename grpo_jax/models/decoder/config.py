@@ -628,23 +628,6 @@ PRESETS: dict[str, ModelConfig] = {
         tie_embeddings=False,
         max_position_embeddings=256,
     ),
-    "tiny-qwen3-moe": ModelConfig(
-        arch="qwen3",
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        tie_embeddings=False,
-        max_position_embeddings=256,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-    ),
     "tiny-llama3": ModelConfig(
         arch="llama3",
         vocab_size=101,
@@ -738,3 +721,7 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=256,
     ),
 }
+# The MoE test shape: tiny-qwen3 with 8 experts (top-2) in every layer.
+PRESETS["tiny-qwen3-moe"] = PRESETS["tiny-qwen3"].replace(
+    head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+)
