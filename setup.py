@@ -94,6 +94,8 @@ setuptools.setup(
         # datasets: the hf_dataset source's tests (tests/data/test_data_tables.py).
         # pytest-xdist: the scripts run the suite on GRPO_TEST_WORKERS processes (scripts/_env.sh).
         # pyink: the formatter whose check .ci/run runs (scripts/format.sh, pyproject.toml).
+        # trl: its reward functions run unmodified as reward.custom_function
+        # (tests/rewards/test_conversation_rewards.py); its other requirements are already here.
         "test": [
             "pytest",
             "pytest-xdist",
@@ -103,6 +105,7 @@ setuptools.setup(
             "peft==0.21.2",
             "datasets",
             "pyink",
+            "trl==1.16.0",
         ],
         # The core tests alone (scripts/test_tpu_pins.sh --ci): no torch, maxtext or vllm.
         "test-core": ["pytest", "pytest-xdist"],

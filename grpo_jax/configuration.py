@@ -805,23 +805,18 @@ def _check_packing(c: _Checker, cfg, num_processes: int):
 
 
 def _validate_tools(c: _Checker, cfg):
-  """rollout.tools (rollout/turns.py): the slot engine, a known format, sane bounds, and the
+  """rollout.tools (rollout/turns.py): the slot engine or vLLM, a known format, sane bounds, and the
   tools themselves loaded (one line naming the file, the tool and the fix)."""
   from grpo_jax.rollout.tools import formats as tool_formats
   from grpo_jax.rollout.tools import loader as tool_loader
 
   r = cfg.rollout
   c.require(
-      r.engine == "native",
-      "rollout.engine",
-      f"{r.engine!r} does not run tools yet: rows pause for their tools in the native slot engine",
-      "--config.rollout.engine=native (with rollout.slots > 0)",
-  )
-  c.require(
-      r.slots > 0,
+      r.engine == "vllm" or r.slots > 0,
       "rollout.tools.names",
-      "tools need the slot engine (a row pauses in its slot while its tool runs)",
-      f"--config.rollout.slots={cfg.batch_size * cfg.num_generations} (one step's rows)",
+      "tools need the slot engine (a row pauses in its slot while its tool runs) or vLLM",
+      f"--config.rollout.slots={cfg.batch_size * cfg.num_generations} (one step's rows), "
+      "or --config.rollout.engine=vllm",
   )
   c.one_of("rollout.tools.format", tuple(tool_formats.FORMATS), "tool format")
   c.require(r.max_turns >= 1, "rollout.max_turns", "must be >= 1", "e.g. 4 (model turns)")

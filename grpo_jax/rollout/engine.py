@@ -154,9 +154,12 @@ class NativeEngine:
       turns.close()
 
 
-def tool_turns(config, tokenizer, mesh):
-  """rollout.tools as the slot engine's `turns` (rollout/turns.py), or None without tools. ->
-  (turns, the extra stop ids: the format's turn end when it is one token of its own)."""
+def tool_turns(config, tokenizer, mesh, *, each_process: bool = False):
+  """rollout.tools as the engine's `turns` (rollout/turns.py), or None without tools. ->
+  (turns, the extra stop ids: the format's turn end when it is one token of its own).
+  each_process: every process runs its own rows' tools (the vLLM engine, whose processes
+  sample their own prompts); else the engine's first process runs them for all (the slot
+  engine, whose rows are global)."""
   r = config.rollout
   toolset = tools_loader.load_tools(r.tools.file, r.tools.names)
   if toolset is None:
@@ -178,7 +181,7 @@ def tool_turns(config, tokenizer, mesh):
       max_response_tokens=r.max_tool_response_tokens,
       timeout_sec=r.tools.timeout_sec,
       workers=r.tools.workers,
-      runs_tools=jax.process_index() == first,
+      runs_tools=each_process or jax.process_index() == first,
   )
   return turns, tuple(end)
 
@@ -219,10 +222,23 @@ def make_engine(
       from grpo_jax.rollout import vllm_engine  # optional dependency
 
       cls = vllm_engine.VLLMEngine
-    return cls.from_config(config, policy, tokenizer, mesh, num_generations=g, max_new_tokens=c)
+    turns, turn_end = tool_turns(config, tokenizer, mesh, each_process=True)
+    return cls.from_config(
+        config,
+        policy,
+        tokenizer,
+        mesh,
+        num_generations=g,
+        max_new_tokens=c,
+        turns=turns,
+        turn_end=turn_end,
+    )
   if kind != "native":
     raise ValueError(f"rollout.engine={kind!r}: use one of {', '.join(ENGINES)}")
   turns, turn_end = tool_turns(config, tokenizer, mesh)
+  slots = config.rollout.slots
+  if turns is not None and not slots:  # (evaluation of a vLLM run: tools need the slot engine)
+    slots = config.batch_size * g
   return NativeEngine(
       policy,
       mesh,
@@ -232,7 +248,7 @@ def make_engine(
       eos_ids=tuple(dict.fromkeys((*tokenizer.stop_ids, *turn_end))),
       pad_id=tokenizer.pad_id,
       **config_options(config),
-      slots=config.rollout.slots,
+      slots=slots,
       slot_chunk=config.rollout.slot_chunk,
       steps_in_flight=config.rollout.max_staleness + 1,
       turns=turns,

@@ -22,6 +22,8 @@ the same turns (the same decisions) and receive the responses from it (SlotEngin
 import collections
 import time
 
+import numpy as np
+
 from grpo_jax.rollout.tools import formats
 from grpo_jax.rollout.tools import loader
 from grpo_jax.rollout.tools.runner import ToolRunner
@@ -114,19 +116,28 @@ class ToolTurns:
     if self.runner is not None:
       self.runner.finish(row)
 
-  def stats(self) -> dict[str, float]:
+  def stats(self, reduce=None) -> dict[str, float]:
     """Since the last call: the runner's per-tool counters (tool_call/<name>/calls, errors,
-    timeouts, seconds), turns per row and the share of rows that called a tool."""
+    timeouts, seconds), turns per row and the share of rows that called a tool. reduce: sums
+    the counters over processes (multihost.sum_over_processes, a collective every process
+    calls) when each runs its own rows' tools (the vLLM engine)."""
     f, self._figures = self._figures, collections.Counter()
+    counts = {}
+    if self.runner is not None:
+      counts = self.runner.stats()
+      self.runner.reset_stats()
+    if reduce is not None:
+      keys = ("rows", "turns", "rows_calling", "turn_limit")
+      total = reduce(np.array([f[k] for k in keys] + list(counts.values()), np.float64))
+      f = dict(zip(keys, total[: len(keys)]))
+      counts = dict(zip(counts, (float(x) for x in total[len(keys) :])))
     rows = max(1, f["rows"])
     out = {
         "tool_call/turns_per_row": f["turns"] / rows,
         "tool_call/row_fraction": f["rows_calling"] / rows,
         "tool_call/turn_limit": float(f["turn_limit"]),
     }
-    if self.runner is not None:
-      out.update(self.runner.stats())
-      self.runner.reset_stats()
+    out.update(counts)
     return out
 
   def close(self):

@@ -42,6 +42,15 @@
   ones. vLLM is another program than the trainer (`matches_trainer = False`), so the loop
   measures the mismatch (rollout/logprob_abs_diff_*) and can correct for it with TIS
   (loss.tis_cap).
+- Tool turns (`turns`: rollout/turns.py's ToolTurns, rollout.tools): a row that stops at its
+  format's turn end with a tool call waits for the tool; its response's token ids are appended
+  to the row (tool_mask 1, log-prob 0) and the row is submitted again as token ids, its prompt
+  plus every token so far (a re-submitted prefix: nothing is re-tokenized, and vLLM's prefix
+  cache serves the KV blocks the row already had), with the budget it has left. Each round of
+  turns is one generate call over the rows it continues. Rows whose response does not fit the
+  budget with one more drawn token end there, truncated, the call unanswered (as the native slot
+  engine). `stats()` adds the turns' figures (tool_call/...) and, per rollout,
+  rollout/vllm_prefill_per_append: the tokens vLLM prefilled per appended token (uncached).
 - Multi-host: every JAX process runs its own engine on its own prompts (its rows of the batch)
   and the outputs are assembled into global arrays like the native sampler's. vLLM works on
   the host by nature, so its calls run with transfers allowed (the loop's transfer guard).
@@ -151,6 +160,8 @@ class VLLMEngine:
       sync_timeout_sec: float = 600.0,
       llm_kwargs: dict | None = None,
       lora_config=None,
+      turns=None,
+      turn_end=(),
   ):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -167,6 +178,9 @@ class VLLMEngine:
     self.max_new_tokens = max_new_tokens
     self.eos_ids = tuple(int(e) for e in eos_ids)
     self.pad_id = int(pad_id)
+    self.turns = turns  # rollout/turns.py's ToolTurns (None: one turn per row)
+    self.stop_ids = tuple(dict.fromkeys((*self.eos_ids, *(int(t) for t in turn_end))))
+    self._prefill = [0, 0]  # tokens vLLM computed / tokens appended, since the last stats()
     self.tied = tied
     self.mesh = mesh
     self.seed = seed
@@ -238,8 +252,11 @@ class VLLMEngine:
       *,
       num_generations: int | None = None,
       max_new_tokens: int | None = None,
+      turns=None,
+      turn_end=(),
   ) -> "VLLMEngine":
-    """Boots vLLM on the policy's current weights (written once as an HF folder)."""
+    """Boots vLLM on the policy's current weights (written once as an HF folder); `turns` and
+    `turn_end` (engine.tool_turns) when the rows call tools."""
     cfg = policy.model_config
     if cfg.head_dim < 32 and jax.default_backend() == "cpu":
       raise ValueError(
@@ -256,7 +273,10 @@ class VLLMEngine:
       from grpo_jax.models import build
 
       params = build.make_policy(config, mesh).params
-    hf.save_hf(nnx.merge(policy.sampler_graphdef, to_rollout(params)), model_dir)
+    # Every process boots its own vLLM on its own copy (a local temporary folder).
+    hf.save_hf(
+        nnx.merge(policy.sampler_graphdef, to_rollout(params)), model_dir, every_process=True
+    )
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.rollout.vllm.kv_cache_space_gib))
     lora_sync = config.rollout.vllm.lora_sync
     lora_config = config if config.lora.rank > 0 and lora_sync == "adapters" else None
@@ -277,6 +297,8 @@ class VLLMEngine:
         sync_tolerance=config.rollout.vllm.sync_tolerance,
         sync_timeout_sec=config.rollout.vllm.sync_timeout_sec,
         lora_config=lora_config,
+        turns=turns,
+        turn_end=turn_end,
         **cls.extra_init_kwargs(config, policy, mesh),
     )
     engine._to_rollout = to_rollout
@@ -492,8 +514,8 @@ class VLLMEngine:
         n=self.num_generations,
         max_tokens=self.max_new_tokens,
         logprobs=0,
-        stop_token_ids=list(self.eos_ids),
-        ignore_eos=not self.eos_ids,
+        stop_token_ids=list(self.stop_ids),
+        ignore_eos=not self.stop_ids,
         detokenize=False,
         seed=seed,
     )
@@ -508,9 +530,12 @@ class VLLMEngine:
     return self._vllm.SamplingParams(**kw)
 
   def generate_local(self, prompt_ids: np.ndarray, prompt_mask: np.ndarray, generation, seed: int):
-    """Host arrays for this process's prompts: tokens, mask, logprobs, truncated [b*G, ...]."""
+    """Host arrays for this process's prompts: tokens, mask, logprobs, truncated [b*G, ...]
+    (and tool_mask [b*G, C] when the rows call tools)."""
     from vllm.inputs import TokensPrompt
 
+    if self.turns is not None:
+      return self._generate_turns(prompt_ids, prompt_mask, generation, seed)
     prompts = [
         TokensPrompt(prompt_token_ids=[int(t) for t, m in zip(ids, mask) if m])
         for ids, mask in zip(prompt_ids, prompt_mask)
@@ -537,6 +562,121 @@ class VLLMEngine:
       truncated[r] = comp.finish_reason == "length"
     return tokens, mask, logp, truncated
 
+  def _generate_turns(self, prompt_ids, prompt_mask, generation, seed: int):
+    """generate_local with tool turns (see the module docstring): rounds of generate calls,
+    each over the rows that stopped on a tool call and got its response."""
+    from vllm.inputs import TokensPrompt
+
+    g, c_len = self.num_generations, self.max_new_tokens
+    prompts = [[int(t) for t, m in zip(ids, mk) if m] for ids, mk in zip(prompt_ids, prompt_mask)]
+    n = len(prompts) * g
+    out = [[] for _ in range(n)]  # every row's tokens: drawn and appended
+    logps = [[] for _ in range(n)]
+    tools = [[] for _ in range(n)]
+    turn_start = [0] * n  # where each row's current turn starts
+    truncated = np.zeros((n,), bool)
+    self.turns.reset()
+
+    def take(row, comp, waiting):
+      ids = list(comp.token_ids)[: c_len - len(out[row])]
+      out[row] += ids
+      logps[row] += [lp[t].logprob for t, lp in zip(ids, comp.logprobs or [])]
+      tools[row] += [0] * len(ids)
+      stopped = comp.finish_reason == "stop"
+      if stopped and self.turns.stopped(row, out[row][turn_start[row] :]):
+        waiting.add(row)
+      else:
+        truncated[row] = not stopped
+        self.turns.finish(row)
+
+    params = self.sampling_params(generation, seed)
+    first = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    if params.n == 1 and g > 1:
+      first = [p for p in first for _ in range(g)]
+    outs = self.llm.generate(first, params, use_tqdm=False, lora_request=self._lora_request)
+    waiting = set()
+    for row, comp in enumerate(c for o in outs for c in o.outputs):
+      take(row, comp, waiting)
+    self._count_prefill(outs)
+    rounds = 0
+    while waiting:
+      rounds += 1
+      go = []
+      while waiting:  # every response of this round (the runner's threads run them together)
+        for row, ids in self.turns.ready(block=True).items():
+          waiting.discard(row)
+          ids = [int(t) for t in ids]
+          if len(out[row]) + len(ids) < c_len:  # the response and one more drawn token fit
+            out[row] += ids
+            logps[row] += [0.0] * len(ids)
+            tools[row] += [1] * len(ids)
+            turn_start[row] = len(out[row])
+            self._prefill[1] += len(ids)
+            go.append(row)
+          else:  # ends here, truncated: the call is not answered
+            truncated[row] = True
+            self.turns.finish(row)
+      if not go:
+        break
+      go.sort()
+      reqs, sps = [], []
+      for row in go:
+        sp = params.clone()
+        sp.n, sp.max_tokens = 1, c_len - len(out[row])
+        if sp.seed is not None:  # per row and round: draws independent of the batching
+          sp.seed = (int(seed) + 1_000_003 * rounds + 7919 * row) % (2**31 - 1)
+        reqs.append(TokensPrompt(prompt_token_ids=prompts[row // g] + out[row]))
+        sps.append(sp)
+      outs = self._generate_unchunked(reqs, sps)
+      for row, o in zip(go, outs):
+        take(row, o.outputs[0], waiting)
+      self._count_prefill(outs, appended=False)
+    tokens = np.full((n, c_len), self.pad_id, np.int32)
+    mask = np.zeros((n, c_len), np.int32)
+    logp = np.zeros((n, c_len), np.float32)
+    tool_mask = np.zeros((n, c_len), np.int32)
+    for row in range(n):
+      k = len(out[row])
+      tokens[row, :k], mask[row, :k] = out[row], 1
+      logp[row, :k], tool_mask[row, :k] = logps[row], tools[row]
+    return tokens, mask, logp, truncated, tool_mask
+
+  def _generate_unchunked(self, reqs, sps) -> list:
+    """llm.generate, in groups whose prompts fit one scheduler step on vLLM's CPU build: there
+    a seeded request whose prefill is chunked fails ("CPU Generator does not use offset":
+    vLLM rewinds the request's torch generator, which CPU generators cannot), and re-submitted
+    rows are long. Elsewhere one call."""
+    from vllm.platforms import current_platform
+
+    budget = 0
+    if current_platform.is_cpu():
+      budget = int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
+    groups, size = [[]], 0
+    for i, r in enumerate(reqs):
+      n = len(r["prompt_token_ids"])
+      if budget and groups[-1] and size + n > budget:
+        groups.append([])
+        size = 0
+      groups[-1].append(i)
+      size += n
+    outs = []
+    for g in groups:
+      outs += self.llm.generate(
+          [reqs[i] for i in g],
+          [sps[i] for i in g],
+          use_tqdm=False,
+          lora_request=self._lora_request,
+      )
+    return outs
+
+  def _count_prefill(self, outs, appended: bool = True):
+    """Counts the prompt tokens vLLM computed (not served from its prefix cache) per round."""
+    if appended:
+      return  # the first round's prompts are not appends
+    for o in outs:
+      cached = int(getattr(o, "num_cached_tokens", 0) or 0)
+      self._prefill[0] += len(o.prompt_token_ids) - cached
+
   def generate(self, params, batch: dict, rng, generation) -> Rollout:
     """The engine call (rollout/engine.py): sync the weights if they changed, sample this
     process's prompts, and return global arrays shaped like the native sampler's Rollout.
@@ -552,9 +692,10 @@ class VLLMEngine:
           self.sync_weights(self._to_rollout(params) if self._to_rollout is not None else params)
         self._synced = params
       seed = int(jax.random.randint(rng, (), 0, 2**31 - 1)) + 7919 * jax.process_index()
-      tokens, mask, logp, truncated = self.generate_local(
+      tokens, mask, logp, truncated, *tool = self.generate_local(
           batch["prompt_ids"], batch["prompt_mask"], generation, seed
       )
+      tool_mask = tool[0] if tool else np.zeros_like(mask)
       to_g = lambda x: multihost.to_global(x, self.mesh)  # noqa: E731
       logp_g = to_g(logp)
       return Rollout(
@@ -564,7 +705,7 @@ class VLLMEngine:
           raw_logprobs=logp_g,
           lengths=to_g(mask.sum(-1).astype(np.int32)),
           truncated=to_g(truncated),
-          tool_mask=to_g(np.zeros_like(mask)),
+          tool_mask=to_g(tool_mask),
       )
 
   def stats(self) -> dict[str, float]:
@@ -572,6 +713,12 @@ class VLLMEngine:
         "perf/weight_sync_sec": self.last_sync_sec,
         "perf/weight_sync_mb": self.last_sync_bytes / 1e6,
     }
+    if self.turns is not None:  # every process ran its own rows' tools: their sums
+      out.update(self.turns.stats(reduce=multihost.sum_over_processes))
+      computed, appended = multihost.sum_over_processes(np.array(self._prefill, np.float64))
+      if appended:
+        out["rollout/vllm_prefill_per_append"] = computed / appended
+      self._prefill = [0, 0]
     if self.verify_sync:
       out.update(
           {
@@ -583,6 +730,8 @@ class VLLMEngine:
 
   def close(self):
     self.llm = None  # frees the engine and its KV cache
+    if self.turns is not None:
+      self.turns.close()
     if self._lora_dir is not None:
       import shutil
 

@@ -441,6 +441,43 @@ def test_tool_turns_two_processes_equal_one_through_a_kill_mid_episode(tmp_path)
   _assert_same_run(single, pair, param_tol=1e-3)
 
 
+@pytest.mark.slow
+def test_vllm_tool_turns_on_two_processes(tmp_path):
+  """~70 s: rollout.engine=vllm with the calculator on 2 processes x 1 device. Each process
+  boots its own vLLM (on its own copy of the weights), samples its own rows and runs their
+  tools; the logged tool figures are the sums over both (one call per row: ~32 a step), the
+  log-probs the trainer's."""
+  from tests.conftest import vllm_unusable
+
+  if vllm_unusable():
+    pytest.skip(vllm_unusable())
+  os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+  os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+  pair = epath.Path(tmp_path / "pair")
+  args = [
+      "--config=configs/tiny_tools.py",
+      "--config.sft_steps=150",
+      "--config.num_steps=2",
+      "--config.batch_size=8",
+      "--config.num_generations=4",
+      "--config.eval.num_examples=16",
+      "--config.eval.batch_size=16",
+      "--config.log_interval_steps=1",
+      "--config.report_at_end=False",
+      "--config.rollout.engine=vllm",
+      "--config.rollout.slots=0",
+      "--config.rollout.max_logprob_gap=0.5",
+  ]
+  for rc, err in _launch_pair(pair, base=args, local_devices=1):
+    assert rc == 0, err[-3000:]
+  steps = [row for (what, _), row in sorted(_logged(pair).items()) if what == "grpo"]
+  assert len(steps) == 2
+  for row in steps:
+    assert 26 <= row["tool_call/calls"] <= 32  # 32 rows over both processes, not 16 of one
+    assert row["tool_call/turns_per_row"] > 1.5
+    assert row["rollout/logprob_abs_diff_max"] <= 1e-4
+
+
 def _assert_same_run(single, pair, only_shared=False, param_tol=PARAM_TOL):
   """The figures both runs logged agree to 1e-5 (relative above 1), every step of both was
   logged, and the final parameters agree to PARAM_TOL."""

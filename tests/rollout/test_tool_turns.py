@@ -78,3 +78,15 @@ def test_a_process_that_does_not_run_tools_decides_alike_and_runs_nothing(tok):
   assert turns.stopped(0, tok.encode(call("1+2")))
   assert turns.ready(block=True) == {}  # its responses come from the first process
   assert not np.any([k.endswith("/calls") for k in turns.stats()])
+
+
+def test_stats_summed_over_processes_keep_their_ratios(tok):
+  """stats(reduce=...): the counters are summed (as over processes that each ran their own
+  rows' tools, the vLLM engine); turns per row and the calling share stay ratios of sums."""
+  turns = make(tok)
+  assert turns.stopped(0, tok.encode(call("2*3")))
+  turns.ready(block=True)
+  turns.finish(0), turns.finish(1)
+  s = turns.stats(reduce=lambda v: v * 2)  # two processes alike
+  assert s["tool_call/calculator/calls"] == 2 and s["tool_call/calls"] == 2
+  assert s["tool_call/turns_per_row"] == 1.5 and s["tool_call/row_fraction"] == 0.5

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -186,6 +187,89 @@ def test_after_a_training_step_and_sync_vllm_follows_the_policy(setup):
     assert np.abs((trainer - lp) * m).max() <= 1e-4
 
 
+def _tool_runs(s, monkeypatch, gen, seed, scripted):
+  """The module's engine with scripted tool turns (tests/rollout/test_turns.py's Scripted:
+  a turn that ends at `call` gets 1 + (row + turn) % R tokens back)."""
+  s["engine"].sync_weights(s["state"])  # (an earlier test may have synced other weights)
+  monkeypatch.setattr(s["engine"], "turns", scripted)
+  monkeypatch.setattr(s["engine"], "stop_ids", (EOS, scripted.call))
+  return s["engine"].generate_local(s["ids"], s["mask"], gen, seed)
+
+
+@pytest.fixture(scope="module")
+def call(setup):
+  """The most frequent greedy token of the native sampler on these prompts (not EOS, not the
+  first column), so the scripted tool is called often."""
+  tokens, mask = _native(setup, setup["state"])
+  tokens = tokens[:, 1:][mask[:, 1:] > 0]
+  counts = np.bincount(tokens[tokens != EOS], minlength=V)
+  counts[0] = 0
+  return int(np.argmax(counts))
+
+
+def test_tool_turns_greedy_equal_the_slot_engines(setup, call, monkeypatch):
+  """Tools with vLLM (a re-submitted prefix per turn): greedy rows equal the native slot
+  engine's with the same scripted tool, token for token, tool_mask included; each response is
+  where the scripted log says and a response that does not fit ends its row, truncated."""
+  from grpo_jax.rollout.slots import SlotEngine
+  from tests.rollout import test_turns
+
+  s = setup
+  monkeypatch.setattr(test_turns, "R", 3)
+  vllm_turns, native_turns = test_turns.Scripted(call), test_turns.Scripted(call)
+  tokens, mask, _, truncated, tool = _tool_runs(s, monkeypatch, "greedy", 0, vllm_turns)
+  assert len(vllm_turns.log) >= 4, "the scripted tool was rarely called: the test proves little"
+  native = SlotEngine(
+      s["graphdef"],
+      slots=5,
+      chunk=2,
+      max_prompt_length=P,
+      max_new_tokens=L,
+      num_generations=G,
+      eos_ids=(EOS, call),
+      pad_id=0,
+      turns=native_turns,
+      max_append=3,
+  )
+  r = native(s["state"], jnp.asarray(s["ids"]), jnp.asarray(s["mask"]), jax.random.key(0), "greedy")
+  np.testing.assert_array_equal(mask, np.asarray(r.mask))
+  np.testing.assert_array_equal(tokens * mask, np.asarray(r.tokens) * np.asarray(r.mask))
+  np.testing.assert_array_equal(tool, np.asarray(r.tool_mask))
+  np.testing.assert_array_equal(truncated, np.asarray(r.truncated))
+  assert [e[:2] for e in sorted(vllm_turns.log, key=lambda e: e[:2])] == [
+      e[:2] for e in sorted(native_turns.log, key=lambda e: e[:2])
+  ]
+  rows = types.SimpleNamespace(tokens=tokens, mask=mask, lengths=mask.sum(-1))
+  np.testing.assert_array_equal(tool, test_turns.expected_tool_columns(vllm_turns, rows))
+  assert tool.sum() > 0
+  assert sorted(vllm_turns.finished) == list(range(len(tokens)))  # each row released once
+
+
+def test_tool_turns_sampled_log_probs_are_the_trainers(setup, call, monkeypatch):
+  """Sampled multi-turn rows: vLLM's log-probs of the model's tokens of every turn (after
+  temperature) equal the trainer's forward over the whole row (tool tokens as context) within 1e-4 (f32); tool tokens
+  carry log-prob 0 and stay inside the mask."""
+  from tests.rollout import test_turns
+
+  s = setup
+  monkeypatch.setattr(test_turns, "R", 3)
+  turns = test_turns.Scripted(call)
+  # Temperature 0.5: near greedy, so the frequent greedy token (the call) comes up often.
+  gen = GenerationConfig(temperature=0.5, top_k=0, top_p=1.0)
+  tokens, mask, lp, _, tool = _tool_runs(s, monkeypatch, gen, 5, turns)
+  assert len(turns.log) >= 2, "the scripted tool was rarely called: the test proves little"
+  assert tool.sum() > 0 and np.all(mask[tool > 0] == 1) and np.all(lp[tool > 0] == 0)
+  act = (mask > 0) & (tool == 0)
+  trainer = _trainer_logp(s, s["state"], tokens, mask, 0.5)
+  assert np.abs(trainer - lp)[act].max() <= 1e-4
+  turns.stats = dict  # (the scripted turns have no figures of their own)
+  stats = s["engine"].stats()
+  print(stats)
+  # vLLM's prefix cache serves the rows' history: what it prefills per appended token is the
+  # response plus the tail of the last cached block, not the whole row.
+  assert 0 < stats["rollout/vllm_prefill_per_append"] < (P + L) / 2
+
+
 def _perturbed(state, scale=0.05):
   """Other weights than `state`: Gaussian noise on every matrix (a plain rescale would be
   normalized away by q_norm/k_norm)."""
@@ -332,6 +416,54 @@ def test_two_grpo_steps_with_the_vllm_engine(tmp_path, config, lora_sync, stalen
     assert x["rollout/logprob_abs_diff_max"] <= tol
     assert x["loss/grad_norm"] > 0
   assert json.load(open(workdir / "summary.json"))["final_step"] == 2
+
+
+@pytest.mark.slow
+def test_the_tool_demo_with_vllm_rollouts(tmp_path):
+  """configs/tiny_tools.py with rollout.engine=vllm (no slot engine): after the SFT traces the
+  rows call the calculator through vLLM, every call answered in place; vLLM's log-probs stay
+  the trainer's over the model's turns; the evaluation (native slot engine) runs the tool
+  too."""
+  workdir = tmp_path / "run"
+  env = dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      VLLM_ENABLE_V1_MULTIPROCESSING="0",
+      VLLM_CPU_KVCACHE_SPACE="1",
+  )
+  r = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "grpo_jax.main",
+          "--config=configs/tiny_tools.py",
+          f"--workdir={workdir}",
+          "--config.rollout.engine=vllm",
+          "--config.rollout.slots=0",
+          "--config.num_steps=2",
+          "--config.log_interval_steps=1",
+          "--config.rollout.max_logprob_gap=0.5",
+      ],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=900,
+  )
+  assert r.returncode == 0, r.stderr[-4000:]
+  rows = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
+  steps = [x for x in rows if "loss/policy_loss" in x]
+  assert [x["step"] for x in steps] == [1, 2]
+  rows_per_step = 32 * 8  # batch_size x num_generations (configs/tiny.py)
+  for x in steps:
+    assert x["tool_call/calculator/calls"] >= rows_per_step * 0.8
+    assert x["tool_call/turns_per_row"] > 1.5
+    assert x["rollout/logprob_abs_diff_max"] <= 1e-4
+    assert 0 < x["rollout/vllm_prefill_per_append"] < 80
+  summary = json.load(open(workdir / "summary.json"))
+  assert summary["final_step"] == 2
+  evals = [x for x in rows if "eval/accuracy" in x]
+  assert evals[-1]["eval/accuracy"] > 0.5  # the eval's rows ran the tool (without: ~0.01)
 
 
 class _Tok:

@@ -326,10 +326,18 @@ def _to_host(x: jax.Array) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
-def save_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int = 4 << 30):
+def save_hf(
+    model: Transformer,
+    path: str,
+    *,
+    dtype=None,
+    max_shard_bytes: int = 4 << 30,
+    every_process: bool = False,
+):
   """Writes config.json + safetensors (sharded with an index above `max_shard_bytes`) that
   `transformers.AutoModelForCausalLM.from_pretrained(path)` loads with equal logits.
-  In multi-host runs every process must call it (the gather is collective); process 0 writes.
+  In multi-host runs every process must call it (the gather is collective); process 0 writes
+  (every_process: each writes its own copy to `path`, a folder of its own machine).
   """
   cfg = model.cfg
   out_dtype = np.dtype(dtype or jnp.dtype(cfg.param_dtype))
@@ -339,7 +347,7 @@ def save_hf(model: Transformer, path: str, *, dtype=None, max_shard_bytes: int =
     for p, at, name in _native_paths(cfg, e):
       shape = abstract[p].get_value().shape[len(at) :]
       shapes[name] = tuple(e.to_hf(np.broadcast_to(np.zeros((), np.float32), shape)).shape)
-  writer = jax.process_index() == 0
+  writer = every_process or jax.process_index() == 0
   if writer:
     paths.makedirs(path)
   shards, current, size = [], [], 0
