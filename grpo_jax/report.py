@@ -166,6 +166,81 @@ def eval_table(runs: list[Run]) -> list[str]:
   return lines or ["No evaluation yet."]
 
 
+# The tool-call figures (rollout/turns.py's ToolTurns, summed over processes): label, numerator,
+# denominator (None: the figure itself, a per-step ratio).
+_TOOL_RATES = (
+    ("rows that called a tool", "tool_call/row_fraction", None),
+    ("model turns per row", "tool_call/turns_per_row", None),
+    ("calls per step", "tool_call/calls", None),
+    ("error rate (errors / calls)", "tool_call/errors", "tool_call/calls"),
+    ("timeout rate", "tool_call/timeouts", "tool_call/calls"),
+    ("malformed calls / calls", "tool_call/malformed", "tool_call/calls"),
+)
+
+
+def tool_table(runs: list[Run]) -> list[str]:
+  """Markdown rows: the tool-call and tool-error rates of the first and the last tenth of each
+  run's GRPO steps (at least one step each); [] when no run called tools."""
+  lines = []
+  for run in runs:
+    if "tool_call/calls" not in run.series:
+      continue
+    steps = run.series["tool_call/calls"][0]
+    k = max(1, len(steps) // 10)
+    spans = {"first": steps[:k], "last": steps[-k:]}
+
+    def over(key, den, span):
+      if key not in run.series:
+        return None
+      at = dict(zip(*(a.tolist() for a in run.series[key])))
+      num = [at[s] for s in span if s in at]
+      if den is None:
+        return float(np.mean(num)) if num else None
+      below = dict(zip(*(a.tolist() for a in run.series[den])))
+      total = sum(below.get(s, 0.0) for s in span)
+      return sum(num) / total if total else None
+
+    def tools_of(run):
+      return sorted(
+          {k.split("/")[1] for k in run.series if k.count("/") == 2 and k.endswith("/calls")}
+      )
+
+    rates = list(_TOOL_RATES) + [
+        (f"{t}: error rate", f"tool_call/{t}/errors", f"tool_call/{t}/calls") for t in tools_of(run)
+    ]
+    if not lines:
+      lines = _table(["run", "figure", "first GRPO steps", "last GRPO steps", "change"])
+    for label, key, den in rates:
+      first, last = (over(key, den, spans[w]) for w in ("first", "last"))
+      if first is None and last is None:
+        continue
+      change = "" if None in (first, last) else f"{last - first:+.3f}"
+      lines.append(
+          _row(
+              [
+                  run.name,
+                  label,
+                  _num(first),
+                  _num(last),
+                  change,
+              ]
+          )
+      )
+    lines.append(
+        _row(
+            [
+                run.name,
+                f"(steps {int(spans['first'][0])}-{int(spans['first'][-1])} vs "
+                f"{int(spans['last'][0])}-{int(spans['last'][-1])})",
+                "",
+                "",
+                "",
+            ]
+        )
+    )
+  return lines
+
+
 def _num(v) -> str:
   if not isinstance(v, (int, float)):
     return "" if v is None else str(v)
@@ -495,6 +570,11 @@ def write_report(workdirs, out: str | None = None) -> str:
       "",
       *eval_table(runs),
       "",
+  ]
+  tools = tool_table(runs)
+  if tools:
+    md += ["## Tool calls: first / last GRPO steps", "", *tools, ""]
+  md += [
       "## Curves",
       "",
   ]

@@ -225,3 +225,30 @@ def test_gcs_workdir(gcs):
   assert "| greedy (n=16) | accuracy | 0.000 | 0.125 | 0.375 | +0.250 |" in md  # initial too
   assert image_links(md) == ["reward.png", "eval.png"]
   assert_pngs(f"{workdir}/report", image_links(md))
+
+
+def test_tool_call_and_error_rates_first_and_last_steps(tmp_path):
+  """A run that called tools: the report's tool table holds the call and error rates of its
+  first and last tenth of GRPO steps (errors / calls summed over the span, per tool too)."""
+  rows = []
+  for s in range(1, 21):
+    calls, errors = 10.0 * s, float(s < 10) * s  # errors stop after step 9
+    rows.append(
+        {
+            "step": s,
+            "tool_call/row_fraction": s / 20,
+            "tool_call/calls": calls,
+            "tool_call/errors": errors,
+            "tool_call/calculator/calls": calls,
+            "tool_call/calculator/errors": errors,
+        }
+    )
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  lines = report.tool_table([report.load_run(str(tmp_path), "t")])
+  by = {line.split(" | ")[1]: line.split(" | ")[2:4] for line in lines[2:]}
+  assert by["rows that called a tool"] == ["0.075", "0.975"]  # steps 1-2 vs 19-20
+  assert by["error rate (errors / calls)"] == ["0.100", "0.000"]  # (1 + 2) / (10 + 20)
+  assert by["calculator: error rate"] == ["0.100", "0.000"]
+  md = open(report.write_report(str(tmp_path))).read()
+  assert "## Tool calls: first / last GRPO steps" in md
+  assert report.tool_table([report.load_run(str(tmp_path / "none"), "x")]) == []
