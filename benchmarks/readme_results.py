@@ -61,6 +61,13 @@ ROWS = {
         ("grpo_jax.main", "--config=configs/tiny_lora.py"),
         "grpo",
     ),
+    "moe": Row(
+        "the same task with a mixture-of-experts policy: 8 experts per layer, top-2 (0.70M "
+        "params, 0.26M active per token)",
+        "python -m grpo_jax.main --config=configs/tiny_moe.py",
+        ("grpo_jax.main", "--config=configs/tiny_moe.py"),
+        "grpo",
+    ),
     "tools": Row(
         "CPU tool demo: 3-digit x 2-digit products, a calculator tool (slot engine, rows pause "
         "for it), SFT on traces that call it, then GRPO",

@@ -1,0 +1,409 @@
+"""The slot engine's device programs (rollout/slots.py's SlotEngine runs them; the host-side
+scheduler there decides what they run on). Each is jitted once per static shape and generation
+config (`_program`), on the engine's mesh, over one state dict:
+
+- init: the empty state (per-layer or stacked KV caches [slots, Hkv, S, K], each slot's row,
+  position, budget, key, and the output rows [ring x rows per step, C]);
+- admit: prefills A prompts once each (`Transformer.prefill_rows`), copies each prompt's
+  keys/values into its G rows' slots, draws each row's first token;
+- decode: up to `chunk` steps for every slot at its own position (`Transformer.decode_rows`),
+  each token written with its log-probs and weight version, a row stopped at a stop token or
+  its budget; the chunk ends early once `refill` slots are free;
+- refresh: the live slots' keys/values again from their tokens (new weights);
+- extend: tool responses appended into paused rows' live caches (`Transformer.extend_rows`);
+- take / peek: a step's output rows as a `Rollout` (+ versions) / a stopped row's last turn;
+- copy: the compute-dtype sampling copy of the weights, once per weight version.
+
+`SlotPrograms` is SlotEngine's base: the programs read the engine's static configuration (slots,
+lengths, stop ids, mesh, kernels; set in SlotEngine.__init__ and `reset`) and nothing else of
+the host scheduler. See slots.py's docstring for the KV layout, randomness and multi-host rules.
+"""
+
+import functools
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax.models.decoder.cache import sampling_copy
+from grpo_jax.models.decoder.cache import stacked_sampling_copy
+from grpo_jax.models.decoder.kernels import Kernels
+from grpo_jax.models.decoder.transformer import compaction
+from grpo_jax.parallel import sharding
+from grpo_jax.rollout import sampling
+from grpo_jax.rollout.types import GenerationConfig
+from grpo_jax.rollout.types import Rollout
+
+# The state's small arrays, replicated on a mesh (every process reads them and decides alike).
+_CONTROL = (
+    "length",
+    "seq",
+    "token",
+    "col",
+    "cap",
+    "row",
+    "live",
+    "keys",
+    "out_tokens",
+    "out_logp",
+    "out_raw",
+    "out_version",
+    "out_len",
+    "out_stop",
+    "out_tool",
+    "steps",
+    "live_steps",
+    "extended",
+)
+
+
+class SlotPrograms:
+  """The device side of the slot engine (see the module docstring); SlotEngine's base class."""
+
+  def _static(self):
+    """The generation config's static knobs (one compile per combination)."""
+    gen: GenerationConfig = self._gen
+    return dict(
+        top_k=int(gen.top_k) if not gen.is_greedy else 0,
+        use_top_p=gen.top_p < 1.0,
+        greedy=gen.is_greedy,
+    )
+
+  def _program(self, name, *shape):
+    static = self._static() if name in ("admit", "decode", "extend") else {}
+    key = (name, shape, tuple(sorted(static.items())))
+    if key not in self._programs:
+      fn = getattr(self, "_" + name)
+      fn = functools.partial(fn, **static) if static else fn
+      kw = {}
+      if name in ("admit", "decode", "refresh", "extend"):
+        kw["donate_argnums"] = (0,)
+      if self.mesh is not None and name in ("init", "admit", "decode", "refresh", "extend"):
+        kw["out_shardings"] = self._state_shardings()
+      if self.mesh is not None and name == "take":
+        rows, vec = (sharding.batch_sharding(self.mesh, k) for k in (2, 1))
+        kw["out_shardings"] = (
+            Rollout(
+                tokens=rows,
+                mask=rows,
+                logprobs=rows,
+                raw_logprobs=rows,
+                lengths=vec,
+                truncated=vec,
+                tool_mask=rows,
+            ),
+            rows,
+        )
+      jitted = jax.jit(fn, **kw)
+      self._programs[key] = jitted if self.mesh is None else _InMesh(jitted, self.mesh)
+    return self._programs[key]
+
+  def _state_shardings(self):
+    """The state's layout on the mesh: caches' slots over (data, fsdp); the rest replicated
+    (every process reads the slots' status and makes the same decisions)."""
+    rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    if self.scan_layers:  # [L, slots, ...]: the slots over (data, fsdp)
+      spec = sharding.batch_sharding(self.mesh, 4).spec
+      cache = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, *spec))
+      return dict(k=cache, v=cache, **{k: rep for k in _CONTROL})
+    cache = sharding.batch_sharding(self.mesh, 4)
+    layers = self._model_cfg.num_layers
+    return dict(k=(cache,) * layers, v=(cache,) * layers, **{k: rep for k in _CONTROL})
+
+  def _model(self, weights):
+    model = nnx.merge(self._copy_graphdef, weights)
+    model.kernels = Kernels.resolve(model.cfg, self.platform, ragged_decode=self.ragged)
+    return model
+
+  def _copy(self, state):
+    model = nnx.merge(self.graphdef, state)
+    model.kernels = Kernels.resolve(model.cfg, self.platform)
+    copy = stacked_sampling_copy(model) if self.scan_layers else sampling_copy(model)
+    graphdef, weights = nnx.split(copy)
+    self._copy_graphdef = graphdef
+    return weights
+
+  def _init(self):
+    model_cfg = self._model_cfg
+    s, n, r = self.cache_len, self.num_slots, self.ring * self._rows_per_tag
+    shape = (n, model_cfg.num_kv_heads, s, model_cfg.head_dim)
+    dt = jnp.dtype(model_cfg.dtype)
+    if self.scan_layers:
+      zeros = lambda: jnp.zeros((model_cfg.num_layers, *shape), dt)  # noqa: E731
+    else:
+      zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(model_cfg.num_layers))  # noqa
+    return dict(
+        k=zeros(),
+        v=zeros(),
+        length=jnp.zeros((n,), jnp.int32),
+        seq=jnp.zeros((n, s), jnp.int32),
+        token=jnp.zeros((n,), jnp.int32),
+        col=jnp.zeros((n,), jnp.int32),
+        cap=jnp.zeros((n,), jnp.int32),
+        row=jnp.full((n,), r, jnp.int32),
+        live=jnp.zeros((n,), bool),
+        keys=jax.random.split(jax.random.key(0), n),
+        out_tokens=jnp.full((r, self.c), self.pad_id, jnp.int32),
+        out_logp=jnp.zeros((r, self.c), jnp.float32),
+        out_raw=jnp.zeros((r, self.c), jnp.float32),
+        out_version=jnp.zeros((r, self.c), jnp.int32),
+        out_len=jnp.zeros((r,), jnp.int32),
+        out_stop=jnp.zeros((r,), bool),
+        out_tool=jnp.zeros((r, self.c), jnp.int32),
+        steps=jnp.zeros((), jnp.int32),
+        live_steps=jnp.zeros((), jnp.int32),
+        extended=jnp.zeros((), jnp.int32),
+    )
+
+  def _draw(self, temperature, top_p, *, top_k, use_top_p, greedy):
+    return functools.partial(
+        sampling.sample_token,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        use_top_p=use_top_p,
+        greedy=greedy,
+    )
+
+  def _record(self, st, slots, active, token, logp, raw, version):
+    """Writes each active entry's token (at its row's column) into the output rows and moves
+    its slot on: column + 1, stopped at a stop token or its budget. `slots` [E]: the entries'
+    slots (out-of-range entries are dropped)."""
+    r = self.ring * self._rows_per_tag
+    take = lambda x: x.at[slots].get(mode="fill", fill_value=0)  # noqa: E731
+    row = jnp.where(active, take(st["row"]), r)
+    col = take(st["col"])
+    stop_ids = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
+    stop = active & jnp.isin(token, stop_ids)
+    col2 = col + active
+    live = active & ~stop & (col2 < take(st["cap"]))
+    put = lambda x, v: x.at[slots].set(v, mode="drop")  # noqa: E731
+    out = dict(
+        st,
+        out_tokens=st["out_tokens"].at[row, col].set(token, mode="drop"),
+        out_logp=st["out_logp"].at[row, col].set(logp, mode="drop"),
+        out_raw=st["out_raw"].at[row, col].set(raw, mode="drop"),
+        out_version=st["out_version"].at[row, col].set(version, mode="drop"),
+        out_len=st["out_len"].at[row].set(col2, mode="drop"),
+        out_stop=st["out_stop"].at[row].set(stop, mode="drop"),
+        col=put(st["col"], col2),
+        live=put(st["live"], live),
+        token=put(st["token"], jnp.where(active, token, take(st["token"]))),
+    )
+    return out
+
+  def _admit(
+      self,
+      st,
+      weights,
+      ids,
+      mask,
+      slot_ids,
+      row_ids,
+      index,
+      caps,
+      keys,
+      version,
+      temperature,
+      top_p,
+      **static,
+  ):
+    model = self._model(weights)
+    scan = self.scan_layers
+    logits, ks, vs, length = model.prefill_rows(ids, mask, stacked=scan)
+    g, w = self.g, ids.shape[1]
+    rep = lambda x: jnp.repeat(x, g, axis=0)  # noqa: E731
+    put = lambda c, x: c.at[slot_ids].set(x.astype(c.dtype), mode="drop")  # noqa: E731
+
+    def kv(cache, new):
+      if scan:  # stacked [L, slots, ...]: the prompts' rows repeated on axis 1
+        new = jnp.repeat(new, g, axis=1).astype(cache.dtype)
+        return cache.at[:, slot_ids, :, :w].set(new, mode="drop")
+      return tuple(
+          c.at[slot_ids, :, :w].set(rep(x).astype(c.dtype), mode="drop") for c, x in zip(cache, new)
+      )
+
+    row_keys = jax.vmap(jax.random.fold_in)(rep(keys), index)
+    compact = jnp.take_along_axis(ids, compaction(mask)[0], axis=1)
+    st = dict(
+        st,
+        seq=st["seq"].at[slot_ids, :w].set(rep(compact), mode="drop"),
+        k=_constrain_cache(kv(st["k"], ks)),
+        v=_constrain_cache(kv(st["v"], vs)),
+        length=put(st["length"], rep(length)),
+        col=put(st["col"], jnp.zeros_like(slot_ids)),
+        cap=put(st["cap"], caps),
+        row=put(st["row"], row_ids),
+        keys=st["keys"].at[slot_ids].set(row_keys, mode="drop"),
+        out_tool=st["out_tool"].at[row_ids].set(0, mode="drop"),
+    )
+    draw = self._draw(temperature, top_p, **static)
+    token, lp, raw = draw(
+        rep(logits), jax.vmap(jax.random.fold_in)(row_keys, jnp.zeros_like(index))
+    )
+    active = slot_ids < self.num_slots
+    return self._record(st, slot_ids, active, token, lp, raw, version)
+
+  def _decode(self, st, weights, version, refill, temperature, top_p, **static):
+    model = self._model(weights)
+    draw = self._draw(temperature, top_p, **static)
+    s_len = self.cache_len
+    every = jnp.arange(self.num_slots)
+
+    def body(c):
+      i, st = c
+      live = st["live"]
+      at = jnp.minimum(st["length"], s_len - 1)
+      logits, ks, vs = model.decode_rows(st["token"], st["k"], st["v"], at)
+      st = dict(
+          st,
+          k=_constrain_cache(ks),
+          v=_constrain_cache(vs),
+          seq=st["seq"].at[every, at].set(st["token"], unique_indices=True),
+          length=st["length"] + live,
+          steps=st["steps"] + 1,
+          live_steps=st["live_steps"] + live.sum(),
+      )
+      token, lp, raw = draw(logits, jax.vmap(jax.random.fold_in)(st["keys"], st["col"]))
+      return i + 1, self._record(st, every, live, token, lp, raw, version)
+
+    def cond(c):
+      live = c[1]["live"].sum()
+      return (c[0] < self.chunk) & (live > 0) & (self.num_slots - live < refill)
+
+    return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), st))[1]
+
+  def _refresh(self, st, weights):
+    """Every slot's keys/values computed again from its tokens (new weights)."""
+    model = self._model(weights)
+    s_len = st["seq"].shape[1]
+    mask = (jnp.arange(s_len)[None, :] < st["length"][:, None]).astype(jnp.int32)
+    _, ks, vs, _ = model.prefill_rows(st["seq"], mask, stacked=self.scan_layers)
+
+    def fresh(cache, new):
+      if self.scan_layers:
+        return new.astype(cache.dtype)
+      return tuple(x.astype(c.dtype) for c, x in zip(cache, new))
+
+    return dict(st, k=_constrain_cache(fresh(st["k"], ks)), v=_constrain_cache(fresh(st["v"], vs)))
+
+  def _take(self, st, rows):
+    length = st["out_len"][rows]
+    mask = (jnp.arange(self.c)[None, :] < length[:, None]).astype(jnp.int32)
+    on = mask != 0
+    rollout = Rollout(
+        tokens=jnp.where(on, st["out_tokens"][rows], self.pad_id),
+        mask=mask,
+        logprobs=jnp.where(on, st["out_logp"][rows], 0.0),
+        raw_logprobs=jnp.where(on, st["out_raw"][rows], 0.0),
+        lengths=length,
+        truncated=~st["out_stop"][rows],
+        tool_mask=jnp.where(on, st["out_tool"][rows], 0),
+    )
+    return rollout, jnp.where(on, st["out_version"][rows], 0)
+
+  def _peek(self, st, rows):
+    """Rows' tokens, lengths and whether they stopped at a stop token (multi-turn: the host
+    reads a stopped row's last turn); out-of-range rows give zeros."""
+    get = lambda x: x.at[rows].get(mode="fill", fill_value=0)  # noqa: E731
+    return get(st["out_tokens"]), get(st["out_len"]), get(st["out_stop"])
+
+  def _extend(
+      self, st, weights, slot_ids, tokens, counts, go, version, temperature, top_p, **static
+  ):
+    """Tool responses into paused rows: entry i's first counts[i] `tokens` [E, R] are appended
+    to slot slot_ids[i]'s row after its last token (which, drawn last, enters the cache with
+    them: `Transformer.extend_rows` over the slots' live caches, only these tokens computed),
+    written to its output with tool_mask 1, and the row draws its next token from there.
+    go[i] False: the row ends instead, truncated (no room for the response)."""
+    model = self._model(weights)
+    n_slots, r_out = self.num_slots, self.ring * self._rows_per_tag
+    take = lambda x: x.at[slot_ids].get(mode="fill", fill_value=0)  # noqa: E731
+    put = lambda x, v: x.at[slot_ids].set(v, mode="drop")  # noqa: E731
+    valid = slot_ids < n_slots
+    go = go & valid
+    row = jnp.where(valid, take(st["row"]), r_out)
+    # Stopped for good: a stop token is no longer the row's end.
+    st = dict(st, out_stop=st["out_stop"].at[jnp.where(valid & ~go, row, r_out)].set(False))
+    # Every slot's row as the model sees it: the appended tokens at the rows' own positions.
+    e, r = tokens.shape
+    feed = jnp.zeros((n_slots, r + 1), jnp.int32)
+    first = jnp.where(go, take(st["token"]), 0)
+    n = jnp.where(go, counts + 1, 0)
+    feed = feed.at[slot_ids].set(jnp.concatenate([first[:, None], tokens], 1), mode="drop")
+    n_all = jnp.zeros((n_slots,), jnp.int32).at[slot_ids].set(n, mode="drop")
+    at = jnp.minimum(st["length"], self.cache_len - 1)
+    j = jnp.arange(r + 1)
+    s_len = st["seq"].shape[1]
+    seq_at = jnp.where(j[None] < n_all[:, None], at[:, None] + j[None], s_len)
+    every = jnp.arange(n_slots)
+    if self.reprefill_turns:  # the baseline: each row's whole history again
+      seq = st["seq"].at[every[:, None], seq_at].set(feed, mode="drop")
+      length = st["length"] + n_all
+      mask = (jnp.arange(s_len)[None, :] < length[:, None]).astype(jnp.int32)
+      logits, ks, vs, _ = model.prefill_rows(seq, mask, stacked=self.scan_layers)
+      if not self.scan_layers:
+        ks, vs = (
+            tuple(x.astype(c.dtype) for c, x in zip(old, new))
+            for old, new in ((st["k"], ks), (st["v"], vs))
+        )
+      else:
+        ks, vs = ks.astype(st["k"].dtype), vs.astype(st["v"].dtype)
+      extended = jnp.where(n_all > 0, length, 0).sum()
+    else:
+      logits, ks, vs = model.extend_rows(feed, st["k"], st["v"], at, n_all)
+      extended = n_all.sum()
+    # Tool columns of the output rows: counts[i] of them after the stop token's column.
+    col = take(st["col"])
+    jr = jnp.arange(r)
+    out_r = jnp.where(go[:, None] & (jr[None] < counts[:, None]), row[:, None], r_out)
+    out_c = col[:, None] + jr[None]
+    zero = jnp.zeros((e, r))
+    st = dict(
+        st,
+        k=_constrain_cache(ks),
+        v=_constrain_cache(vs),
+        seq=st["seq"].at[every[:, None], seq_at].set(feed, mode="drop"),
+        length=st["length"] + n_all,
+        out_tokens=st["out_tokens"].at[out_r, out_c].set(tokens, mode="drop"),
+        out_tool=st["out_tool"].at[out_r, out_c].set(1, mode="drop"),
+        out_logp=st["out_logp"].at[out_r, out_c].set(zero, mode="drop"),
+        out_raw=st["out_raw"].at[out_r, out_c].set(zero, mode="drop"),
+        out_version=st["out_version"].at[out_r, out_c].set(0, mode="drop"),
+        out_len=st["out_len"].at[jnp.where(go, row, r_out)].set(col + counts, mode="drop"),
+        col=put(st["col"], jnp.where(go, col + counts, col)),
+        extended=st["extended"] + extended,
+    )
+    draw = self._draw(temperature, top_p, **static)
+    token, lp, raw = draw(logits, jax.vmap(jax.random.fold_in)(st["keys"], st["col"]))
+    on = n_all > 0  # only the appended rows move on (the others keep their slot's state)
+    return self._record(st, jnp.where(on, every, n_slots), on, token, lp, raw, version)
+
+
+def _constrain_cache(kv):
+  """Per-layer caches (a tuple) or the stacked one [L, ...]: slots over the batch axes."""
+  if not isinstance(kv, tuple):
+    return sharding.constrain(kv, "layers", "batch", "kv_heads", "length", "head_dim")
+  return tuple(sharding.constrain(x, "batch", "kv_heads", "length", "head_dim") for x in kv)
+
+
+def _host(x) -> np.ndarray:
+  """A host copy of a (replicated or host) array; on several processes each reads its own."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return np.asarray(x.addressable_data(0))
+  return np.asarray(x)
+
+
+class _InMesh:
+
+  def __init__(self, fn, mesh):
+    self.fn, self.mesh = fn, mesh
+
+  def __call__(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.fn(*args)
+
+  def lower(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.fn.lower(*args)
