@@ -11,7 +11,7 @@ import dataclasses
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from grpo_jax.models.decoder import config as model_config
+from grpo_jax.models.decoder import presets as model_presets
 from grpo_jax.rewards import judge
 
 
@@ -23,7 +23,7 @@ def model(preset: str) -> ml_collections.ConfigDict:
   shape fields here are checked against it at start-up); `maxtext_checkpoint` loads a MaxText
   Orbax checkpoint (.../0/items) into the maxtext impl.
   """
-  shape = dataclasses.asdict(model_config.PRESETS[preset])
+  shape = dataclasses.asdict(model_presets.PRESETS[preset])
   m = ml_collections.ConfigDict(shape)
   m.preset = preset
   m.impl = "native"

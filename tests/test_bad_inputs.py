@@ -21,7 +21,7 @@ from grpo_jax.data import tokenizers
 from grpo_jax.models.decoder import hf
 from grpo_jax.models.maxtext import adapter as maxtext_adapter
 from grpo_jax.models import safetensors_io
-from grpo_jax.models.decoder.config import PRESETS
+from grpo_jax.models.decoder.presets import PRESETS
 from grpo_jax.models.decoder.transformer import Transformer
 from grpo_jax.rewards import computer
 

@@ -2,7 +2,7 @@
 (`load_hf` / `save_hf` pick the family from config.json / the module: families.py), log-probs."""
 
 from grpo_jax.models.decoder.config import ModelConfig
-from grpo_jax.models.decoder.config import PRESETS
+from grpo_jax.models.decoder.presets import PRESETS
 from grpo_jax.models.decoder.transformer import Transformer
 from grpo_jax.models.decoder.transformer import build_model
 from grpo_jax.models.decoder.transformer import positions_from_mask

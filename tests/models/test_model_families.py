@@ -9,7 +9,7 @@ import pytest
 
 from grpo_jax import models
 from grpo_jax.models import families
-from grpo_jax.models.decoder.config import PRESETS
+from grpo_jax.models.decoder.presets import PRESETS
 from grpo_jax.models.t5.model import T5
 from grpo_jax.models.t5.model import build_t5
 from grpo_jax.models.t5.config import T5Config
