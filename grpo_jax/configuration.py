@@ -722,7 +722,8 @@ def _check_micro_batch(c: _Checker, cfg, dp: int):
 
 def _check_routing_replay(c: _Checker, cfg):
   """rollout.routing_replay (rl/replay.py): "rollout" where its routes are recorded and replayed
-  so far: an MoE native decoder, the lockstep sampler, padded rows, full fine-tuning."""
+  so far: an MoE native decoder, the lockstep sampler, full fine-tuning; padded or packed rows
+  (rl/packing.py gathers the routes with their tokens)."""
   r, m = cfg.rollout, cfg.model
   c.one_of("rollout.routing_replay", routing_replay.MODES, "routing replay mode")
   if r.routing_replay != "rollout":
@@ -745,8 +746,6 @@ def _check_routing_replay(c: _Checker, cfg):
         "routing replay records routes in the lockstep sampler",
         "set rollout.slots=0",
     )
-  if cfg.pack_sequences:
-    c.fail(field, "packed rows do not carry routes yet", "pack_sequences=False")
   if cfg.lora.rank:
     c.fail(field, "the LoRA policy does not replay routes yet", "lora.rank=0")
 

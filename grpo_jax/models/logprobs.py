@@ -171,13 +171,37 @@ def packed_logprobs(
   every slot of the rows (their prompt tokens and padding). A slot's token is predicted from
   the slot before it, so a slot must not be a sequence's first. remat: as
   `completion_logprobs`."""
+  h = model.packed_hidden(input_ids_rl, segment_ids_rl, positions_rl)
+  return _packed_head(model, h, input_ids_rl, head_slots_hs, temperature, chunk_size, remat)
+
+
+def packed_logprobs_routed(
+    model,
+    input_ids_rl: jax.Array,
+    segment_ids_rl: jax.Array,
+    positions_rl: jax.Array,
+    head_slots_hs: jax.Array,
+    routes_rllk: jax.Array,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    remat: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """`packed_logprobs` of an MoE decoder with routing replay: routes [R, L, L_moe, k] (-1 = the
+  token's own top-k), slot for slot with the packed tokens (Transformer.packed_hidden_routed).
+  -> (log-probs [R, L], own [R, L, L_moe, k] int32: the MoE layers' own top-k)."""
+  h, own = model.packed_hidden_routed(input_ids_rl, segment_ids_rl, positions_rl, routes_rllk)
+  logp = _packed_head(model, h, input_ids_rl, head_slots_hs, temperature, chunk_size, remat)
+  return logp, own
+
+
+def _packed_head(model, h_rld, input_ids_rl, head_slots_hs, temperature, chunk_size, remat):
+  """The LM head's log-probs [R, L] of the tokens at head_slots from the slots before them."""
   if remat is None:
     remat = model.cfg.remat_policy != "none"
   r, l = input_ids_rl.shape
-  h = model.packed_hidden(input_ids_rl, segment_ids_rl, positions_rl)
   slot = jnp.minimum(head_slots_hs, r * l - 1)
   logp = chunked_token_logprobs(
-      h.reshape(r * l, -1)[jnp.maximum(slot - 1, 0)],  # [*head, D]: the hidden state before
+      h_rld.reshape(r * l, -1)[jnp.maximum(slot - 1, 0)],  # [*head, D]: the hidden state before
       model.unembedding(),
       input_ids_rl.reshape(-1)[slot],
       temperature,

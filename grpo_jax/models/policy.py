@@ -28,6 +28,7 @@ from grpo_jax.models.t5 import hf as t5_hf
 from grpo_jax.models.logprobs import completion_logprobs
 from grpo_jax.models.logprobs import completion_logprobs_routed
 from grpo_jax.models.logprobs import packed_logprobs
+from grpo_jax.models.logprobs import packed_logprobs_routed
 from grpo_jax.models.t5.model import T5
 from grpo_jax.models.t5.model import build_t5
 from grpo_jax.models.t5.model import t5_logprobs
@@ -70,6 +71,10 @@ class Policy:
   # attention_mask [B,S], routes [B,S,L_moe,k] (-1 = own top-k), C, temperature) -> (log-probs
   # [B, C], the MoE layers' own top-k [B, S, L_moe, k]). None: no MoE layers to replay.
   routed_logprobs: Callable | None = None
+  # Routing replay on packed rows: (params, input_ids, segment_ids, positions [R, L],
+  # head_slots, routes [R, L, L_moe, k], temperature) -> (log-probs [R, L], own top-k [R, L,
+  # L_moe, k]) (models/logprobs.py: packed_logprobs_routed). None: no MoE layers to replay.
+  packed_routed_logprobs: Callable | None = None
 
   def param_shardings(self, mesh):
     if self.shardings is not None:
@@ -155,6 +160,11 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
         nnx.merge(graphdef, params), input_ids, attention_mask, routes, completion_len, temperature
     )
 
+  def packed_routed(params, input_ids, segment_ids, positions, head_slots, routes, temp=1.0):
+    return packed_logprobs_routed(
+        nnx.merge(graphdef, params), input_ids, segment_ids, positions, head_slots, routes, temp
+    )
+
   def save(params, path):
     hf.save_hf(nnx.merge(graphdef, params), path)
 
@@ -168,6 +178,7 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
       save_hf=save,
       packed_logprobs=packed,
       routed_logprobs=routed if any(cfg.moe_layers) else None,
+      packed_routed_logprobs=packed_routed if any(cfg.moe_layers) else None,
   )
 
 

@@ -13,10 +13,10 @@ host-side numpy, deterministic, no sequence split), then gathers every array on 
 micro-batch + 1, unique in its row), positions restarting at 0 in each sequence (the padded
 layout's `cumsum(mask) - 1`, so RoPE and sliding windows see the same numbers), and every
 per-token field (completion mask, old / reference / sampler log-probs, the advantage of its
-sequence) moved with its token. The decoder attends within a segment only
-(models/decoder/layers.py: `Block.forward`), and the losses sum per sequence by segment
-(rl/losses.py: `Segments`), so every aggregation mode, GSPO's sequence ratio, KL, TIS and the
-advantage clip give the padded layout's loss and gradients.
+sequence, routing replay's recorded experts: rl/replay.py) moved with its token. The decoder
+attends within a segment only (models/decoder/layers.py: `Block.forward`), and the losses sum
+per sequence by segment (rl/losses.py: `Segments`), so every aggregation mode, GSPO's sequence
+ratio, KL, TIS and the advantage clip give the padded layout's loss and gradients.
 
 Micro-batches: the sequences of micro-batch k are those the padded layout gives it (rows k,
 k + n, k + 2n, ...; rl/step.py: accumulate_gradients), packed among themselves into the same
@@ -130,13 +130,15 @@ def pack(
     upd: dict, row_of_n, offset_of_n, *, rows: int, num_micro: int, head_rows: int | None = None
 ) -> dict:
   """The padded update batch (rl/step.py: assemble, [N, S] and [N, C] arrays, advantages [N],
-  optional old_logp / ref_logp / sampler_logp [N, C]) as R = `rows` packed rows of S slots.
+  optional old_logp / ref_logp / sampler_logp [N, C], optional routes [N, S, L_moe, k]) as
+  R = `rows` packed rows of S slots.
 
   -> input_ids, segment_ids, positions, completion_mask, advantages (each token its
-  sequence's) and the given log-prob fields, all [R, S]; head_slots [H, S] (`head_slots`:
-  where the LM head runs; H = `head_rows`, default R: room for every slot); and "sequences":
-  what the per-sequence views need (`per_sequence`, `unpack`): advantages [N], slot [N, C] (the
-  flat packed slot of each completion token; R * S where it has none)."""
+  sequence's) and the given log-prob fields, all [R, S]; routes [R, S, L_moe, k] when given
+  (routing replay: each token's recorded experts, -1 on padding slots); head_slots [H, S]
+  (`head_slots`: where the LM head runs; H = `head_rows`, default R: room for every slot); and
+  "sequences": what the per-sequence views need (`per_sequence`, `unpack`): advantages [N],
+  slot [N, C] (the flat packed slot of each completion token; R * S where it has none)."""
   ids_ns, real_ns = upd["input_ids"], upd["attention_mask"] != 0
   n, s = ids_ns.shape
   c = upd["completion_mask"].shape[1]
@@ -171,6 +173,11 @@ def pack(
   for key in ("old_logp", "ref_logp", "sampler_logp"):
     if key in upd:
       out[key] = take_completion(upd[key])
+  if "routes" in upd:  # routing replay (rl/replay.py): each token's recorded experts with it
+    routes = upd["routes"]  # [N, S, L_moe, k]
+    flat = routes.reshape(n * s, *routes.shape[2:])
+    out["routes"] = jnp.where(valid[:, None, None], flat[src], -1).astype(routes.dtype)
+    out["routes"] = out["routes"].reshape(rows, s, *routes.shape[2:])
   # The completion tokens' slots within their micro-batch's rows (packed row r * n + k is row r
   # of micro-batch k), each micro-batch's sorted and padded with its rows' slot count.
   local_n = (row_of_n.astype(jnp.int32) // num_micro) * s + offset_of_n.astype(jnp.int32)

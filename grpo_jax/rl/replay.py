@@ -4,6 +4,9 @@
     batch["routes"] = rollout.routes              # rl/step.py assemble: [N, S, L_moe, k]
     logp_nc, own_nslk = policy.routed_logprobs(params, ids, mask, batch["routes"], C, temp)
     route_mismatch(own_nslk, batch["routes"], completion_mask_nc)  # rollout/route_mismatch
+    # pack_sequences: rl/packing.py gathers routes with their tokens -> [R, S, L_moe, k]
+    logp_rs, own_rslk = policy.packed_routed_logprobs(params, ids, seg, pos, slots, routes_rslk)
+    packed_route_mismatch(own_rslk, routes_rslk, completion_mask_rs)  # the same figure
 
 An MoE policy's sampler and trainer route some tokens to different experts (their numerics
 differ: batch shapes, kernels, bf16), so the trainer's log-probs are those of another policy than
@@ -17,7 +20,9 @@ replayed experts (renormalized over the k with norm_topk_prob: models/decoder/mo
 Every column of the [prompt; completion] row is replayed, the prompt's too: a position's output
 depends on the keys/values of the positions before it, which depend on their routes, so only
 the whole row replayed reproduces the sampler's forward. The last completion token (never fed to
-the sampler) keeps its own top-k; its output predicts no trained token.
+the sampler) keeps its own top-k; its output predicts no trained token. Packed rows
+(pack_sequences, rl/packing.py) carry each real token's routes to its slot (-1 on padding
+slots), so the packed forward replays the same experts for the same tokens as the padded one.
 
 rollout/route_mismatch: the fraction of recorded (token, MoE layer, k-slot) routes that the
 trainer's own top-k (computed in the same replayed forward, so at each layer on the inputs the
@@ -40,10 +45,25 @@ def route_mismatch(own_bslk, routes_bslk, completion_mask_bc) -> jax.Array:
   S-C-1 .. S-2 (each predicts completion token j = position - (S-C-1)) where the completion
   mask is set and a route was recorded (>= 0). own, routes [B, S, L_moe, k]; mask [B, C]."""
   s, c = routes_bslk.shape[1], completion_mask_bc.shape[1]
-  recorded = routes_bslk[:, s - c - 1 : s - 1].astype(jnp.int32)  # [B, C, L, k]
-  own = own_bslk[:, s - c - 1 : s - 1]
-  found = (recorded[..., :, None] == own[..., None, :]).any(-1)  # [B, C, L, k]
-  counted = (completion_mask_bc > 0)[:, :, None, None] & (recorded >= 0)
+  return _missed_fraction(
+      own_bslk[:, s - c - 1 : s - 1], routes_bslk[:, s - c - 1 : s - 1], completion_mask_bc > 0
+  )
+
+
+def packed_route_mismatch(own_rslk, routes_rslk, completion_mask_rs) -> jax.Array:
+  """`route_mismatch` of packed rows (rl/packing.py): the positions counted are those whose
+  next slot holds a trained completion token (completion_mask [R, S], per slot), the same
+  (token, layer, k-slot) routes as the padded layout's. own, routes [R, S, L_moe, k]."""
+  predicts = jnp.pad(completion_mask_rs[:, 1:] > 0, ((0, 0), (0, 1)))  # a sequence's last: none
+  return _missed_fraction(own_rslk, routes_rslk, predicts)
+
+
+def _missed_fraction(own_tlk, routes_tlk, counted_t) -> jax.Array:
+  """Over the positions `counted_t` [...] whose routes [..., L, k] were recorded (>= 0): the
+  fraction of recorded experts missing from own [..., L, k] (compared as sets)."""
+  recorded = routes_tlk.astype(jnp.int32)
+  found = (recorded[..., :, None] == own_tlk[..., None, :]).any(-1)  # [..., L, k]
+  counted = counted_t[..., None, None] & (recorded >= 0)
   missed = (counted & ~found).sum().astype(jnp.float32)
   return missed / jnp.maximum(counted.sum(), 1).astype(jnp.float32)
 
@@ -59,6 +79,21 @@ class RoutedLayout(packing.PaddedLayout):
 ROUTED = RoutedLayout()
 
 
+class RoutedPackedLayout(packing.PackedLayout):
+  """Packed rows with their recorded routes (rl/packing.py: pack): `logprob_fn(params,
+  input_ids, segment_ids, positions, head_slots, routes) -> [r, L]` (the update's)."""
+
+  def logprobs(self, logprob_fn, params, batch: dict) -> jax.Array:
+    return logprob_fn(
+        params,
+        batch["input_ids"],
+        batch["segment_ids"],
+        batch["positions"],
+        batch["head_slots"],
+        batch["routes"],
+    )
+
+
 class Routed(packing.Padded):
   """GrpoStep's rows with routing replay: the log-prob passes (old, reference) replay the
   batch's routes. fns: rl/step.py's TrainFunctions (its `routed_logprobs`)."""
@@ -70,4 +105,24 @@ class Routed(packing.Padded):
     """-> (log-probs [N, C], rollout/route_mismatch: a replicated f32 scalar)."""
     return self.fns.routed_logprobs(
         params, upd["input_ids"], upd["attention_mask"], upd["routes"], upd["completion_mask"]
+    )
+
+
+class RoutedPacker(packing.Packer):
+  """Packed rows with routing replay (pack_sequences): the routes ride the gather
+  (packing.pack), the log-prob passes replay them. fns: TrainFunctions' `packed_routed_logprobs`."""
+
+  def logprobs(self, params, upd: dict) -> jax.Array:
+    return self.logprobs_and_mismatch(params, upd)[0]
+
+  def logprobs_and_mismatch(self, params, upd: dict):
+    """-> (log-probs [R, S], rollout/route_mismatch: a replicated f32 scalar)."""
+    return self.fns.packed_routed_logprobs(
+        params,
+        upd["input_ids"],
+        upd["segment_ids"],
+        upd["positions"],
+        upd["head_slots"],
+        upd["routes"],
+        upd["completion_mask"],
     )

@@ -320,6 +320,9 @@ class TrainFunctions:
   With rollout.routing_replay="rollout" (rl/replay.py), `update` replays the batch's routes, and:
   routed_logprobs(params, input_ids, attention_mask, routes, completion_mask) -> ([N, C],
                                         rollout/route_mismatch)   the replayed log-prob pass
+  packed_routed_logprobs(params, input_ids, segment_ids, positions, head_slots, routes,
+                         completion_mask) -> ([R, L], rollout/route_mismatch)   the same on
+                                        packed rows (pack_sequences)
   num_micro                             gradient-accumulation passes
   """
 
@@ -335,6 +338,7 @@ class TrainFunctions:
   packed_fold_kl: Callable | None = None
   unpack: Callable | None = None
   routed_logprobs: Callable | None = None
+  packed_routed_logprobs: Callable | None = None
   num_micro: int = 1
 
 
@@ -444,6 +448,21 @@ def build(config, policy, mesh) -> TrainFunctions:
     slots = packing.global_slots(head_slots, rows=rows, num_micro=num_micro)
     return packed_logprobs(params, input_ids, segment_ids, positions, slots)
 
+  def packed_routed_update_logprobs(params, input_ids, segment_ids, positions, head_slots, routes):
+    return policy.packed_routed_logprobs(
+        params, input_ids, segment_ids, positions, head_slots, routes, temperature
+    )[0]
+
+  def packed_routed_logprobs_all(
+      params, input_ids, segment_ids, positions, head_slots, routes, completion_mask
+  ):
+    """The replayed pass over all micro-batches' rows, and rollout/route_mismatch."""
+    slots = packing.global_slots(head_slots, rows=input_ids.shape[0], num_micro=num_micro)
+    logp, own = policy.packed_routed_logprobs(
+        params, input_ids, segment_ids, positions, slots, routes, temperature
+    )
+    return logp, replay.packed_route_mismatch(own, routes, completion_mask)
+
   def pack(batch, row_of_n, offset_of_n, packed_rows, head_rows):
     out = packing.pack(
         batch, row_of_n, offset_of_n, rows=packed_rows, num_micro=num_micro, head_rows=head_rows
@@ -488,7 +507,10 @@ def build(config, policy, mesh) -> TrainFunctions:
       nonfinite_streak=sharding.replicated(mesh),
       nonfinite_total=sharding.replicated(mesh),
   )
-  if config.pack_sequences:
+  if config.pack_sequences and replaying:
+    update_logprobs = packed_routed_update_logprobs
+    layout = replay.RoutedPackedLayout(rows // num_micro, num_micro)
+  elif config.pack_sequences:
     update_logprobs = packed_logprobs
     layout = packing.PackedLayout(rows // num_micro, num_micro)
   elif replaying:
@@ -527,6 +549,12 @@ def build(config, policy, mesh) -> TrainFunctions:
           out_shardings=(rows2, sharding.replicated(mesh)),
       )
       if replaying
+      else None,
+      packed_routed_logprobs=jax.jit(
+          sharding.traced_in(packed_routed_logprobs_all, mesh),
+          out_shardings=(rows2, sharding.replicated(mesh)),
+      )
+      if replaying and config.pack_sequences
       else None,
       num_micro=num_micro,
   )
@@ -576,7 +604,9 @@ class GrpoStep:
     self.rows = packing.Packer(config, fns, mesh) if config.pack_sequences else packing.Padded(fns)
     # Routing replay (rl/replay.py): every log-prob pass replays the rollout's MoE routes.
     self.replay = config.rollout.routing_replay == "rollout"
-    if self.replay:
+    if self.replay and config.pack_sequences:
+      self.rows = replay.RoutedPacker(config, fns, mesh)
+    elif self.replay:
       self.rows = replay.Routed(fns)
     self.old_logp = old_logprobs_source(config, matches_trainer)
     self.stats_fn = jax.jit(

@@ -1,7 +1,9 @@
 """Rollout routing replay (rl/replay.py): the sampler's recorded routes (layout, dtype), the
 trainer's replayed forward == the sampler's log-probs (f32), replay closing the sampler-trainer
 gap under bf16 compute, router gradients through the replayed gates, route_mismatch against a
-NumPy count, and the loop with rollout.routing_replay=rollout."""
+NumPy count, and the loop with rollout.routing_replay=rollout: padded and packed rows, one step
+off, the sampler on its own devices (packed == padded: tests/rl/test_packing.py; 2 processes ==
+1: tests/parallel/test_multihost.py)."""
 
 import dataclasses
 import json
@@ -157,31 +159,27 @@ def test_route_mismatch_counts_recorded_routes_missing_from_own_top_k():
   assert missed > 0 and abs(got - missed / counted) < 1e-6
 
 
-@pytest.mark.slow  # ~40 s on 2 CPU cores
-def test_loop_with_routing_replay_logs_route_mismatch(tmp_path):
-  """configs/tiny_moe.py with replay and bf16 compute: SFT, then 3 GRPO steps whose every
-  log-prob pass replays the sampler's routes; rollout/route_mismatch logged each step."""
-  workdir = tmp_path / "run"
+LOOP_ARGS = [
+    "--config=configs/tiny_moe.py",
+    "--config.rollout.routing_replay=rollout",
+    "--config.num_steps=3",
+    "--config.sft_steps=2",
+    "--config.batch_size=8",
+    "--config.num_generations=4",
+    "--config.data.arithmetic.num_train=64",
+    "--config.data.arithmetic.num_test=16",
+    "--config.sft.num_validation=16",
+    "--config.eval.batch_size=16",
+    "--config.log_interval_steps=1",
+    "--config.report_at_end=False",
+]
+
+
+def _loop(workdir, *args) -> list[dict]:
+  """configs/tiny_moe.py with routing replay, SFT 2 steps, then 3 GRPO steps -> their rows of
+  metrics.jsonl."""
   r = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "grpo_jax.main",
-          "--config=configs/tiny_moe.py",
-          f"--workdir={workdir}",
-          "--config.rollout.routing_replay=rollout",
-          "--config.model.dtype=bfloat16",
-          "--config.num_steps=3",
-          "--config.sft_steps=2",
-          "--config.batch_size=8",
-          "--config.num_generations=4",
-          "--config.data.arithmetic.num_train=64",
-          "--config.data.arithmetic.num_test=16",
-          "--config.sft.num_validation=16",
-          "--config.eval.batch_size=16",
-          "--config.log_interval_steps=1",
-          "--config.report_at_end=False",
-      ],
+      [sys.executable, "-m", "grpo_jax.main", f"--workdir={workdir}", *LOOP_ARGS, *args],
       cwd=ROOT,
       env=dict(os.environ, JAX_PLATFORMS="cpu"),
       capture_output=True,
@@ -190,9 +188,60 @@ def test_loop_with_routing_replay_logs_route_mismatch(tmp_path):
   )
   assert r.returncode == 0, r.stderr[-3000:]
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-  values = [row["rollout/route_mismatch"] for row in rows if "rollout/route_mismatch" in row]
+  return [row for row in rows if "loss/policy_loss" in row]
+
+
+@pytest.mark.slow  # ~40 s on 2 CPU cores
+def test_loop_with_routing_replay_logs_route_mismatch(tmp_path):
+  """configs/tiny_moe.py with replay and bf16 compute: SFT, then 3 GRPO steps whose every
+  log-prob pass replays the sampler's routes; rollout/route_mismatch logged each step."""
+  rows = _loop(tmp_path / "run", "--config.model.dtype=bfloat16")
+  values = [row["rollout/route_mismatch"] for row in rows]
   print("rollout/route_mismatch per step:", values)
   assert len(values) == 3 and all(0.0 <= v <= 1.0 for v in values), values
+
+
+@pytest.mark.slow  # ~40-90 s each on 2 CPU cores
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--config.pack_sequences=True"],
+        ["--config.rollout.max_staleness=1"],
+        ["--config.rollout.placement=disaggregated"],
+        ["--config.rollout.placement=disaggregated", "--config.rollout.max_staleness=1"],
+    ],
+    ids=["packed", "one_step_off", "disaggregated", "disaggregated_one_step_off"],
+)
+def test_loop_placements_with_routing_replay(tmp_path, args):
+  """The loop's other placements replay the sampler's routes (f32): packed rows, one step off
+  (routes drawn under the weights one update behind: the behaviour policy's choice, which R3
+  replays), the sampler on its own devices (routes moved with the rows). Every step: a finite
+  loss and gradient, rollout/route_mismatch logged; on-policy steps miss at most 2% of the
+  recorded routes (f32: the trainer's own top-k is the sampler's; routes replayed at the wrong
+  tokens would miss ~3/4 of them), one step off at most 30% (a weight update apart)."""
+  reward = os.path.join(ROOT, "tests", "data", "digit_count_reward.py")
+  rows = _loop(tmp_path / "run", f"--config.reward.custom_file={reward}", *args)
+  assert len(rows) == 3
+  assert all(np.isfinite(row["loss/policy_loss"]) for row in rows)
+  assert all(np.isfinite(row["loss/grad_norm"]) for row in rows)
+  assert any(row["loss/grad_norm"] > 0 for row in rows)  # the rewards vary: real updates
+  mismatch = [(row["rollout/staleness"], row["rollout/route_mismatch"]) for row in rows]
+  print(args, "(staleness, rollout/route_mismatch) per step:", mismatch)
+  for staleness, value in mismatch:
+    assert 0.0 <= value <= (0.02 if staleness == 0 else 0.3), mismatch
+  if "--config.rollout.max_staleness=1" in args:
+    assert any(staleness > 0 for staleness, _ in mismatch)
+
+
+def _replaying(c, fields):
+  """config `c` with routing_replay="rollout" and `fields` ({"a.b": value}) set."""
+  c.rollout.routing_replay = "rollout"
+  for k, v in fields.items():
+    node, *path = [c, *k.split(".")]
+    for p in path[:-1]:
+      node = node[p]
+    node[path[-1]] = v
+  return c
 
 
 def test_routing_replay_is_validated_in_one_line_each():
@@ -202,21 +251,22 @@ def test_routing_replay_is_validated_in_one_line_each():
   c = load("tiny_moe")
   c.rollout.routing_replay = "rollout"
   assert errors_of(c) == []
+  for fields in (  # packed rows carry routes (rl/packing.py); the loop's other placements
+      {"pack_sequences": True},
+      {"rollout.max_staleness": 1},
+      {"rollout.placement": "disaggregated"},
+      {"rollout.placement": "disaggregated", "rollout.max_staleness": 1},
+  ):
+    c = _replaying(load("tiny_moe"), fields)
+    assert errors_of(c) == [], (fields, errors_of(c))
   cases = [
       ({"rollout.routing_replay": "always"}, "unknown routing replay mode"),
       ({"rollout.slots": 32}, "records routes in the lockstep sampler. Fix: set rollout.slots=0"),
-      ({"pack_sequences": True}, "pack_sequences=False"),
       ({"lora.rank": 4}, "lora.rank=0"),
       ({"rollout.engine": "vllm"}, "replayed by the native decoder"),
   ]
   for fields, why in cases:
-    c = load("tiny_moe")
-    c.rollout.routing_replay = "rollout"
-    for k, v in fields.items():
-      node, *path = [c, *k.split(".")]
-      for p in path[:-1]:
-        node = node[p]
-      node[path[-1]] = v
+    c = _replaying(load("tiny_moe"), fields)
     errs = [e for e in errors_of(c) if e.startswith("rollout.routing_replay")]
     assert len(errs) == 1 and why in errs[0], (fields, errs)
   dense = load("tiny")

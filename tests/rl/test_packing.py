@@ -2,9 +2,12 @@
 the gather moves every field with its token; the update's loss and gradients on packed rows equal
 the padded layout's for every aggregation mode and policy loss, micro-batched or not; GrpoStep's
 inputs and update agree end to end (KL in the loss or in the reward, TIS, advantage clip, DAPO's
-dynamic sampling, several passes, LoRA); the loop's metrics agree (slow)."""
+dynamic sampling, several passes, LoRA); the loop's metrics agree (slow). MoE routing replay:
+the routes move with their tokens, packed == padded in loss, gradients, route_mismatch and the
+GrpoStep."""
 
 import dataclasses
+import functools
 
 from flax import nnx
 import jax
@@ -330,6 +333,21 @@ def _scored(config, policy, seed):
   return Scored(prompt=prompt, rollout=rollout, rewards=jnp.asarray(rewards), host={}, figures={})
 
 
+def _with_routes(batch, policy, seed):
+  """The batch's rollout with recorded routes [N, P+C, L_moe, k] (routing replay): k distinct
+  random experts for every real token (not the model's own top-k), -1 on padding."""
+  cfg = policy.model_config
+  g = batch.rollout.mask.shape[0] // batch.prompt["mask"].shape[0]
+  prompt_mask = np.repeat(np.asarray(batch.prompt["mask"]), g, 0)
+  mask = np.concatenate([prompt_mask, np.asarray(batch.rollout.mask)], 1)
+  rng = np.random.default_rng(seed)
+  shape = (*mask.shape, sum(cfg.moe_layers))
+  perm = np.argsort(rng.random((*shape, cfg.num_experts)), -1)[..., : cfg.num_experts_per_tok]
+  routes = np.where(mask[:, :, None, None] > 0, perm, -1).astype(np.int8)
+  rollout = dataclasses.replace(batch.rollout, routes=jnp.asarray(routes))
+  return dataclasses.replace(batch, rollout=rollout)
+
+
 def _step_both(overrides, seed=0):
   """GrpoStep.inputs + update + figures, padded and packed, from the same state and batch."""
   out = []
@@ -343,6 +361,8 @@ def _step_both(overrides, seed=0):
     reference.start(policy.params)
     grpo = step_lib.GrpoStep(config, fns, reference, mesh, matches_trainer=True)
     batch = _scored(config, policy, seed)
+    if config.rollout.routing_replay == "rollout":
+      batch = _with_routes(batch, policy, seed)
     state = fns.init(policy.params)
     upd, kl_rewards = grpo.inputs(state, batch)
     figures = grpo.figures(batch, upd, kl_rewards)
@@ -408,6 +428,37 @@ def test_lora_step_packed_equals_padded():
   )
 
 
+MOE = {  # configs/tiny_moe.py's model on tiny_config
+    "model.preset": "tiny-moe",
+    "model.num_experts": 8,
+    "model.num_experts_per_tok": 2,
+    "model.moe_intermediate_size": 96,
+    "model.norm_topk_prob": True,
+}
+
+
+@pytest.mark.slow  # ~60 s: an MoE policy's update compiled in both layouts
+def test_routing_replay_step_packed_equals_padded():
+  """tiny-moe with routing replay: GrpoStep on packed rows (the routes gathered with their
+  tokens) == on padded rows: rollout/route_mismatch (routes not the model's own: well above 0),
+  loss, grad norm, KL and the rest within 1e-5, params after AdamW within 1e-5 relative."""
+  overrides = {
+      **MOE,
+      "rollout.routing_replay": "rollout",
+      "beta": 0.1,
+      "loss.tis_cap": 2.0,
+      "micro_batch_size": 16,
+  }
+  (params_a, metrics_a), (params_b, metrics_b) = _step_both(overrides, seed=4)
+  assert 0.3 < float(metrics_a["rollout/route_mismatch"]) < 1.0
+  for k, v in metrics_a.items():
+    assert float(metrics_b[k]) == pytest.approx(float(v), rel=1e-5, abs=1e-6), k
+  la, lb = jax.tree.leaves(params_a), jax.tree.leaves(params_b)
+  assert (
+      _rel(np.concatenate([x.ravel() for x in lb]), np.concatenate([x.ravel() for x in la])) < 1e-5
+  )
+
+
 def test_packing_is_refused_where_it_is_not_built():
   for overrides, field in (
       ({"model.impl": "maxtext"}, "pack_sequences"),
@@ -443,3 +494,149 @@ def test_loop_metrics_equal_padded_vs_packed(tmp_path):
         assert abs(b[k] - v) <= 1e-6 * max(abs(v), 1e-1), (a["step"], k, v, b[k])
       else:
         assert b[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (a["step"], k, v, b[k])
+
+
+# ------------------------------------------------- routing replay through packed rows (MoE)
+
+
+@functools.lru_cache(maxsize=1)
+def _sampled_moe():
+  """A random tiny-qwen3-moe (f32) and its sampler's rollout of 4 prompts x 4 (one per module:
+  the sampler's compile is most of the tests' time)."""
+  from tests.models.test_moe_replay import moe_model
+  from tests.models.test_moe_replay import rollout
+
+  model = moe_model()
+  return (model, *rollout(model, b=4))
+
+
+def _replay_batch(seed=0, sampled=False):
+  """A sampled tiny-qwen3-moe batch (f32; ragged prompts and completions) with routes that are
+  not the trainer's own top-k (k distinct random experts per fed token, -1 where the sampler
+  recorded none), so only routes replayed at the right tokens reproduce the padded forward;
+  `sampled`: the sampler's own recorded routes instead (f32: the trainer's own top-k)."""
+  model, r, ids, mask = _sampled_moe()
+  n, s = ids.shape
+  cfg = model.cfg
+  rng = np.random.default_rng(seed)
+  recorded = np.asarray(r.routes) >= 0
+  shape = (n, s, cfg.num_layers)
+  perm = np.argsort(rng.random((*shape, cfg.num_experts)), -1)[..., : cfg.num_experts_per_tok]
+  routes = np.asarray(r.routes) if sampled else np.where(recorded, perm, -1).astype(np.int8)
+  c = r.tokens.shape[1]
+  cm = np.asarray(r.mask)
+  assert 0 < cm.sum(1).min() < c and np.asarray(mask)[:, :7].sum(1).min() < 7  # ragged
+  logp = np.asarray(r.raw_logprobs)
+  batch = dict(
+      input_ids=ids,
+      attention_mask=mask,
+      completion_mask=r.mask,
+      advantages=jnp.asarray(np.clip(rng.normal(size=n), -1.5, 1.5), jnp.float32),
+      old_logp=jnp.asarray((logp + 0.2 * rng.normal(size=logp.shape)) * cm, jnp.float32),
+      ref_logp=jnp.asarray((logp + 0.2 * rng.normal(size=logp.shape)) * cm, jnp.float32),
+      routes=jnp.asarray(routes),
+  )
+  return model, batch, c
+
+
+def _replay_fns(model, c):
+  from grpo_jax.models.logprobs import completion_logprobs_routed
+  from grpo_jax.models.logprobs import packed_logprobs_routed
+
+  graphdef, params = nnx.split(model)
+
+  def padded_fn(params, ids, mask, routes):
+    return completion_logprobs_routed(nnx.merge(graphdef, params), ids, mask, routes, c)[0]
+
+  def packed_fn(params, ids, seg, pos, head_slots, routes):
+    m = nnx.merge(graphdef, params)
+    return packed_logprobs_routed(m, ids, seg, pos, head_slots, routes)[0]
+
+  return params, padded_fn, packed_fn
+
+
+def test_packed_routing_replay_loss_and_gradients_equal_padded():
+  """Packed rows carry each token's recorded routes (packing.pack): the replayed packed forward's
+  loss and gradients == the replayed padded forward's within 1e-5 (f32), whole batch and 2
+  micro-batches; routes shifted by one position or one row in the packed batch give another
+  loss (the routes matter and only aligned ones agree)."""
+  from grpo_jax.rl import replay
+
+  model, batch, c = _replay_batch()
+  params, padded_fn, packed_fn = _replay_fns(model, c)
+  n = batch["input_ids"].shape[0]
+  settings = step_lib.LossSettings(
+      beta=0.1, clip_eps=0.2, loss_agg_mode="seq-mean-token-mean", max_completion_length=c
+  )
+
+  def run(fn, data, n_micro, layout):
+    data = {k: v for k, v in data.items() if k != "sequences"}
+    loss_fn = lambda p, mb: step_lib.grpo_micro_loss(  # noqa: E731
+        p, mb, logprob_fn=fn, settings=settings, layout=layout
+    )
+    loss, grads, _ = jax.jit(
+        lambda params, data: step_lib.accumulate_gradients(
+            loss_fn, params, data, n_micro, settings.loss_agg_mode, layout
+        )
+    )(params, data)
+    return float(loss), np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(grads)])
+
+  def loss_only(fn, data, layout):
+    data = {k: v for k, v in data.items() if k != "sequences"}
+    return float(
+        jax.jit(
+            lambda params, data: step_lib.grpo_micro_loss(
+                params, data, logprob_fn=fn, settings=settings, layout=layout
+            )[0]
+        )(params, data)
+    )
+
+  loss, grads = run(padded_fn, batch, 1, replay.ROUTED)
+  own = {**batch, "routes": jnp.full_like(batch["routes"], -1)}
+  assert abs(loss_only(padded_fn, own, replay.ROUTED) - loss) > 1e-3  # replay changes the loss
+  for n_micro in (1, 2):
+    packed = _packed(batch, n_micro)
+    assert packed["routes"].shape == (*packed["input_ids"].shape, *batch["routes"].shape[2:])
+    assert (np.asarray(packed["routes"])[np.asarray(packed["segment_ids"]) == 0] == -1).all()
+    layout = replay.RoutedPackedLayout(n // n_micro, n_micro)
+    loss2, grads2 = run(packed_fn, packed, n_micro, layout)
+    assert abs(loss2 - loss) <= 1e-5 * max(1.0, abs(loss)), (n_micro, loss2, loss)
+    assert _rel(grads2, grads) <= 1e-5, (n_micro, _rel(grads2, grads))
+    assert np.abs(grads).max() > 1e-3
+  for axis in (1, 0):  # one position later, one row later
+    shifted = _packed({**batch, "routes": jnp.roll(batch["routes"], 1, axis)}, 1)
+    wrong = loss_only(packed_fn, shifted, replay.RoutedPackedLayout(n, 1))
+    assert abs(wrong - loss) > 1e-3, (axis, wrong, loss)
+
+
+def test_packed_route_mismatch_equals_padded():
+  """rollout/route_mismatch over packed rows (the positions before each trained completion
+  token) == the padded layout's: 0 for the sampler's own routes (f32), which any misalignment
+  of the packed routes would raise; the same fraction, well above 0, for random routes."""
+  from grpo_jax.models.logprobs import completion_logprobs_routed
+  from grpo_jax.models.logprobs import packed_logprobs_routed
+  from grpo_jax.rl import replay
+
+  for sampled in (True, False):
+    model, batch, c = _replay_batch(seed=1, sampled=sampled)
+    _, own = completion_logprobs_routed(
+        model, batch["input_ids"], batch["attention_mask"], batch["routes"], c
+    )
+    padded = float(replay.route_mismatch(own, batch["routes"], batch["completion_mask"]))
+    packed = _packed(batch, 1)
+    rows = len(packed["input_ids"])
+    slots = packing.global_slots(packed["head_slots"], rows=rows, num_micro=1)
+    _, own_p = packed_logprobs_routed(
+        model,
+        packed["input_ids"],
+        packed["segment_ids"],
+        packed["positions"],
+        slots,
+        packed["routes"],
+    )
+    got = float(replay.packed_route_mismatch(own_p, packed["routes"], packed["completion_mask"]))
+    assert got == pytest.approx(padded, abs=1e-6), (sampled, got, padded)
+    if sampled:
+      assert padded == 0.0, padded
+    else:
+      assert 0.3 < padded < 1.0, padded

@@ -228,13 +228,19 @@ class Transformer(nnx.Module):
     row, segment_ids [R, L] (0 = padding, else the sequence's id, unique in its row), positions
     [R, L] restarting at 0 in each sequence. A token attends only to its own sequence. The
     masked attention only, for now: the fused kernels take one sequence per row."""
+    return self.packed_hidden_routed(input_ids, segment_ids, positions)[0]
+
+  def packed_hidden_routed(self, input_ids, segment_ids, positions, routes=None):
+    """`packed_hidden` with routing replay (as `hidden_routed`): routes [R, L, L_moe, k] (int;
+    -1 = the token's own top-k), slot for slot with input_ids (rl/packing.py gathers them with
+    their tokens). -> (hidden [R, L, D], own [R, L, L_moe, k] int32; None for a dense model)."""
     if self.kernels.fused_attention:
       raise ValueError(
           f"packed rows need the masked XLA attention on {self.kernels.platform} until its "
           "fused kernel takes segment ids: set model.attention_impl=xla (or pack_sequences=False)"
       )
-    x, _, _, _ = self._forward_layers(self._embed(input_ids), positions, segment_ids)
-    return self.final_norm(x)
+    x, _, _, own = self._forward_layers(self._embed(input_ids), positions, segment_ids, routes)
+    return self.final_norm(x), own
 
   def __call__(self, input_ids, attention_mask=None):
     """Logits [B, T, V] (float32) of the next token at every position."""
