@@ -1,7 +1,9 @@
 """Qwen3-MoE: logit parity with transformers' Qwen3MoeForCausalLM (the ground truth), HF folders
-in and out, greedy generation, every decoder mode over MoE layers, and the experts' grouped
-GEMMs against a dense per-expert reference (values and gradients)."""
+in and out, greedy generation, every decoder mode over MoE layers, the experts' grouped
+GEMMs against a dense per-expert reference (values and gradients), and expert parallelism
+(moe.expert_parallel's all-to-all dispatch) on 8 fake devices against one device."""
 
+import functools
 import json
 
 from flax import nnx
@@ -355,10 +357,10 @@ def test_expert_parallel_mesh_equals_one_device(shape):
       return jax.jit(step)(params, ids, mask)
     rows = sharding.batch_sharding(mesh)
     args = (jax.device_put(ids, rows), jax.device_put(mask, rows))
-    program = jax.jit(sharding.traced_in(step, mesh))
+    compiled = jax.jit(sharding.traced_in(step, mesh)).lower(params, *args).compile()
     # Two MoE layers, each: dispatch, counts and return forward, their transposes backward.
-    assert all_to_alls(program.lower(params, *args).compile().as_text()) >= 2 * 3
-    return program(params, *args)
+    assert all_to_alls(compiled.as_text()) >= 2 * 3
+    return compiled(params, *args)
 
   want, got = run(single), run(split, mesh)
   m = np.asarray(mask) > 0
@@ -368,6 +370,52 @@ def test_expert_parallel_mesh_equals_one_device(shape):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
   moved = np.abs(np.asarray(got[3]["layers"][0]["mlp"]["gate"][...]) - np.asarray(gate)).max()
   assert moved > 1e-3  # the update reached the experts
+
+
+def test_expert_parallel_routing_replay_equals_one_device():
+  """The scanned model's routing-replay forward (Transformer.hidden_routed: every layer's
+  experts from recorded routes, some tokens none) on the expert-parallel mesh (fsdp 2, expert
+  4): the single device's hidden states, own routes and gradients (1e-5, f32)."""
+  from grpo_jax.parallel import sharding
+
+  cfg = PRESETS["tiny-qwen3-moe"].replace(scan_layers=True)
+  mesh = ep_mesh((1, 2, 1, 4))
+  ids, mask = prompts(cfg.vocab_size, b=8, p=9)
+  rng = np.random.default_rng(6)
+  e, k = cfg.num_experts, cfg.num_experts_per_tok
+  routes = np.stack([rng.permutation(e)[:k] for _ in range(8 * 9 * cfg.num_layers)])
+  routes = routes.reshape(8, 9, cfg.num_layers, k)
+  routes[rng.random((8, 9)) < 0.25] = -1
+  routes = jnp.asarray(routes, jnp.int8)
+  cot = jax.random.normal(jax.random.key(8), (8, 9, cfg.hidden_size)) / np.sqrt(8 * 9)
+
+  def f(graphdef, params, ids, mask, routes):
+    def value(p):
+      hidden, own = nnx.merge(graphdef, p).hidden_routed(ids, mask, routes)
+      return (hidden * cot * mask[..., None]).sum(), (hidden, own)
+
+    return jax.value_and_grad(value, has_aux=True)(params)
+
+  def run(model, mesh=None):
+    graphdef, params = nnx.split(model)
+    fn = functools.partial(f, graphdef)
+    if mesh is None:
+      return jax.jit(fn)(params, ids, mask, routes)
+    rows = sharding.batch_sharding(mesh)
+    args = (jax.device_put(ids, rows), jax.device_put(mask, rows))
+    args += (jax.device_put(routes, sharding.batch_sharding(mesh, 4)),)
+    compiled = jax.jit(sharding.traced_in(fn, mesh)).lower(params, *args).compile()
+    # The scanned layer's dispatch, counts and return forward, two transposes backward.
+    assert all_to_alls(compiled.as_text()) >= 5
+    return compiled(params, *args)
+
+  (_, (h1, own1)), g1 = run(build_model(cfg, seed=6))
+  (_, (h2, own2)), g2 = run(build_model(cfg, seed=6, mesh=mesh), mesh)
+  m = np.asarray(mask) > 0
+  assert np.abs(np.asarray(h2) - np.asarray(h1))[m].max() <= 1e-5
+  np.testing.assert_array_equal(np.asarray(own2)[m], np.asarray(own1)[m])
+  for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
 def moe_value_and_grads(moe, x, routes, mesh=None):
