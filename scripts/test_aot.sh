@@ -7,6 +7,8 @@
 #   tests/plan/test_compiled_programs.py   the sampler / log-prob / update programs compiled for one
 #                                     H100 and for v5p-8, read as optimized HLO
 #                                     (grpo_jax/plan/hlo_inspect.py)
+#   tests/plan/test_moe_programs.py        an MoE update compiled for one H100 and for v5p-8
+#                                     with expert parallelism: grouped GEMMs, all-to-alls
 #   tests/plan/test_memory_plan.py         the planner, with its TPU and H100 compiles
 # scripts/test.sh runs it after the main suite. Extra arguments go to pytest (e.g. -k h100).
 # Exit code: pytest's (5, nothing collected, fails).
@@ -22,7 +24,7 @@ check_pins "$PINS" "requirements/aot.txt's pins"
 cd "$ROOT"
 set +e
 JAX_PLATFORMS=cpu "$VENV/bin/python" -m pytest -q -rsx tests/plan/test_compiled_programs.py \
-  tests/plan/test_memory_plan.py "$@"
+  tests/plan/test_moe_programs.py tests/plan/test_memory_plan.py "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests: the suite is missing or every test was deselected." >&2

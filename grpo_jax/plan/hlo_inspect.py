@@ -230,3 +230,57 @@ def square_arrays(hlo: str, s: int, dtypes=("f32",)) -> list[tuple[str, str, str
           if dt in dtypes and len(shape) >= 2 and shape[-2:] == (s, s):
             out.append((name, o.name, dt, shape))
   return out
+
+
+# ------------------------------------------------------------------ mixture-of-experts programs
+
+
+def _shapes(op: Op) -> list[tuple[str, tuple]]:
+  """(dtype, shape) of every array in an op's result and operands (tuples flattened)."""
+  return [
+      (dt, tuple(int(d) for d in shape.split(",") if d))
+      for typ in (op.type, *op.operands)
+      for dt, shape in _ARRAY.findall(typ)
+  ]
+
+
+def grouped_matmuls(hlo: str) -> list[Op]:
+  """The grouped GEMMs `jax.lax.ragged_dot` became: a `ragged-dot` instruction left as is, or
+  the TPU compiler's kernel (a tpu_custom_call named ragged-dot-*, beside its
+  ragged-dot-metadata calls, which are not counted). XLA:GPU has no such kernel: it rewrites
+  ragged-dot into dense dots over every group (`dense_expert_dots` finds them)."""
+  return [
+      o
+      for ops in parse(hlo).values()
+      for o in ops
+      if o.opcode == "ragged-dot"
+      or (
+          o.opcode.startswith("custom-call:")
+          and o.name.startswith("ragged-dot")
+          and not o.name.startswith("ragged-dot-metadata")
+      )
+  ]
+
+
+def all_to_alls(hlo: str) -> list[Op]:
+  """All-to-all collectives (dense or ragged; an asynchronous pair counted once, by its
+  start)."""
+  kinds = ("all-to-all", "all-to-all-start", "ragged-all-to-all")
+  return [o for ops in parse(hlo).values() for o in ops if o.opcode in kinds]
+
+
+def dense_expert_dots(hlo: str, rows: int, width: int) -> list[Op]:
+  """Dots and convolutions (fused computations included) that compute experts densely: one of
+  their arrays (result or operand) is batched (rank >= 3) and holds >= 2 * rows * width
+  elements, rows = the grouped GEMMs' rows on the device (its (token, expert) pairs), width =
+  min(D, F). Every expert (or a chunk of >= 2 experts) over every row is such an array, e.g.
+  XLA:GPU's ragged-dot rewrite, [experts, rows, F] products of a masked [experts, rows, D]
+  copy; the grouped GEMMs' own arrays are rows x D or F, and their weights' E x D x F stay
+  under it where E * max(D, F) < 2 * rows."""
+  return [
+      o
+      for ops in parse(hlo).values()
+      for o in ops
+      if o.opcode in ("dot", "convolution")
+      and any(len(shape) >= 3 and math.prod(shape) >= 2 * rows * width for _, shape in _shapes(o))
+  ]

@@ -1,7 +1,9 @@
 """Qwen3-MoE: logit parity with transformers' Qwen3MoeForCausalLM (the ground truth), HF folders
-in and out, greedy generation, every decoder mode over MoE layers, and the experts' grouped
-GEMMs against a dense per-expert reference (values and gradients)."""
+in and out, greedy generation, every decoder mode over MoE layers, the experts' grouped
+GEMMs against a dense per-expert reference (values and gradients), and expert parallelism
+(moe.expert_parallel's all-to-all dispatch) on 8 fake devices against one device."""
 
+import functools
 import json
 
 from flax import nnx
@@ -293,27 +295,46 @@ def test_bad_moe_fields_are_named():
 
 # ------------------------------------------------------------------------ expert parallelism
 
+# 8 fake devices as (data, fsdp, tensor, expert): the experts split 4, 8 and 2 ways, with
+# their D over fsdp (gathered in the shard_map) or their F over tensor (summed after it).
+EP_MESHES = [(1, 2, 1, 4), (1, 1, 1, 8), (2, 1, 2, 2)]
+EP_IDS = ["fsdp2-ep4", "ep8", "data2-tensor2-ep2"]
 
-def test_expert_parallel_mesh_equals_one_device():
-  """8 devices as (data 1, fsdp 2, tensor 1, expert 4): the experts [E, D, F] split 4 ways on E
-  and 2 on D, the rows over fsdp * expert; logits, loss, gradients and one update equal the
-  single-device model's (1e-5, f32). The update is SGD's: AdamW's first step g / (|g| + eps)
-  turns the f32 summation-order noise of a gradient near eps (~5e-8 here) into 1e-5 of lr, on
-  any two layouts; the gradients it would read are held to 1e-5 directly."""
-  import optax
 
+def ep_mesh(shape):
   from grpo_jax.parallel import sharding
 
   if jax.device_count() < 8:
     pytest.skip("needs 8 (fake) devices")
+  mesh = sharding.make_mesh(*shape[:3], expert=shape[3])
+  assert tuple(mesh.shape.values()) == shape
+  return mesh
+
+
+def all_to_alls(compiled_text: str) -> int:
+  return sum(" all-to-all(" in line for line in compiled_text.splitlines())
+
+
+@pytest.mark.parametrize("shape", EP_MESHES, ids=EP_IDS)
+def test_expert_parallel_mesh_equals_one_device(shape):
+  """8 devices with the experts split over `expert` (moe.expert_parallel: the all-to-all
+  dispatch, in the compiled program) and rows over data * fsdp * expert: logits, loss,
+  gradients and one update equal the single-device model's (1e-5, f32). The update is SGD's:
+  AdamW's first step g / (|g| + eps) turns the f32 summation-order noise of a gradient near eps
+  (~5e-8 here) into 1e-5 of lr, on any two layouts; the gradients it would read are held to
+  1e-5 directly."""
+  import optax
+
+  from grpo_jax.parallel import sharding
+
   cfg = MIXED
-  mesh = sharding.make_mesh(1, 2, 1, expert=4)
-  assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 4}
+  mesh = ep_mesh(shape)
+  data, fsdp, tensor, ep = shape
   single = build_model(cfg, seed=5)
   split = build_model(cfg, seed=5, mesh=mesh)
   gate = split.layers[0].mlp.gate[...]
   assert gate.sharding.spec == jax.sharding.PartitionSpec("expert", "fsdp", "tensor")
-  assert gate.addressable_shards[0].data.shape == (2, 32, 32)  # 8 experts / 4, D 64 / 2
+  assert gate.addressable_shards[0].data.shape == (8 // ep, 64 // fsdp, 32 // tensor)
   ids, mask = prompts(cfg.vocab_size, b=8, p=9)
 
   def loss(model, ids, mask):
@@ -336,7 +357,10 @@ def test_expert_parallel_mesh_equals_one_device():
       return jax.jit(step)(params, ids, mask)
     rows = sharding.batch_sharding(mesh)
     args = (jax.device_put(ids, rows), jax.device_put(mask, rows))
-    return jax.jit(sharding.traced_in(step, mesh))(params, *args)
+    compiled = jax.jit(sharding.traced_in(step, mesh)).lower(params, *args).compile()
+    # Two MoE layers, each: dispatch, counts and return forward, their transposes backward.
+    assert all_to_alls(compiled.as_text()) >= 2 * 3
+    return compiled(params, *args)
 
   want, got = run(single), run(split, mesh)
   m = np.asarray(mask) > 0
@@ -346,3 +370,174 @@ def test_expert_parallel_mesh_equals_one_device():
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
   moved = np.abs(np.asarray(got[3]["layers"][0]["mlp"]["gate"][...]) - np.asarray(gate)).max()
   assert moved > 1e-3  # the update reached the experts
+
+
+def test_expert_parallel_routing_replay_equals_one_device():
+  """The scanned model's routing-replay forward (Transformer.hidden_routed: every layer's
+  experts from recorded routes, some tokens none) on the expert-parallel mesh (fsdp 2, expert
+  4): the single device's hidden states, own routes and gradients (1e-5, f32)."""
+  from grpo_jax.parallel import sharding
+
+  cfg = PRESETS["tiny-qwen3-moe"].replace(scan_layers=True)
+  mesh = ep_mesh((1, 2, 1, 4))
+  ids, mask = prompts(cfg.vocab_size, b=8, p=9)
+  rng = np.random.default_rng(6)
+  e, k = cfg.num_experts, cfg.num_experts_per_tok
+  routes = np.stack([rng.permutation(e)[:k] for _ in range(8 * 9 * cfg.num_layers)])
+  routes = routes.reshape(8, 9, cfg.num_layers, k)
+  routes[rng.random((8, 9)) < 0.25] = -1
+  routes = jnp.asarray(routes, jnp.int8)
+  cot = jax.random.normal(jax.random.key(8), (8, 9, cfg.hidden_size)) / np.sqrt(8 * 9)
+
+  def f(graphdef, params, ids, mask, routes):
+    def value(p):
+      hidden, own = nnx.merge(graphdef, p).hidden_routed(ids, mask, routes)
+      return (hidden * cot * mask[..., None]).sum(), (hidden, own)
+
+    return jax.value_and_grad(value, has_aux=True)(params)
+
+  def run(model, mesh=None):
+    graphdef, params = nnx.split(model)
+    fn = functools.partial(f, graphdef)
+    if mesh is None:
+      return jax.jit(fn)(params, ids, mask, routes)
+    rows = sharding.batch_sharding(mesh)
+    args = (jax.device_put(ids, rows), jax.device_put(mask, rows))
+    args += (jax.device_put(routes, sharding.batch_sharding(mesh, 4)),)
+    compiled = jax.jit(sharding.traced_in(fn, mesh)).lower(params, *args).compile()
+    # The scanned layer's dispatch, counts and return forward, two transposes backward.
+    assert all_to_alls(compiled.as_text()) >= 5
+    return compiled(params, *args)
+
+  (_, (h1, own1)), g1 = run(build_model(cfg, seed=6))
+  (_, (h2, own2)), g2 = run(build_model(cfg, seed=6, mesh=mesh), mesh)
+  m = np.asarray(mask) > 0
+  assert np.abs(np.asarray(h2) - np.asarray(h1))[m].max() <= 1e-5
+  np.testing.assert_array_equal(np.asarray(own2)[m], np.asarray(own1)[m])
+  for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def moe_value_and_grads(moe, x, routes, mesh=None):
+  """(y, own, d<y, cot>/d(params, x)) of `moe.routed(x, routes)`, jitted on one device or
+  traced under `mesh` with the parameters sharded by their logical axes and rows over the
+  batch axes."""
+  from grpo_jax.parallel import sharding
+
+  graphdef, params = nnx.split(moe)
+  # A cotangent of norm ~ sqrt(D): gradients O(1), as a per-token mean loss gives them.
+  cot = jax.random.normal(jax.random.key(7), x.shape) / np.sqrt(x.shape[0] * x.shape[1])
+
+  def f(params, x, routes):
+    def value(p, x):
+      y, own = nnx.merge(graphdef, p).routed(x, routes)
+      return (y * cot).sum(), (y, own)
+
+    (_, (y, own)), grads = jax.value_and_grad(value, argnums=(0, 1), has_aux=True)(params, x)
+    return y, own, grads
+
+  if mesh is None:
+    return jax.jit(f)(params, x, routes)
+  params = jax.device_put(params, sharding.state_shardings(params, mesh))
+  rows = sharding.batch_sharding(mesh, 3)
+  return jax.jit(sharding.traced_in(f, mesh))(
+      params, jax.device_put(x, rows), jax.device_put(routes, rows)
+  )
+
+
+def one_shard_router(moe, x_btd):
+  """(x, router weights) that send every token to the last two experts (the last shard's when
+  ep <= 4): feature 0 set to 1 in every token, the router's row 0 giving those two experts
+  positive logits and the others negative, its other rows 0."""
+  e = moe.num_experts
+  w = np.zeros(moe.router[...].shape, np.float32)
+  w[0] = -1.0
+  w[0, e - 1], w[0, e - 2] = 1.0, 0.5
+  moe.router[...] = jnp.asarray(w)
+  return x_btd.at[..., 0].set(1.0)
+
+
+@pytest.mark.parametrize("shape", EP_MESHES, ids=EP_IDS)
+@pytest.mark.parametrize("routing", ["own", "replayed", "all-to-one-shard", "router-to-one-shard"])
+def test_expert_parallel_experts_are_dropless_and_exact(shape, routing):
+  """moe.routed under the mesh == on one device (outputs, own top-k, gradients of the
+  parameters and inputs; 1e-5, f32): the router's own choice, replayed routes (some tokens
+  with none: -1), and every token on the last shard's experts (replayed, or by the router's
+  weights), where all 8 devices send all their pairs to one shard's experts: a dispatch buffer
+  short of that worst case drops pairs and the outputs differ."""
+  mesh = ep_mesh(shape)
+  cfg = PRESETS["tiny-qwen3-moe"]
+  moe = MoE(cfg, rngs=nnx.Rngs(3))
+  e, k = cfg.num_experts, cfg.num_experts_per_tok
+  x = jax.random.normal(jax.random.key(4), (8, 6, cfg.hidden_size))
+  rng = np.random.default_rng(5)
+  routes = np.stack([rng.permutation(e)[:k] for _ in range(8 * 6)]).reshape(8, 6, k)
+  routes[rng.random((8, 6)) < 0.3] = -1
+  if routing == "own":
+    routes[:] = -1
+  elif routing == "all-to-one-shard":
+    routes[:] = [e - 1, e - 2]
+  elif routing == "router-to-one-shard":
+    routes[:] = -1
+    x = one_shard_router(moe, x)
+  routes = jnp.asarray(routes, jnp.int8)
+  want = moe_value_and_grads(moe, x, routes)
+  got = moe_value_and_grads(moe, x, routes, mesh)
+  if routing == "router-to-one-shard":
+    assert set(np.unique(np.asarray(want[1]))) == {e - 2, e - 1}
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=1e-5)
+  assert np.abs(np.asarray(want[0])).min(-1).max() > 0  # every token's output is live
+  for g, w in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
+
+
+def test_expert_parallel_is_the_compiled_dispatch():
+  """The compiled CPU program of the MoE forward: all-to-alls (dispatch, counts, return) with
+  the experts split over `expert`; none on a mesh without an expert axis (expert = 1: the
+  unsplit grouped GEMMs, as GSPMD partitions them), nor on one device."""
+  from grpo_jax.parallel import sharding
+
+  cfg = PRESETS["tiny-qwen3-moe"]
+  moe = MoE(cfg, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(moe)
+  x = jnp.ones((8, 4, cfg.hidden_size))
+
+  def forward(params, x):
+    return nnx.merge(graphdef, params)(x)
+
+  def compiled(mesh):
+    if mesh is None:
+      return jax.jit(forward).lower(params, x).compile().as_text()
+    placed = jax.device_put(params, sharding.state_shardings(params, mesh))
+    rows = jax.device_put(x, sharding.batch_sharding(mesh, 3))
+    return jax.jit(sharding.traced_in(forward, mesh)).lower(placed, rows).compile().as_text()
+
+  assert all_to_alls(compiled(ep_mesh((1, 2, 1, 4)))) == 3
+  assert all_to_alls(compiled(ep_mesh((1, 8, 1, 1)))) == 0
+  assert all_to_alls(compiled(None)) == 0
+
+
+def test_expert_parallel_sampling_equals_one_device():
+  """The sampler's prefill and decode and the slot engine's programs over the expert-parallel
+  mesh (data 1, fsdp 2, tensor 1, expert 4; a decode step's rows padded to the 8 devices where
+  fewer): the single device's greedy tokens, log-probs (1e-5) and recorded routes."""
+  from grpo_jax.parallel import sharding
+
+  mesh = ep_mesh((1, 2, 1, 4))
+  model = build_model(MIXED, seed=2)
+  graphdef, state = nnx.split(model)
+  placed = jax.device_put(state, sharding.state_shardings(state, mesh))
+  ids, mask = prompts(MIXED.vocab_size, b=8)
+  rows = sharding.batch_sharding(mesh)
+  on_mesh = (jax.device_put(ids, rows), jax.device_put(mask, rows))
+  kw = dict(max_prompt_length=7, max_new_tokens=6, num_generations=2, eos_ids=(3,))
+  key = jax.random.key(4)
+  want = Sampler(graphdef, record_routes=True, **kw)(state, ids, mask, key, "greedy")
+  got = Sampler(graphdef, record_routes=True, mesh=mesh, **kw)(placed, *on_mesh, key, "greedy")
+  slots = SlotEngine(graphdef, slots=8, chunk=3, mesh=mesh, **kw)(placed, *on_mesh, key, "greedy")
+  for r in (got, slots):
+    np.testing.assert_array_equal(np.asarray(r.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(r.mask), np.asarray(want.mask))
+    np.testing.assert_allclose(np.asarray(r.raw_logprobs), np.asarray(want.raw_logprobs), atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(got.routes), np.asarray(want.routes))

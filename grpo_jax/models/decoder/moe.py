@@ -13,7 +13,34 @@ Experts: the N*k (token, expert) pairs are sorted by expert so each expert's tok
 contiguous group; `jax.lax.ragged_dot` runs every expert's gate, up and down projection as one
 grouped GEMM over those groups (no capacity, no dropped token, no [N, E] dispatch tensor); each
 pair's output is scaled by its gate and summed back onto its token. Padding tokens are routed
-like any other (dropless: they cannot crowd out a real token).
+like any other (dropless: they cannot crowd out a real token). What the compilers make of
+ragged_dot: TPU a grouped-GEMM kernel (tpu_custom_call "ragged-dot-*"); XLA:GPU (jaxlib 0.12)
+dense per-expert dots over every row (tests/plan/test_moe_programs.py).
+
+Expert parallelism (`expert_parallel`; a mesh whose `expert` axis, ep > 1, divides E, found
+as the abstract mesh the program is traced under: sharding.traced_in, jax.set_mesh): the
+routing runs as above on the rows (sharded over data * fsdp * expert, sharding.BATCH_AXES),
+and the experts in a shard_map where each device holds E/ep experts and n of the rows (N
+padded to a multiple of the row shards). Each device sorts its m = n*k pairs by expert and
+copies each destination shard's run into a [ep, m, D] send buffer: m rows per destination,
+since all of a device's pairs may go to one shard, so no routing can drop a pair; then
+  all_to_all over `expert` (dense, tiled): row s of the result = shard s's pairs for my
+    experts, expert-ordered, then empty rows; an all_to_all of the [ep, E/ep] pair counts
+    tells which expert each received row is for;
+  a permutation regroups the ep*m rows expert-major, the three grouped GEMMs run over them
+    (rows past the received pairs come out 0), the permutation is undone;
+  the reverse all_to_all returns each output to the slot its pair was sent from, and each
+    device gathers its pairs' outputs, weights them by the gates and sums them per token.
+jax.lax.ragged_all_to_all would send only the filled rows, but XLA:CPU cannot run it (the
+tests' platform), so the dense all_to_all keeps one code path, exact on CPU as on chips.
+Communication per MoE layer and device: forward two all_to_alls of ep*m*D activations (send,
+return; (ep-1)/ep of it leaves the device, ep times the m*D a ragged one would move) and one
+of ep*(E/ep) int32 counts; backward the two transposed all_to_alls. Memory: the send, received
+and returned buffers, ep*m rows of D each, and the GEMMs' ep*m x F activations. The weights
+keep their shardings: D over fsdp is all-gathered inside the shard_map (E/ep experts' worth;
+its gradient reduce-scattered), F over tensor stays split (every tensor shard runs the same
+dispatch on its F slice) and the per-token outputs are psum'd over tensor. With ep = 1 (or
+E not divisible) the code is the single-device one above, partitioned by GSPMD.
 
 Routing replay (R3, arXiv 2510.11370; rollout.routing_replay="rollout"): `routed(x, routes)`
 takes each token's k experts from `routes` (the ones the sampler chose for it; rollout/sampler.py
@@ -30,14 +57,21 @@ Parameter layouts (logical axes in parentheses):
 The checkpoint names "mlp_hidden" / "mlp_out" are the dense MLP's (remat policies see both).
 """
 
+import functools
 import math
 
 from flax import nnx
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from grpo_jax.models.decoder.config import ModelConfig
+from grpo_jax.parallel import sharding
+
+# The experts' logical axes (the parameters' metadata below; expert_parallel's in_specs).
+GATE_UP_AXES = ("experts", "embed", "moe_mlp")  # [E, D, F]
+DOWN_AXES = ("experts", "moe_mlp", "embed")  # [E, F, D]
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, fan_in: int) -> nnx.Param:
@@ -65,9 +99,9 @@ class MoE(nnx.Module):
         cfg.norm_topk_prob,
     )
     self.router = _param(rngs, (d, e), ("embed", None), pd, fan_in=d)
-    self.gate = _param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, fan_in=d)
-    self.up = _param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, fan_in=d)
-    self.down = _param(rngs, (e, f, d), ("experts", "moe_mlp", "embed"), pd, fan_in=f)
+    self.gate = _param(rngs, (e, d, f), GATE_UP_AXES, pd, fan_in=d)
+    self.up = _param(rngs, (e, d, f), GATE_UP_AXES, pd, fan_in=d)
+    self.down = _param(rngs, (e, f, d), DOWN_AXES, pd, fan_in=f)
 
   def route(self, x_nd):
     """-> (experts [N, k] int32, gates [N, k] f32): each token's k experts, most probable
@@ -97,21 +131,15 @@ class MoE(nnx.Module):
 
   def experts(self, x_nd, experts_nk, gates_nk):
     """sum_j gates[n, j] * expert_{experts[n, j]}(x[n]), [N, D]: the (token, expert) pairs
-    sorted by expert, three grouped GEMMs (ragged_dot), the outputs gathered back per token."""
+    sorted by expert, three grouped GEMMs (ragged_dot), the outputs gathered back per token.
+    Under a mesh whose expert axis splits the experts: `expert_parallel` (the all-to-all
+    dispatch); else on the whole batch, as GSPMD partitions it."""
     dt = x_nd.dtype
-    n, d = x_nd.shape
-    k = experts_nk.shape[1]
-    flat = experts_nk.reshape(-1)  # [N*k], pair i = (token i // k, its (i % k)-th expert)
-    order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
-    sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)  # [E]
-    xs = jnp.take(x_nd, order // k, axis=0)  # [N*k, D]
-    g = jax.lax.ragged_dot(xs, self.gate[...].astype(dt), sizes)
-    u = jax.lax.ragged_dot(xs, self.up[...].astype(dt), sizes)
-    h = checkpoint_name(jax.nn.silu(g) * u, "mlp_hidden")  # [N*k, F]
-    ys = jax.lax.ragged_dot(h, self.down[...].astype(dt), sizes)  # [N*k, D]
-    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]), unique_indices=True)
-    y_nkd = jnp.take(ys, back, axis=0).reshape(n, k, d)
-    return jnp.einsum("nkd,nk->nd", y_nkd, gates_nk.astype(dt))
+    weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
+    mesh = jax.sharding.get_abstract_mesh()
+    if uses_expert_parallel(mesh, self.num_experts):
+      return expert_parallel(mesh, x_nd, experts_nk, gates_nk, *weights)
+    return grouped_experts(x_nd, experts_nk, gates_nk, *weights)
 
   def __call__(self, x_btd):
     b, t, d = x_btd.shape
@@ -130,3 +158,143 @@ class MoE(nnx.Module):
     experts, gates, own = self.replay_route(x, routes_btk.reshape(b * t, -1))
     y = checkpoint_name(self.experts(x, experts, gates).reshape(b, t, d), "mlp_out")
     return y, own.reshape(b, t, -1)
+
+
+def grouped_experts(x_nd, experts_nk, gates_nk, gate_edf, up_edf, down_efd):
+  """The experts of one device (all E of them, or one shard's under `expert_parallel`): the
+  N*k (token, expert) pairs sorted by expert, three ragged_dot GEMMs, each pair's output
+  gathered back to its token and weighted by its gate. -> [N, D] in x's dtype."""
+  dt = x_nd.dtype
+  n, d = x_nd.shape
+  k = experts_nk.shape[1]
+  flat = experts_nk.reshape(-1)  # [N*k], pair i = (token i // k, its (i % k)-th expert)
+  order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
+  sizes = jnp.bincount(flat, length=gate_edf.shape[0]).astype(jnp.int32)  # [E]
+  xs = jnp.take(x_nd, order // k, axis=0)  # [N*k, D]
+  ys = _swiglu_experts(xs, gate_edf, up_edf, down_efd, sizes)  # [N*k, D]
+  back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]), unique_indices=True)
+  y_nkd = jnp.take(ys, back, axis=0).reshape(n, k, d)
+  return jnp.einsum("nkd,nk->nd", y_nkd, gates_nk.astype(dt))
+
+
+def _swiglu_experts(xs_md, gate_edf, up_edf, down_efd, sizes_e):
+  """down(silu(gate x) * up x) of rows grouped by expert (sizes_e rows each, in expert order;
+  rows past sum(sizes_e) come out 0): three grouped GEMMs. [M, D] -> [M, D]."""
+  g = jax.lax.ragged_dot(xs_md, gate_edf, sizes_e)
+  u = jax.lax.ragged_dot(xs_md, up_edf, sizes_e)
+  h = checkpoint_name(jax.nn.silu(g) * u, "mlp_hidden")  # [M, F]
+  return jax.lax.ragged_dot(h, down_efd, sizes_e)
+
+
+# ---------------------------------------------------------------------- expert parallelism
+
+
+def uses_expert_parallel(mesh, num_experts: int) -> bool:
+  """Whether a trace under `mesh` (the abstract mesh, jax.sharding.get_abstract_mesh()) runs
+  `expert_parallel`: the mesh has grpo_jax's axes and an expert axis > 1 that divides the
+  experts (otherwise sharding.logical_to_spec leaves the experts unsplit)."""
+  if mesh.empty or not set(sharding.MESH_AXES) <= set(mesh.axis_names):
+    return False
+  ep = mesh.shape[sharding.EXPERT]
+  return ep > 1 and num_experts % ep == 0
+
+
+def _axes(entry) -> tuple:
+  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def expert_parallel(mesh, x_nd, experts_nk, gates_nk, gate_edf, up_edf, down_efd):
+  """`grouped_experts` with the experts split over the mesh's expert axis: a shard_map in which
+  each device dispatches its own rows' (token, expert) pairs to the experts' shards with an
+  all-to-all, runs its E / ep experts, and takes the outputs back with a second all-to-all
+  (`_dispatch`). Rows shard over sharding.BATCH_AXES (N padded to a multiple of them with
+  zero rows); the weights keep their parameter shardings (experts over expert, D over fsdp, F
+  over tensor). -> [N, D]."""
+  n = x_nd.shape[0]
+  pad = -n % math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
+  if pad:  # rows that do not split (a few decode rows): replicated, padded with expert-0,
+    # gate-0 rows (cut off below), then split; the constraint keeps GSPMD from splitting the
+    # unpadded rows unevenly
+    x_nd, experts_nk, gates_nk = (
+        jnp.pad(jax.lax.with_sharding_constraint(a, PartitionSpec()), ((0, pad), (0, 0)))
+        for a in (x_nd, experts_nk, gates_nk)
+    )
+  rows = PartitionSpec(sharding.BATCH_AXES, None)
+  gate_spec = sharding.logical_to_spec(GATE_UP_AXES, gate_edf.shape, mesh)
+  down_spec = sharding.logical_to_spec(DOWN_AXES, down_efd.shape, mesh)
+  local = functools.partial(_dispatch, embed_axes=_axes(gate_spec[1]), mlp_axes=_axes(gate_spec[2]))
+  y_nd = jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(rows, rows, rows, gate_spec, gate_spec, down_spec),
+      out_specs=rows,
+  )(x_nd, experts_nk, gates_nk, gate_edf, up_edf, down_efd)
+  return y_nd[:n]
+
+
+def _dispatch(x_nd, experts_nk, gates_nk, gate_edf, up_edf, down_efd, *, embed_axes, mlp_axes):
+  """One device's part of `expert_parallel` (inside the shard_map): its n rows, its E_loc = E /
+  ep experts (D gathered over `embed_axes` here; F split over `mlp_axes`, summed at the end).
+
+  Send: the m = n*k pairs sorted by expert; shard s's are a contiguous run, copied into slot
+  row s of a [ep, m, D] buffer (m rows per destination: every pair may go to one shard, so the
+  buffer is dropless whatever the routing), zeros after the run. The all-to-all over `expert`
+  swaps buffer rows: row s of the result holds shard s's pairs for this device's experts, in
+  expert order. A second all-to-all of the [ep, E_loc] pair counts tells each row's expert;
+  `_grouped_positions` regroups the ep*m received rows expert-major (a permutation), the
+  grouped GEMMs run over them, the outputs go back to their rows, and the reverse all-to-all
+  returns each pair's output to the slot it was sent from."""
+  embed_gather = functools.partial(jax.lax.all_gather, axis_name=embed_axes, tiled=True)
+  if embed_axes:
+    gate_edf, up_edf = embed_gather(gate_edf, axis=1), embed_gather(up_edf, axis=1)
+    down_efd = embed_gather(down_efd, axis=2)
+  ep = jax.lax.axis_size(sharding.EXPERT)
+  e_loc = gate_edf.shape[0]
+  n, d = x_nd.shape
+  k = experts_nk.shape[1]
+  m = n * k
+  flat = experts_nk.reshape(-1)  # [m], pair i = (token i // k, its (i % k)-th expert)
+  order = jnp.argsort(flat, stable=True)  # pairs grouped by expert (so by shard)
+  counts = jnp.bincount(flat, length=ep * e_loc).astype(jnp.int32).reshape(ep, e_loc)
+  per_shard = counts.sum(1)  # [ep]
+  start = jnp.cumsum(per_shard) - per_shard  # [ep] shard s's first pair in `order`
+  slot = jnp.arange(m)
+  ranks = jnp.minimum(start[:, None] + slot, m - 1)  # [ep, m] sorted pair in slot (s, c)
+  filled = (slot < per_shard[:, None])[..., None]  # [ep, m, 1]
+  send = jnp.where(filled, jnp.take(x_nd, jnp.take(order, ranks) // k, axis=0), 0)
+  recv = jax.lax.all_to_all(send, sharding.EXPERT, 0, 0, tiled=True)  # [ep, m, D]
+  got = jax.lax.all_to_all(counts, sharding.EXPERT, 0, 0, tiled=True)  # [ep, E_loc]
+  pos = _grouped_positions(got, m)  # [ep*m]
+  inv = jnp.zeros_like(pos).at[pos].set(jnp.arange(ep * m, dtype=pos.dtype), unique_indices=True)
+  xs = jnp.take(recv.reshape(ep * m, d), inv, axis=0)  # grouped by local expert, then zeros
+  ys = _swiglu_experts(xs, gate_edf, up_edf, down_efd, got.sum(0))  # [ep*m, D]
+  ret = jnp.take(ys, pos, axis=0).reshape(ep, m, d)
+  back = jax.lax.all_to_all(ret, sharding.EXPERT, 0, 0, tiled=True)  # [ep, m, D]
+  rank = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=order.dtype), unique_indices=True)
+  dest = flat // e_loc  # pair i went to shard dest[i], slot rank[i] - start[dest[i]]
+  y_md = jnp.take(back.reshape(ep * m, d), dest * m + rank - start[dest], axis=0)
+  y_nd = jnp.einsum("nkd,nk->nd", y_md.reshape(n, k, d), gates_nk.astype(x_nd.dtype))
+  return jax.lax.psum(y_nd, mlp_axes) if mlp_axes else y_nd
+
+
+def _grouped_positions(got, m: int):
+  """got [ep, E_loc]: the pairs shard s sent for each local expert (row s of the received
+  [ep, m] buffer holds them in expert order, then m - got[s].sum() empty slots). -> pos [ep*m]
+  int32, a permutation: received row (s, c) goes to row pos of the expert-major layout (local
+  expert e's rows from shard 0, then shard 1, ...; experts in order), empty slots after every
+  filled one."""
+  ep, e_loc = got.shape
+  c = jnp.arange(m, dtype=jnp.int32)
+  upto = jnp.cumsum(got, axis=1)  # [ep, E_loc]: shard s's rows up to expert e's
+  e = jax.vmap(lambda u: jnp.searchsorted(u, c, side="right"))(upto)  # [ep, m]: E_loc = empty
+  e = jnp.minimum(e, e_loc - 1).astype(jnp.int32)
+  in_run = c - jnp.take_along_axis(upto - got, e, axis=1)  # index among (s, e)'s rows
+  sizes = got.sum(0)  # [E_loc]
+  group_start = jnp.cumsum(sizes) - sizes  # [E_loc]
+  earlier = jnp.cumsum(got, axis=0) - got  # [ep, E_loc]: expert e's rows from shards < s
+  filled_pos = group_start[e] + jnp.take_along_axis(earlier, e, axis=1) + in_run
+  per_shard = got.sum(1)  # [ep]
+  flat_idx = jnp.arange(ep, dtype=jnp.int32)[:, None] * m + c  # [ep, m]
+  empty_pos = sizes.sum() + flat_idx - jnp.cumsum(per_shard)[:, None]
+  return jnp.where(c < per_shard[:, None], filled_pos, empty_pos).reshape(-1)
