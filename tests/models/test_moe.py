@@ -299,6 +299,12 @@ def test_bad_moe_fields_are_named():
 # their D over fsdp (gathered in the shard_map) or their F over tensor (summed after it).
 EP_MESHES = [(1, 2, 1, 4), (1, 1, 1, 8), (2, 1, 2, 2)]
 EP_IDS = ["fsdp2-ep4", "ep8", "data2-tensor2-ep2"]
+# The default suite runs the first mesh (fsdp and expert together); the others are slow (suite
+# time: each mesh compiles its own programs).
+EP_PARAMS = [
+    pytest.param(shape, id=name, marks=() if i == 0 else pytest.mark.slow)
+    for i, (shape, name) in enumerate(zip(EP_MESHES, EP_IDS))
+]
 
 
 def ep_mesh(shape):
@@ -315,7 +321,7 @@ def all_to_alls(compiled_text: str) -> int:
   return sum(" all-to-all(" in line for line in compiled_text.splitlines())
 
 
-@pytest.mark.parametrize("shape", EP_MESHES, ids=EP_IDS)
+@pytest.mark.parametrize("shape", EP_PARAMS)
 def test_expert_parallel_mesh_equals_one_device(shape):
   """8 devices with the experts split over `expert` (moe.expert_parallel: the all-to-all
   dispatch, in the compiled program) and rows over data * fsdp * expert: logits, loss,
@@ -372,6 +378,7 @@ def test_expert_parallel_mesh_equals_one_device(shape):
   assert moved > 1e-3  # the update reached the experts
 
 
+@pytest.mark.slow  # ~45 s (suite time); the default suite runs the layer-level replay
 def test_expert_parallel_routing_replay_equals_one_device():
   """The scanned model's routing-replay forward (Transformer.hidden_routed: every layer's
   experts from recorded routes, some tokens none) on the expert-parallel mesh (fsdp 2, expert
@@ -457,7 +464,7 @@ def one_shard_router(moe, x_btd):
   return x_btd.at[..., 0].set(1.0)
 
 
-@pytest.mark.parametrize("shape", EP_MESHES, ids=EP_IDS)
+@pytest.mark.parametrize("shape", EP_PARAMS)
 @pytest.mark.parametrize("routing", ["own", "replayed", "all-to-one-shard", "router-to-one-shard"])
 def test_expert_parallel_experts_are_dropless_and_exact(shape, routing):
   """moe.routed under the mesh == on one device (outputs, own top-k, gradients of the
@@ -518,6 +525,7 @@ def test_expert_parallel_is_the_compiled_dispatch():
   assert all_to_alls(compiled(None)) == 0
 
 
+@pytest.mark.slow  # ~45 s (suite time); the default suite runs the layer-level replay
 def test_expert_parallel_sampling_equals_one_device():
   """The sampler's prefill and decode and the slot engine's programs over the expert-parallel
   mesh (data 1, fsdp 2, tensor 1, expert 4; a decode step's rows padded to the 8 devices where
