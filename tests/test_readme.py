@@ -137,6 +137,9 @@ RULES = (
     # LoRA: train, then PEFT export.
     Rule(r"python -m grpo_jax\.main --config=configs/tiny_lora\.py( --workdir=\S+)?", "run", ""),
     Rule(r"python -m grpo_jax\.infer --workdir=DIR --export_peft=OUT", "run", ""),
+    Rule(
+        r"python -m grpo_jax\.main --config=configs/tiny_moe\.py", "run", "test_the_moe_demo_runs"
+    ),
     Rule(r"python -m grpo_jax\.main --config=configs/tiny_your_data\.py .*", "run", "GSM8K rows"),
     Rule(r"python -m grpo_jax\.examples\.mnist --data_dir=DIR --seed=S", "run", "1 epoch"),
     # Configs that need weights or data the README's user brings: they resolve and parse.
@@ -342,6 +345,14 @@ def test_the_tool_demo_runs_with_and_without_the_tool(tmp_path):
     assert os.path.exists(workdir / "summary.json")
     logged = (workdir / "metrics.jsonl").read_text()
     assert ("tool_call/calls" in logged) == (not c.text.endswith("names=")), c.text
+
+
+@pytest.mark.slow
+def test_the_moe_demo_runs(tmp_path):
+  """The Results table's MoE demo command, CPU-sized: it trains and writes its summary."""
+  (c,) = {c.text: c for c in _commands(r".*configs/tiny_moe\.py")}.values()
+  _ok(shell(f"{c.text} --workdir={tmp_path}/run {TINY}", timeout=600), str(c))
+  assert os.path.exists(tmp_path / "run" / "summary.json")
 
 
 def test_the_lora_run_and_its_peft_export(tmp_path):
