@@ -16,10 +16,21 @@ master weights, bf16 compute.
     lr            3e-6, 10% warmup then cosine to 0; AdamW (0.9, 0.99), wd 0.1, grad-norm clip 0.1
     beta          0.08 (k3 KL), clip eps 0.2, one iteration per batch
     steps         200; eval every 50 on 512 examples; checkpoints every 500, 4 kept
-    mesh / chips  FSDP over every chip (data=1, fsdp=-1): f32 weights + AdamW moments are
-                  ~366 GB and the bf16 reference ~61 GB, so at least 8 80-GB chips; check a
-                  topology before a run: python -m grpo_jax.memory_plan
-                  --config=configs/qwen3_30b_a3b.py --topology=h100 (or a TPU slice)
+    mesh / chips  FSDP over every chip (data=1, fsdp=-1) up to 8 chips: f32 weights + AdamW
+                  moments are ~366 GB and the bf16 reference ~61 GB. The smallest planned fits
+                  (memory_plan, benchmarks/README.md "Qwen3-30B-A3B"): v5p-16 with
+                  --config.micro_batch_size=16, v6e-32 (full fine-tuning; 8 H100s do not fit)
+
+Beyond 8 chips the B=8 prompts cannot split over fsdp alone: add tensor parallelism,
+--config.mesh.fsdp=8 --config.mesh.tensor=<chips / 8>. Check a topology before a run:
+python -m grpo_jax.memory_plan --config=configs/qwen3_30b_a3b.py --topology=v5p-16 (a TPU slice,
+or h100-8 / h200-8).
+
+LoRA is one flag, as in qwen3_8b.py: --config.lora.rank=8 trains rank-8 adapters on the
+attention and on every expert's gate/up/down (per expert; the router stays frozen) over the
+frozen base, which is also the reference; it fits a v5p-8 or a v6e-8 (planned, same section).
+Routing replay (--config.rollout.routing_replay=rollout) works with it. PEFT export of expert
+adapters is refused: export the merged model (infer --export_hf).
 
 configs/common.py's defaults are the recipe's values (qwen3_8b.py: G=2, beta=0.08, eps=0.2, one
 iteration, lr 3e-6, grad-norm clip 0.1, temperature 0.9, top-k 50, 1024 generated tokens, 200

@@ -722,8 +722,8 @@ def _check_micro_batch(c: _Checker, cfg, dp: int):
 
 def _check_routing_replay(c: _Checker, cfg):
   """rollout.routing_replay (rl/replay.py): "rollout" where its routes are recorded and replayed
-  so far: an MoE native decoder, the lockstep sampler, full fine-tuning; padded or packed rows
-  (rl/packing.py gathers the routes with their tokens)."""
+  so far: an MoE native decoder (full fine-tuning or LoRA), the lockstep sampler; padded or
+  packed rows (rl/packing.py gathers the routes with their tokens)."""
   r, m = cfg.rollout, cfg.model
   c.one_of("rollout.routing_replay", routing_replay.MODES, "routing replay mode")
   if r.routing_replay != "rollout":
@@ -746,14 +746,12 @@ def _check_routing_replay(c: _Checker, cfg):
         "routing replay records routes in the lockstep sampler",
         "set rollout.slots=0",
     )
-  if cfg.lora.rank:
-    c.fail(field, "the LoRA policy does not replay routes yet", "lora.rank=0")
 
 
 def _check_moe_paths(c: _Checker, cfg):
   """An MoE model (model.num_experts > 0, or an HF folder's) where only the native decoder and
-  sampler have its layers so far: no LoRA (its default targets would reach the 3-D expert
-  weights), no vLLM / tpu-inference weight sync, no MaxText policy."""
+  sampler have its layers so far: no vLLM / tpu-inference weight sync, no MaxText policy. (LoRA
+  works: per-expert adapters, models/lora/adapters.py.)"""
   m = cfg.model
   if m.family != "decoder":
     return
@@ -761,8 +759,6 @@ def _check_moe_paths(c: _Checker, cfg):
   if not experts:
     return
   moe = f"an MoE model ({experts} experts per layer)"
-  if cfg.lora.rank:
-    c.fail("lora.rank", f"LoRA on {moe} is not built yet", "lora.rank=0 (full fine-tuning)")
   if cfg.rollout.engine == "vllm":
     c.fail(
         "rollout.engine",

@@ -38,12 +38,16 @@ figures from a recompile with XLA's sort kernel (xla_gpu_deviceless_cub_mode; th
 Per device, for each compiled function (update per remat policy and micro-batch size; the
 forward-only log-prob pass and sampler once: no backward pass, so remat does not change them):
 
-  params       trained parameters (their shards)          resident through the whole step
-  optimizer    AdamW moments (+ counters)                  resident
-  reference    the frozen reference copy (beta > 0)        resident unless reference.offload_to_host
+  params       the parameters (their shards; LoRA: the     resident through the whole step
+               frozen base and the adapters)
+  optimizer    AdamW moments (+ counters; LoRA: of the     resident
+               adapters only)
+  reference    the frozen reference copy (beta > 0; LoRA:  resident unless reference.offload_to_host
+               0, the base is the reference)
   rollout_w    the sampler's own weights: a mapped copy (impl=maxtext), or (native) the
                compute-dtype, per-layer copy the sampler makes once per rollout inside its
-               program (param_dtype != dtype or scan_layers; else it reads the params: 0)
+               program (param_dtype != dtype, scan_layers or LoRA (merged); else it reads the
+               params: 0)
   temp         compiled temporaries: activations, gradients, logits (the sampler's minus its
                cache and, native, minus its weight copy)
   kv_cache     the sampler's [L, B*G, Hkv, P+C, K] cache (its shape and sharding)
@@ -62,6 +66,7 @@ import math
 import os
 import sys
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 
@@ -69,6 +74,7 @@ from grpo_jax import configuration
 from grpo_jax.parallel import sharding
 from grpo_jax.models import build
 from grpo_jax.models import policy as policy_lib
+from grpo_jax.models.lora import adapters as lora
 from grpo_jax.rl import corrections
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rollout import sampler as sampler_lib
@@ -392,7 +398,9 @@ def _resident(cfg, fns) -> dict:
   state = fns.abstract_state
   params = shard_bytes(state["params"])
   optimizer = shard_bytes({k: v for k, v in state.items() if k != "params"})
-  on_device = cfg.beta > 0 and not cfg.reference.offload_to_host
+  # LoRA (lora.rank > 0): the reference is the frozen base itself, run without the adapters
+  # (models/lora/policy.py: policy.reference = base_of), no copy to hold.
+  on_device = cfg.beta > 0 and not cfg.reference.offload_to_host and not cfg.lora.rank
   return dict(
       params=params, optimizer=optimizer, reference=reference_bytes(cfg, fns) if on_device else 0
   )
@@ -404,7 +412,7 @@ def reference_bytes(cfg, fns) -> int:
 
 
 def resident_host(cfg, fns) -> int:
-  if cfg.beta > 0 and cfg.reference.offload_to_host:
+  if cfg.beta > 0 and cfg.reference.offload_to_host and not cfg.lora.rank:
     return reference_bytes(cfg, fns)
   return 0
 
@@ -484,10 +492,16 @@ def sampler_weight_copy_bytes(cfg, policy, weights) -> int:
   """Per-device bytes of the sampler's own weights (the rollout_w column): MaxText's mapped
   copy (an argument of the sampler), or the native sampler's compute-dtype, per-layer copy that
   its program makes once per rollout (a temporary of it), when the params are not already that
-  (param_dtype != dtype, or scanned layers to unstack)."""
+  (param_dtype != dtype, or scanned layers to unstack). With LoRA the native copy is the plain
+  decoder's weights made effective (adapters merged, a quantized base dequantized: every
+  projection in the compute dtype, no adapter or scale kept)."""
   if not policy.sampler_is_trainer:
     return shard_bytes(weights)
   m = cfg.model
+  if cfg.lora.rank:
+    base = nnx.split_state(lora.base_of(weights), lora.QuantScale, ...)[1]
+    dt = jnp.dtype(m.dtype)
+    return shard_bytes(jax.tree.map(lambda x: _abstract(x.shape, dt, x.sharding), base))
   if m.param_dtype == m.dtype and not m.scan_layers:
     return 0
   return shard_bytes(policy_lib.as_reference(weights, m.dtype))

@@ -251,18 +251,19 @@ def test_routing_replay_is_validated_in_one_line_each():
   c = load("tiny_moe")
   c.rollout.routing_replay = "rollout"
   assert errors_of(c) == []
-  for fields in (  # packed rows carry routes (rl/packing.py); the loop's other placements
+  for fields in (  # packed rows carry routes (rl/packing.py); the loop's other placements; LoRA
       {"pack_sequences": True},
       {"rollout.max_staleness": 1},
       {"rollout.placement": "disaggregated"},
       {"rollout.placement": "disaggregated", "rollout.max_staleness": 1},
+      {"lora.rank": 4},
+      {"lora.rank": 4, "pack_sequences": True},
   ):
     c = _replaying(load("tiny_moe"), fields)
     assert errors_of(c) == [], (fields, errors_of(c))
   cases = [
       ({"rollout.routing_replay": "always"}, "unknown routing replay mode"),
       ({"rollout.slots": 32}, "records routes in the lockstep sampler. Fix: set rollout.slots=0"),
-      ({"lora.rank": 4}, "lora.rank=0"),
       ({"rollout.engine": "vllm"}, "replayed by the native decoder"),
   ]
   for fields, why in cases:
@@ -281,7 +282,6 @@ def test_routing_replay_is_validated_in_one_line_each():
 @pytest.mark.parametrize(
     "field, value, why",
     [
-        ("lora.rank", 4, "LoRA on an MoE model (8 experts per layer) is not built yet"),
         ("rollout.engine", "vllm", "weight sync has no mapping for an MoE model"),
         ("model.impl", "maxtext", "MaxText policy's mapping for an MoE model"),
     ],

@@ -3,6 +3,7 @@ temporaries, the JSON rows, the sampler's weight copy, --dump_hlo's files, the f
 (no libtpu, no CUDA plugin), and TPU / H100 compiles when their compilers are here
 (scripts/test_aot.sh)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 from configs import tiny
 from grpo_jax import memory_plan as mp
 from grpo_jax.models import build
+from grpo_jax.models.lora import adapters as lora
 from grpo_jax.rl import step as step_lib
 from tests.conftest import ROOT
 
@@ -329,6 +331,42 @@ def test_reference_is_planned_in_the_compute_dtype():
   params = mp.shard_bytes(fns.abstract_state["params"])
   assert mp.reference_bytes(c, fns) == params // 2
   assert mp._resident(c, fns)["reference"] == params // 2
+
+
+def test_lora_moe_plan_holds_no_reference_copy_and_a_merged_sampler_copy():
+  """LoRA on an MoE decoder (f32 base, bf16 compute, beta > 0): the reference is the base
+  itself (0 bytes), the optimizer holds moments of the adapters only, and the sampler's copy
+  is the plain decoder's weights in bf16 (adapters merged, nothing else kept); the update
+  compiles with the per-expert adapters."""
+  moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+  def built(**lora):
+    c = _deep_config(beta=0.04)
+    c.model.param_dtype, c.model.dtype = "float32", "bfloat16"
+    for k, v in {**moe, "norm_topk_prob": True}.items():
+      c.model[k] = v
+    for k, v in lora.items():
+      c.lora[k] = v
+    mesh = build.make_mesh(c)
+    policy = build.make_policy(c, mesh, abstract=True)
+    return c, policy, step_lib.build(c, policy, mesh)
+
+  c, policy, fns = built()
+  full = mp.shard_bytes(fns.abstract_state["params"])
+  assert mp._resident(c, fns)["reference"] == full // 2
+  for lora_fields in ({"rank": 4}, {"rank": 4, "quantize_base": "int8"}):
+    if "quantize_base" in lora_fields and importlib.util.find_spec("qwix") is None:
+      continue  # .venv-aot has no qwix (scripts/test_aot.sh): the float base only
+    c, policy, fns = built(**lora_fields)
+    params = fns.abstract_state["params"]
+    adapters = mp.shard_bytes(lora.split(params)[0])
+    resident = mp._resident(c, fns)
+    assert resident["reference"] == 0 and adapters > 0
+    assert 2 * adapters <= resident["optimizer"] < 2 * adapters + 1024  # + Adam's counters
+    assert mp.sampler_weight_copy_bytes(c, policy, params) == full // 2
+  c, policy, fns = built(rank=4)
+  (row,) = mp.plan(c, mp.make_target(), functions=("update",), log=lambda _: None)[0]
+  assert row.reference == 0 and row.temp > 0
 
 
 def test_slot_engine_is_planned_by_its_programs():

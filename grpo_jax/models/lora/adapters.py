@@ -14,6 +14,17 @@ rank axis is replicated. With `quantize_base` (int8 / int4, weight-only, through
 every projection weight of the base holds the integer values and a `QuantScale` beside it
 (`W_qscale`, per output channel).
 
+Mixture of experts (models/decoder/moe.py). On a routed layer the paths layers/<i>/mlp/{gate,up,
+down} name the experts' weights, gate/up [E, D, F] and down [E, F, D]; each expert gets its own
+adapter, the experts axis leading like a batch axis: A [E, in, r], B [E, r, out] (with the layer
+axis first under scan_layers), W_eff[e] = W[e] + (alpha / r) A[e] @ B[e], logical axes W's
+(experts, embed | moe_mlp) so an expert's adapter lives on the devices that hold its weight. A
+quantized base is quantized per expert and output channel (scales [E, 1, out]). The default
+target_modules thus reaches attention + experts on routed layers and attention + the dense MLP on
+a mixed model's dense layers (mlp_only_layers / decoder_sparse_step). The router [D, E] is never
+adapted (not a candidate path): it stays the frozen base's, in full precision, and the experts
+each token goes to move only through the adapted layers below it.
+
 How it runs. `adapt(block)` (called by the decoder for every layer, models/decoder/transformer.py) turns
 each weight into the one the layer should use, W_eff = dequantize(W) + (alpha / r) * A @ B, inside
 the layer (under scan and remat): one layer's effective weights exist at a time, never a float
@@ -36,6 +47,7 @@ qwix supplies the quantization (`qarray.quantize` / `qwix.dequantize`, in qwix 0
 and the parameter naming and types follow its provider.
 """
 
+import dataclasses
 import importlib.util
 import math
 import re
@@ -44,9 +56,12 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.models.decoder.config import ModelConfig
+from grpo_jax.models.decoder.moe import MoE
 from grpo_jax.parallel import sharding
 
-# Projection weights that can carry adapters, with how many leading dims are W's input dims.
+# Projection weights that can carry adapters, with how many dims of W (after the layers and
+# experts axes) are its input dims.
 PROJECTIONS = {
     ("attn", "q"): 1,
     ("attn", "k"): 1,
@@ -56,6 +71,8 @@ PROJECTIONS = {
     ("mlp", "up"): 1,
     ("mlp", "down"): 1,
 }
+# An MoE layer's weights with a leading experts axis (an adapter per expert).
+EXPERT_WEIGHTS = ("gate", "up", "down")
 DEFAULT_TARGETS = r"layers/\d+/(attn/(q|k|v|o)|mlp/(gate|up|down))"
 QUANTIZE_BASE = ("none", "int8", "int4")
 # qwix quantizes the base; the core install lacks it (the maxtext extra brings it).
@@ -152,14 +169,14 @@ def problems(config) -> list[str]:
             f"{len(layers)} of {m.num_layers} layers: with model.scan_layers the adapters "
             "are stacked over layers. Fix: target every layer, or scan_layers=False"
         )
-  dims = _dims(m)
-  for mw in {tuple(t) for _, *t in found}:
-    d_in, d_out = dims[mw]
+  mcfg = model_config(m)
+  for moe, mw in sorted({(mcfg.layer_is_moe(i), tuple(t)) for i, *t in found}):
+    d_in, d_out = _dims(mcfg, moe)[mw]
     if lc.rank > min(d_in, d_out):
       out.append(
           f"lora.rank={lc.rank} > min(d_in, d_out) = min({d_in}, {d_out}) of "
-          f"{'/'.join(mw)}: a rank past the smaller side adds no capacity. Fix: "
-          f"lora.rank <= {min(d_in, d_out)}"
+          f"{'/'.join(mw)}{' (an expert)' if moe and mw[0] == 'mlp' else ''}: a rank past the "
+          f"smaller side adds no capacity. Fix: lora.rank <= {min(d_in, d_out)}"
       )
   if config.reference.refresh_every_steps:
     out.append(
@@ -174,8 +191,27 @@ def problems(config) -> list[str]:
   return out
 
 
-def _dims(m) -> dict:
-  h, g, k, d, f = m.num_heads, m.num_kv_heads, m.head_dim, m.hidden_size, m.intermediate_size
+def model_config(m) -> ModelConfig:
+  """The decoder's shape from a config.model block (which layers are routed, their widths)."""
+  return ModelConfig(**{f.name: m[f.name] for f in dataclasses.fields(ModelConfig)})
+
+
+def expert_targets(config) -> list[int]:
+  """The layers whose experts (an MoE layer's mlp/{gate,up,down}) target_modules adapts."""
+  mcfg = model_config(config.model)
+  return sorted(
+      {
+          i
+          for i, m, _ in targets(mcfg.num_layers, config.lora.target_modules)
+          if m == "mlp" and mcfg.layer_is_moe(i)
+      }
+  )
+
+
+def _dims(m: ModelConfig, moe: bool) -> dict:
+  """(d_in, d_out) of each projection of a dense layer, or of one expert of a routed layer."""
+  h, g, k, d = m.num_heads, m.num_kv_heads, m.head_dim, m.hidden_size
+  f = m.moe_intermediate_size if moe else m.intermediate_size
   return {
       ("attn", "q"): (d, h * k),
       ("attn", "k"): (d, g * k),
@@ -190,10 +226,17 @@ def _dims(m) -> dict:
 # --------------------------------------------------------------------------- the forward
 
 
+def experts_axis(module, name: str) -> int:
+  """1 when weight `name` of `module` is an MoE layer's expert weight ([E, in, out]: an adapter
+  and a quantization scale per expert), else 0."""
+  return int(isinstance(module, MoE) and name in EXPERT_WEIGHTS)
+
+
 def effective_weight(module, name: str, stacked: bool = False):
   """The weight `name` of `module` as its layer should use it: dequantized, adapters added.
   None when it has neither (the stored weight is used as is). `stacked`: the module holds
-  every layer (scan_layers, outside the scan) on a leading axis."""
+  every layer (scan_layers, outside the scan) on a leading axis. An MoE layer's expert weight
+  merges per expert: W[e] + (alpha / r) A[e] . B[e]."""
   scale = getattr(module, f"{name}_qscale", None)
   a = getattr(module, f"{name}_lora_a", None)
   if scale is None and a is None:
@@ -204,7 +247,9 @@ def effective_weight(module, name: str, stacked: bool = False):
   if a is not None:
     b = getattr(module, f"{name}_lora_b")[...]
     ab = lambda a, b: jnp.tensordot(a, b, axes=1)  # [in..., r] . [r, out...] -> W's shape
-    delta = (jax.vmap(ab) if stacked else ab)(a[...], b)
+    for _ in range(int(stacked) + experts_axis(module, name)):  # layers, experts: batch axes
+      ab = jax.vmap(ab)
+    delta = ab(a[...], b)
     w = w + (module.lora_scale * delta).astype(w.dtype)
   return w
 
@@ -263,15 +308,15 @@ def attach(model, lc, *, seed: int, mesh=None, abstract: bool = False):
       weights[(i, m, w)] = (mod, getattr(mod, w))
   if lc.quantize_base != "none":
     for (i, m, w), (mod, var) in weights.items():
-      n_in = PROJECTIONS[(m, w)]
-      channel_axes = tuple(range(lead)) + tuple(range(lead + n_in, var.get_value().ndim))
+      n_in, nb = PROJECTIONS[(m, w)], lead + experts_axis(mod, w)  # nb: the batch axes
+      channel_axes = tuple(range(nb)) + tuple(range(nb + n_in, var.get_value().ndim))
       axes = var.get_metadata()["logical_axes"]
       q, s = _values(
           lambda x, ca=channel_axes: _quantize(x, lc.quantize_base, ca),
           var.get_value(),
           mesh,
           abstract,
-          ((axes, tuple(None if d in range(lead, lead + n_in) else a for d, a in enumerate(axes)))),
+          ((axes, tuple(None if d in range(nb, nb + n_in) else a for d, a in enumerate(axes)))),
       )
       var.set_value(q)
       setattr(
@@ -280,7 +325,7 @@ def attach(model, lc, *, seed: int, mesh=None, abstract: bool = False):
           QuantScale(
               s,
               logical_axes=tuple(
-                  None if d in range(lead, lead + n_in) else a for d, a in enumerate(axes)
+                  None if d in range(nb, nb + n_in) else a for d, a in enumerate(axes)
               ),
           ),
       )
@@ -291,15 +336,15 @@ def attach(model, lc, *, seed: int, mesh=None, abstract: bool = False):
   for n, ((i, m, w), (mod, var)) in enumerate(weights.items()):
     if (i, m, w) not in chosen:
       continue
-    n_in = PROJECTIONS[(m, w)]
+    n_in, nb = PROJECTIONS[(m, w)], lead + experts_axis(mod, w)  # nb: layers, experts
     shape, axes = var.get_value().shape, var.get_metadata()["logical_axes"]
-    a_shape = shape[: lead + n_in] + (lc.rank,)
-    b_shape = shape[:lead] + (lc.rank,) + shape[lead + n_in :]
-    a_axes, b_axes = axes[: lead + n_in] + (None,), axes[:lead] + (None,) + axes[lead + n_in :]
+    a_shape = shape[: nb + n_in] + (lc.rank,)
+    b_shape = shape[:nb] + (lc.rank,) + shape[nb + n_in :]
+    a_axes, b_axes = axes[: nb + n_in] + (None,), axes[:nb] + (None,) + axes[nb + n_in :]
     ka, kb = jax.random.split(jax.random.fold_in(key, n))
     dtype = jnp.dtype(cfg.param_dtype)
     a, b = _values(
-        lambda ka=ka, kb=kb: _init_ab(ka, kb, a_shape, b_shape, lead, n_in, lc.init, dtype),
+        lambda ka=ka, kb=kb: _init_ab(ka, kb, a_shape, b_shape, nb, n_in, lc.init, dtype),
         None,
         mesh,
         abstract,
@@ -312,10 +357,11 @@ def attach(model, lc, *, seed: int, mesh=None, abstract: bool = False):
   return base_graphdef, graphdef
 
 
-def _init_ab(ka, kb, a_shape, b_shape, lead, n_in, init, dtype):
-  """A: he-uniform over W's input dims (qwix's default, fan_in = their product); B: zeros
-  (the adapted model starts as the base) or N(0, 0.02^2) (tests of a non-trivial adapter)."""
-  fan_in = math.prod(a_shape[lead : lead + n_in])
+def _init_ab(ka, kb, a_shape, b_shape, nb, n_in, init, dtype):
+  """A: he-uniform over W's input dims (qwix's default, fan_in = their product; the first `nb`
+  axes are batch axes: layers, experts); B: zeros (the adapted model starts as the base) or
+  N(0, 0.02^2) (tests of a non-trivial adapter)."""
+  fan_in = math.prod(a_shape[nb : nb + n_in])
   lim = math.sqrt(6.0 / fan_in)
   a = jax.random.uniform(ka, a_shape, jnp.float32, -lim, lim).astype(dtype)
   b = (

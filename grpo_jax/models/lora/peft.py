@@ -9,6 +9,14 @@ lora_A.weight [r, in] and lora_B.weight [out, r]. Ours (models/lora/adapters.py)
 A . B to the native weight with A [in..., r] and B [r, out...]; the native <-> HF weight
 mapping (models/decoder/hf.py) flattens q/k/v's (heads, head_dim) and o's input (heads, head_dim) in
 row-major order, so lora_A = A.reshape(in, r).T and lora_B = B.reshape(r, out).T.
+
+MoE models (Qwen3-MoE): attention adapters, and the MLP adapters of a mixed model's dense layers,
+export as above. Adapters on the experts (an MoE layer's mlp/{gate,up,down}, A [E, in, r]) are
+refused in one line (`expert_refusal`): transformers 5 holds a layer's experts as fused 3-D
+parameters (gate_up_proj [E, 2F, D], down_proj [E, D, F]) that PEFT reaches only through
+`target_parameters` in its own layout, and transformers 4 as per-expert Linear modules
+(mlp.experts.<e>.gate_proj); neither layout is built or tested here. Export such a run merged:
+infer --export_hf (W + (alpha / r) A[e] . B[e] per expert, exact).
 """
 
 import json
@@ -22,9 +30,27 @@ from grpo_jax.models.decoder import hf
 from grpo_jax.models.lora import adapters as lora
 
 
+def expert_refusal(config) -> str | None:
+  """Why the adapters of `config` cannot be exported to PEFT (adapters on MoE experts), as one
+  line with the fix; None when they can."""
+  layers = lora.expert_targets(config)
+  if not layers:
+    return None
+  return (
+      f"lora.target_modules={config.lora.target_modules!r} adapts the experts of MoE layers "
+      f"{layers[0]}..{layers[-1]}: exporting expert adapters to PEFT is not built (transformers "
+      "5 fuses a layer's experts into 3-D parameters). Fix: --export_hf (the merged model), "
+      r"or train attention-only adapters (--config.lora.target_modules='layers/\d+/attn/(q|k|v|o)')"
+  )
+
+
 def peft_tensors(params, config) -> dict:
-  """{PEFT tensor name: host array} for every adapter in `params` (multi-host: collective)."""
+  """{PEFT tensor name: host array} for every adapter in `params` (multi-host: collective).
+  Adapters on MoE experts: a ValueError naming the fix (`expert_refusal`)."""
   cfg, lc = config.model, config.lora
+  refusal = expert_refusal(config)
+  if refusal:
+    raise ValueError(refusal)
   flat = dict(nnx.to_flat_state(params))
   out = {}
   for i, m, w in lora.targets(cfg.num_layers, lc.target_modules):

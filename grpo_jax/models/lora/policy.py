@@ -1,6 +1,7 @@
 """LoRA as a policy, and its base across checkpoints: what the loop, infer and build ask of LoRA.
 
-`lora_policy` wraps the native policy with adapters (models/lora/adapters.py holds the adapters
+`lora_policy` wraps the native policy with adapters (on a dense or an MoE decoder; with MoE the
+log-prob passes can replay the sampler's routes, rl/replay.py) (models/lora/adapters.py holds the adapters
 themselves: attach, split/combine, merge, fold); `after_sft` / `load_base` / `restore_params`
 keep the frozen base that a checkpoint's adapters go with. Split from lora.py so the decoder
 (transformer.py -> lora.py) and the policy/HF layer (policy.py, hf.py -> transformer.py) import
@@ -16,6 +17,8 @@ from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import hf
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.models.logprobs import completion_logprobs
+from grpo_jax.models.logprobs import completion_logprobs_routed
+from grpo_jax.models.logprobs import packed_logprobs_routed
 from grpo_jax.models.logprobs import packed_logprobs
 from grpo_jax.models.lora.adapters import attach
 from grpo_jax.models.lora.adapters import base_of
@@ -49,6 +52,19 @@ def lora_policy(config, mesh, *, abstract: bool = False):
         nnx.merge(gd, params), input_ids, segment_ids, positions, head_slots, temperature
     )
 
+  def routed(params, input_ids, attention_mask, routes, completion_len, temperature=1.0):
+    # routing replay (rl/replay.py) through the adapted layers, or the base's (the reference)
+    gd = graphdef if has_adapters(params) else base_graphdef
+    return completion_logprobs_routed(
+        nnx.merge(gd, params), input_ids, attention_mask, routes, completion_len, temperature
+    )
+
+  def packed_routed(params, input_ids, segment_ids, positions, head_slots, routes, temp=1.0):
+    gd = graphdef if has_adapters(params) else base_graphdef
+    return packed_logprobs_routed(
+        nnx.merge(gd, params), input_ids, segment_ids, positions, head_slots, routes, temp
+    )
+
   merge_fn = jax.jit(lambda p: merged(p, graphdef))
 
   def save(params, path):
@@ -76,6 +92,8 @@ def lora_policy(config, mesh, *, abstract: bool = False):
       combine=combine,
       reference=base_of,
       packed_logprobs=packed,
+      routed_logprobs=routed if plain.routed_logprobs is not None else None,
+      packed_routed_logprobs=packed_routed if plain.packed_routed_logprobs is not None else None,
       **rollout,
   )
 
