@@ -22,8 +22,8 @@ axis first under scan_layers), W_eff[e] = W[e] + (alpha / r) A[e] @ B[e], logica
 quantized base is quantized per expert and output channel (scales [E, 1, out]). The default
 target_modules thus reaches attention + experts on routed layers and attention + the dense MLP on
 a mixed model's dense layers (mlp_only_layers / decoder_sparse_step). The router [D, E] is never
-adapted (not a candidate path): it stays the frozen base's, in full precision, and the experts
-each token goes to move only through the adapted layers below it.
+adapted (not a candidate path) and never quantized: it stays the frozen base's, so a token's
+experts change only through its input, which the adapted layers below it move.
 
 How it runs. `adapt(block)` (called by the decoder for every layer, models/decoder/transformer.py) turns
 each weight into the one the layer should use, W_eff = dequantize(W) + (alpha / r) * A @ B, inside
