@@ -209,8 +209,9 @@ def test_loop_with_routing_replay_logs_route_mismatch(tmp_path):
         ["--config.rollout.max_staleness=1"],
         ["--config.rollout.placement=disaggregated"],
         ["--config.rollout.placement=disaggregated", "--config.rollout.max_staleness=1"],
+        ["--config.lora.rank=4", "--config.pack_sequences=True"],
     ],
-    ids=["packed", "one_step_off", "disaggregated", "disaggregated_one_step_off"],
+    ids=["packed", "one_step_off", "disaggregated", "disaggregated_one_step_off", "lora_packed"],
 )
 def test_loop_placements_with_routing_replay(tmp_path, args):
   """The loop's other placements replay the sampler's routes (f32): packed rows, one step off
