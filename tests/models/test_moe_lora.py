@@ -9,9 +9,6 @@ quantized per expert and output channel; the one-line validation and PEFT refusa
 (routing replay, beta > 0) with finite losses and only adapters checkpointed.
 """
 
-import importlib.util
-import os
-
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -27,13 +24,13 @@ from grpo_jax.models.lora import adapters as lora
 from grpo_jax.models.lora import peft as peft_export
 from grpo_jax.rl import step as step_lib
 from tests.models.test_lora import _checkpoint
+from tests.models.test_lora import _load
 from tests.models.test_lora import batch
 from tests.models.test_lora import logits
 from tests.models.test_lora import one_device_mesh
 from tests.test_train import grpo_rows
 from tests.test_train import tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 R, ALPHA, E, F_MOE = 4, 8.0, 8, 96  # rank, alpha (scale 2), experts, expert width
 MOE = {  # configs/tiny_moe.py's model on tiny_config's fast loop
     "model.num_experts": E,
@@ -195,15 +192,6 @@ def test_int8_base_is_quantized_per_expert_and_output_channel():
   base_only, _ = jax.jit(lambda p: run(pol.graphdef, p, own))(lora.zero_delta(pol.params))
   diff = float(np.abs(base_only - want)[np.asarray(mask) > 0].max())
   assert 0 < diff <= 0.15, diff  # tests/models/test_lora.py's int8 bound (measured 0.086)
-
-
-def _load(name):
-  spec = importlib.util.spec_from_file_location(
-      f"cfg_{name}", os.path.join(ROOT, "configs", f"{name}.py")
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
 
 
 def test_lora_moe_configs_validate_and_bad_values_are_one_line():
