@@ -50,7 +50,7 @@ def flat(state):
   return {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(state)}
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_b_zero_is_the_base_and_the_merge_is_per_expert(scan):
   c = moe_lora_config(**{"model.scan_layers": scan, "lora.init": "normal"})
   mesh = one_device_mesh()
@@ -109,6 +109,7 @@ def test_mixed_model_default_targets_reach_dense_mlp_and_experts():
   assert lora.expert_targets(c) == [0]
 
 
+@pytest.mark.slow  # suite time (~20-35 s on 2 cores)
 def test_adapters_shard_like_experts_get_gradients_and_only_they_update():
   """(fsdp 2, tensor 2, expert 2): A/B split over experts like W; == the one-device model."""
   c = moe_lora_config(**{"lora.init": "normal", "mesh.fsdp": 2, "mesh.expert": 2, "mesh.tensor": 2})
@@ -161,6 +162,7 @@ def test_adapters_shard_like_experts_get_gradients_and_only_they_update():
   assert any("mlp" in k and "gate_lora_b" in k for k in changed)
 
 
+@pytest.mark.slow  # suite time (~20-35 s on 2 cores)
 def test_int8_base_is_quantized_per_expert_and_output_channel():
   c = moe_lora_config(**{"lora.quantize_base": "int8", "lora.init": "normal"})
   mesh = one_device_mesh()
