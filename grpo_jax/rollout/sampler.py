@@ -98,18 +98,7 @@ class Sampler:
       fn = functools.partial(self._generate, top_k=top_k, use_top_p=use_top_p, greedy=greedy)
       kw = {}
       if self.mesh is not None:
-        rows = sharding.batch_sharding(self.mesh, 2)
-        vec = sharding.batch_sharding(self.mesh, 1)
-        kw["out_shardings"] = Rollout(
-            tokens=rows,
-            mask=rows,
-            logprobs=rows,
-            raw_logprobs=rows,
-            lengths=vec,
-            truncated=vec,
-            tool_mask=rows,
-            routes=sharding.batch_sharding(self.mesh, 4) if self.record_routes else None,
-        )
+        kw["out_shardings"] = Rollout.shardings(self.mesh, routes=self.record_routes)
       self._compiled[key] = jax.jit(fn, **kw)
     return self._compiled[key]
 

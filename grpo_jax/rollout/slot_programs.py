@@ -82,19 +82,7 @@ class SlotPrograms:
       if self.mesh is not None and name in ("init", "admit", "decode", "refresh", "extend"):
         kw["out_shardings"] = self._state_shardings()
       if self.mesh is not None and name == "take":
-        rows, vec = (sharding.batch_sharding(self.mesh, k) for k in (2, 1))
-        kw["out_shardings"] = (
-            Rollout(
-                tokens=rows,
-                mask=rows,
-                logprobs=rows,
-                raw_logprobs=rows,
-                lengths=vec,
-                truncated=vec,
-                tool_mask=rows,
-            ),
-            rows,
-        )
+        kw["out_shardings"] = (Rollout.shardings(self.mesh), sharding.batch_sharding(self.mesh, 2))
       jitted = jax.jit(fn, **kw)
       self._programs[key] = jitted if self.mesh is None else _InMesh(jitted, self.mesh)
     return self._programs[key]

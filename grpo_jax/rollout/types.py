@@ -94,6 +94,22 @@ class Rollout:
     return self.mask - self.mask * self.tool_mask
 
   @classmethod
+  def shardings(cls, mesh, *, routes: bool = False) -> "Rollout":
+    """Every field's sharding on `mesh`: rows over (data, fsdp) (the engines' out_shardings);
+    `routes`: the routing-replay record's too (else None)."""
+    rows, vec = (sharding.batch_sharding(mesh, k) for k in (2, 1))
+    return cls(
+        tokens=rows,
+        mask=rows,
+        logprobs=rows,
+        raw_logprobs=rows,
+        lengths=vec,
+        truncated=vec,
+        tool_mask=rows,
+        routes=sharding.batch_sharding(mesh, 4) if routes else None,
+    )
+
+  @classmethod
   def spec(cls, rows: int, completion_len: int, mesh) -> "Rollout":
     """What every engine returns for `rows` completions on `mesh`, as ShapeDtypeStructs: the
     dtypes above, rows sharded over (data, fsdp) (run/compile_ahead.py lowers on it)."""
