@@ -5,7 +5,7 @@ B = 0 is the base bit for bit; the adapted forward == the plain decoder on merge
 the merge == a NumPy per-expert W[e] + (alpha / r) A[e] @ B[e]; a mixed model's default targets
 reach its dense layer's MLP and its routed layer's experts; the adapters shard like the expert
 weights; every expert's adapters get gradients and one update moves only adapters; an int8 base
-quantized per expert and output channel; the one-line validation and PEFT refusal; and the loop
+quantized per expert and output channel; the one-line validation; PEFT export of expert adapters (target_parameters) == our logits; and the loop
 (routing replay, beta > 0) with finite losses and only adapters checkpointed.
 """
 
@@ -213,27 +213,65 @@ def test_lora_moe_configs_validate_and_bad_values_are_one_line():
   assert lora.problems(c) == []
 
 
-def test_peft_refuses_expert_adapters_and_the_merged_export_loads_with_our_logits(tmp_path):
-  c = moe_lora_config(**{"lora.init": "normal"})
+@pytest.mark.parametrize(
+    "targets",
+    [
+        None,  # the default: attention, and every expert's gate, up and down (PEFT rank 2r)
+        pytest.param(  # experts' down only: rank r, one wrapper
+            r"layers/\d+/(attn/(q|v)|mlp/down)", marks=pytest.mark.slow
+        ),
+        pytest.param(  # per-layer mixes, up alone
+            r"layers/0/mlp/up|layers/1/mlp/(gate|down)", marks=pytest.mark.slow
+        ),
+    ],
+    ids=["all", "down", "mixed"],
+)
+def test_peft_export_of_expert_adapters_loads_with_our_logits(tmp_path, targets):
+  """--export_peft with adapters on the experts: transformers' Qwen3MoeForCausalLM with the
+  base (adapters zeroed) and PEFT's adapters (target_parameters on the fused gate_up_proj /
+  down_proj) gives our logits; the merged --export_hf too; without the adapters it does not."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peft = pytest.importorskip("peft")
+  import json
+
+  kw = {"lora.init": "normal"}
+  if targets:
+    kw["lora.target_modules"] = targets
+  c = moe_lora_config(**kw)
   mesh = one_device_mesh()
   pol = build.make_policy(c, mesh)
-  with pytest.raises(ValueError, match=r"adapts the experts of MoE layers 0..1: .* Fix: "):
-    peft_export.save_peft(pol.params, c, str(tmp_path / "refused"))
-  assert not (tmp_path / "refused").exists()
-  # what the refusal points to: --export_hf, the merged model (W[e] + (alpha / r) A[e] @ B[e])
-  pol.save_hf(pol.params, str(tmp_path / "merged"))
   ids, mask = batch()
+  ours = np.asarray(logits(pol.graphdef, pol.params, ids, mask))
+  pos = np.maximum(np.cumsum(np.asarray(mask), -1) - 1, 0)
+  keep = np.asarray(mask) > 0
+
+  def torch_logits(model):
+    with torch.no_grad():
+      out = model(
+          torch.tensor(np.asarray(ids)),
+          attention_mask=torch.tensor(np.asarray(mask)),
+          position_ids=torch.tensor(pos),
+      )
+    return out.logits.float().numpy()
+
+  pol.save_hf(lora.zero_delta(pol.params), str(tmp_path / "base"))
+  peft_export.save_peft(pol.params, c, str(tmp_path / "adapter"))
+  cfg = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
+  fused = targets is None or "up" in targets
+  assert cfg["r"] == R * (2 if fused else 1) and cfg["lora_alpha"] / cfg["r"] == ALPHA / R
+  assert cfg["target_parameters"] and all(".mlp.experts." in p for p in cfg["target_parameters"])
+  base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+  model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+  assert np.abs(torch_logits(model) - ours)[keep].max() <= 1e-4
+  with model.disable_adapter():  # the adapters are what makes the difference
+    assert np.abs(torch_logits(model) - ours)[keep].max() > 1e-3
+  pol.save_hf(pol.params, str(tmp_path / "merged"))  # --export_hf: W[e] + (alpha / r) A[e] B[e]
   back = load_hf(str(tmp_path / "merged"))
   assert back.cfg.num_experts == E and not lora.has_adapters(nnx.state(back))
   np.testing.assert_allclose(
       logits(*nnx.split(back), ids, mask), logits(pol.graphdef, pol.params, ids, mask), atol=1e-5
   )
-  attn = moe_lora_config(**{"lora.target_modules": r"layers/\d+/attn/(q|k|v|o)"})
-  assert peft_export.expert_refusal(attn) is None
-  pol = build.make_policy(attn, mesh)
-  tensors = peft_export.peft_tensors(pol.params, attn)
-  assert len(tensors) == 2 * 4 * attn.model.num_layers
-  assert all(".self_attn." in k for k in tensors)
 
 
 @pytest.mark.slow  # ~60 s on 2 CPU cores
