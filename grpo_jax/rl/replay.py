@@ -35,6 +35,8 @@ update (rl/step.py GrpoStep.inputs), logged when routing replay is on.
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.models.decoder.moe import routes_dtype
+from grpo_jax.parallel import sharding
 from grpo_jax.rl import packing
 
 MODES = ("none", "rollout")
@@ -66,6 +68,15 @@ def _missed_fraction(own_tlk, routes_tlk, counted_t) -> jax.Array:
   counted = counted_t[..., None, None] & (recorded >= 0)
   missed = (counted & ~found).sum().astype(jnp.float32)
   return missed / jnp.maximum(counted.sum(), 1).astype(jnp.float32)
+
+
+def routes_spec(model_cfg, rows: int, width: int, mesh) -> jax.ShapeDtypeStruct:
+  """What a sampler records for `rows` rows of `width` = P + C columns (Rollout.routes), as a
+  ShapeDtypeStruct on `mesh`: run/compile_ahead.py lowers the step programs on it."""
+  shape = (rows, width, sum(model_cfg.moe_layers), model_cfg.num_experts_per_tok)
+  return jax.ShapeDtypeStruct(
+      shape, routes_dtype(model_cfg.num_experts), sharding=sharding.batch_sharding(mesh, 4)
+  )
 
 
 class RoutedLayout(packing.PaddedLayout):

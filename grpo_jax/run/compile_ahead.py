@@ -27,6 +27,7 @@ logged and changes nothing else.
 """
 
 import concurrent.futures
+import dataclasses
 import threading
 import time
 
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.parallel import sharding
+from grpo_jax.rl import replay
 from grpo_jax.rollout.types import Rollout
 
 
@@ -185,26 +187,40 @@ class CompileAhead:
     c, grpo, fns, mesh = self.config, self.grpo, self.grpo.fns, self.grpo.mesh
     rows = ids.shape[0] * c.num_generations
     rollout = Rollout.spec(rows, c.max_completion_length, mesh)
+    if grpo.replay:  # the sampler's routing record rides the rollout (rl/replay.py)
+      width = ids.shape[1] + c.max_completion_length
+      routes = replay.routes_spec(grpo.reference.policy.model_config, rows, width, mesh)
+      rollout = dataclasses.replace(rollout, routes=routes)
     rewards = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=sharding.batch_sharding(mesh, 1))
     assemble = ("assemble", fns.assemble, (ids, mask, rollout, rewards))
     if c.pack_sequences:  # packed shapes follow the step's lengths: they compile at first use
       return [assemble]
     upd = jax.eval_shape(fns.assemble, *assemble[2])
     programs = [assemble]
+    # Routing replay (rl/replay.py): every log-prob pass is the routed program, on the rows
+    # and their routes (assemble's: -1 where the spec has none), and the old pass runs even
+    # with the sampler's log-probs (it measures rollout/route_mismatch).
+    if grpo.replay:
+      fn = fns.routed_logprobs  # -> (log-probs, route_mismatch)
+      rows_args = (upd["input_ids"], upd["attention_mask"], upd["routes"], upd["completion_mask"])
+    else:
+      fn, rows_args = fns.logprobs, (upd["input_ids"], upd["attention_mask"])
+
+    def logprobs(name, params):  # the program, and its log-probs' shape
+      programs.append((name, fn, (params, *rows_args)))
+      out = jax.eval_shape(fn, params, *rows_args)
+      return out[0] if grpo.replay else out
+
     if grpo.old_logp == "sampler":
       upd["old_logp"] = rollout.logprobs
-    elif grpo.old_logp == "trainer":
-      programs.append(
-          ("old logprobs", fns.logprobs, (state["params"], upd["input_ids"], upd["attention_mask"]))
-      )
-      upd["old_logp"] = jax.eval_shape(fns.logprobs, *programs[-1][2])
+    if grpo.old_logp == "trainer" or grpo.replay:
+      logp = logprobs("old logprobs", state["params"])
+      if grpo.old_logp == "trainer":
+        upd["old_logp"] = logp
     if c.beta > 0:  # LoRA: the base of the state's own params; else the stored reference
       policy = grpo.reference.policy
       ref = policy.reference(state["params"]) if policy.reference else ref
-      programs.append(
-          ("ref logprobs", fns.logprobs, (ref, upd["input_ids"], upd["attention_mask"]))
-      )
-      upd["ref_logp"] = jax.eval_shape(fns.logprobs, *programs[-1][2])
+      upd["ref_logp"] = logprobs("ref logprobs", ref)
     kl_rewards = None
     if c.kl_in_reward:
       programs.append(("fold_kl", fns.fold_kl, (upd, rewards)))

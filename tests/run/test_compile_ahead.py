@@ -20,7 +20,7 @@ from tests.test_train import grpo_rows
 from tests.test_train import tiny_config
 
 MODULE = os.path.join("grpo_jax", "run/compile_ahead.py")  # (not this test file)
-STEP_PROGRAMS = {"update", "logprobs", "assemble", "fold_kl", "rollout_stats", "_generate"}
+STEP_PROGRAMS = {"update", "logprobs", "routed_logprobs", "assemble", "fold_kl", "rollout_stats", "_generate"}
 
 
 @contextlib.contextmanager
@@ -69,6 +69,17 @@ def _alternate_widths(monkeypatch) -> set:
         {"num_steps": 4, "widths": "alternate"},  # beta 0 (tiny.py); 2 widths
         {"kl_in_reward": True, "beta": 0.08, "num_iterations": 2, "loss.tis_cap": 2.0},  # fold_kl
         {"lora.rank": 4, "lora.alpha": 8.0, "beta": 0.08},  # reference = the LoRA base
+        pytest.param(  # MoE, routing replay: the routed passes, the rows' routes
+            {
+                "model.num_experts": 4,
+                "model.num_experts_per_tok": 2,
+                "model.moe_intermediate_size": 32,
+                "rollout.routing_replay": "rollout",
+                "beta": 0.08,
+            },
+            marks=pytest.mark.slow,
+            id="moe-replay",
+        ),
     ],
 )
 def test_step_programs_compile_in_the_background(tmp_path, monkeypatch, overrides):
@@ -82,7 +93,9 @@ def test_step_programs_compile_in_the_background(tmp_path, monkeypatch, override
   assert not on_main, f"compiled at first call, not ahead: {on_main} (all: {step})"
   names = {name for _, name in step}
   assert {"update", "assemble", "rollout_stats"} <= names
-  if overrides.get("beta", 0.0) > 0 or overrides.get("kl_in_reward"):
+  if overrides.get("rollout.routing_replay") == "rollout":
+    assert "routed_logprobs" in names and "logprobs" not in names
+  elif overrides.get("beta", 0.0) > 0 or overrides.get("kl_in_reward"):
     assert "logprobs" in names
   if overrides.get("kl_in_reward"):
     assert "fold_kl" in names
