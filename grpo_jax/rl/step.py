@@ -417,8 +417,8 @@ def build(config, policy, mesh) -> TrainFunctions:
     return batch
 
   def no_routes(batch):
-    """-1 everywhere (each forward its own top-k): an in-flight rollout restored from a
-    checkpoint comes back without its routes (Rollout.spec cannot know their shape)."""
+    """-1 everywhere (each forward its own top-k): a rollout without a routing record (an
+    abstract Rollout.spec without routes)."""
     cfg = policy.model_config
     l_moe, k = sum(cfg.moe_layers), cfg.num_experts_per_tok
     n, s = batch["input_ids"].shape

@@ -319,19 +319,37 @@ class RolloutSource:
     flight at a checkpoint the source foresaw)."""
     if self.stream is not None:
       return [{"iterator": d.iterator_before, "redraw": True} for d in self._pending][:1]
-    return [{"iterator": d.iterator_before, "version": d.version} for d in self._pending]
+    return [
+        dict(
+            iterator=d.iterator_before,
+            version=d.version,
+            # routing replay's record (Rollout.routes): its shape, for the restore's target
+            **({} if d.rollout.routes is None else {"routes": _routes_meta(d.rollout.routes)}),
+        )
+        for d in self._pending
+    ]
 
   def target(self, meta: dict) -> dict:
     """The abstract arrays of the in-flight rollouts a checkpoint with `meta` holds."""
-    n = len([e for e in meta.get("rollout_pending", []) if not e.get("redraw")])
-    if not n:
+    entries = [e for e in meta.get("rollout_pending", []) if not e.get("redraw")]
+    if not entries:
       return {}
     spec = Rollout.spec(
         self.config.batch_size * self.config.num_generations,
         self.config.max_completion_length,
         self.mesh,
     )
-    return {"pending": [dataclasses.asdict(spec)] * n}
+
+    def one(entry):
+      if "routes" not in entry:
+        return dataclasses.asdict(spec)
+      shape, dtype = entry["routes"]["shape"], entry["routes"]["dtype"]
+      routes = jax.ShapeDtypeStruct(
+          tuple(shape), jnp.dtype(dtype), sharding=sharding.batch_sharding(self.mesh, len(shape))
+      )
+      return dataclasses.asdict(dataclasses.replace(spec, routes=routes))
+
+    return {"pending": [one(e) for e in entries]}
 
   def restore(self, restored: dict, meta: dict):
     """Puts back a checkpoint's in-flight rollouts: their prompt batches taken again from the
@@ -485,6 +503,11 @@ class Scorer:
         mask_nc.sum(-1), c.max_completion_length, c.loss.overlong_buffer, c.loss.overlong_factor
     )
     return rewards_n.astype(np.float32), per_function, scored.errors
+
+
+def _routes_meta(routes) -> dict:
+  """A routing record's shape and dtype, as the checkpoint's meta keeps them (JSON)."""
+  return {"shape": list(routes.shape), "dtype": jnp.dtype(routes.dtype).name}
 
 
 def streaming(config) -> bool:

@@ -71,9 +71,9 @@ class Rollout:
                               token j: the decode step after it was drawn; -1 where it was
                               never fed: the last token). The trainer's forward over the same
                               row replays them column for column (rl/replay.py). None
-                              otherwise, and for an in-flight rollout restored from a
-                              checkpoint (`spec` cannot know P; the trainer then routes it
-                              on its own: rl/step.py).
+                              otherwise. An in-flight rollout travels with its routes
+                              through a checkpoint (rollout/source.py: the meta names their
+                              shape, which `spec` cannot know).
 
   `action_mask` (mask without the tool tokens) is what is trained.
   """
