@@ -245,10 +245,12 @@ def _shapes(op: Op) -> list[tuple[str, tuple]]:
 
 
 def grouped_matmuls(hlo: str) -> list[Op]:
-  """The grouped GEMMs `jax.lax.ragged_dot` became: a `ragged-dot` instruction left as is, or
-  the TPU compiler's kernel (a tpu_custom_call named ragged-dot-*, beside its
-  ragged-dot-metadata calls, which are not counted). XLA:GPU has no such kernel: it rewrites
-  ragged-dot into dense dots over every group (`dense_expert_dots` finds them)."""
+  """The experts' grouped GEMMs: what `jax.lax.ragged_dot` became, a `ragged-dot` instruction
+  left as is or the TPU compiler's kernel (a tpu_custom_call named ragged-dot-*, beside its
+  ragged-dot-metadata calls, which are not counted), or moe.py's GPU kernels
+  (models/decoder/grouped_matmul.py: Triton custom calls named grouped_matmul*, the forward's,
+  the input gradient's and the weight gradient's). XLA:GPU has no kernel for ragged-dot: it
+  rewrites it into dense dots over every group (`dense_expert_dots` finds them)."""
   return [
       o
       for ops in parse(hlo).values()
@@ -259,6 +261,7 @@ def grouped_matmuls(hlo: str) -> list[Op]:
           and o.name.startswith("ragged-dot")
           and not o.name.startswith("ragged-dot-metadata")
       )
+      or (o.opcode.endswith("xla.gpu.triton") and 'name = "grouped_matmul' in o.line)
   ]
 
 

@@ -1,24 +1,19 @@
 """What XLA builds for an MoE update: the loop's update (forward and backward, micro-batches
 accumulated) of a tiny Qwen3-MoE-shaped policy (configs/tiny_moe.py: 2 layers, every layer 12
 SwiGLU experts of width F = 96 over D = 128, top-2; bf16 compute) compiled through
-memory_plan's path for one H100 (XLA:GPU's deviceless compile) and for a v5p-8 (libtpu) with
-the experts split over the mesh's expert axis (4 ways; and 2 ways beside fsdp 2), read as
-optimized HLO (plan/hlo_inspect.py). Each target skips with one line when its compiler is not
+memory_plan's path for one H100 and four H100s with the experts split 4 ways over the mesh's
+expert axis (XLA:GPU's deviceless compile), and for a v5p-8 (libtpu) split 4 ways (and 2 ways
+beside fsdp 2), read as optimized HLO (plan/hlo_inspect.py). Each target skips with one line when its compiler is not
 importable (scripts/test_aot.sh installs both into .venv-aot).
 
-  (a) the experts run as grouped GEMMs (moe.py's ragged_dot): the TPU compiler's ragged-dot
-      kernels, 9 per layer (gate, up, down forward; each one's input and weight gradients)
+  (a) the experts run as grouped GEMMs, 9 per layer (gate, up, down forward; each one's input
+      and weight gradients): on the v5p the TPU compiler's ragged-dot kernels (moe.py's
+      ragged_dot), on the H100 moe.py's Pallas Triton kernels (grouped_matmul.py: XLA:GPU
+      (jax-cuda13-plugin 0.12.0.1) has no grouped GEMM for ragged-dot on CUDA; its
+      RaggedDotRewriter makes dense dots of every expert over every row)
   (b) no dense all-expert compute: no dot batched over experts spanning all routed rows
-  (c) on the v5p, expert parallelism's dispatch: the [ep, pairs, D] all-to-alls (sent and
+  (c) under expert parallelism, its dispatch: the [ep, pairs, D] all-to-alls (sent and
       returned, forward and backward) of moe.expert_parallel
-
-XLA:GPU (jax-cuda13-plugin 0.12.0.1) has no grouped GEMM for ragged-dot on CUDA (its
-RaggedDotRewriter makes dense dots of every expert over every row: [E, rows, F] products of a
-masked [E, rows, D] copy; its grouped-GEMM flag is hipBLASLt's), so (a) and (b) are expected
-to fail on the H100 (strict xfail: an XPASS fails the suite and flags the change). A fix in
-reach: JAX's Pallas Mosaic GPU grouped GEMM (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu,
-with transposed_ragged_dot_mgpu for the weight gradient) compiles deviceless for the H100 (a
-mosaic_gpu_v2 custom call); it is not wired into moe.py until a GPU can check its numerics.
 """
 
 import glob
@@ -36,10 +31,6 @@ E, K, D, F = 12, 2, 128, 96  # experts, experts per token, hidden, expert width
 LAYERS = 2
 MICRO = 64  # rows per micro-batch
 S = 13  # tokens per row: prompt 6 + completion 7
-GPU_DENSE = (
-    "XLA:GPU rewrites ragged-dot into dense per-expert dots (RaggedDotRewriter; no grouped GEMM "
-    "on CUDA in jax-cuda13-plugin 0.12.0.1)"
-)
 
 
 def moe_config(fsdp: int, expert: int):
@@ -64,8 +55,8 @@ class Update(dict):
 
 @pytest.fixture(
     scope="module",
-    params=[("h100", 1, 1), ("v5p-8", 1, 4), ("v5p-8", 2, 2)],
-    ids=["h100", "v5p-8-ep4", "v5p-8-fsdp2-ep2"],
+    params=[("h100", 1, 1), ("h100-4", 1, 4), ("v5p-8", 1, 4), ("v5p-8", 2, 2)],
+    ids=["h100", "h100x4-ep4", "v5p-8-ep4", "v5p-8-fsdp2-ep2"],
 )
 def update(request, tmp_path_factory):
   """-> Update: the MoE update compiled for the target."""
@@ -90,27 +81,20 @@ def update(request, tmp_path_factory):
   )
 
 
-def _xfail_on_gpu(update, request):
-  if update["platform"] == "gpu":
-    request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=GPU_DENSE))
-
-
 def _show(ops) -> str:
   return "; ".join(f"{o.opcode} {o.type} ({o.computation})" for o in ops[:6]) + (
       f" ... ({len(ops)} in all)" if len(ops) > 6 else ""
   )
 
 
-def test_experts_run_as_grouped_matmuls(update, request):
-  _xfail_on_gpu(update, request)
+def test_experts_run_as_grouped_matmuls(update):
   grouped = hi.grouped_matmuls(update["hlo"])
   assert len(grouped) >= 9 * LAYERS, f"{len(grouped)} grouped GEMMs: {_show(grouped)}"
 
 
-def test_no_dense_all_expert_compute(update, request):
+def test_no_dense_all_expert_compute(update):
   """No dot batched over experts that spans every routed pair of the device (its tokens * k,
   or under expert parallelism the ep * tokens * k rows its experts receive) at width F."""
-  _xfail_on_gpu(update, request)
   rows = update["mesh"]["expert"] * update["tokens"] * K
   assert E * max(D, F) < 2 * rows  # every weight below the bound (dense_expert_dots)
   dense = hi.dense_expert_dots(update["hlo"], rows, min(D, F))
@@ -118,8 +102,8 @@ def test_no_dense_all_expert_compute(update, request):
 
 
 def test_expert_parallel_dispatch_is_an_all_to_all(update):
-  """The v5p's experts split over `expert`: each layer's pairs [ep, tokens * k, D] all-to-all
-  to the experts' shards and back, forward and backward (4 per layer); one H100 has none."""
+  """The experts split over `expert`: each layer's pairs [ep, tokens * k, D] all-to-all to the
+  experts' shards and back, forward and backward (4 per layer); one H100 has none."""
   ep = update["mesh"]["expert"]
   pairs = [
       o

@@ -8,7 +8,8 @@ reads it from there, so a trace never consults module globals or thread-local st
 resolved where the model is built: `build_model` / `load_hf` / the policies from their mesh's
 platform (memory_plan builds its abstract policies on the target chip's devices, so a TPU plan
 traced on a CPU host gets TPU kernels), and again by the sampler, for its own mesh and its
-decode attention (rollout.Sampler: `ragged_decode`).
+decode attention (rollout.Sampler: `ragged_decode`). The MoE experts' grouped GEMM is chosen
+where they are traced, from the same platform (moe.grouped_matmul_for: a Triton kernel on GPU).
 """
 
 import dataclasses

@@ -10,12 +10,20 @@ over the E experts; each token takes its k most probable experts, gated by their
 to sum to 1 when `norm_topk_prob`. The gates are differentiable in the router's weights.
 
 Experts: the N*k (token, expert) pairs are sorted by expert so each expert's tokens are one
-contiguous group; `jax.lax.ragged_dot` runs every expert's gate, up and down projection as one
-grouped GEMM over those groups (no capacity, no dropped token, no [N, E] dispatch tensor); each
-pair's output is scaled by its gate and summed back onto its token. Padding tokens are routed
-like any other (dropless: they cannot crowd out a real token). What the compilers make of
-ragged_dot: TPU a grouped-GEMM kernel (tpu_custom_call "ragged-dot-*"); XLA:GPU (jaxlib 0.12)
-dense per-expert dots over every row (tests/plan/test_moe_programs.py).
+contiguous group; a grouped GEMM runs every expert's gate, up and down projection over those
+groups (no capacity, no dropped token, no [N, E] dispatch tensor); each pair's output is scaled
+by its gate and summed back onto its token. Padding tokens are routed like any other
+(dropless: they cannot crowd out a real token). Which grouped GEMM (`grouped_matmul_for`,
+decided once per trace from the devices the program is traced for):
+  TPU  jax.lax.ragged_dot: the TPU compiler's grouped-GEMM kernel (tpu_custom_call
+       "ragged-dot-*");
+  GPU  (bf16/f16 compute) grouped_matmul.gmm: Pallas Triton kernels for the product, its input
+       gradient and its weight gradient, since XLA:GPU (jaxlib 0.12) lowers ragged_dot to dense
+       dots of every expert over every row; in f32, ragged_dot (dense);
+  CPU  jax.lax.ragged_dot (XLA:CPU's).
+The H100's deviceless compile of the update holds the kernels and no dense all-expert dot
+(tests/plan/test_moe_programs.py); their values and gradients equal ragged_dot's in Pallas's
+interpreter (tests/models/test_grouped_matmul.py). Their speed on an H100 is unmeasured.
 
 Expert parallelism (`expert_parallel`; a mesh whose `expert` axis, ep > 1, divides E, found
 as the abstract mesh the program is traced under: sharding.traced_in, jax.set_mesh): the
@@ -66,7 +74,9 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from grpo_jax.models.decoder import grouped_matmul
 from grpo_jax.models.decoder.config import ModelConfig
+from grpo_jax.models.decoder.kernels import platform_name
 from grpo_jax.parallel import sharding
 
 # The experts' logical axes (the parameters' metadata below; expert_parallel's in_specs).
@@ -131,15 +141,17 @@ class MoE(nnx.Module):
 
   def experts(self, x_nd, experts_nk, gates_nk):
     """sum_j gates[n, j] * expert_{experts[n, j]}(x[n]), [N, D]: the (token, expert) pairs
-    sorted by expert, three grouped GEMMs (ragged_dot), the outputs gathered back per token.
+    sorted by expert, three grouped GEMMs (`grouped_matmul_for`), the outputs gathered back per
+    token.
     Under a mesh whose expert axis splits the experts: `expert_parallel` (the all-to-all
     dispatch); else on the whole batch, as GSPMD partitions it."""
     dt = x_nd.dtype
     weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
     mesh = jax.sharding.get_abstract_mesh()
+    matmul = grouped_matmul_for(mesh, dt)
     if uses_expert_parallel(mesh, self.num_experts):
-      return expert_parallel(mesh, x_nd, experts_nk, gates_nk, *weights)
-    return grouped_experts(x_nd, experts_nk, gates_nk, *weights)
+      return expert_parallel(mesh, x_nd, experts_nk, gates_nk, *weights, matmul=matmul)
+    return grouped_experts(x_nd, experts_nk, gates_nk, *weights, matmul=matmul)
 
   def __call__(self, x_btd):
     b, t, d = x_btd.shape
@@ -160,10 +172,27 @@ class MoE(nnx.Module):
     return y, own.reshape(b, t, -1)
 
 
-def grouped_experts(x_nd, experts_nk, gates_nk, gate_edf, up_edf, down_efd):
+def grouped_matmul_for(mesh, dtype):
+  """The grouped GEMM the experts run, decided once per trace from the devices the program is
+  traced for (the abstract mesh's, as `uses_expert_parallel` reads it: the trainer's
+  sharding.traced_in, memory_plan's target chips; else jax.default_backend()): on GPU in
+  bf16/f16, grouped_matmul.gmm (Pallas Triton kernels); elsewhere jax.lax.ragged_dot (TPU:
+  its grouped-GEMM kernel; CPU: XLA's). Both: (x [M, K], w [E, K, N], sizes [E]) -> [M, N].
+  (Read here, not from kernels.Kernels: Block hands its MLP no Kernels.)"""
+  device = mesh.abstract_device
+  platform = platform_name(device.platform if device is not None else jax.default_backend())
+  if grouped_matmul.supported(platform, dtype):
+    return grouped_matmul.gmm
+  return jax.lax.ragged_dot
+
+
+def grouped_experts(
+    x_nd, experts_nk, gates_nk, gate_edf, up_edf, down_efd, *, matmul=jax.lax.ragged_dot
+):
   """The experts of one device (all E of them, or one shard's under `expert_parallel`): the
-  N*k (token, expert) pairs sorted by expert, three ragged_dot GEMMs, each pair's output
-  gathered back to its token and weighted by its gate. -> [N, D] in x's dtype."""
+  N*k (token, expert) pairs sorted by expert, three grouped GEMMs (`matmul`:
+  `grouped_matmul_for`'s), each pair's output gathered back to its token and weighted by its
+  gate. -> [N, D] in x's dtype."""
   dt = x_nd.dtype
   n, d = x_nd.shape
   k = experts_nk.shape[1]
@@ -171,19 +200,19 @@ def grouped_experts(x_nd, experts_nk, gates_nk, gate_edf, up_edf, down_efd):
   order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
   sizes = jnp.bincount(flat, length=gate_edf.shape[0]).astype(jnp.int32)  # [E]
   xs = jnp.take(x_nd, order // k, axis=0)  # [N*k, D]
-  ys = _swiglu_experts(xs, gate_edf, up_edf, down_efd, sizes)  # [N*k, D]
+  ys = _swiglu_experts(xs, gate_edf, up_edf, down_efd, sizes, matmul)  # [N*k, D]
   back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]), unique_indices=True)
   y_nkd = jnp.take(ys, back, axis=0).reshape(n, k, d)
   return jnp.einsum("nkd,nk->nd", y_nkd, gates_nk.astype(dt))
 
 
-def _swiglu_experts(xs_md, gate_edf, up_edf, down_efd, sizes_e):
+def _swiglu_experts(xs_md, gate_edf, up_edf, down_efd, sizes_e, matmul):
   """down(silu(gate x) * up x) of rows grouped by expert (sizes_e rows each, in expert order;
-  rows past sum(sizes_e) come out 0): three grouped GEMMs. [M, D] -> [M, D]."""
-  g = jax.lax.ragged_dot(xs_md, gate_edf, sizes_e)
-  u = jax.lax.ragged_dot(xs_md, up_edf, sizes_e)
+  rows past sum(sizes_e) come out 0): three grouped GEMMs (`matmul`). [M, D] -> [M, D]."""
+  g = matmul(xs_md, gate_edf, sizes_e)
+  u = matmul(xs_md, up_edf, sizes_e)
   h = checkpoint_name(jax.nn.silu(g) * u, "mlp_hidden")  # [M, F]
-  return jax.lax.ragged_dot(h, down_efd, sizes_e)
+  return matmul(h, down_efd, sizes_e)
 
 
 # ---------------------------------------------------------------------- expert parallelism
@@ -204,13 +233,15 @@ def _axes(entry) -> tuple:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def expert_parallel(mesh, x_nd, experts_nk, gates_nk, gate_edf, up_edf, down_efd):
+def expert_parallel(
+    mesh, x_nd, experts_nk, gates_nk, gate_edf, up_edf, down_efd, *, matmul=jax.lax.ragged_dot
+):
   """`grouped_experts` with the experts split over the mesh's expert axis: a shard_map in which
   each device dispatches its own rows' (token, expert) pairs to the experts' shards with an
   all-to-all, runs its E / ep experts, and takes the outputs back with a second all-to-all
   (`_dispatch`). Rows shard over sharding.BATCH_AXES (N padded to a multiple of them with
   zero rows); the weights keep their parameter shardings (experts over expert, D over fsdp, F
-  over tensor). -> [N, D]."""
+  over tensor); `matmul`: the grouped GEMM (`grouped_matmul_for`). -> [N, D]."""
   n = x_nd.shape[0]
   pad = -n % math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
   if pad:  # rows that do not split (a few decode rows): replicated, padded with expert-0,
@@ -223,7 +254,9 @@ def expert_parallel(mesh, x_nd, experts_nk, gates_nk, gate_edf, up_edf, down_efd
   rows = PartitionSpec(sharding.BATCH_AXES, None)
   gate_spec = sharding.logical_to_spec(GATE_UP_AXES, gate_edf.shape, mesh)
   down_spec = sharding.logical_to_spec(DOWN_AXES, down_efd.shape, mesh)
-  local = functools.partial(_dispatch, embed_axes=_axes(gate_spec[1]), mlp_axes=_axes(gate_spec[2]))
+  local = functools.partial(
+      _dispatch, embed_axes=_axes(gate_spec[1]), mlp_axes=_axes(gate_spec[2]), matmul=matmul
+  )
   y_nd = jax.shard_map(
       local,
       mesh=mesh,
@@ -233,7 +266,9 @@ def expert_parallel(mesh, x_nd, experts_nk, gates_nk, gate_edf, up_edf, down_efd
   return y_nd[:n]
 
 
-def _dispatch(x_nd, experts_nk, gates_nk, gate_edf, up_edf, down_efd, *, embed_axes, mlp_axes):
+def _dispatch(
+    x_nd, experts_nk, gates_nk, gate_edf, up_edf, down_efd, *, embed_axes, mlp_axes, matmul
+):
   """One device's part of `expert_parallel` (inside the shard_map): its n rows, its E_loc = E /
   ep experts (D gathered over `embed_axes` here; F split over `mlp_axes`, summed at the end).
 
@@ -268,7 +303,7 @@ def _dispatch(x_nd, experts_nk, gates_nk, gate_edf, up_edf, down_efd, *, embed_a
   pos = _grouped_positions(got, m)  # [ep*m]
   inv = jnp.zeros_like(pos).at[pos].set(jnp.arange(ep * m, dtype=pos.dtype), unique_indices=True)
   xs = jnp.take(recv.reshape(ep * m, d), inv, axis=0)  # grouped by local expert, then zeros
-  ys = _swiglu_experts(xs, gate_edf, up_edf, down_efd, got.sum(0))  # [ep*m, D]
+  ys = _swiglu_experts(xs, gate_edf, up_edf, down_efd, got.sum(0), matmul)  # [ep*m, D]
   ret = jnp.take(ys, pos, axis=0).reshape(ep, m, d)
   back = jax.lax.all_to_all(ret, sharding.EXPERT, 0, 0, tiled=True)  # [ep, m, D]
   rank = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=order.dtype), unique_indices=True)
