@@ -52,7 +52,12 @@ CASES = {  # name: (M, K, N, sizes): sum(sizes) <= M
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+FAST = ("ragged", "all-empty")  # the rest slow: ~5 s each in the interpreter (the CI budget)
+
+
+@pytest.mark.parametrize(
+    "case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+)
 def test_gmm_and_its_gradients_equal_ragged_dot(case):
   m, k, n, sizes = CASES[case]
   x, w, sizes, dy = problem(m, k, n, sizes)
@@ -79,6 +84,7 @@ def test_random_group_sizes():
       np.testing.assert_allclose(g, r, **TOL)
 
 
+@pytest.mark.slow
 def test_bf16_accumulates_in_f32():
   """bf16 inputs (the GPU path's): the f32 product rounded once to bf16 (within an ulp), not
   partial sums rounded per block of K."""
