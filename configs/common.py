@@ -98,7 +98,8 @@ def base() -> ml_collections.ConfigDict:
   # True: the update and the old / reference log-prob passes run on packed rows (grpo_jax/rl/
   # packing.py): each [prompt; completion] sequence's real tokens only, several sequences per
   # row of P + C slots, attention within a sequence, the same loss and gradients as padded rows.
-  # The native decoder (and LoRA) with the masked XLA attention only, one process, so far.
+  # The native decoder (and LoRA), one process, so far; the fused attention takes the rows'
+  # segment ids (splash on TPU; Pallas Triton on GPU, without sliding windows or soft-caps).
   c.pack_sequences = False
   # Prompts are left-padded to this many tokens (longer ones: data.overlong_prompts).
   c.max_prompt_length = 256

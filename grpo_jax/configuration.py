@@ -788,11 +788,23 @@ def _check_packing(c: _Checker, cfg, num_processes: int):
     fused = cfg.model.attention_impl == "fused" or (
         cfg.model.attention_impl == "auto" and platform != "cpu"
     )
-    if fused:
+    # GPU's segment kernel (attention.triton_attention) has no window or soft-cap: such
+    # layers would run the masked attention, [S, S] scores the padded rows' cuDNN kernel avoids.
+    unbuilt = [
+        what
+        for what, on in (
+            ("sliding windows", cfg.model.sliding_window > 0),
+            ("soft-capped scores", cfg.model.attn_logit_softcap > 0),
+        )
+        if on
+    ]
+    # (auto leaves soft-capped models unfused on GPU: Kernels.resolve)
+    auto_capped = cfg.model.attention_impl == "auto" and cfg.model.attn_logit_softcap > 0
+    if fused and platform == "gpu" and unbuilt and not auto_capped:
       c.fail(
           "model.attention_impl",
-          f"pack_sequences needs the XLA attention on {platform} until the fused kernels take "
-          "segment ids",
+          f"pack_sequences on gpu: the fused segment kernel (Pallas Triton) has no "
+          f"{' or '.join(unbuilt)}",
           "--config.model.attention_impl=xla (or --config.pack_sequences=False)",
       )
   if why:

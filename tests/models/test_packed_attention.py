@@ -1,6 +1,8 @@
 """Packed rows through the decoder (models/logprobs.py: packed_logprobs): a sequence's log-probs
 are the padded forward's, attention never crosses a segment, Gemma's sliding windows count
-positions within the sequence, and the fused kernels refuse segments rather than mix them."""
+positions within the sequence; the fused kernels with segment ids (attention.segment_attention:
+TPU splash attention, GPU Pallas Triton, both in Pallas's interpreter here) equal the masked
+attention, forward and gradients."""
 
 import dataclasses
 
@@ -11,6 +13,7 @@ import pytest
 
 from grpo_jax.models import PRESETS
 from grpo_jax.models import build_model
+from grpo_jax.models.decoder import attention
 from grpo_jax.models.decoder.kernels import Kernels
 from grpo_jax.models.decoder.transformer import Transformer
 from grpo_jax.models.logprobs import completion_logprobs
@@ -87,9 +90,97 @@ def test_a_segment_never_sees_another():
   )
 
 
-def test_fused_attention_refuses_packed_rows():
-  cfg = dataclasses.replace(PRESETS["tiny-qwen3"], dtype="float32", param_dtype="float32")
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gemma3"])
+def test_fused_path_passes_segments(preset):
+  """The fused attention's path (Kernels.fused_attention; on CPU `segment_attention`'s masked
+  form) reads the packed rows' segment ids: its log-probs are the padded forward's (1e-6, f32).
+  Gemma 3 scanned: local and global layers in one scan (the window under lax.cond)."""
+  cfg = dataclasses.replace(
+      PRESETS[preset], dtype="float32", param_dtype="float32", scan_layers=preset != "tiny-qwen3"
+  )
+  padded_model = build_model(cfg, seed=0)
   model = Transformer(cfg, rngs=nnx.Rngs(0), kernels=Kernels("cpu", True, False))
-  ids = jnp.ones((2, 8), jnp.int32)
-  with pytest.raises(ValueError, match="segment ids"):
-    model.packed_hidden(ids, ids, jnp.zeros_like(ids))
+  nnx.update(model, nnx.state(padded_model))
+  upd, packed, c = _batch(cfg.vocab_size)
+  padded = jax.jit(completion_logprobs, static_argnums=3)(
+      padded_model, upd["input_ids"], upd["attention_mask"], c
+  )
+  got = jax.jit(packed_logprobs)(
+      model, packed["input_ids"], packed["segment_ids"], packed["positions"], packed["head_slots"]
+  )
+  got = packing.unpack(got, packed["sequences"]["slot"])
+  m = upd["completion_mask"] > 0
+  np.testing.assert_allclose(np.where(m, got, 0), np.where(m, padded, 0), rtol=1e-6, atol=1e-6)
+
+
+def _segments(b, t, seed):
+  """[b, t] packed rows' segment ids: ragged sequences (1 to t/2 slots, a 1-slot one among
+  them), ids unique per row but not 1..n (rl/packing.py's are), padding (0) at the row's end
+  (none in the last row)."""
+  rng = np.random.default_rng(seed)
+  seg = np.zeros((b, t), np.int32)
+  for r in range(b):
+    at, sid = 0, 3 * r + 1
+    while at < t - 4 or (r == b - 1 and at < t):
+      n = min(1 if at == 0 and r == 0 else int(rng.integers(1, t // 2)), t - at)
+      seg[r, at : at + n] = sid
+      at, sid = at + n, sid + 1
+  return jnp.asarray(seg)
+
+
+KERNEL_CASES = [  # (kernel, window, softcap)
+    ("splash", None, 0.0),
+    ("splash", 5, 0.0),
+    ("splash", 7, 3.0),
+    ("triton", None, 0.0),
+]
+
+
+@pytest.mark.parametrize("kernel,window,softcap", KERNEL_CASES)
+def test_segment_kernels_equal_the_masked_attention(kernel, window, softcap):
+  """TPU's splash attention and GPU's Triton flash attention with segment ids, in Pallas's
+  interpreter, against the masked attention on packed rows (`segment_mask`): outputs of real
+  tokens and the gradients of q, k, v (1e-5, f32), grouped-query heads (4 query, 2 kv), ragged
+  segments, padding at the rows' ends, T = 40 (the kernels pad it to 128), head_dim 64."""
+  b, t, h, g, kd = 3, 40, 4, 2, 64
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(b, t, h, kd)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(b, t, g, kd)), jnp.float32) for _ in range(2))
+  seg = _segments(b, t, seed=1)
+  assert (seg == 0).any() and len(np.unique(seg[0])) > 3
+  real = (seg > 0)[:, :, None, None]
+  w = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * real  # padding's outputs unread
+
+  def fused(q, k, v):
+    if kernel == "triton":
+      return attention.triton_attention(q, k, v, seg, interpret=True)
+    return attention.segment_attention(
+        q, k, v, seg, platform="tpu", window=window, softcap=softcap, interpret=True
+    )
+
+  def masked(q, k, v):
+    return attention.attention(q, k, v, attention.segment_mask(seg, window), softcap=softcap)
+
+  np.testing.assert_allclose(fused(q, k, v) * real, masked(q, k, v) * real, rtol=1e-5, atol=1e-5)
+  grads = [jax.grad(lambda *a: (f(*a) * w).sum(), argnums=(0, 1, 2)) for f in (fused, masked)]
+  for got, want in zip(grads[0](q, k, v), grads[1](q, k, v)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_segment_mask_is_the_packed_rows_mask():
+  """`segment_mask` by slots == Block.forward's masked form by positions (restarting at 0 in
+  each sequence) on contiguous segments: causal within a sequence, no padding, windows."""
+  seg = _segments(3, 24, seed=2)
+  starts = jnp.concatenate([jnp.ones((3, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  slots = jnp.arange(24)
+  first = jax.lax.cummax(jnp.where(starts, slots, 0), axis=1)
+  pos = slots - first
+  for window in (None, 3):
+    want = (
+        (seg[:, None, :] > 0)
+        & (seg[:, :, None] == seg[:, None, :])
+        & (slots[None, :] <= slots[:, None])
+    )
+    if window is not None:
+      want &= pos[:, :, None] - pos[:, None, :] < window
+    np.testing.assert_array_equal(attention.segment_mask(seg, window), want)

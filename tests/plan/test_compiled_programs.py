@@ -15,7 +15,9 @@ heads of 128), scanned and not. Per decode step of the sampler:
       layer's keys/values
 and (d) no [..., S, S] attention scores (f32, or bf16 as the GPU's forward keeps them) in the
 update, the log-prob pass (S = P + C) or the sampler's prefill (S = P) where the fused
-attention is on. Decode activations (MLP [rows, F] = 16 x 768, attention probabilities
+attention is on; and on packed rows (pack_sequences: the update and the log-prob pass, built
+here on fixed packed shapes) the fused kernel with segment ids, no [..., S, S] scores either.
+Decode activations (MLP [rows, F] = 16 x 768, attention probabilities
 [rows, Hkv, P + C, H / Hkv] = 16 x 2 x 144 x 2) stay under (a)'s weight size, and S = 144 / 96
 is no other dimension of the model.
 """
@@ -24,11 +26,16 @@ import glob
 import math
 import os
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from configs import qwen3_0p6b
 from grpo_jax.plan import hlo_inspect as hi
 from grpo_jax import memory_plan as mp
+from grpo_jax.models import build
+from grpo_jax.parallel import sharding
+from grpo_jax.rl import step as step_lib
 from grpo_jax.rollout import sampler as sampler_lib
 from grpo_jax.plan import tpu_targets
 
@@ -198,3 +205,78 @@ def test_gpu_decode_attention_reads_written_slots_only(programs):
         "dots over a layer's keys/values per decode step: "
         + _show([f"{o.type} <- {', '.join(o.operands)} ({o.computation})" for o in kv_dots])
     )
+
+
+# ----------------------------------------------------------------------------- packed rows
+
+PACKED_ROWS = 8  # packed rows of P + C slots (the plan's count, bucketed: abstract here)
+# The fused attention's custom call on packed rows (attention.segment_attention), forward and
+# backward kernels by name: Pallas's Triton flash attention with segment ids on GPU, splash
+# attention's segmented kernels on TPU.
+PACKED_KERNEL = {
+    "gpu": ("custom-call:__gpu$xla.gpu.triton", ("mha_forward",)),
+    "tpu": ("custom-call:tpu_custom_call", ("splash_mha_fwd_segmented",)),
+}
+PACKED_BACKWARD = {  # the update's kernels, by name
+    "gpu": ("mha_backward",),
+    "tpu": ("splash_mha_dq_segmented", "splash_mha_dkv_segmented"),
+}
+
+
+@pytest.fixture(scope="module", params=["h100", "v5p-8"])
+def packed_programs(request, tmp_path_factory):
+  """-> {"platform", "hlo": {"update", "logprobs"}}: the update and the old/reference log-prob
+  pass on packed rows (pack_sequences=True), compiled for the target. memory_plan plans padded
+  rows only, so the programs are the loop's own (rl/step.py's TrainFunctions) lowered here on
+  packed shapes: PACKED_ROWS rows of P + C slots, the LM head on all of them."""
+  target = _target(request.param)
+  cfg = small_qwen3(False)
+  cfg.pack_sequences = True
+  mesh = build.make_mesh(cfg, devices=target.devices)
+  policy = build.make_policy(cfg, mesh, abstract=True)
+  fns = step_lib.build(cfg, policy, mesh)
+  padded = mp._step_inputs(cfg, policy, fns, mesh)["batch"]
+  where = [jax.ShapeDtypeStruct((B * G,), jnp.int32)] * 2  # each sequence's row and offset
+  packed = jax.eval_shape(
+      lambda b, r, o: fns.pack(b, r, o, PACKED_ROWS, PACKED_ROWS), padded, *where
+  )
+  rows = sharding.batch_sharding(mesh, 2)
+  packed = {
+      k: (
+          mp._rows_abstract(v, mesh)
+          if k == "sequences"
+          else jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
+      )
+      for k, v in packed.items()
+  }
+  params = fns.abstract_state["params"]
+  lowered = dict(
+      update=fns.update.lower(fns.abstract_state, packed),
+      logprobs=fns.packed_logprobs.lower(
+          params, *(packed[k] for k in ("input_ids", "segment_ids", "positions", "head_slots"))
+      ),
+  )
+  platform = target.devices[0].platform
+  hlo = {k: tpu_targets.compile_program(v, platform, hlo=True)[1] for k, v in lowered.items()}
+  return dict(platform=platform, hlo=hlo)
+
+
+@pytest.mark.parametrize("program", ["update", "logprobs"])
+def test_packed_rows_run_the_fused_kernel(packed_programs, program):
+  """pack_sequences with attention_impl=auto: the fused kernel with segment ids (Triton on the
+  H100, splash on the v5p), no [..., S, S] scores (S = P + C), in the packed update and the
+  packed log-prob pass."""
+  hlo = packed_programs["hlo"][program]
+  s = P + C
+  scores = hi.square_arrays(hlo, s, dtypes=("f32", "bf16", "f16"))
+  if scores:
+    pytest.fail(
+        f"[..., {s}, {s}] score arrays in the packed {program}: "
+        + _show([f"{dt}{list(shape)} {name} ({comp})" for comp, name, dt, shape in scores])
+    )
+  target, names = PACKED_KERNEL[packed_programs["platform"]]
+  if program == "update":
+    names += PACKED_BACKWARD[packed_programs["platform"]]
+  calls = [o.line for ops in hi.parse(hlo).values() for o in ops if o.opcode == target]
+  for name in names:
+    assert any(name in line for line in calls), f"no {target} {name} in the packed {program}"

@@ -1,13 +1,17 @@
 """Attention for the decoder, by mode and kernel: `attention` (grouped-query, an explicit mask:
 the training forward's masked form), `cache_attention` (the decode step: the group's shared
 prompt and the row's cache), `causal_attention` (one fused kernel over real tokens: cuDNN on
-GPU, `splash_attention` on TPU, its XLA form on CPU), and the masks (`slot_mask`,
-`prefix_mask`): queries at absolute slots attend to keys at slots <= theirs (causal) that hold
+GPU, `splash_attention` on TPU, its XLA form on CPU), `segment_attention` (one fused kernel
+over packed rows, several sequences per row: `triton_attention` on GPU, `splash_attention`
+with segment ids on TPU, the masked form on CPU), and the masks (`slot_mask`, `prefix_mask`,
+`segment_mask`): queries at absolute slots attend to keys at slots <= theirs (causal) that hold
 real tokens (padding is never attended), within a sliding window where the layer has one.
 
 Which one runs is decided by `Block` (layers.py) from the model's `Kernels` (kernels.py); the
 GPU ragged decode kernel is decode_attention.py. Softmax in f32 everywhere.
 """
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +48,18 @@ def prefix_mask(p_valid_bp, q_pos_bt, window=None) -> jax.Array:
     dist = q_pos_bt.reshape(bp, b // bp, t)[..., None] - p_pos[:, None, None, :]
     allowed = allowed & (dist < window)
   return allowed
+
+
+def segment_mask(segments_bt, window=None) -> jax.Array:
+  """[B, T, T]: a packed row's self-attention mask by slot: a query attends to the earlier
+  slots (causal) of its own sequence, never to padding (segment 0), and with a `window` to
+  fewer than `window` slots before it. segments [B, T] (0 = padding, else the sequence's id,
+  unique in its row; each sequence a contiguous run of slots, so slot distance within a
+  sequence is position distance and the window counts positions of the sequence)."""
+  b, t = segments_bt.shape
+  slots = jnp.arange(t)
+  allowed = slot_mask(jnp.broadcast_to(slots, (b, t)), slots, segments_bt, window)
+  return allowed & (segments_bt[:, :, None] == segments_bt[:, None, :])
 
 
 def attention(q_bthk, k_bsgk, v_bsgk, allowed_bts, *, softcap: float = 0.0):
@@ -135,6 +151,97 @@ def causal_attention(
   )
 
 
+def segment_attention(
+    q_bthk,
+    k_btgk,
+    v_btgk,
+    segments_bt,
+    *,
+    platform: str,
+    window: int | None = None,
+    softcap: float = 0.0,
+    interpret: bool = False
+):
+  """Self-attention over packed rows (rl/packing.py: several sequences per row) as one fused
+  kernel: a token attends to the earlier tokens of its own sequence only (`segment_mask`'s
+  values, with no [.., T, T] score matrix in HBM). segments [B, T] int: 0 = padding (at the
+  row's end), else the sequence's id, unique in its row, each sequence a contiguous run of
+  slots (so causal in slots is causal in positions, and a `window` of slots is one of positions
+  within the sequence). `platform` (Kernels.platform) picks the kernel:
+    TPU: `splash_attention` with segment ids (windows and soft-caps in the kernel).
+    GPU: `triton_attention` (Pallas's Triton flash attention with segment ids) for bf16/f16
+      and a layer without window or soft-cap; such a layer (and f32) takes the masked form, as
+      the padded rows' f32 and soft-capped layers do (`causal_attention`).
+    CPU: the masked form (`segment_mask` + `attention`), what the tests check the kernels
+      against.
+  q [B, T, H, K], k, v [B, T, Hkv, K] -> [B, T, H, K]. `interpret`: the Pallas kernels in
+  Pallas's interpreter (the CPU tests)."""
+  if platform == "tpu":
+    return splash_attention(
+        q_bthk,
+        k_btgk,
+        v_btgk,
+        window=window,
+        softcap=softcap,
+        segment_ids=segments_bt,
+        interpret=interpret,
+    )
+  kernel = (
+      platform == "gpu"
+      and window is None
+      and not softcap
+      and q_bthk.dtype in (jnp.bfloat16, jnp.float16)
+  )
+  if kernel:
+    return triton_attention(q_bthk, k_btgk, v_btgk, segments_bt, interpret=interpret)
+  allowed = segment_mask(segments_bt, window)
+  return attention(q_bthk, k_btgk, v_btgk, allowed, softcap=softcap)
+
+
+def triton_attention(q_bthk, k_btgk, v_btgk, segments_bt, *, interpret: bool = False):
+  """`segment_attention` on GPU: Pallas's Triton flash attention with segment ids
+  (jax.experimental.pallas.ops.gpu.attention.mha: causal and segment masks in the kernel,
+  forward and backward kernels of its own), one call over all rows, under a shard_map that
+  keeps rows on (data, fsdp) and heads on tensor when a mesh is set. T is padded at the end to a
+  multiple of 128 (the kernel's block) with segment id 0, as the rows' own padding: a real query
+  never attends it. The kernel takes as many kv heads as query heads: grouped kv heads are
+  repeated (their gradients summed back by autodiff).
+
+  Why this kernel and not cuDNN's packed layout (jax._src.cudnn.fused_attention_stablehlo's
+  q_seqlen / q_offsets): cuDNN checks for Hopper on the *runtime* backend, so it cannot be traced
+  for a GPU from a CPU host (memory_plan's and the AOT tests' deviceless H100 compile); the Triton
+  kernel traces and compiles there (tests/plan/test_compiled_programs.py), and runs in Pallas's
+  interpreter on CPU, so its values and gradients are tested against the masked form. Its limits:
+  no sliding window and no soft-cap (`segment_attention` keeps the masked form for such layers;
+  configuration refuses packed rows for such a GPU model under the fused attention), head_dim
+  padded to a power of two. Its speed against cuDNN's is unmeasured (no GPU here). JAX marks the
+  module deprecated in favour of tokamax (not a dependency): its warning is silenced here.
+  `interpret`: Pallas's interpreter (the CPU tests)."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas.ops.gpu import attention as triton_mha
+
+  b, t, h, kd = q_bthk.shape
+  rep = h // k_btgk.shape[2]
+  tp = -(-t // 128) * 128
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))  # noqa
+  q = pad(q_bthk)
+  k, v = (pad(jnp.repeat(x, rep, axis=2) if rep > 1 else x) for x in (k_btgk, v_btgk))
+
+  def local(q, k, v, seg):  # [b, T, h, K], seg [b, T]: this shard's rows and heads
+    return triton_mha.mha(q, k, v, seg, sm_scale=kd**-0.5, causal=True, interpret=interpret)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and set(sharding.MESH_AXES) <= set(mesh.axis_names):
+    qs = sharding.logical_to_spec(("batch", "length", "q_heads", "head_dim"), q.shape, mesh)
+    qs = jax.sharding.PartitionSpec(qs[0], None, qs[2], None)
+    ss = jax.sharding.PartitionSpec(qs[0], None)
+    local = jax.shard_map(
+        local, mesh=mesh, in_specs=(qs, qs, qs, ss), out_specs=qs, check_vma=False
+    )
+  return local(q, k, v, pad(segments_bt))[:, :t]
+
+
 def splash_attention(
     q_bthk,
     k_btgk,
@@ -142,13 +249,16 @@ def splash_attention(
     *,
     interpret: bool = False,
     window: int | None = None,
-    softcap: float = 0.0
+    softcap: float = 0.0,
+    segment_ids=None
 ):
   """`causal_attention` on TPU: the Pallas splash-attention kernel (flash attention tiled for
   the TPU's VMEM, grouped-query heads read in place), one kernel call per row, under a
   shard_map that keeps rows on (data, fsdp) and heads on tensor when a mesh is set. T is padded
   at the end to a multiple of 128 (causal: the padding is never attended by a real query).
-  `interpret`: Pallas's interpreter (the CPU tests)."""
+  `segment_ids` [B, T] (packed rows: `segment_attention`): the kernel's segment mask too (a
+  query attends to keys of its own segment only); the padding to 128 gets segment 0, the rows'
+  own padding's id. `interpret`: Pallas's interpreter (the CPU tests)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -158,7 +268,7 @@ def splash_attention(
   pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, 0))).swapaxes(1, 2)  # noqa
   q, k, v = pad(q_bthk * jnp.asarray(kd**-0.5, q_bthk.dtype)), pad(k_btgk), pad(v_btgk)
 
-  def local(q, k, v):  # [b, h, T, K] this shard's rows and heads
+  def local(q, k, v, *seg):  # [b, h, T, K] this shard's rows and heads; seg: [b, T] or none
     one = (
         sm.CausalMask((tp, tp))
         if window is None
@@ -183,8 +293,15 @@ def splash_attention(
         interpret=interpret,
         attn_logits_soft_cap=softcap or None,
     )
-    return jax.vmap(kernel)(q, k, v)
+    if not seg:
+      return jax.vmap(kernel)(q, k, v)
+    return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=sk.SegmentIds(q=s, kv=s)))(
+        q, k, v, seg[0]
+    )
 
+  args = (q, k, v)
+  if segment_ids is not None:
+    args += (jnp.pad(segment_ids, ((0, 0), (0, tp - t))),)
   mesh = jax.sharding.get_abstract_mesh()
   if not mesh.empty and set(sharding.MESH_AXES) <= set(mesh.axis_names):
     names = ("batch", "q_heads", "length", "head_dim")
@@ -192,5 +309,6 @@ def splash_attention(
     ks = sharding.logical_to_spec(("batch", "kv_heads", "length", "head_dim"), k.shape, mesh)
     if qs[1] != ks[1]:  # heads split differently (Hkv not divisible): replicate heads
       qs, ks = (jax.sharding.PartitionSpec(p[0], None, None, None) for p in (qs, ks))
-    local = jax.shard_map(local, mesh=mesh, in_specs=(qs, ks, ks), out_specs=qs, check_vma=False)
-  return local(q, k, v).swapaxes(1, 2)[:, :t]
+    specs = (qs, ks, ks) + ((jax.sharding.PartitionSpec(qs[0], qs[2]),) if len(args) > 3 else ())
+    local = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=qs, check_vma=False)
+  return local(*args).swapaxes(1, 2)[:, :t]

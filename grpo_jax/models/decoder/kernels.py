@@ -32,8 +32,10 @@ class Kernels:
     platform: "cpu", "gpu" or "tpu": the backend the traced program runs on.
     fused_attention: the training forward and the prefill move each row's real tokens first
       (transformer.compaction) and run one causal kernel (`attention.causal_attention`: cuDNN
-      flash attention on GPU, Pallas splash attention on TPU, XLA's form on CPU); else the
-      masked einsum attention.
+      flash attention on GPU, Pallas splash attention on TPU, XLA's form on CPU), and packed
+      rows run one kernel that reads their segment ids (`attention.segment_attention`: Pallas's
+      Triton flash attention on GPU, splash on TPU, the masked form on CPU); else the masked
+      einsum attention.
     fuse_gate_up: gate and up as one [D, 2F] GEMM, forward and backward (`layers.swiglu`).
       An XLA:CPU tuning: one wide GEMM beats two narrow ones there; on TPU/GPU the weights are
       sharded over F (the mlp axis), a concatenation would reshard them, and their compilers

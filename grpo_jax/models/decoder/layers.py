@@ -38,6 +38,7 @@ from grpo_jax.models.decoder.attention import attention
 from grpo_jax.models.decoder.attention import cache_attention
 from grpo_jax.models.decoder.attention import causal_attention
 from grpo_jax.models.decoder.attention import prefix_mask
+from grpo_jax.models.decoder.attention import segment_attention
 from grpo_jax.models.decoder.attention import slot_mask
 from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.models.decoder.kernels import Kernels
@@ -271,17 +272,27 @@ class Block(nnx.Module):
       self.post_mlp_norm = norm(cfg, cfg.hidden_size, rngs)
 
   def forward(
-      self, x_btd, positions_bt, segments_bt, kernels: Kernels, local=False, routes_btk=None
+      self,
+      x_btd,
+      positions_bt,
+      segments_bt,
+      kernels: Kernels,
+      local=False,
+      routes_btk=None,
+      *,
+      packed: bool = False,
   ):
     """The training forward and the prefill: the T tokens of each row attend among themselves.
 
     x [B, T, D]; positions [B, T] (RoPE; the real tokens of its sequence before each);
     segments [B, T] int: 0 = padding, else the token's sequence within the row (a padded row:
     its attention mask, one sequence; a packed row, rl/packing.py: its segment ids); a token
-    attends only to the earlier tokens of its own sequence. With `kernels.fused_attention` the
-    caller has moved each row's real tokens first (transformer.compaction) and one fused causal
-    kernel runs (`causal_attention`; one sequence per row, `segments` not read); else the masked
-    attention, where slot j is the row's index j. `local`: a sliding-window layer (a bool, or a traced one under the
+    attends only to the earlier tokens of its own sequence. With `kernels.fused_attention` one
+    fused kernel runs: for padded rows (not `packed`) the caller has moved each row's real
+    tokens first (transformer.compaction) and the kernel is causal (`causal_attention`;
+    `segments` not read); for `packed` rows (static: Transformer.packed_hidden) the kernel
+    reads the segment ids (`segment_attention`). Else the masked attention, where slot j is
+    the row's index j. `local`: a sliding-window layer (a bool, or a traced one under the
     layer scan). `routes_btk` [B, T, k]: an MoE layer's replayed experts (routing replay,
     moe.py; -1 = the token's own top-k). -> (x, k, v, own): k, v [B, T, Hkv, K] are the tokens'
     keys/values (the prefill's cache entries); own [B, T, k] an MoE layer's own top-k experts
@@ -292,6 +303,16 @@ class Block(nnx.Module):
     if kernels.fused_attention:
 
       def fused(w):
+        if packed:
+          return segment_attention(
+              q,
+              k,
+              v,
+              segments_bt,
+              platform=kernels.platform,
+              window=w,
+              softcap=cfg.attn_logit_softcap,
+          )
         return causal_attention(
             q, k, v, platform=kernels.platform, window=w, softcap=cfg.attn_logit_softcap
         )

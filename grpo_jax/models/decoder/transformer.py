@@ -162,9 +162,9 @@ class Transformer(nnx.Module):
       ys.append(ys_l)
     return x, jax.tree.map(lambda *per_layer: per_layer, *ys)
 
-  def _forward_layers(self, x, positions, segments, routes=None):
+  def _forward_layers(self, x, positions, segments, routes=None, *, packed: bool = False):
     """All layers' `Block.forward` (segments: 0 = padding, else the token's sequence in its
-    row). routes [B, T, L_moe, k] (int, -1 = own top-k): the MoE layers' replayed experts
+    row; `packed`: several sequences per row, the fused attention reads the segments). routes [B, T, L_moe, k] (int, -1 = own top-k): the MoE layers' replayed experts
     (routing replay, moe.py), L_moe the MoE layers in order; None: each layer its own. ->
     (x, ks, vs, own): each layer's keys/values [B, T, Hkv, K]; own [B, T, L_moe, k] int32, the
     MoE layers' own top-k experts (None for a dense model)."""
@@ -172,7 +172,9 @@ class Transformer(nnx.Module):
 
     def step(block, x, xs_l, local):
       r = xs_l[0] if xs_l else None
-      x, k, v, own = block.forward(x, positions, segments, kernels, local, routes_btk=r)
+      x, k, v, own = block.forward(
+          x, positions, segments, kernels, local, routes_btk=r, packed=packed
+      )
       return x, (k, v, _no_routes(x) if own is None else own)
 
     moe = self.cfg.moe_layers
@@ -226,20 +228,18 @@ class Transformer(nnx.Module):
   def packed_hidden(self, input_ids, segment_ids, positions):
     """Final-norm hidden states [R, L, D] of packed rows (rl/packing.py): several sequences per
     row, segment_ids [R, L] (0 = padding, else the sequence's id, unique in its row), positions
-    [R, L] restarting at 0 in each sequence. A token attends only to its own sequence. The
-    masked attention only, for now: the fused kernels take one sequence per row."""
+    [R, L] restarting at 0 in each sequence. A token attends only to its own sequence: with
+    the fused attention one kernel that reads the segment ids (`attention.segment_attention`:
+    splash attention on TPU, Pallas's Triton kernel on GPU), else the masked attention."""
     return self.packed_hidden_routed(input_ids, segment_ids, positions)[0]
 
   def packed_hidden_routed(self, input_ids, segment_ids, positions, routes=None):
     """`packed_hidden` with routing replay (as `hidden_routed`): routes [R, L, L_moe, k] (int;
     -1 = the token's own top-k), slot for slot with input_ids (rl/packing.py gathers them with
     their tokens). -> (hidden [R, L, D], own [R, L, L_moe, k] int32; None for a dense model)."""
-    if self.kernels.fused_attention:
-      raise ValueError(
-          f"packed rows need the masked XLA attention on {self.kernels.platform} until its "
-          "fused kernel takes segment ids: set model.attention_impl=xla (or pack_sequences=False)"
-      )
-    x, _, _, own = self._forward_layers(self._embed(input_ids), positions, segment_ids, routes)
+    x, _, _, own = self._forward_layers(
+        self._embed(input_ids), positions, segment_ids, routes, packed=True
+    )
     return self.final_norm(x), own
 
   def __call__(self, input_ids, attention_mask=None):
