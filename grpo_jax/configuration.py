@@ -785,11 +785,9 @@ def _check_packing(c: _Checker, cfg, num_processes: int):
     why = f"the packing plan is made on one host so far; this run has {num_processes} processes"
   else:
     platform = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend()
-    fused = cfg.model.attention_impl == "fused" or (
-        cfg.model.attention_impl == "auto" and platform != "cpu"
-    )
     # GPU's segment kernel (attention.triton_attention) has no window or soft-cap: such
-    # layers would run the masked attention, [S, S] scores the padded rows' cuDNN kernel avoids.
+    # layers run the masked attention, [S, S] scores the padded rows' cuDNN kernel avoids.
+    # attention_impl=auto takes that (the best there is); fused (the kernel asked for) is refused.
     unbuilt = [
         what
         for what, on in (
@@ -798,9 +796,7 @@ def _check_packing(c: _Checker, cfg, num_processes: int):
         )
         if on
     ]
-    # (auto leaves soft-capped models unfused on GPU: Kernels.resolve)
-    auto_capped = cfg.model.attention_impl == "auto" and cfg.model.attn_logit_softcap > 0
-    if fused and platform == "gpu" and unbuilt and not auto_capped:
+    if cfg.model.attention_impl == "fused" and platform == "gpu" and unbuilt:
       c.fail(
           "model.attention_impl",
           f"pack_sequences on gpu: the fused segment kernel (Pallas Triton) has no "

@@ -474,6 +474,9 @@ def test_packing_is_refused_where_it_is_not_built(monkeypatch):
   fused = {"model.attention_impl": "fused"}
   errors = configuration.validate(tiny_config(pack_sequences=True, **fused), num_devices=8)
   assert not any(e.startswith("model.attention_impl=") for e in errors), errors
+  auto = {"model.attention_impl": "auto", "model.sliding_window": 4}  # windows: masked there
+  errors = configuration.validate(tiny_config(pack_sequences=True, **auto), num_devices=8)
+  assert not any(e.startswith("model.attention_impl=") for e in errors), errors
   errors = configuration.validate(tiny_config(pack_sequences=True), num_devices=8, num_processes=2)
   assert any(e.startswith("pack_sequences=") and "2 processes" in e for e in errors), errors
 
