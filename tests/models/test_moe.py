@@ -549,3 +549,40 @@ def test_expert_parallel_sampling_equals_one_device():
     np.testing.assert_array_equal(np.asarray(r.mask), np.asarray(want.mask))
     np.testing.assert_allclose(np.asarray(r.raw_logprobs), np.asarray(want.raw_logprobs), atol=1e-5)
   np.testing.assert_array_equal(np.asarray(got.routes), np.asarray(want.routes))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param((4, 2, 1, 1), id="data4-fsdp2"),
+        pytest.param((1, 8, 1, 1), id="fsdp8", marks=pytest.mark.slow),
+    ],
+)
+def test_kernel_on_a_mesh_without_expert_axis_runs_each_devices_rows(shape, monkeypatch):
+  """A grouped-GEMM custom call (the GPU kernel) is not partitioned by GSPMD: on a mesh of
+  several devices with one expert shard, moe runs it in expert_parallel's shard_map (each
+  device its own rows, the weights gathered over fsdp) == one device, values and gradients.
+  (Here a stand-in for the kernel that XLA:CPU runs: ragged_dot behind another function.)"""
+  from grpo_jax.models.decoder import moe as moe_lib
+
+  calls = []
+
+  def kernel(x, w, sizes):
+    calls.append(x.shape)
+    return jax.lax.ragged_dot(x, w, sizes)
+
+  monkeypatch.setattr(moe_lib, "grouped_matmul_for", lambda mesh, dtype: kernel)
+  mesh = ep_mesh(shape)
+  cfg = PRESETS["tiny-qwen3-moe"]
+  moe = MoE(cfg, rngs=nnx.Rngs(3))
+  x = jax.random.normal(jax.random.key(4), (8, 6, cfg.hidden_size))
+  routes = jnp.full((8, 6, cfg.num_experts_per_tok), -1, jnp.int8)
+  want = moe_value_and_grads(moe, x, routes)
+  calls.clear()
+  got = moe_value_and_grads(moe, x, routes, mesh)
+  rows_per_device = 8 * 6 * cfg.num_experts_per_tok // (shape[0] * shape[1])
+  assert calls and all(c[0] == rows_per_device for c in calls), calls  # each device its rows
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=1e-5)
+  for g, w in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)

@@ -144,12 +144,16 @@ class MoE(nnx.Module):
     sorted by expert, three grouped GEMMs (`grouped_matmul_for`), the outputs gathered back per
     token.
     Under a mesh whose expert axis splits the experts: `expert_parallel` (the all-to-all
-    dispatch); else on the whole batch, as GSPMD partitions it."""
+    dispatch). So too with the GPU kernel on a mesh of several devices (one expert shard): a
+    custom call is not partitioned by GSPMD (its operands would be replicated: every device
+    all rows), so each device runs its own rows in the shard_map, the weights gathered over
+    fsdp there as FSDP gathers them. Else on the whole batch, as GSPMD partitions it."""
     dt = x_nd.dtype
     weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
     mesh = jax.sharding.get_abstract_mesh()
     matmul = grouped_matmul_for(mesh, dt)
-    if uses_expert_parallel(mesh, self.num_experts):
+    kernel_on_mesh = matmul is not jax.lax.ragged_dot and _grpo_mesh(mesh) and mesh.size > 1
+    if uses_expert_parallel(mesh, self.num_experts) or kernel_on_mesh:
       return expert_parallel(mesh, x_nd, experts_nk, gates_nk, *weights, matmul=matmul)
     return grouped_experts(x_nd, experts_nk, gates_nk, *weights, matmul=matmul)
 
@@ -222,10 +226,15 @@ def uses_expert_parallel(mesh, num_experts: int) -> bool:
   """Whether a trace under `mesh` (the abstract mesh, jax.sharding.get_abstract_mesh()) runs
   `expert_parallel`: the mesh has grpo_jax's axes and an expert axis > 1 that divides the
   experts (otherwise sharding.logical_to_spec leaves the experts unsplit)."""
-  if mesh.empty or not set(sharding.MESH_AXES) <= set(mesh.axis_names):
+  if not _grpo_mesh(mesh):
     return False
   ep = mesh.shape[sharding.EXPERT]
   return ep > 1 and num_experts % ep == 0
+
+
+def _grpo_mesh(mesh) -> bool:
+  """A mesh with grpo_jax's axes (sharding.MESH_AXES), as the trainer and sampler trace under."""
+  return not mesh.empty and set(sharding.MESH_AXES) <= set(mesh.axis_names)
 
 
 def _axes(entry) -> tuple:
