@@ -98,6 +98,7 @@ class _Drawn:
   scored: tuple | None = None  # (prompt, rollout, host) once scored ahead (while_updating)
   step: int = -1  # streaming: the step it was queued for (rollout None until taken)
   versions: jax.Array | None = None  # streaming: each token's weight version [N, C]
+  groups: np.ndarray | None = None  # partial rollouts: the batch's (step queued, index) [B, 2]
   timing: dict = dataclasses.field(default_factory=lambda: {"rollout": 0.0, "rewards": 0.0})
 
 
@@ -134,6 +135,8 @@ class RolloutSource:
     self._version = 0  # updates applied to the weights the sampler reads
     self._first_step = 0
     self.stream = engine.stream() if streaming(config) else None
+    self.partial = self.stream is not None and config.rollout.partial_rollout
+    self._indices = {}  # partial rollouts: step -> its prompts' train rows [B], while in flight
     # Rows with tool turns: rewards see them turn by turn (Scorer's tool_nc).
     self.tools = bool(config.rollout.tools.names.strip())
     if self.stream is not None:
@@ -216,6 +219,9 @@ class RolloutSource:
     if self.stream is not None:
       figures.update(token_staleness(step, host["versions"], host["action_mask"]))
       figures.update(self.stream.stats())
+    if self.partial:  # groups queued for an earlier step / a later one
+      figures["rollout/carried_groups"] = int(np.sum(drawn.groups[:, 0] < step))
+      figures["rollout/early_groups"] = int(np.sum(drawn.groups[:, 0] > step))
     return Scored(
         prompt=prompt,
         rollout=rollout,
@@ -378,6 +384,7 @@ class RolloutSource:
       key = step_key(self.rng, step, self.sampler_mesh) if key is None else key
       if self.stream is not None:  # queued: decoded by _score's wait (and the next steps')
         self.stream.enqueue(step, prompt, key)
+        self._indices[step] = batch["indices"]
         rollout = None
       else:
         rollout = self.engine.generate(params, batch, key, self.generation)
@@ -418,7 +425,9 @@ class RolloutSource:
     rollout, host rows: tokens, mask, truncated, rewards (f32, + DAPO's overlong penalty),
     per_function, errors)."""
     with profiling.phase("rollout") as span:  # this process's rows, on the host (one transfer)
-      if drawn.rollout is None:  # streaming: decode until its rows are done
+      if drawn.rollout is None and self.partial:  # the first groups to finish
+        self._take_first(drawn)
+      elif drawn.rollout is None:  # streaming: decode until its rows are done
         drawn.rollout, drawn.versions = self.stream.wait(drawn.step)
       tokens_nc, mask_nc, truncated_n, tool_nc = multihost.local_rows(
           (
@@ -449,6 +458,17 @@ class RolloutSource:
             versions=versions_nc,
         ),
     )
+
+  def _take_first(self, drawn: _Drawn):
+    """Partial rollouts: `drawn`'s step takes the first B groups to finish (stream.wait_first:
+    its own, later steps', carried ones; every group queued k or more steps before it); its
+    batch becomes theirs, each group with its own prompt's train row (answers for the
+    rewards)."""
+    out = self.stream.wait_first(drawn.step, due=drawn.step - self.depth)
+    drawn.rollout, drawn.versions, drawn.groups = out
+    drawn.batch, drawn.prompt = self.prompts.of([self._indices[t][i] for t, i in drawn.groups])
+    live = set(self.stream.in_flight())
+    self._indices = {t: rows for t, rows in self._indices.items() if t in live}
 
 
 class Scorer:
