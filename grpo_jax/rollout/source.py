@@ -24,8 +24,20 @@ The loop asks it for "the next scored batch" and does not care how it was made:
   than k updates old. Disaggregated, the next step's rows are finished while the trainer
   updates (`while_updating`); colocated, the device takes turns. Logged: rollout/staleness
   (step - the oldest version in the batch), rollout/staleness_token_mean and _max (step - each
-  completion token's version), rollout/slots_busy. partial_rollout=True (rows carried into a
-  later step) is not built: a step waits for all its rows.
+  completion token's version), rollout/slots_busy. A step waits for all its rows.
+- partial rollouts (streaming with rollout.partial_rollout; APRIL / slime / Kimi k1.5): the
+  batch of step t is the first B whole groups to finish among all groups in flight (step t's,
+  the queued later steps', those carried from earlier steps), by decode chunk, the oldest
+  queued first among those of one chunk (streaming.first_finished; the engine's first
+  process's choice, sent to every process). A group still running keeps its slots and trains
+  in the first step after it finishes, but no later than step u + k for a group queued for
+  step u: that step waits for it. A group's tokens come from weights >= u - k (queued at step
+  u - k at the earliest), so token staleness <= 2k (k without partial rollouts). Each group
+  carries its prompt's train row (`NextPrompts.of`): rewards read its own answers whatever
+  step trains it; groups are never split (advantages are per group). Logged besides:
+  rollout/carried_groups (groups of the batch queued for an earlier step) and
+  rollout/early_groups (for a later one). The trade: no step waits for its longest row, but
+  each batch leans to short completions (a long row trains later, with older tokens).
 - DAPO dynamic sampling's extra rounds (loss.dynamic_sampling) happen inside: on fresh prompts,
   from the current weights, until the step holds batch_size groups with signal (not with
   streaming).
@@ -46,6 +58,10 @@ empty at those and a resumed run equals one never stopped. At a checkpoint it ca
 position before the first of them, and the resumed run draws them again from there with the
 restored weights (same prompts and keys; the tokens match the uninterrupted run's only where
 the weights that drew them would match, so from that checkpoint on the runs may differ).
+Partial rollouts keep this: with no step queued past a foreseen checkpoint, the step before it
+finds exactly B groups left and waits for them all (no carry), so the engine is empty there;
+at an unforeseen one the carried groups of steps already trained are dropped too (their
+prompts are not drawn again).
 
 Multi-host: each process scores its own rows of the batch (multihost.local_rows).
 """
