@@ -4,6 +4,7 @@ long-tailed batch built from GSM8K's real lengths: finished completion tokens pe
     python benchmarks/slot_engine.py            # ~2-4 min on 2 CPU cores
     python benchmarks/slot_engine.py --quick    # < 60 s (the test)
     python benchmarks/slot_engine.py --json=out.json
+    python benchmarks/slot_engine.py --loop_k=1   # + the loop's queueing, partial rollouts on/off
 
 Lengths: benchmarks/packed_update.py's (issue 42's): a prompt is a GSM8K train question rendered
 as configs/qwen3_8b.py renders it, in Qwen tokens; a completion is 1.5 x the Qwen tokens of a
@@ -29,6 +30,13 @@ Printed: tokens/s, ratios vs lockstep (one run), lockstep's fill (useful / issue
 and the slots' busy fraction (live slots / slots, per decode step). Streaming is also given
 "while queued": tokens drawn per second until the queue ran dry, before the last rows drain
 (the loop's steady state, where new steps keep arriving; the whole run includes one drain).
+
+--loop_k=k adds the loop's own queueing (rollout/source.py, rollout.max_staleness = k, no
+update between steps: rollout only): at step t the batches up to t + k are queued and the step
+waits for its batch, slots = B x G. "loop" waits for step t's own rows (streaming);
+"loop, partial" takes the first B groups to finish (rollout.partial_rollout: streaming.Stream's
+wait_first, groups due k steps after their own step). Both decode the same rows; the figure is
+useful tokens per second over the run (the last step drains either way).
 """
 
 import argparse
@@ -50,6 +58,7 @@ from configs import qwen3_8b  # noqa: E402
 from grpo_jax.models import PRESETS  # noqa: E402
 from grpo_jax.models import build_model  # noqa: E402
 from grpo_jax.rollout import Sampler  # noqa: E402
+from grpo_jax.rollout import streaming as streaming_lib  # noqa: E402
 from grpo_jax.rollout.slots import SlotEngine  # noqa: E402
 
 WORKLOADS = {
@@ -110,6 +119,32 @@ def run_slots(engine, state, batches, key, streaming: bool):
   return out
 
 
+def run_loop(engine, state, batches, key, k: int, partial: bool):
+  """The loop's queueing, rollout only: at step t the batches up to t + k are queued (as
+  RolloutSource._queue_ahead), then step t's batch is waited for: its own rows, or (partial)
+  the first B groups to finish."""
+  stream = streaming_lib.Stream(engine, lambda p: p)
+  stream.reset(GENERATION, rows_per_step=batches[0][0].completion_n.size)
+  stream.set_weights(state, version=0)
+  out, queued, carried = [], 0, 0
+  for t in range(len(batches)):
+    while queued < len(batches) and queued <= t + k:
+      bt, ids, mask = batches[queued]
+      stream.enqueue(
+          queued, {"ids": ids, "mask": mask}, jax.random.fold_in(key, queued), caps=bt.completion_n
+      )
+      queued += 1
+    if partial:
+      rollout, _, groups = stream.wait_first(t, due=t - k)
+      carried += int(np.sum(groups[:, 0] < t))
+    else:
+      rollout, _ = stream.wait(t)
+    out.append(rollout)
+  jax.block_until_ready(out)
+  run_loop.carried = carried
+  return out
+
+
 def uniform(graphdef, state, batches, samplers, kw, key) -> dict:
   """On-policy on a batch whose rows all have the same length (the batches' largest maximum,
   so the lockstep sampler compiled for it serves): slots = rows, no refill to gain."""
@@ -145,6 +180,12 @@ def main(argv=None):
       type=int,
       default=64,
       help="rollout.slot_chunk: most decode steps between admissions",
+  )
+  ap.add_argument(
+      "--loop_k",
+      type=int,
+      default=0,
+      help="> 0: also the loop's queueing k steps ahead, partial rollouts off and on",
   )
   ap.add_argument("--json", default="")
   args = ap.parse_args(argv)
@@ -190,6 +231,12 @@ def main(argv=None):
   runs = {"lockstep": lambda: run_lockstep(samplers, state, batches, key)}
   for name, (engine, streaming) in engines.items():
     runs[name] = lambda e=engine, s=streaming: run_slots(e, state, batches, key, s)
+  k = args.loop_k
+  if k:  # (output rows for 2k + 1 steps: partial rollouts' carried groups)
+    for name, partial in ((f"loop k={k}", False), (f"loop k={k}, partial", True)):
+      engine = SlotEngine(graphdef, slots=n, steps_in_flight=2 * k + 1, **kw)
+      engines[name] = (engine, None)
+      runs[name] = lambda e=engine, p=partial: run_loop(e, state, batches, key, k, p)
   for name, run in runs.items():  # warm-up: every program compiled
     got = run()
     want = issued if name == "lockstep" else useful  # lockstep: every row to the batch's max
@@ -205,6 +252,8 @@ def main(argv=None):
       if engines[name][1]:
         tokens, at = run_slots.steady
         entry["steady_tokens_per_sec"] = tokens / at
+      if name.endswith("partial"):
+        entry["carried_groups"] = run_loop.carried
       entry["slots"] = e.num_slots
     results["modes"][name] = entry
   base = results["modes"]["lockstep"]["tokens_per_sec"]
@@ -217,6 +266,8 @@ def main(argv=None):
         if name == "lockstep"
         else f"{entry['slots']} slots, busy {entry['busy']:.3f}, {entry['steps']} decode steps"
     )
+    if "carried_groups" in entry:
+      extra += f", {entry['carried_groups']} groups carried"
     print(
         f"  {name:<18} {entry['tokens_per_sec']:>9.0f} tok/s  {entry['sec']:6.2f} s  "
         f"x{entry['vs_lockstep']:.2f}  ({extra})"

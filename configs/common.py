@@ -206,8 +206,12 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.slot_chunk = 64
   # Streaming (slots > 0, max_staleness = k >= 1; rollout/source.py): the prompts of up to k
   # steps ahead queue in the slots, new weights land between decode chunks, each token keeps the
-  # version that drew it. partial_rollout: a row still running when its step is due trains in
-  # the step after it finishes (True: not built yet, refused), or its step waits for it (False).
+  # version that drew it. partial_rollout (streaming only): True = a step trains the first
+  # batch_size whole groups to finish among all in flight (its own, the queued steps', carried
+  # ones); a group still running trains in the first step after it finishes, at the latest k
+  # steps after the step it was queued for (so token staleness <= 2k). Faster steps (none
+  # waits for its longest row), but each batch leans to short completions (long rows train
+  # later, with older tokens): rollout/carried_groups. False = a step waits for all its rows.
   c.rollout.partial_rollout = False
   # Rollout routing replay (R3, MoE policies; rl/replay.py): "rollout" = the lockstep sampler
   # records each token's experts per MoE layer and the trainer's forwards (old, reference,

@@ -386,11 +386,12 @@ def _check_rollout(c: _Checker, cfg):
       "0 = on-policy; 1 = the next step's rollout overlaps this step's update",
   )
   c.require(
-      not r.partial_rollout,
+      not r.partial_rollout or (r.slots > 0 and r.max_staleness > 0),
       "rollout.partial_rollout",
-      "True (rows still running when their step is due carried into a later step) is not "
-      "built yet; streaming steps wait for their rows",
-      "--config.rollout.partial_rollout=False",
+      f"True carries groups still running into a later step, which needs streaming (slots > 0 "
+      f"and max_staleness >= 1; here slots={r.slots}, max_staleness={r.max_staleness})",
+      f"--config.rollout.slots={cfg.batch_size * cfg.num_generations} "
+      "--config.rollout.max_staleness=1, or --config.rollout.partial_rollout=False",
   )
   if r.tools.names.strip():
     _validate_tools(c, cfg)

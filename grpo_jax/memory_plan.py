@@ -78,6 +78,7 @@ from grpo_jax.models.lora import adapters as lora
 from grpo_jax.rl import corrections
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rollout import sampler as sampler_lib
+from grpo_jax.rollout import streaming
 from grpo_jax.rollout.types import GenerationConfig
 from grpo_jax.plan.table import fit_text  # noqa: F401  (the tests read it here)
 from grpo_jax.plan.table import header
@@ -603,7 +604,7 @@ def _plan_slots(cfg, policy, inputs, mesh, measure_, row, log, host_ref):
       eos_ids=(0,),
       mesh=mesh,
       chunk=cfg.rollout.slot_chunk,
-      steps_in_flight=cfg.rollout.max_staleness + 1,
+      steps_in_flight=streaming.steps_in_flight(cfg),
       decode_attention=cfg.rollout.decode_attention,
       # Multi-turn rows (rollout.tools): the extend program appends tool responses.
       max_append=cfg.rollout.max_tool_response_tokens if tools_on(cfg) else 0,

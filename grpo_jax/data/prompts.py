@@ -93,8 +93,15 @@ class NextPrompts:
     self.config, self.data, self.it, self.mesh = config, train_data, train_iter, mesh
     self._ahead = None  # (iterator state before, state after, prepared batch)
 
+  def of(self, indices_b):
+    """The batch of the train rows `indices_b` [B] (global, the same on every process), as
+    `take()` gives one; the iterator is not touched (partial rollouts' batches of groups
+    queued in several steps)."""
+    return self._prepare(np.asarray(indices_b))
+
   def _prepare(self, indices_b):
     batch = prompt_batch(self.config, self.data, indices_b, self.mesh)
+    batch["indices"] = np.asarray(indices_b)  # each prompt's train row (global)
     rows = self.config.batch_size
     return batch, {
         "ids": multihost.to_global(batch["prompt_ids"], self.mesh, rows),

@@ -117,6 +117,21 @@ def from_first_process(value: np.ndarray, mesh) -> np.ndarray:
   return np.asarray(out.addressable_data(0))
 
 
+def from_mesh_to_all(value: np.ndarray, mesh) -> np.ndarray:
+  """The host value of the first process among `mesh`'s, on every JAX process (a collective
+  over all of them; `from_first_process` waits for the mesh's processes only). Identity where
+  every process holds devices of `mesh`, whose processes then already agree on the value."""
+  value = np.asarray(value)
+  if mesh is None or {d.process_index for d in mesh.devices.flat} == set(
+      range(jax.process_count())
+  ):
+    return value
+  first = min(d.process_index for d in mesh.devices.flat)
+  return np.asarray(
+      multihost_utils.broadcast_one_to_all(value, is_source=jax.process_index() == first)
+  )
+
+
 def sum_over_processes(x) -> np.ndarray:
   """Elementwise sum of a host value over all JAX processes (identity on one process)."""
   x = np.asarray(x)

@@ -60,7 +60,7 @@ class NativeEngine:
       record_routes: bool = False,
   ):
     """slots > 0: the slot engine (rollout/slots.py) with that many decode slots, room for
-    `steps_in_flight` steps' rows at once (streaming: rollout.max_staleness + 1), else the
+    `steps_in_flight` steps' rows at once (streaming: streaming.steps_in_flight), else the
     lockstep group sampler. record_routes: the lockstep sampler keeps the MoE routes of its
     rollouts (Rollout.routes, routing replay: rl/replay.py)."""
     self.mesh = mesh
@@ -250,7 +250,7 @@ def make_engine(
       **config_options(config),
       slots=slots,
       slot_chunk=config.rollout.slot_chunk,
-      steps_in_flight=config.rollout.max_staleness + 1,
+      steps_in_flight=streaming.steps_in_flight(config),
       turns=turns,
       max_append=config.rollout.max_tool_response_tokens if turns is not None else 0,
       record_routes=record_routes,

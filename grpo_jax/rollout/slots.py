@@ -166,6 +166,12 @@ class SlotEngine(SlotPrograms):
     self._tags = {}  # tag -> its first output row (a step of rows_per_step rows)
     self._slot_row = np.full(self.num_slots, -1, np.int64)  # host view: the row in each slot
     self._open_rows = collections.Counter()  # tag -> rows not finished
+    # Whole groups (tag, index in the step): rows not finished, untaken ones per tag, and the
+    # decode chunk each finished one ended in (partial rollouts take groups as they finish).
+    self._open_group = collections.Counter()
+    self._untaken = {}  # tag -> set of its groups not taken
+    self._done = {}  # (tag, group) -> the chunk count when its last row stopped
+    self._chunks = 0
     self._gen = None
     # Multi-turn rows (turns): slots paused on a tool call; where each slot's turn began.
     self.turns = turns
@@ -199,6 +205,10 @@ class SlotEngine(SlotPrograms):
     self._queue.clear()
     self._tags.clear()
     self._open_rows.clear()
+    self._open_group.clear()
+    self._untaken.clear()
+    self._done.clear()
+    self._chunks = 0
     self._slot_row[:] = -1
     self._state = None
     self._paused.clear()
@@ -223,6 +233,7 @@ class SlotEngine(SlotPrograms):
   def enqueue(self, tag: int, prompt_ids, prompt_mask, key, caps=None):
     """Queues the B prompts (arrays [B, W], left-padded; global or host) of step `tag`, G rows
     each, drawn with `key` (row r: fold_in(key, r))."""
+    self._untaken[tag] = set(range(self._rows_per_tag // self.g))
     if not self.local:
       self._tags[tag] = tag % self.ring * self._rows_per_tag
       self._open_rows[tag] = 0
@@ -244,6 +255,7 @@ class SlotEngine(SlotPrograms):
     self._open_rows[tag] = n
     for i in range(b):
       rows = np.arange(i * self.g, (i + 1) * self.g)
+      self._open_group[tag, i] = self.g
       self._queue.append(_Group(tag, ids[i], mask[i], key, base + rows, rows, caps[rows]))
 
   def advance(self):
@@ -269,6 +281,7 @@ class SlotEngine(SlotPrograms):
         *self._scalars(),
     )
     self._live = np.array(_host(self._state["live"]))
+    self._chunks += 1
     stopped = np.nonzero((self._slot_row >= 0) & ~self._live)[0]
     stopped = [s for s in stopped if s not in self._paused]
     if self.turns is not None and stopped:
@@ -278,7 +291,13 @@ class SlotEngine(SlotPrograms):
 
   def _free(self, s):
     row = self._slot_row[s]
-    self._open_rows[self._tag_of(row)] -= 1
+    tag = self._tag_of(row)
+    self._open_rows[tag] -= 1
+    group = (tag, int(row - self._tags[tag]) // self.g)
+    self._open_group[group] -= 1
+    if not self._open_group[group]:
+      del self._open_group[group]
+      self._done[group] = self._chunks
     self._slot_row[s] = -1
     if self.turns is not None:
       self.turns.finish(int(row))
@@ -343,12 +362,39 @@ class SlotEngine(SlotPrograms):
   def take(self, tag: int):
     """A finished step's rows -> (Rollout, versions int32 [N, C]: the weight version that drew
     each token, 0 where masked); its output rows are free for a later step."""
-    base = self._tags.pop(tag)
-    del self._open_rows[tag]
+    return self.take_groups([(tag, i) for i in range(self._rows_per_tag // self.g)])
+
+  def finished_groups(self) -> list[tuple[int, int]]:
+    """The groups (tag, index in its step) whose G rows have all stopped, not yet taken, in
+    the order they finished: by decode chunk, then oldest enqueued first (tag, index). The
+    same on every process that schedules (the slots' status is replicated); [] on one that
+    does not."""
+    return sorted(self._done, key=lambda grp: (self._done[grp], grp))
+
+  def untaken(self) -> dict[int, set]:
+    """tag -> the indices of its groups not taken yet (finished or not), every tag in flight."""
+    return {tag: set(groups) for tag, groups in self._untaken.items()}
+
+  def take_groups(self, groups) -> tuple:
+    """Finished groups [(tag, index)] -> their rows, G per group in that order, as (Rollout,
+    versions int32 [len*G, C]); a step's output rows are free for a later step once all its
+    groups are taken."""
+    rows = []
+    for tag, i in groups:
+      rows.append(self._tags[tag] + i * self.g + np.arange(self.g))
+      self._done.pop((tag, i), None)
+      self._untaken[tag].remove(i)
+    for tag in {tag for tag, _ in groups}:
+      if not self._untaken[tag]:
+        del self._untaken[tag], self._tags[tag], self._open_rows[tag]
     if self._state is None:  # (a process that schedules nothing)
       self._state = self._program("init")()
-    rows = self._replicated(np.arange(base, base + self._rows_per_tag, dtype=np.int32))
+    rows = self._replicated(np.concatenate(rows).astype(np.int32))
     return self._program("take")(self._state, rows)
+
+  def running(self) -> bool:
+    """Whether a decode chunk can make progress: groups queued or rows in slots."""
+    return bool(self._queue) or bool(np.any(self._slot_row >= 0))
 
   def stats(self) -> dict:
     """Decode steps run since `reset` and the slots' busy fraction over them (live slots /

@@ -24,8 +24,20 @@ The loop asks it for "the next scored batch" and does not care how it was made:
   than k updates old. Disaggregated, the next step's rows are finished while the trainer
   updates (`while_updating`); colocated, the device takes turns. Logged: rollout/staleness
   (step - the oldest version in the batch), rollout/staleness_token_mean and _max (step - each
-  completion token's version), rollout/slots_busy. partial_rollout=True (rows carried into a
-  later step) is not built: a step waits for all its rows.
+  completion token's version), rollout/slots_busy. A step waits for all its rows.
+- partial rollouts (streaming with rollout.partial_rollout; APRIL / slime / Kimi k1.5): the
+  batch of step t is the first B whole groups to finish among all groups in flight (step t's,
+  the queued later steps', those carried from earlier steps), by decode chunk, the oldest
+  queued first among those of one chunk (streaming.first_finished; the engine's first
+  process's choice, sent to every process). A group still running keeps its slots and trains
+  in the first step after it finishes, but no later than step u + k for a group queued for
+  step u: that step waits for it. A group's tokens come from weights >= u - k (queued at step
+  u - k at the earliest), so token staleness <= 2k (k without partial rollouts). Each group
+  carries its prompt's train row (`NextPrompts.of`): rewards read its own answers whatever
+  step trains it; groups are never split (advantages are per group). Logged besides:
+  rollout/carried_groups (groups of the batch queued for an earlier step) and
+  rollout/early_groups (for a later one). The trade: no step waits for its longest row, but
+  each batch leans to short completions (a long row trains later, with older tokens).
 - DAPO dynamic sampling's extra rounds (loss.dynamic_sampling) happen inside: on fresh prompts,
   from the current weights, until the step holds batch_size groups with signal (not with
   streaming).
@@ -46,6 +58,10 @@ empty at those and a resumed run equals one never stopped. At a checkpoint it ca
 position before the first of them, and the resumed run draws them again from there with the
 restored weights (same prompts and keys; the tokens match the uninterrupted run's only where
 the weights that drew them would match, so from that checkpoint on the runs may differ).
+Partial rollouts keep this: with no step queued past a foreseen checkpoint, the step before it
+finds exactly B groups left and waits for them all (no carry), so the engine is empty there;
+at an unforeseen one the carried groups of steps already trained are dropped too (their
+prompts are not drawn again).
 
 Multi-host: each process scores its own rows of the batch (multihost.local_rows).
 """
@@ -98,6 +114,7 @@ class _Drawn:
   scored: tuple | None = None  # (prompt, rollout, host) once scored ahead (while_updating)
   step: int = -1  # streaming: the step it was queued for (rollout None until taken)
   versions: jax.Array | None = None  # streaming: each token's weight version [N, C]
+  groups: np.ndarray | None = None  # partial rollouts: the batch's (step queued, index) [B, 2]
   timing: dict = dataclasses.field(default_factory=lambda: {"rollout": 0.0, "rewards": 0.0})
 
 
@@ -134,6 +151,8 @@ class RolloutSource:
     self._version = 0  # updates applied to the weights the sampler reads
     self._first_step = 0
     self.stream = engine.stream() if streaming(config) else None
+    self.partial = self.stream is not None and config.rollout.partial_rollout
+    self._indices = {}  # partial rollouts: step -> its prompts' train rows [B], while in flight
     # Rows with tool turns: rewards see them turn by turn (Scorer's tool_nc).
     self.tools = bool(config.rollout.tools.names.strip())
     if self.stream is not None:
@@ -216,6 +235,9 @@ class RolloutSource:
     if self.stream is not None:
       figures.update(token_staleness(step, host["versions"], host["action_mask"]))
       figures.update(self.stream.stats())
+    if self.partial:  # groups queued for an earlier step / a later one
+      figures["rollout/carried_groups"] = int(np.sum(drawn.groups[:, 0] < step))
+      figures["rollout/early_groups"] = int(np.sum(drawn.groups[:, 0] > step))
     return Scored(
         prompt=prompt,
         rollout=rollout,
@@ -396,6 +418,7 @@ class RolloutSource:
       key = step_key(self.rng, step, self.sampler_mesh) if key is None else key
       if self.stream is not None:  # queued: decoded by _score's wait (and the next steps')
         self.stream.enqueue(step, prompt, key)
+        self._indices[step] = batch["indices"]
         rollout = None
       else:
         rollout = self.engine.generate(params, batch, key, self.generation)
@@ -436,7 +459,9 @@ class RolloutSource:
     rollout, host rows: tokens, mask, truncated, rewards (f32, + DAPO's overlong penalty),
     per_function, errors)."""
     with profiling.phase("rollout") as span:  # this process's rows, on the host (one transfer)
-      if drawn.rollout is None:  # streaming: decode until its rows are done
+      if drawn.rollout is None and self.partial:  # the first groups to finish
+        self._take_first(drawn)
+      elif drawn.rollout is None:  # streaming: decode until its rows are done
         drawn.rollout, drawn.versions = self.stream.wait(drawn.step)
       tokens_nc, mask_nc, truncated_n, tool_nc = multihost.local_rows(
           (
@@ -467,6 +492,17 @@ class RolloutSource:
             versions=versions_nc,
         ),
     )
+
+  def _take_first(self, drawn: _Drawn):
+    """Partial rollouts: `drawn`'s step takes the first B groups to finish (stream.wait_first:
+    its own, later steps', carried ones; every group queued k or more steps before it); its
+    batch becomes theirs, each group with its own prompt's train row (answers for the
+    rewards)."""
+    out = self.stream.wait_first(drawn.step, due=drawn.step - self.depth)
+    drawn.rollout, drawn.versions, drawn.groups = out
+    drawn.batch, drawn.prompt = self.prompts.of([self._indices[t][i] for t, i in drawn.groups])
+    live = set(self.stream.in_flight())
+    self._indices = {t: rows for t, rows in self._indices.items() if t in live}
 
 
 class Scorer:

@@ -358,16 +358,21 @@ def test_slot_engine_two_processes_equal_one_through_a_resume(tmp_path):
   _assert_same_run(single, pair)
 
 
-def test_streaming_slots_disaggregated_two_processes_equal_one(tmp_path):
+@pytest.mark.parametrize(
+    "partial", [False, pytest.param(True, marks=pytest.mark.slow, id="partial_rollout")]
+)
+def test_streaming_slots_disaggregated_two_processes_equal_one(tmp_path, partial):
   """~1 min: streaming (slots, max_staleness=1) with the sampler on process 1's device and the
   trainer on process 0's == one process holding both devices: the same rewards, losses and
-  final parameters (the trainer's process schedules nothing; the sampler's reads its slots)."""
+  final parameters (the trainer's process schedules nothing; the sampler's reads its slots).
+  partial_rollout: the batches of groups the sampler's process chose, sent to the trainer's."""
   args = [
       *SLOT_ARGS[:-2],
       "--config.rollout.slots=32",
       "--config.rollout.slot_chunk=4",
       "--config.rollout.placement=disaggregated",
       "--config.rollout.max_staleness=1",
+      f"--config.rollout.partial_rollout={partial}",
   ]
   single, pair = epath.Path(tmp_path / "single"), epath.Path(tmp_path / "pair")
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")

@@ -158,7 +158,6 @@ def test_disaggregated_streaming_trains(tmp_path):
 @pytest.mark.parametrize(
     "overrides,field",
     [
-        ({"rollout.partial_rollout": True}, "rollout.partial_rollout="),
         (
             {"loss.dynamic_sampling": True, "loss.max_resample_rounds": 1},
             "loss.dynamic_sampling=",
