@@ -19,7 +19,9 @@ decided once per trace from the devices the program is traced for):
        "ragged-dot-*");
   GPU  (bf16/f16 compute) grouped_matmul.gmm: Pallas Triton kernels for the product, its input
        gradient and its weight gradient, since XLA:GPU (jaxlib 0.12) lowers ragged_dot to dense
-       dots of every expert over every row; in f32, ragged_dot (dense);
+       dots of every expert over every row; in f32, or where the mesh splits an expert's D
+       or F (fsdp / tensor: the kernel would need whole experts gathered on every device),
+       ragged_dot (dense, GSPMD-partitioned);
   CPU  jax.lax.ragged_dot (XLA:CPU's).
 The H100's deviceless compile of the update holds the kernels and no dense all-expert dot
 (tests/plan/test_moe_programs.py); their values and gradients equal ragged_dot's in Pallas's
@@ -146,12 +148,19 @@ class MoE(nnx.Module):
     Under a mesh whose expert axis splits the experts: `expert_parallel` (the all-to-all
     dispatch). So too with the GPU kernel on a mesh of several devices (one expert shard): a
     custom call is not partitioned by GSPMD (its operands would be replicated: every device
-    all rows), so each device runs its own rows in the shard_map, the weights gathered over
-    fsdp there as FSDP gathers them. Else on the whole batch, as GSPMD partitions it."""
+    all rows), so each device runs its own rows in the shard_map. The kernel runs only where
+    each device holds whole experts (D and F not split over fsdp / tensor). Else on the whole
+    batch, as GSPMD partitions it."""
     dt = x_nd.dtype
     weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
     mesh = jax.sharding.get_abstract_mesh()
     matmul = grouped_matmul_for(mesh, dt)
+    if _grpo_mesh(mesh) and _splits(mesh, self.gate.shape):
+      # An expert's D or F split over fsdp / tensor: the kernel would need each layer's experts
+      # gathered whole on every device (memory_plan, 8 x H100, Qwen3-30B-A3B at fsdp 8: the
+      # sampler's temp 3 -> 39 GiB, the decode's gathers hoisted out of its loop); XLA's
+      # ragged_dot is partitioned along the split dimension instead (dense on GPU).
+      matmul = jax.lax.ragged_dot
     kernel_on_mesh = matmul is not jax.lax.ragged_dot and _grpo_mesh(mesh) and mesh.size > 1
     if uses_expert_parallel(mesh, self.num_experts) or kernel_on_mesh:
       return expert_parallel(mesh, x_nd, experts_nk, gates_nk, *weights, matmul=matmul)
@@ -235,6 +244,12 @@ def uses_expert_parallel(mesh, num_experts: int) -> bool:
 def _grpo_mesh(mesh) -> bool:
   """A mesh with grpo_jax's axes (sharding.MESH_AXES), as the trainer and sampler trace under."""
   return not mesh.empty and set(sharding.MESH_AXES) <= set(mesh.axis_names)
+
+
+def _splits(mesh, gate_shape) -> bool:
+  """Whether `mesh` splits an expert's D or F (fsdp / tensor over more than one device)."""
+  spec = sharding.logical_to_spec(GATE_UP_AXES, gate_shape, mesh)
+  return any(mesh.shape[a] > 1 for entry in spec[1:] for a in _axes(entry))
 
 
 def _axes(entry) -> tuple:
