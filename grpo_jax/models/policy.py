@@ -150,9 +150,15 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
         nnx.merge(graphdef, params), input_ids, attention_mask, completion_len, temperature
     )
 
-  def packed(params, input_ids, segment_ids, positions, head_slots, temperature=1.0):
+  def packed(params, input_ids, segment_ids, positions, head_slots, temperature=1.0, shards=1):
     return packed_logprobs(
-        nnx.merge(graphdef, params), input_ids, segment_ids, positions, head_slots, temperature
+        nnx.merge(graphdef, params),
+        input_ids,
+        segment_ids,
+        positions,
+        head_slots,
+        temperature,
+        shards=shards,
     )
 
   def routed(params, input_ids, attention_mask, routes, completion_len, temperature=1.0):
@@ -160,9 +166,11 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
         nnx.merge(graphdef, params), input_ids, attention_mask, routes, completion_len, temperature
     )
 
-  def packed_routed(params, input_ids, segment_ids, positions, head_slots, routes, temp=1.0):
+  def packed_routed(
+      params, input_ids, segment_ids, positions, head_slots, routes, temp=1.0, shards=1
+  ):
     return packed_logprobs_routed(
-        nnx.merge(graphdef, params), input_ids, segment_ids, positions, head_slots, routes, temp
+        nnx.merge(graphdef, params), input_ids, segment_ids, positions, head_slots, routes, temp, shards=shards
     )
 
   def save(params, path):

@@ -125,4 +125,5 @@ class RoutedPacker(packing.Packer):
         upd["head_slots"],
         upd["routes"],
         upd["completion_mask"],
+        upd["micro_batches"],
     )
