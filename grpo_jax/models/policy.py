@@ -63,8 +63,9 @@ class Policy:
   # adapters). None: the reference is a copy (as_reference).
   reference: Callable | None = None
   # Packed rows (rl/packing.py): (params, input_ids [R, L], segment_ids [R, L], positions
-  # [R, L], head_slots, temperature) -> [R, L], the log-prob of each token at head_slots (flat
-  # slots) given its sequence before it
+  # [R, L], head_slots, temperature, shards=1) -> [R, L], the log-prob of each token at
+  # head_slots (flat slots within each of `shards` blocks of rows: the data-parallel shards)
+  # given its sequence before it
   # (models/logprobs.py: packed_logprobs). None: the policy trains on padded rows only.
   packed_logprobs: Callable | None = None
   # Routing replay (an MoE native decoder; rl/replay.py): (params, input_ids [B,S],
@@ -72,7 +73,7 @@ class Policy:
   # [B, C], the MoE layers' own top-k [B, S, L_moe, k]). None: no MoE layers to replay.
   routed_logprobs: Callable | None = None
   # Routing replay on packed rows: (params, input_ids, segment_ids, positions [R, L],
-  # head_slots, routes [R, L, L_moe, k], temperature) -> (log-probs [R, L], own top-k [R, L,
+  # head_slots, routes [R, L, L_moe, k], temperature, shards=1) -> (log-probs [R, L], own top-k [R, L,
   # L_moe, k]) (models/logprobs.py: packed_logprobs_routed). None: no MoE layers to replay.
   packed_routed_logprobs: Callable | None = None
 

@@ -551,6 +551,67 @@ def test_packing_is_refused_where_it_is_not_built():
   assert not configuration.validate(tiny_config(pack_sequences=True), num_devices=8, num_processes=2)
 
 
+# ---------------------------------------------------------- per shard: no traffic between them
+
+
+@pytest.mark.slow  # ~60 s each: the update and the log-prob passes compiled padded and packed
+@pytest.mark.parametrize("axis", ["data", "fsdp"])
+def test_packing_moves_nothing_between_shards(axis):
+  """8 fake CPU devices, the rows sharded 8 ways over mesh.<axis> (fsdp: the params too): the
+  optimized HLO of the packed programs (the gather, unpack, fold_kl, the old / reference
+  log-prob pass with the LM head's gather of completion slots, the update in 2 micro-batches)
+  holds no collective that the padded programs lack, but for the per-sequence sums of the loss
+  (all-reduces of N values): no all-gather, all-to-all or collective-permute of the packed rows
+  or of the hidden states."""
+  from grpo_jax.parallel import multihost
+  from grpo_jax.plan import hlo_inspect
+
+  overrides = {"micro_batch_size": 16, "beta": 0.1, "kl_in_reward": True, "mesh.data": 1}
+  overrides[f"mesh.{axis}"] = 8
+  found = {}
+  for pack in (False, True):
+    config = tiny_config(pack_sequences=pack, **overrides)
+    mesh = build.make_mesh(config)
+    assert packing.batch_shards(mesh) == 8
+    policy = build.make_policy(config, mesh)
+    fns = step_lib.build(config, policy, mesh)
+    grpo = step_lib.GrpoStep(
+        config, fns, Reference(config, policy, fns, mesh), mesh, matches_trainer=True
+    )
+    batch = _scored(config, policy, 0)
+    state = fns.init(policy.params)
+    upd = fns.assemble(batch.prompt["ids"], batch.prompt["mask"], batch.rollout, batch.rewards)
+    upd = dict(upd, old_logp=batch.rollout.logprobs, ref_logp=batch.rollout.logprobs)
+    n = upd["advantages"].shape[0]
+    programs = {}
+    if pack:
+      mask = upd["attention_mask"]
+      lengths_n, completion_n = np.asarray(jax.device_get(grpo.rows._lengths(mask)))
+      plan = grpo.rows.plan(lengths_n, completion_n, mask.shape[1])
+      where = [multihost.sharded_rows(x, mesh) for x in (plan.row_of, plan.offset_of)]
+      programs["pack"] = fns.pack.lower(upd, *where, plan.rows, plan.head_rows, plan.num_micro)
+      upd = grpo.rows.rows(upd)
+      assert upd["micro_batches"].count == 2
+      programs["unpack"] = fns.unpack.lower(upd["old_logp"], upd["sequences"]["slot"])
+      programs["fold_kl"] = fns.packed_fold_kl.lower(upd, batch.rewards)
+      args = ("input_ids", "segment_ids", "positions", "head_slots", "micro_batches")
+      programs["logprobs"] = fns.packed_logprobs.lower(state["params"], *(upd[k] for k in args))
+    else:
+      args = (upd["input_ids"], upd["attention_mask"])
+      programs["logprobs"] = fns.logprobs.lower(state["params"], *args)
+    programs["update"] = fns.update.lower(state, upd)
+    for name, lowered in programs.items():
+      ops = hlo_inspect.collectives(lowered.compile().as_text())
+      found[pack, name] = {(o.opcode, hlo_inspect.dims(o.type)): o for o in ops}
+  for (pack, name), ops in found.items():
+    if not pack:
+      continue
+    padded = found.get((False, name), {})
+    added = [o.line for key, o in ops.items() if key not in padded and hlo_inspect.largest_array(o) > n]
+    assert not added, (name, added)
+  assert any(o.opcode.startswith("all-reduce") for o in found[True, "update"].values())
+
+
 # -------------------------------------------------------------------------------- the loop
 
 
