@@ -177,9 +177,7 @@ def packed_logprobs(
   padding). A slot's token is predicted from the slot before it, so a slot must not be a
   sequence's first. remat: as `completion_logprobs`."""
   h = model.packed_hidden(input_ids_rl, segment_ids_rl, positions_rl)
-  return _packed_head(
-      model, h, input_ids_rl, head_slots_hs, temperature, chunk_size, remat, shards
-  )
+  return _packed_head(model, h, input_ids_rl, head_slots_hs, temperature, chunk_size, remat, shards)
 
 
 def packed_logprobs_routed(
@@ -198,15 +196,11 @@ def packed_logprobs_routed(
   token's own top-k), slot for slot with the packed tokens (Transformer.packed_hidden_routed).
   -> (log-probs [R, L], own [R, L, L_moe, k] int32: the MoE layers' own top-k)."""
   h, own = model.packed_hidden_routed(input_ids_rl, segment_ids_rl, positions_rl, routes_rllk)
-  logp = _packed_head(
-      model, h, input_ids_rl, head_slots_hs, temperature, chunk_size, remat, shards
-  )
+  logp = _packed_head(model, h, input_ids_rl, head_slots_hs, temperature, chunk_size, remat, shards)
   return logp, own
 
 
-def _packed_head(
-    model, h_rld, input_ids_rl, head_slots_hs, temperature, chunk_size, remat, shards
-):
+def _packed_head(model, h_rld, input_ids_rl, head_slots_hs, temperature, chunk_size, remat, shards):
   """The LM head's log-probs [R, L] of the tokens at head_slots from the slots before them,
   gathered and scattered per shard (a vmap over a leading [shards] axis, which XLA partitions
   along it: no hidden state moves between devices)."""

@@ -171,7 +171,14 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
       params, input_ids, segment_ids, positions, head_slots, routes, temp=1.0, shards=1
   ):
     return packed_logprobs_routed(
-        nnx.merge(graphdef, params), input_ids, segment_ids, positions, head_slots, routes, temp, shards=shards
+        nnx.merge(graphdef, params),
+        input_ids,
+        segment_ids,
+        positions,
+        head_slots,
+        routes,
+        temp,
+        shards=shards,
     )
 
   def save(params, path):

@@ -178,7 +178,9 @@ def plan_rows(
   if n_seq % shards:
     raise ValueError(f"{shards} shards do not divide {n_seq} sequences")
   local = n_seq // shards
-  parts = [first_fit_decreasing(lengths_n[d * local : (d + 1) * local], budget) for d in range(shards)]
+  parts = [
+      first_fit_decreasing(lengths_n[d * local : (d + 1) * local], budget) for d in range(shards)
+  ]
   row_of = np.concatenate([p[0] for p in parts]).astype(np.int32)
   offset_of = np.concatenate([p[1] for p in parts]).astype(np.int32)
   num_micro, per_micro = micro.packed(max(p[2] for p in parts), local, budget)
@@ -230,7 +232,9 @@ def pack(
   R / shards * S where it has none), kl_mask [N, C]."""
   n = upd["input_ids"].shape[0]
   fields = {k: upd[k] for k in _FIELDS if k in upd}
-  fields["kl_mask"] = upd.get("kl_mask", upd["attention_mask"][:, -upd["completion_mask"].shape[1] :])
+  fields["kl_mask"] = upd.get(
+      "kl_mask", upd["attention_mask"][:, -upd["completion_mask"].shape[1] :]
+  )
   shard = functools.partial(
       _pack_shard,
       rows=rows // shards,

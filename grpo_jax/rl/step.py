@@ -471,9 +471,7 @@ def build(config, policy, mesh) -> TrainFunctions:
     )
 
   def all_slots(head_slots, rows, micro_batches):
-    return packing.global_slots(
-        head_slots, rows=rows, num_micro=micro_batches.count, shards=shards
-    )
+    return packing.global_slots(head_slots, rows=rows, num_micro=micro_batches.count, shards=shards)
 
   def packed_logprobs_all(params, input_ids, segment_ids, positions, head_slots, micro_batches):
     """One pass over all micro-batches' rows (the old-policy and reference passes)."""

@@ -548,7 +548,9 @@ def test_packing_is_refused_where_it_is_not_built():
     errors = configuration.validate(tiny_config(pack_sequences=True, **overrides), num_devices=8)
     assert any(e.startswith(field + "=") for e in errors), errors
   # 2+ processes: each packs its own shards (every process makes the same plan)
-  assert not configuration.validate(tiny_config(pack_sequences=True), num_devices=8, num_processes=2)
+  assert not configuration.validate(
+      tiny_config(pack_sequences=True), num_devices=8, num_processes=2
+  )
 
 
 # ---------------------------------------------------------- per shard: no traffic between them
@@ -607,7 +609,9 @@ def test_packing_moves_nothing_between_shards(axis):
     if not pack:
       continue
     padded = found.get((False, name), {})
-    added = [o.line for key, o in ops.items() if key not in padded and hlo_inspect.largest_array(o) > n]
+    added = [
+        o.line for key, o in ops.items() if key not in padded and hlo_inspect.largest_array(o) > n
+    ]
     assert not added, (name, added)
   assert any(o.opcode.startswith("all-reduce") for o in found[True, "update"].values())
 

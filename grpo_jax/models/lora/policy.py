@@ -70,7 +70,14 @@ def lora_policy(config, mesh, *, abstract: bool = False):
   ):
     gd = graphdef if has_adapters(params) else base_graphdef
     return packed_logprobs_routed(
-        nnx.merge(gd, params), input_ids, segment_ids, positions, head_slots, routes, temp, shards=shards
+        nnx.merge(gd, params),
+        input_ids,
+        segment_ids,
+        positions,
+        head_slots,
+        routes,
+        temp,
+        shards=shards,
     )
 
   merge_fn = jax.jit(lambda p: merged(p, graphdef))
