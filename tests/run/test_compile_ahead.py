@@ -69,6 +69,15 @@ def _alternate_widths(monkeypatch) -> set:
         {"num_steps": 4, "widths": "alternate"},  # beta 0 (tiny.py); 2 widths
         {"kl_in_reward": True, "beta": 0.08, "num_iterations": 2, "loss.tis_cap": 2.0},  # fold_kl
         {"lora.rank": 4, "lora.alpha": 8.0, "beta": 0.08},  # reference = the LoRA base
+        pytest.param(  # micro-batches by tokens: 2 per step at width 8 + 7, 4 at 16 + 7
+            {
+                "num_steps": 4,
+                "widths": "alternate",
+                "micro_batch_size": 0,
+                "micro_batch_tokens": 240,
+            },
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_step_programs_compile_in_the_background(tmp_path, monkeypatch, overrides):
