@@ -17,9 +17,11 @@ plus C.
 
 It prints:
 - fill = real tokens / slots issued, padded and packed (rl/packing.py's plan: first-fit
-  decreasing rows of the padded width, row counts bucketed: rl/packing.py's bucket; and FFD's
-  rows alone, unbucketed), over 400 batches at the recipe's shapes (B 8 x G 2, P 256,
-  C 1024; on its 8-chip mesh with micro-batch 8, and on one chip) and at the CPU workload;
+  decreasing rows of the padded width per data-parallel shard, row counts bucketed:
+  rl/packing.py's bucket; one global plan over all rows, as before the plan went per shard;
+  and FFD's rows alone, unbucketed), over 400 batches at the recipe's shapes (B 8 x G 2,
+  P 256, C 1024; on its 8-chip mesh with micro-batch 8 and with micro-batches by tokens, and
+  on one chip) and at the CPU workload;
 - wall time of the update plus the old-policy and reference log-prob passes, padded vs packed,
   on CPU: rl/step.py's own jitted functions (`build`) and the Packer / Padded object GrpoStep
   asks (`rows`, `logprobs`), timed to the end of each phase; the two layouts take turns, the
@@ -33,8 +35,8 @@ It prints:
   LM head runs on, 4 * L * H * K * T^2 per attention row of T slots (PaLM's convention, as
   grpo_step.py). Issued: padded rows run every slot and the head over the C completion
   positions; packed rows run every slot of R rows and the head over the completion tokens'
-  slots in whole bucketed rows (rl/packing.py: head_rows; "head on every slot" is the layout
-  before that, the head over all R x S slots), and the masked XLA attention computes the whole
+  slots in whole bucketed rows (rl/packing.py: the plan's head_rows; "head on every slot" is
+  the layout before that, the head over all R x S slots), and the masked XLA attention computes the whole
   [S, S] scores of each packed row. Real: each sequence's own tokens, its l^2 attention, the
   head over its completion tokens.
 """

@@ -208,6 +208,19 @@ def _whole(x: jax.Array) -> jax.Array:
   return sharding.constrain(x.reshape(-1, *x.shape[2:]), "batch", *[None] * (x.ndim - 2))
 
 
+# The padded batch's arrays that `pack` moves (each present one, [N, ...])
+_FIELDS = (
+    "input_ids",
+    "attention_mask",
+    "completion_mask",
+    "advantages",
+    "old_logp",
+    "ref_logp",
+    "sampler_logp",
+    "routes",
+)
+
+
 def pack(
     upd: dict,
     row_of_n,
@@ -230,11 +243,8 @@ def pack(
   and "sequences": what the per-sequence views need (`per_sequence`, `unpack`): advantages
   [N], slot [N, C] (the flat slot of each completion token among its shard's packed rows;
   R / shards * S where it has none), kl_mask [N, C]."""
-  n = upd["input_ids"].shape[0]
+  n, c = upd["completion_mask"].shape
   fields = {k: upd[k] for k in _FIELDS if k in upd}
-  fields["kl_mask"] = upd.get(
-      "kl_mask", upd["attention_mask"][:, -upd["completion_mask"].shape[1] :]
-  )
   shard = functools.partial(
       _pack_shard,
       rows=rows // shards,
@@ -245,22 +255,10 @@ def pack(
   seq_n = jnp.arange(n, dtype=jnp.int32)
   out = jax.vmap(shard)(jax.tree.map(per, fields), per(seq_n), per(row_of_n), per(offset_of_n))
   out = jax.tree.map(_whole, out)
-  out["sequences"] = dict(
-      advantages=upd["advantages"], slot=out.pop("slot"), kl_mask=fields["kl_mask"]
-  )
+  # kl_mask (assemble's): the policy's tokens, which the KL penalty sums (not tool responses)
+  kl_mask = upd.get("kl_mask", upd["attention_mask"][:, -c:])
+  out["sequences"] = dict(advantages=upd["advantages"], slot=out.pop("slot"), kl_mask=kl_mask)
   return out
-
-
-_FIELDS = (
-    "input_ids",
-    "attention_mask",
-    "completion_mask",
-    "advantages",
-    "old_logp",
-    "ref_logp",
-    "sampler_logp",
-    "routes",
-)
 
 
 def _pack_shard(upd, seq_n, row_of_n, offset_of_n, *, rows, num_micro, head_rows) -> dict:
