@@ -17,9 +17,11 @@ plus C.
 
 It prints:
 - fill = real tokens / slots issued, padded and packed (rl/packing.py's plan: first-fit
-  decreasing rows of the padded width, row counts bucketed: rl/packing.py's bucket; and FFD's
-  rows alone, unbucketed), over 400 batches at the recipe's shapes (B 8 x G 2, P 256,
-  C 1024; on its 8-chip mesh with micro-batch 8, and on one chip) and at the CPU workload;
+  decreasing rows of the padded width per data-parallel shard, row counts bucketed:
+  rl/packing.py's bucket; one global plan over all rows, as before the plan went per shard;
+  and FFD's rows alone, unbucketed), over 400 batches at the recipe's shapes (B 8 x G 2,
+  P 256, C 1024; on its 8-chip mesh with micro-batch 8 and with micro-batches by tokens, and
+  on one chip) and at the CPU workload;
 - wall time of the update plus the old-policy and reference log-prob passes, padded vs packed,
   on CPU: rl/step.py's own jitted functions (`build`) and the Packer / Padded object GrpoStep
   asks (`rows`, `logprobs`), timed to the end of each phase; the two layouts take turns, the
@@ -33,8 +35,8 @@ It prints:
   LM head runs on, 4 * L * H * K * T^2 per attention row of T slots (PaLM's convention, as
   grpo_step.py). Issued: padded rows run every slot and the head over the C completion
   positions; packed rows run every slot of R rows and the head over the completion tokens'
-  slots in whole bucketed rows (rl/packing.py: head_rows; "head on every slot" is the layout
-  before that, the head over all R x S slots), and the masked XLA attention computes the whole
+  slots in whole bucketed rows (rl/packing.py: the plan's head_rows; "head on every slot" is
+  the layout before that, the head over all R x S slots), and the masked XLA attention computes the whole
   [S, S] scores of each packed row. Real: each sequence's own tokens, its l^2 attention, the
   head over its completion tokens.
 """
@@ -158,18 +160,24 @@ def draw_batch(rng, lengths, b: int, g: int, p: int, c: int, scale: int = 1) -> 
   return Batch(prompt_b, completion_n, bucket_width(prompt_b.max(), p), c)
 
 
-def fills(batches, *, num_micro: int, row_multiple: int) -> dict:
-  """Real tokens / slots over `batches`: padded (N rows of the width), packed (the plan) and
-  first-fit decreasing alone (no buckets, no micro-batches: the rows the tokens need)."""
-  real = padded = packed = ffd = 0
+def fills(batches, micro: packing.MicroBatching) -> dict:
+  """Real tokens / slots over `batches`: padded (N rows of the width), packed (the plan: each
+  of micro.shards shards packs its own rows), one global plan (first-fit decreasing over all
+  N, each micro-batch's rows bucketed and rounded up to whole shares of one row per shard: how
+  rl/packing.py planned before it packed per shard) and first-fit decreasing alone (no
+  buckets, no micro-batches, no shards: the rows the tokens need)."""
+  real = padded = packed = whole = ffd = 0
   for bt in batches:
     s = bt.width + bt.c
-    plan = packing.plan_rows(bt.seq_n, s, num_micro=num_micro, row_multiple=row_multiple)
+    plan = packing.plan_rows(bt.seq_n, s, micro)
+    one = packing.plan_rows(bt.seq_n, s, dataclasses.replace(micro, shards=1))
     real += bt.seq_n.sum()
     padded += bt.seq_n.size * s
     packed += plan.rows * s
+    per_micro = -(-one.rows // one.num_micro // micro.shards) * micro.shards
+    whole += per_micro * one.num_micro * s
     ffd += packing.first_fit_decreasing(bt.seq_n, s)[2] * s
-  return dict(padded=real / padded, packed=real / packed, ffd=real / ffd)
+  return dict(padded=real / padded, packed=real / packed, global_plan=real / whole, ffd=real / ffd)
 
 
 # --------------------------------------------------------------------------------- FLOPs
@@ -186,15 +194,15 @@ def forward_flops(cfg, slots: int, head_positions: int, attention_sq: int) -> fl
   )
 
 
-def flops_ratios(cfg, batches, *, num_micro: int, row_multiple: int) -> dict:
+def flops_ratios(cfg, batches, micro: packing.MicroBatching) -> dict:
   """Model FLOPs of the real tokens / FLOPs issued (update + both passes: 5 forward units,
   the same factor on both sides, so the ratio of one forward)."""
   real = padded = packed = every_slot = 0.0
   for bt in batches:
     s, seq = bt.width + bt.c, bt.seq_n
     n = seq.size
-    plan = packing.plan_rows(seq, s, num_micro=num_micro, row_multiple=row_multiple)
-    heads = packing.head_rows(bt.completion_n, s, num_micro=num_micro, row_multiple=row_multiple)
+    plan = packing.plan_rows(seq, s, micro, bt.completion_n)
+    heads = plan.head_rows
     real += forward_flops(cfg, seq.sum(), bt.completion_n.sum(), (seq**2).sum())
     padded += forward_flops(cfg, n * s, n * bt.c, n * s * s)
     packed += forward_flops(cfg, plan.rows * s, heads * s, plan.rows * s * s)
@@ -246,10 +254,10 @@ def device_batch(rng, bt: Batch, vocab: int) -> tuple:
 
 
 class HeadOnEverySlot(packing.Packer):
-  """Packed rows with the LM head on all R x S slots (as before rl/packing.py's head_rows)."""
+  """Packed rows with the LM head on all R x S slots (as before the plan's head_rows)."""
 
-  def head_rows(self, completion_n, width, plan):
-    return plan.rows
+  def plan(self, lengths_n, completion_n, width):
+    return packing.plan_rows(lengths_n, width, self.micro)
 
 
 class Side:
@@ -316,7 +324,7 @@ def time_layouts(spec: dict, lengths, recipe, seed: int) -> dict:
       name: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for name, rs in runs.items()
   }
   paired = [a["total"] / b["total"] for a, b in zip(runs["padded"], runs["packed"])]
-  fill = fills(batches, num_micro=1, row_multiple=1)
+  fill = fills(batches, packing.MicroBatching())
   return dict(
       p=p,
       c=c,
@@ -363,20 +371,31 @@ def main(argv=None):
   )
   results = dict(recipe={}, flops={})
   print(f"\nfill = real tokens / slots, {FILL_BATCHES} batches of B {b} x G {g}, P {p}, C {c}")
-  for name, micro, shares in (
-      (f"recipe: 8 chips, {recipe_micro} micro-batches", recipe_micro, 8),
-      ("one chip, one micro-batch", 1, 1),
+  width = p + c  # micro_batch_tokens: the recipe's micro-batch rows at the widest prompt
+  for name, micro in (
+      (
+          f"recipe: 8 chips, {recipe_micro} micro-batches",
+          packing.MicroBatching(8, count=recipe_micro),
+      ),
+      (
+          f"8 chips, micro_batch_tokens {rows // recipe_micro * width}",
+          packing.MicroBatching(8, tokens=rows // recipe_micro * width),
+      ),
+      ("one chip, one micro-batch", packing.MicroBatching()),
   ):
-    f = fills(recipe_batches, num_micro=micro, row_multiple=shares)
+    f = fills(recipe_batches, micro)
     results["recipe"][name] = f
     print(
-        f"  {name:<34} padded {f['padded']:.3f}  packed {f['packed']:.3f}  "
-        f"(first-fit decreasing alone {f['ffd']:.3f})"
+        f"  {name:<38} padded {f['padded']:.3f}  packed per shard {f['packed']:.3f}  "
+        f"one global plan {f['global_plan']:.3f}  (first-fit decreasing alone {f['ffd']:.3f})"
     )
   print("\nmodel FLOPs of real tokens / FLOPs issued (update + old + ref passes), recipe shapes")
   for preset in ("qwen3-0.6b", "qwen3-8b"):
-    for name, micro, shares in (("8 chips", recipe_micro, 8), ("one chip", 1, 1)):
-      r = flops_ratios(PRESETS[preset], recipe_batches, num_micro=micro, row_multiple=shares)
+    for name, micro in (
+        ("8 chips", packing.MicroBatching(8, count=recipe_micro)),
+        ("one chip", packing.MicroBatching()),
+    ):
+      r = flops_ratios(PRESETS[preset], recipe_batches, micro)
       results["flops"][f"{preset}, {name}"] = r
       print(
           f"  {preset:<11} {name:<9} padded {r['padded']:.3f}  packed {r['packed']:.3f}  "

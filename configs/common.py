@@ -95,11 +95,19 @@ def base() -> ml_collections.ConfigDict:
   c.batch_size = 8  # Prompts per GRPO step, over all hosts; the step trains on batch_size * G.
   # Sequences per gradient-accumulation micro-batch; 0 (or >= B * G) = all at once.
   c.micro_batch_size = 0
+  # Micro-batches by tokens instead (0 = by micro_batch_size): slots, padding included, per
+  # micro-batch over all devices. A micro-batch holds micro_batch_tokens // S rows of S slots
+  # (the step's prompt width + C), rounded down to a multiple of the data-parallel devices (at
+  # least one row each); padded rows: as many micro-batches as that needs, each shard's rows
+  # split evenly; packed rows: as many as the packed rows need (one compiled update per count,
+  # bucketed). Set one of micro_batch_size and micro_batch_tokens, not both.
+  c.micro_batch_tokens = 0
   # True: the update and the old / reference log-prob passes run on packed rows (grpo_jax/rl/
   # packing.py): each [prompt; completion] sequence's real tokens only, several sequences per
   # row of P + C slots, attention within a sequence, the same loss and gradients as padded rows.
-  # The native decoder (and LoRA), one process, so far; the fused attention takes the rows'
-  # segment ids (splash on TPU; Pallas Triton on GPU, without sliding windows or soft-caps).
+  # Each data-parallel shard packs its own rows (any number of processes). The native decoder
+  # (and LoRA); the fused attention takes the rows' segment ids (splash on TPU; Pallas Triton
+  # on GPU, without sliding windows or soft-caps).
   c.pack_sequences = False
   # Prompts are left-padded to this many tokens (longer ones: data.overlong_prompts).
   c.max_prompt_length = 256

@@ -120,6 +120,12 @@ def _check_training(c: _Checker, cfg):
       "must be >= 0",
       "0 trains on all batch_size * num_generations sequences at once",
   )
+  c.require(
+      cfg.micro_batch_tokens >= 0,
+      "micro_batch_tokens",
+      "must be >= 0",
+      "0 splits micro-batches by micro_batch_size",
+  )
   c.require(cfg.max_prompt_length >= 1, "max_prompt_length", "must be >= 1", "set it")
   c.require(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1", "set it")
   for f in ("save_interval_steps", "log_interval_steps"):
@@ -704,6 +710,9 @@ def _check_micro_batch(c: _Checker, cfg, dp: int):
   checked while batch_size or num_generations is itself wrong: that line names the fix."""
   if any(e.startswith(("batch_size=", "num_generations=")) for e in c.errors):
     return
+  if cfg.micro_batch_tokens > 0:
+    _check_micro_batch_tokens(c, cfg, dp)
+    return
   seqs, mb = cfg.batch_size * cfg.num_generations, cfg.micro_batch_size
   if not 0 < mb < seqs:
     return
@@ -718,6 +727,26 @@ def _check_micro_batch(c: _Checker, cfg, dp: int):
         "micro_batch_size",
         f"not divisible by the data-parallel mesh size {dp}",
         f"use a multiple of {dp}",
+    )
+
+
+def _check_micro_batch_tokens(c: _Checker, cfg, dp: int):
+  """micro_batch_tokens (rl/packing.py: MicroBatching): rows of S = prompt width + C slots, at
+  least one row per data-parallel device at the widest S; not beside micro_batch_size."""
+  if cfg.micro_batch_size > 0:
+    c.fail(
+        "micro_batch_tokens",
+        f"micro-batches are by tokens or by rows, and micro_batch_size={cfg.micro_batch_size} "
+        "is set too",
+        "set one of them to 0",
+    )
+  width = cfg.max_prompt_length + cfg.max_completion_length
+  if cfg.micro_batch_tokens < dp * width:
+    c.fail(
+        "micro_batch_tokens",
+        f"holds less than one row of max_prompt_length + max_completion_length = {width} "
+        f"slots per data-parallel device ({dp})",
+        f"use at least {dp * width} (or 0 for micro-batches by micro_batch_size)",
     )
 
 
@@ -782,8 +811,6 @@ def _check_packing(c: _Checker, cfg, num_processes: int):
     why = f"packed rows need the native decoder; model.impl={cfg.model.impl!r} takes padded rows"
   elif cfg.model.family != "decoder":
     why = f"packed rows need a decoder-only model; model.family={cfg.model.family!r} is not one"
-  elif num_processes > 1:
-    why = f"the packing plan is made on one host so far; this run has {num_processes} processes"
   else:
     platform = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend()
     # GPU's segment kernel (attention.triton_attention) has no window or soft-cap: such

@@ -368,6 +368,28 @@ def test_micro_batch_at_least_the_step_rows_means_all_rows_at_once():
   assert errors_of(config)[0].startswith("micro_batch_size=4: not divisible by the data-parallel")
 
 
+def test_micro_batch_tokens_is_one_row_per_device_or_more_and_alone():
+  """micro_batch_tokens (rl/packing.py: MicroBatching): not beside micro_batch_size, and at
+  least one row of P + C slots per data-parallel device; each a line with its fix."""
+  config = load("tiny")  # P 6 + C 7 = 13 slots a row, micro_batch_size 32, 8 devices
+  with config.unlocked():
+    config.micro_batch_tokens = 8 * 13
+  assert errors_of(config) == [
+      "micro_batch_tokens=104: micro-batches are by tokens or by rows, and micro_batch_size=32 "
+      "is set too. Fix: set one of them to 0."
+  ]
+  with config.unlocked():
+    config.micro_batch_size, config.micro_batch_tokens = 0, 8 * 13 - 1
+  assert errors_of(config) == [
+      "micro_batch_tokens=103: holds less than one row of max_prompt_length + "
+      "max_completion_length = 13 slots per data-parallel device (8). Fix: use at least 104 "
+      "(or 0 for micro-batches by micro_batch_size)."
+  ]
+  with config.unlocked():
+    config.micro_batch_tokens, config.pack_sequences = 8 * 13, True
+  assert errors_of(config) == []
+
+
 def test_disaggregated_placement_is_checked_against_the_trainer_half():
   """placement=disaggregated: an uneven split is one line with the fix; the mesh is checked
   against the trainer's half of the devices; vLLM is refused."""

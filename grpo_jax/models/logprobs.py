@@ -17,6 +17,8 @@ top-p truncation).
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.parallel import sharding
+
 
 def token_logprobs(
     logits_btv: jax.Array, tokens_bt: jax.Array, temperature: float = 1.0
@@ -164,15 +166,18 @@ def packed_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 256,
     remat: bool | None = None,
+    shards: int = 1,
 ) -> jax.Array:
-  """Log-probs [R, L] of the tokens at `head_slots_hs` (flat slots of the R x L rows, any shape;
-  R * L pads) of packed rows (rl/packing.py), each given the tokens before it in its sequence,
-  0 elsewhere. The LM head runs only there: the completion tokens (rl/packing.py: pack), not
-  every slot of the rows (their prompt tokens and padding). A slot's token is predicted from
-  the slot before it, so a slot must not be a sequence's first. remat: as
-  `completion_logprobs`."""
+  """Log-probs [R, L] of the tokens at `head_slots_hs` [H, L] of packed rows (rl/packing.py),
+  each given the tokens before it in its sequence, 0 elsewhere. The rows and the head's rows
+  split into `shards` blocks (the data-parallel shards: rl/packing.py packs each shard's
+  sequences in its own rows): head row block d holds flat slots of row block d (R / shards * L
+  pads), so the head's gather never crosses a shard. The LM head runs only there: the
+  completion tokens (rl/packing.py: pack), not every slot of the rows (their prompt tokens and
+  padding). A slot's token is predicted from the slot before it, so a slot must not be a
+  sequence's first. remat: as `completion_logprobs`."""
   h = model.packed_hidden(input_ids_rl, segment_ids_rl, positions_rl)
-  return _packed_head(model, h, input_ids_rl, head_slots_hs, temperature, chunk_size, remat)
+  return _packed_head(model, h, input_ids_rl, head_slots_hs, temperature, chunk_size, remat, shards)
 
 
 def packed_logprobs_routed(
@@ -185,33 +190,51 @@ def packed_logprobs_routed(
     temperature: float = 1.0,
     chunk_size: int = 256,
     remat: bool | None = None,
+    shards: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
   """`packed_logprobs` of an MoE decoder with routing replay: routes [R, L, L_moe, k] (-1 = the
   token's own top-k), slot for slot with the packed tokens (Transformer.packed_hidden_routed).
   -> (log-probs [R, L], own [R, L, L_moe, k] int32: the MoE layers' own top-k)."""
   h, own = model.packed_hidden_routed(input_ids_rl, segment_ids_rl, positions_rl, routes_rllk)
-  logp = _packed_head(model, h, input_ids_rl, head_slots_hs, temperature, chunk_size, remat)
+  logp = _packed_head(model, h, input_ids_rl, head_slots_hs, temperature, chunk_size, remat, shards)
   return logp, own
 
 
-def _packed_head(model, h_rld, input_ids_rl, head_slots_hs, temperature, chunk_size, remat):
-  """The LM head's log-probs [R, L] of the tokens at head_slots from the slots before them."""
+def _packed_head(model, h_rld, input_ids_rl, head_slots_hs, temperature, chunk_size, remat, shards):
+  """The LM head's log-probs [R, L] of the tokens at head_slots from the slots before them,
+  gathered and scattered per shard (a vmap over a leading [shards] axis, which XLA partitions
+  along it: no hidden state moves between devices)."""
   if remat is None:
     remat = model.cfg.remat_policy != "none"
   r, l = input_ids_rl.shape
-  slot = jnp.minimum(head_slots_hs, r * l - 1)
+  h, d = head_slots_hs.shape[0], h_rld.shape[-1]
+  size = r // shards * l  # slots per shard
+  slot_kx = head_slots_hs.reshape(shards, -1)  # [shards, H / shards * L]
+  slot = jnp.minimum(slot_kx, size - 1)
+  take = jax.vmap(lambda x, i: x[i])
+  hidden = take(_blocks(h_rld, shards, size), jnp.maximum(slot - 1, 0))  # the slot before's
   logp = chunked_token_logprobs(
-      h_rld.reshape(r * l, -1)[jnp.maximum(slot - 1, 0)],  # [*head, D]: the hidden state before
+      _rows(hidden, h, l),  # [H, L, D]
       model.unembedding(),
-      input_ids_rl.reshape(-1)[slot],
+      take(_blocks(input_ids_rl, shards, size), slot).reshape(h, l),
       temperature,
       chunk_size,
       remat,
       getattr(model.cfg, "final_logit_softcap", 0.0),
   )
-  flat = (
-      jnp.zeros((r * l,), jnp.float32)
-      .at[head_slots_hs.reshape(-1)]
-      .set(logp.reshape(-1), mode="drop")
+  flat = jax.vmap(lambda i, v: jnp.zeros((size,), jnp.float32).at[i].set(v, mode="drop"))(
+      slot_kx, _blocks(logp, shards, -1)
   )
-  return flat.reshape(r, l)
+  return _rows(flat, r, l)
+
+
+def _blocks(x, shards: int, size: int):
+  """[R, L, ...] rows -> [shards, R / shards * L, ...]: each shard's slots, flat."""
+  x = x.reshape(shards, size, *x.shape[2:])
+  return sharding.constrain(x, "batch", *[None] * (x.ndim - 1))
+
+
+def _rows(x, r: int, l: int):
+  """[shards, ..., ...] -> [R, L, ...] rows (the inverse of `_blocks`)."""
+  x = x.reshape(r, l, *x.shape[2:])
+  return sharding.constrain(x, "batch", *[None] * (x.ndim - 1))

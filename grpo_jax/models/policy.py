@@ -63,8 +63,9 @@ class Policy:
   # adapters). None: the reference is a copy (as_reference).
   reference: Callable | None = None
   # Packed rows (rl/packing.py): (params, input_ids [R, L], segment_ids [R, L], positions
-  # [R, L], head_slots, temperature) -> [R, L], the log-prob of each token at head_slots (flat
-  # slots) given its sequence before it
+  # [R, L], head_slots, temperature, shards=1) -> [R, L], the log-prob of each token at
+  # head_slots (flat slots within each of `shards` blocks of rows: the data-parallel shards)
+  # given its sequence before it
   # (models/logprobs.py: packed_logprobs). None: the policy trains on padded rows only.
   packed_logprobs: Callable | None = None
   # Routing replay (an MoE native decoder; rl/replay.py): (params, input_ids [B,S],
@@ -72,7 +73,7 @@ class Policy:
   # [B, C], the MoE layers' own top-k [B, S, L_moe, k]). None: no MoE layers to replay.
   routed_logprobs: Callable | None = None
   # Routing replay on packed rows: (params, input_ids, segment_ids, positions [R, L],
-  # head_slots, routes [R, L, L_moe, k], temperature) -> (log-probs [R, L], own top-k [R, L,
+  # head_slots, routes [R, L, L_moe, k], temperature, shards=1) -> (log-probs [R, L], own top-k [R, L,
   # L_moe, k]) (models/logprobs.py: packed_logprobs_routed). None: no MoE layers to replay.
   packed_routed_logprobs: Callable | None = None
 
@@ -150,9 +151,15 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
         nnx.merge(graphdef, params), input_ids, attention_mask, completion_len, temperature
     )
 
-  def packed(params, input_ids, segment_ids, positions, head_slots, temperature=1.0):
+  def packed(params, input_ids, segment_ids, positions, head_slots, temperature=1.0, shards=1):
     return packed_logprobs(
-        nnx.merge(graphdef, params), input_ids, segment_ids, positions, head_slots, temperature
+        nnx.merge(graphdef, params),
+        input_ids,
+        segment_ids,
+        positions,
+        head_slots,
+        temperature,
+        shards=shards,
     )
 
   def routed(params, input_ids, attention_mask, routes, completion_len, temperature=1.0):
@@ -160,9 +167,18 @@ def native_policy(config, mesh, *, abstract: bool = False) -> Policy:
         nnx.merge(graphdef, params), input_ids, attention_mask, routes, completion_len, temperature
     )
 
-  def packed_routed(params, input_ids, segment_ids, positions, head_slots, routes, temp=1.0):
+  def packed_routed(
+      params, input_ids, segment_ids, positions, head_slots, routes, temp=1.0, shards=1
+  ):
     return packed_logprobs_routed(
-        nnx.merge(graphdef, params), input_ids, segment_ids, positions, head_slots, routes, temp
+        nnx.merge(graphdef, params),
+        input_ids,
+        segment_ids,
+        positions,
+        head_slots,
+        routes,
+        temp,
+        shards=shards,
     )
 
   def save(params, path):

@@ -151,3 +151,16 @@ def barrier(name: str):
   """Every process waits here until all have arrived (no-op on one process)."""
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
+
+
+def sharded_rows(value, mesh) -> jax.Array:
+  """A host value that every process holds whole -> one global array with rows sharded over
+  (data, fsdp, expert), each process providing its own shards (an explicit transfer)."""
+  value = np.asarray(value)
+  with jax.transfer_guard_host_to_device("allow"):  # on purpose (the loop's transfer guard)
+    return jax.make_array_from_callback(
+        value.shape,
+        sharding.batch_sharding(mesh, value.ndim),
+        lambda index: value[index],
+        dtype=value.dtype,
+    )

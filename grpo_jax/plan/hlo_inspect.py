@@ -7,6 +7,7 @@ or XLA's *after_optimizations.txt dump; memory_plan --dump_hlo writes them). Pur
     sorts(hlo, within=decode.reach)       # sorts (XLA's, cub's) run per step, operand shapes
     copies(hlo, within=decode.reach)      # copies per step and their bytes
     square_arrays(hlo, 144)               # f32 [..., 144, 144] arrays: attention scores
+    collectives(hlo)                      # all-gathers, all-reduces, ... (largest_array: size)
 
 Each `Op` names its computation, instruction and opcode (custom calls: their target too), its
 result type and its operands' types. `within` is a set of computation names; None = every
@@ -270,6 +271,28 @@ def all_to_alls(hlo: str) -> list[Op]:
   start)."""
   kinds = ("all-to-all", "all-to-all-start", "ragged-all-to-all")
   return [o for ops in parse(hlo).values() for o in ops if o.opcode in kinds]
+
+
+COLLECTIVES = (
+    "all-gather",
+    "all-reduce",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "reduce-scatter",
+)
+
+
+def collectives(hlo: str) -> list[Op]:
+  """Cross-device collectives (an asynchronous pair counted once, by its start): all-gather,
+  all-reduce, all-to-all, collective-permute, reduce-scatter."""
+  kinds = COLLECTIVES + tuple(k + "-start" for k in COLLECTIVES)
+  return [o for ops in parse(hlo).values() for o in ops if o.opcode in kinds]
+
+
+def largest_array(op: Op) -> int:
+  """Elements of the largest array among an op's result and operands."""
+  return max((math.prod(shape) for _, shape in _shapes(op)), default=0)
 
 
 def dense_expert_dots(hlo: str, rows: int, width: int) -> list[Op]:

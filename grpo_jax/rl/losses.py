@@ -269,8 +269,9 @@ def micro_batch_weight(
   batch's mask) and `total_rows` (its B) describe the whole batch. Summing
   `micro_batch_weight * aggregate(micro)` over a partition of the rows gives
   `aggregate(whole)`, so accumulated gradients do not depend on the micro-batch size. Packed
-  rows (`seqs` a `Segments`): `total_rows` is the batch's sequence count and the micro-batch's
-  rows are its `seqs.count` sequences.
+  rows (`seqs` a `Segments`): `total_rows` is the batch's sequence count N and so is
+  `seqs.count` in every micro-batch (rl/packing.py: a micro-batch may hold any sequences; those
+  it lacks sum to 0), so the seq-mean modes weigh each micro-batch 1 and divide by N.
   """
   m = mask_bt.astype(jnp.float32)
   w = _agg_mode(mode).weight(seqs.per_sequence(m, m)[1], total_tokens, total_rows)

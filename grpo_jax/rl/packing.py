@@ -7,46 +7,58 @@
 
 A rollout batch is N [prompt (left-padded to P); completion (right-padded to C)] rows, most of
 them padding when lengths are long-tailed. Packing moves each sequence's real tokens, in order,
-into rows of S = P + C slots, several sequences per row (first-fit decreasing: `plan_rows`,
-host-side numpy, deterministic, no sequence split), then gathers every array on the device
-(`pack`): input_ids, segment_ids (0 = padding, else the sequence's index within its
-micro-batch + 1, unique in its row), positions restarting at 0 in each sequence (the padded
-layout's `cumsum(mask) - 1`, so RoPE and sliding windows see the same numbers), and every
-per-token field (completion mask, old / reference / sampler log-probs, the advantage of its
-sequence, routing replay's recorded experts: rl/replay.py) moved with its token. The decoder
-attends within a segment only (models/decoder/layers.py: `Block.forward`), and the losses sum
-per sequence by segment (rl/losses.py: `Segments`), so every aggregation mode, GSPO's sequence
-ratio, KL, TIS and the advantage clip give the padded layout's loss and gradients.
+into rows of S = P + C slots, several sequences per row, then gathers every array on the
+device (`pack`): input_ids, segment_ids (0 = padding, else the sequence's index in the batch +
+1: unique in the batch), positions restarting at 0 in each sequence (the padded layout's
+`cumsum(mask) - 1`, so RoPE and sliding windows see the same numbers), and every per-token
+field (completion mask, old / reference / sampler log-probs, the advantage of its sequence,
+routing replay's recorded experts: rl/replay.py) moved with its token. The decoder attends
+within a segment only (models/decoder/layers.py: `Block.forward`), and the losses sum per
+sequence by segment (rl/losses.py: `Segments`, N sequences in every micro-batch), so every
+aggregation mode, GSPO's sequence ratio, KL, TIS and the advantage clip give the padded
+layout's loss and gradients.
 
-Micro-batches: the sequences of micro-batch k are those the padded layout gives it (rows k,
-k + n, k + 2n, ...; rl/step.py: accumulate_gradients), packed among themselves into the same
-number of rows per micro-batch, laid out so that packed row r * n + k belongs to micro-batch k:
-the strided split of rl/step.py then hands every micro-batch its own sequences, and per-sequence
-normalizers stay global (`micro_batch_weight`).
+Per data-parallel shard: the padded rows shard over the mesh's batch axes (D = `batch_shards`
+shards, shard d holding rows [d N/D, (d+1) N/D)), and each shard packs the sequences it holds
+(`plan_rows`: first-fit decreasing over the shard's own sequences, host-side numpy,
+deterministic, no sequence split) into the same number of rows R_local, laid out shard-major
+(packed row d R_local + j is shard d's row j), so the packed batch shards over the same axes
+as the padded one. The gather, the LM head's gather of completion slots (models/logprobs.py:
+_packed_head) and `unpack` run per shard (a vmap over an explicit leading [D] axis, which XLA
+partitions along it): packing moves no sequence and no hidden state between devices
+(tests/rl/test_packing.py reads the compiled HLO). On 2+ processes every process reads the N
+lengths (a replicated array), makes the same plan and provides its own shards of it.
+
+Micro-batches (`MicroBatching`): micro-batch i is the packed rows i, i + n, i + 2n, ... (the
+strided split of rl/step.py: accumulate_gradients), so each shard's local rows j = i mod n;
+any sequences may share a micro-batch, as every per-sequence normalizer counts the batch's N
+sequences (`PackedLayout`). By rows (config.micro_batch_size) the count n is fixed and each
+micro-batch gets the rows it needs; by tokens (config.micro_batch_tokens) a micro-batch holds
+at most `micro_batch_tokens // S` rows over all devices and n is what the packed rows need.
 
 The LM head: a packed row's slots are mostly prompt tokens and padding, and the head's
 [D, V] product is the biggest single matmul of a small model, so it runs only on the
 completion tokens' slots (`head_slots`, gathered before the head: models/logprobs.py:
-packed_logprobs), in whole rows of S slots per micro-batch (`head_rows`).
+packed_logprobs), in whole rows of S slots per micro-batch and shard.
 
-Static shapes: the packed row count per micro-batch, and the head's, is rounded up to one of at
-most `NUM_BUCKETS` sizes (the padded count x 2^(-k/4), in whole data-parallel shares: at most
-~19% over the rows needed at any fill; even eighths of the padded count, tried first, issued
-1.4x the rows needed at GSM8K's fill, benchmarks/README.md "Packed update"), so a prompt width
-compiles at most NUM_BUCKETS^2 update, log-prob and gather programs (in practice a few: a
-batch's token count varies little, and the two counts move together); the Packer logs each new
-one. Small batches
-on many devices gain little: with one row per device per micro-batch (a share is the padded
-count) nothing can be removed.
+Static shapes: a shard's packed row count per micro-batch, the head's, and the micro-batch
+count by tokens are each rounded up to one of at most `NUM_BUCKETS` sizes (`bucket`: the padded
+count x 2^(-k/4): at most ~19% over the rows needed at any fill; figures: benchmarks/README.md
+"Packed update"), so a prompt width compiles a few update, log-prob and gather programs (a
+batch's token count varies little, and the counts move together); the Packer logs each new
+shape and how many it has met. Small batches on many devices gain little: with one row per
+shard per micro-batch nothing can be removed.
 """
 
 import dataclasses
+import functools
 
 from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax.parallel import multihost
 from grpo_jax.parallel import sharding
 from grpo_jax.rl import losses
 
@@ -73,11 +85,11 @@ def first_fit_decreasing(lengths_n: np.ndarray, budget: int) -> tuple[np.ndarray
   return row, offset, used
 
 
-def bucket(rows_needed: int, rows_padded: int, row_multiple: int) -> int:
+def bucket(rows_needed: int, rows_padded: int, row_multiple: int = 1) -> int:
   """The packed row count for `rows_needed`: the smallest of the bucket sizes that holds it.
-  Sizes, in whole data-parallel shares of `row_multiple` rows: the padded count times
-  2^(-k/4), k < NUM_BUCKETS, rounded up (each at most 19% over the one below it, so the rows
-  issued are at most ~1.19x the rows needed, whatever the fill)."""
+  Sizes, in whole shares of `row_multiple` rows: the padded count times 2^(-k/4),
+  k < NUM_BUCKETS, rounded up (each at most 19% over the one below it, so the rows issued are
+  at most ~1.19x the rows needed, whatever the fill)."""
   shares = -(-rows_padded // row_multiple)
   need = -(-max(rows_needed, 1) // row_multiple)
   sizes = sorted({-(-shares * 2 ** (-k / 4) // 1) for k in range(NUM_BUCKETS)})
@@ -85,60 +97,173 @@ def bucket(rows_needed: int, rows_padded: int, row_multiple: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class MicroBatching:
+  """How a step's rows split into micro-batches over D = `shards` data-parallel shards: by rows
+  (config.micro_batch_size: `count` micro-batches every step) or by tokens
+  (config.micro_batch_tokens = `tokens`: slots, padding included, per micro-batch over all
+  devices; a micro-batch of rows of S slots holds tokens // S rows rounded down to a multiple
+  of D, at least D)."""
+
+  shards: int = 1
+  count: int = 1
+  tokens: int = 0
+
+  def shard_rows(self, width: int) -> int:
+    """By tokens: the rows of `width` slots a shard holds in one micro-batch."""
+    return max(1, self.tokens // width // self.shards)
+
+  def padded_count(self, rows: int, width: int) -> int:
+    """The micro-batches of `rows` padded rows of `width` slots: `count`; by tokens, the fewest
+    of at most `shard_rows` rows per shard that split each shard's rows evenly."""
+    if not self.tokens:
+      return self.count
+    local = rows // self.shards
+    n = -(-local // self.shard_rows(width))
+    while local % n:
+      n += 1
+    return n
+
+  def packed(self, used: int, local: int, width: int) -> tuple[int, int]:
+    """(micro-batches n, packed rows per micro-batch per shard) for `used` packed rows on the
+    fullest shard, of `local` padded rows per shard. By rows: n = `count`, the rows bucketed
+    under the padded count; by tokens: n bucketed under the count the padded rows would
+    need, the rows bucketed under `shard_rows`."""
+    if self.tokens:
+      cap = min(self.shard_rows(width), local)
+      n = bucket(-(-used // cap), -(-local // cap))
+    else:
+      n, cap = self.count, local // self.count
+    return n, bucket(-(-used // n), cap)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class MicroBatches:
+  """A packed batch's micro-batch count, as static pytree data: it rides in the batch (no
+  leaves), so each count is its own compiled update program."""
+
+  count: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
-  """Where each of N sequences goes: row_of [N] (its packed row), offset_of [N] (its first
-  slot there), rows (R, all micro-batches), rows_per_micro; fill = real tokens / R * S."""
+  """Where each of N sequences goes: row_of [N] (its packed row among its shard's
+  rows_per_shard), offset_of [N] (its first slot there); rows = shards x rows_per_shard (R, all
+  micro-batches), num_micro micro-batches, head_rows (H: the LM head's rows, all shards and
+  micro-batches); fill = real tokens / R * S."""
 
   row_of: np.ndarray
   offset_of: np.ndarray
+  shards: int
   rows: int
-  rows_per_micro: int
+  num_micro: int
+  head_rows: int
   fill: float
 
+  @property
+  def rows_per_shard(self) -> int:
+    return self.rows // self.shards
 
-def plan_rows(lengths_n, budget: int, *, num_micro: int = 1, row_multiple: int = 1) -> Plan:
-  """First-fit decreasing per micro-batch (sequences k, k + n, ... for micro-batch k of n), the
-  same bucketed row count for each, micro-batch k's row r at packed row r * n + k."""
+
+def plan_rows(
+    lengths_n, budget: int, micro: MicroBatching = MicroBatching(), completion_n=None
+) -> Plan:
+  """First-fit decreasing per shard (the sequences [d N/D, (d+1) N/D) of shard d of
+  `micro.shards`), the same bucketed row count R_local = n x rows per micro-batch for every
+  shard (`MicroBatching.packed`). The LM head's rows (`completion_n` [N]: each sequence's
+  completion tokens): each micro-batch's completion tokens on its fullest shard, in whole
+  rows, bucketed as the packed rows are (so at most those); None: every packed row."""
   lengths_n = np.asarray(lengths_n, np.int64)
-  n_seq = lengths_n.size
-  if n_seq % num_micro:
-    raise ValueError(f"{num_micro} micro-batches do not divide {n_seq} sequences")
-  parts = [first_fit_decreasing(lengths_n[k::num_micro], budget) for k in range(num_micro)]
-  per_micro = bucket(max(p[2] for p in parts), n_seq // num_micro, row_multiple)
-  row_of, offset_of = np.zeros(n_seq, np.int32), np.zeros(n_seq, np.int32)
-  for k, (row, offset, _) in enumerate(parts):
-    row_of[k::num_micro] = row * num_micro + k
-    offset_of[k::num_micro] = offset
-  rows = per_micro * num_micro
-  return Plan(row_of, offset_of, rows, per_micro, float(lengths_n.sum()) / (rows * budget))
-
-
-def head_rows(completion_n, budget: int, *, num_micro: int = 1, row_multiple: int = 1) -> int:
-  """Rows of `budget` slots the LM head runs on (all micro-batches): each micro-batch's real
-  completion tokens (of `completion_n` [N], sequences k, k + n, ... for micro-batch k), in
-  whole rows, bucketed as the packed rows are (so at most those)."""
-  completion_n = np.asarray(completion_n, np.int64)
-  most = max(completion_n[k::num_micro].sum() for k in range(num_micro))
-  needed = -(-int(most) // budget)
-  return bucket(needed, completion_n.size // num_micro, row_multiple) * num_micro
+  shards, n_seq = micro.shards, lengths_n.size
+  if n_seq % shards:
+    raise ValueError(f"{shards} shards do not divide {n_seq} sequences")
+  local = n_seq // shards
+  parts = [
+      first_fit_decreasing(lengths_n[d * local : (d + 1) * local], budget) for d in range(shards)
+  ]
+  row_of = np.concatenate([p[0] for p in parts]).astype(np.int32)
+  offset_of = np.concatenate([p[1] for p in parts]).astype(np.int32)
+  num_micro, per_micro = micro.packed(max(p[2] for p in parts), local, budget)
+  rows = shards * num_micro * per_micro
+  heads = rows
+  if completion_n is not None:  # completion tokens of each (shard, micro-batch)
+    tokens = np.zeros((shards, num_micro), np.int64)
+    np.add.at(tokens, (np.arange(n_seq) // local, row_of % num_micro), completion_n)
+    heads = shards * num_micro * bucket(-(-int(tokens.max()) // budget), per_micro)
+  fill = float(lengths_n.sum()) / (rows * budget)
+  return Plan(row_of, offset_of, shards, rows, num_micro, heads, fill)
 
 
 # ----------------------------------------------------------------------- the gather (device)
 
 
+def _per_shard(x: jax.Array, shards: int) -> jax.Array:
+  """[D * n, ...] rows -> [D, n, ...], the leading axis over the mesh's batch axes."""
+  x = x.reshape(shards, x.shape[0] // shards, *x.shape[1:])
+  return sharding.constrain(x, "batch", *[None] * (x.ndim - 1))
+
+
+def _whole(x: jax.Array) -> jax.Array:
+  """[D, n, ...] -> [D * n, ...] rows, sharded over the batch axes."""
+  return sharding.constrain(x.reshape(-1, *x.shape[2:]), "batch", *[None] * (x.ndim - 2))
+
+
+# The padded batch's arrays that `pack` moves (each present one, [N, ...])
+_FIELDS = (
+    "input_ids",
+    "attention_mask",
+    "completion_mask",
+    "advantages",
+    "old_logp",
+    "ref_logp",
+    "sampler_logp",
+    "routes",
+)
+
+
 def pack(
-    upd: dict, row_of_n, offset_of_n, *, rows: int, num_micro: int, head_rows: int | None = None
+    upd: dict,
+    row_of_n,
+    offset_of_n,
+    *,
+    shards: int = 1,
+    rows: int,
+    num_micro: int = 1,
+    head_rows: int | None = None,
 ) -> dict:
   """The padded update batch (rl/step.py: assemble, [N, S] and [N, C] arrays, advantages [N],
   optional old_logp / ref_logp / sampler_logp [N, C], optional routes [N, S, L_moe, k]) as
-  R = `rows` packed rows of S slots.
+  R = `rows` packed rows of S slots, each of `shards` shards packing its own rows
+  (`plan_rows`: row_of_n is a sequence's row among its shard's R / shards).
 
   -> input_ids, segment_ids, positions, completion_mask, advantages (each token its
   sequence's) and the given log-prob fields, all [R, S]; routes [R, S, L_moe, k] when given
   (routing replay: each token's recorded experts, -1 on padding slots); head_slots [H, S]
-  (`head_slots`: where the LM head runs; H = `head_rows`, default R: room for every slot); and
-  "sequences": what the per-sequence views need (`per_sequence`, `unpack`): advantages [N],
-  slot [N, C] (the flat packed slot of each completion token; R * S where it has none)."""
+  (`_head_slots`: where the LM head runs; H = `head_rows`, default R: room for every slot);
+  and "sequences": what the per-sequence views need (`per_sequence`, `unpack`): advantages
+  [N], slot [N, C] (the flat slot of each completion token among its shard's packed rows;
+  R / shards * S where it has none), kl_mask [N, C]."""
+  n, c = upd["completion_mask"].shape
+  fields = {k: upd[k] for k in _FIELDS if k in upd}
+  shard = functools.partial(
+      _pack_shard,
+      rows=rows // shards,
+      num_micro=num_micro,
+      head_rows=(head_rows or rows) // shards,
+  )
+  per = lambda x: _per_shard(x, shards)  # noqa: E731
+  seq_n = jnp.arange(n, dtype=jnp.int32)
+  out = jax.vmap(shard)(jax.tree.map(per, fields), per(seq_n), per(row_of_n), per(offset_of_n))
+  out = jax.tree.map(_whole, out)
+  # kl_mask (assemble's): the policy's tokens, which the KL penalty sums (not tool responses)
+  kl_mask = upd.get("kl_mask", upd["attention_mask"][:, -c:])
+  out["sequences"] = dict(advantages=upd["advantages"], slot=out.pop("slot"), kl_mask=kl_mask)
+  return out
+
+
+def _pack_shard(upd, seq_n, row_of_n, offset_of_n, *, rows, num_micro, head_rows) -> dict:
+  """`pack` of one shard's n rows into its `rows` packed rows (segment ids: seq_n + 1, the
+  sequences' indices in the batch); "slot" [n, C]: each completion token's flat packed slot."""
   ids_ns, real_ns = upd["input_ids"], upd["attention_mask"] != 0
   n, s = ids_ns.shape
   c = upd["completion_mask"].shape[1]
@@ -165,59 +290,66 @@ def pack(
 
   out = dict(
       input_ids=take(ids_ns),
-      segment_ids=jnp.where(valid, seq // num_micro + 1, 0).reshape(rows, s).astype(jnp.int32),
+      segment_ids=jnp.where(valid, seq_n[seq] + 1, 0).reshape(rows, s).astype(jnp.int32),
       positions=take(pos_ns),
       completion_mask=take_completion(upd["completion_mask"]),
       advantages=jnp.where(valid, upd["advantages"][seq], 0.0).reshape(rows, s),
+      head_slots=_head_slots(in_completion.reshape(rows, s), num_micro, head_rows),
+      slot=dest_ns[:, s - c :],
   )
   for key in ("old_logp", "ref_logp", "sampler_logp"):
     if key in upd:
       out[key] = take_completion(upd[key])
   if "routes" in upd:  # routing replay (rl/replay.py): each token's recorded experts with it
-    routes = upd["routes"]  # [N, S, L_moe, k]
+    routes = upd["routes"]  # [n, S, L_moe, k]
     flat = routes.reshape(n * s, *routes.shape[2:])
     out["routes"] = jnp.where(valid[:, None, None], flat[src], -1).astype(routes.dtype)
     out["routes"] = out["routes"].reshape(rows, s, *routes.shape[2:])
-  # The completion tokens' slots within their micro-batch's rows (packed row r * n + k is row r
-  # of micro-batch k), each micro-batch's sorted and padded with its rows' slot count.
-  local_n = (row_of_n.astype(jnp.int32) // num_micro) * s + offset_of_n.astype(jnp.int32)
-  size_micro = rows // num_micro * s
-  local_nc = jnp.where(real_ns[:, s - c :], local_n[:, None] + pos_ns[:, s - c :], size_micro)
-  per_micro = (head_rows or rows) // num_micro * s
-  slots = []
-  for k in range(num_micro):
-    mine = jnp.sort(local_nc[k::num_micro].reshape(-1))[:per_micro]
-    slots.append(jnp.pad(mine, (0, per_micro - mine.size), constant_values=size_micro))
-  out["head_slots"] = jnp.stack(slots).reshape(num_micro, -1, s).swapaxes(0, 1).reshape(-1, s)
-  # kl_mask (assemble's): the policy's tokens, which the KL penalty sums (not tool responses)
-  kl_mask = upd.get("kl_mask", real_ns[:, s - c :].astype(jnp.int32))
-  out["sequences"] = dict(advantages=upd["advantages"], slot=dest_ns[:, s - c :], kl_mask=kl_mask)
   return out
 
 
-def unpack(x_rl: jax.Array, slot_nc: jax.Array) -> jax.Array:
+def _head_slots(completion_rs, num_micro: int, head_rows: int) -> jax.Array:
+  """The slots of a shard's completion tokens (`completion_rs` [rows, S]) per micro-batch, flat
+  within the micro-batch's rows (its row r is the shard's row r n + k), in order, padded with
+  the micro-batch's slot count; head row h n + k is micro-batch k's row h. -> [head_rows, S]."""
+  rows, s = completion_rs.shape
+  mine = completion_rs.reshape(rows // num_micro, num_micro, s).swapaxes(0, 1)
+  mine = mine.reshape(num_micro, -1)  # [n, rows / n * S]: micro-batch k's slots
+  per_micro = head_rows // num_micro * s
+  slots = jax.vmap(lambda m: jnp.nonzero(m, size=per_micro, fill_value=m.size)[0])(mine)
+  slots = slots.astype(jnp.int32).reshape(num_micro, head_rows // num_micro, s)
+  return slots.swapaxes(0, 1).reshape(head_rows, s)
+
+
+def unpack(x_rl: jax.Array, slot_nc: jax.Array, shards: int = 1) -> jax.Array:
   """A packed per-token array [R, L] back in the rollout's completion layout [N, C] (0 where
-  a completion slot holds no token)."""
-  size = x_rl.size
-  return jnp.where(slot_nc < size, x_rl.reshape(-1)[jnp.minimum(slot_nc, size - 1)], 0)
+  a completion slot holds no token); slot_nc: `pack`'s, flat in each shard's rows."""
+  size = x_rl.size // shards
+  x = _per_shard(x_rl, shards).reshape(shards, size)
+  slot = _per_shard(slot_nc, shards).reshape(shards, -1)
+  got = jax.vmap(lambda a, i: a[jnp.minimum(i, size - 1)])(x, slot).reshape(slot_nc.shape)
+  return jnp.where(slot_nc < size, got, 0)
 
 
-def global_slots(head_slots_hs: jax.Array, *, rows: int, num_micro: int) -> jax.Array:
-  """`pack`'s head_slots (flat slots within their micro-batch's rows; head row h * n + k is
-  micro-batch k's) as flat slots of all R rows (R * S where there is none): what a pass over
-  the whole batch takes."""
+def spread(values_n: jax.Array, segment_ids_rl: jax.Array, shards: int = 1) -> jax.Array:
+  """[R, L]: each token its sequence's value of `values_n` [N] (0 on padding), taken within
+  the shard (a shard's rows hold only its own sequences)."""
+  local = values_n.shape[0] // shards
+  seg = _per_shard(segment_ids_rl, shards)
+  got = jax.vmap(lambda v, i: v[(i - 1) % local])(_per_shard(values_n, shards), seg)
+  return _whole(jnp.where(seg > 0, got, 0))
+
+
+def global_slots(head_slots_hs: jax.Array, *, rows: int, num_micro: int, shards: int = 1):
+  """`pack`'s head_slots (flat slots within their micro-batch's rows of their shard; head row
+  h * n + k of a shard is micro-batch k's) as flat slots of all the shard's rows (R / shards *
+  S where there is none): what a pass over the whole batch takes. rows: R, all shards'."""
   s = head_slots_hs.shape[1]
-  size_micro = rows // num_micro * s
+  rows_local = rows // shards
+  size_micro = rows_local // num_micro * s
   k_h = jnp.arange(head_slots_hs.shape[0], dtype=jnp.int32)[:, None] % num_micro
   glob = ((head_slots_hs // s) * num_micro + k_h) * s + head_slots_hs % s
-  return jnp.where(head_slots_hs < size_micro, glob, rows * s)
-
-
-def sequence_index(segment_ids_rl: jax.Array, num_micro: int) -> jax.Array:
-  """[R, L]: each token's sequence in the whole batch (row i of the padded layout): segment j
-  of a row of micro-batch k (packed row r * n + k) is sequence j * n + k; padding gets 0."""
-  k_r = jnp.arange(segment_ids_rl.shape[0], dtype=jnp.int32) % num_micro
-  return jnp.maximum(segment_ids_rl - 1, 0) * num_micro + k_r[:, None]
+  return jnp.where(head_slots_hs < size_micro, glob, rows_local * s)
 
 
 # ------------------------------------------------------------------ the loss's two layouts
@@ -237,6 +369,9 @@ class PaddedLayout:
   def num_sequences(self, batch: dict) -> int:
     return batch["completion_mask"].shape[0]
 
+  def num_micro(self, batch: dict, micro: MicroBatching) -> int:
+    return micro.padded_count(*batch["input_ids"].shape)
+
 
 PADDED = PaddedLayout()
 
@@ -245,11 +380,11 @@ PADDED = PaddedLayout()
 class PackedLayout:
   """Packed rows (`pack`): `logprob_fn(params, input_ids, segment_ids, positions, head_slots)
   -> [r, L]` (the log-probs at head_slots, the micro-batch's own: `pack`), sequences by
-  segment. seqs_per_micro: the sequences of one micro-batch (all N when the batch is one),
-  whose segment ids are 1..seqs_per_micro."""
+  segment: the batch's N = `num_seqs` in every micro-batch (those of other micro-batches have
+  no token there), so a sequence-level denominator is N whatever a micro-batch holds
+  (rl/losses.py: micro_batch_weight gives each micro-batch weight 1 in the seq-mean modes)."""
 
-  seqs_per_micro: int
-  num_micro: int = 1
+  num_seqs: int
 
   def logprobs(self, logprob_fn, params, batch: dict) -> jax.Array:
     return logprob_fn(
@@ -257,18 +392,22 @@ class PackedLayout:
     )
 
   def seqs(self, batch: dict) -> losses.Segments:
-    return losses.Segments(jnp.maximum(batch["segment_ids"] - 1, 0), self.seqs_per_micro)
+    return losses.Segments(jnp.maximum(batch["segment_ids"] - 1, 0), self.num_seqs)
 
   def num_sequences(self, batch: dict) -> int:
     del batch
-    return self.seqs_per_micro * self.num_micro
+    return self.num_seqs
+
+  def num_micro(self, batch: dict, micro: MicroBatching) -> int:
+    del micro
+    return batch["micro_batches"].count
 
 
 # ------------------------------------------------------------------------ the loop's object
 
 
 def batch_shards(mesh) -> int:
-  """Devices the rows shard over (sharding.batch_sharding): packed row counts are multiples."""
+  """Devices the rows shard over (sharding.batch_sharding): the shards that pack their own."""
   return int(np.prod([mesh.shape[a] for a in sharding.BATCH_AXES if a in mesh.shape]))
 
 
@@ -294,52 +433,61 @@ class Padded:
 
 class Packer(Padded):
   """Packed rows (pack_sequences=True): the plan on the host from the N sequences' lengths (one
-  explicit [N] read), the gather and the log-prob passes on the device. fns: rl/step.py's
-  TrainFunctions (pack, packed_logprobs, fold_kl of packed rows)."""
+  explicit read of a replicated [2, N], on every process), the gather and the log-prob passes on
+  the device, per shard. fns: rl/step.py's TrainFunctions (pack, packed_logprobs, fold_kl of
+  packed rows, micro)."""
 
   def __init__(self, config, fns, mesh):
     super().__init__(fns)
-    rows = config.batch_size * config.num_generations
-    self.num_micro = fns.num_micro
-    self.rows_padded = rows
-    self.row_multiple = batch_shards(mesh)
+    self.micro = fns.micro
+    self.rows_padded = config.batch_size * config.num_generations
     self.mesh = mesh
     c = config.max_completion_length
-    # [2, N]: each sequence's real tokens and its completion's
-    self._lengths = jax.jit(lambda m: jnp.stack([(m != 0).sum(-1), (m[:, -c:] != 0).sum(-1)]))
-    self.shapes = set()  # (rows, head rows, width) of the batches met: one program set each
+    # [2, N]: each sequence's real tokens and its completion's, on every device
+    self._lengths = jax.jit(
+        lambda m: jnp.stack([(m != 0).sum(-1), (m[:, -c:] != 0).sum(-1)]),
+        out_shardings=sharding.replicated(mesh),
+    )
+    self.shapes = set()  # (rows, head rows, micro-batches, width) met: one program set each
     self.last_fill = 0.0
+
+  def plan(self, lengths_n, completion_n, width: int) -> Plan:
+    return plan_rows(lengths_n, width, self.micro, completion_n)
 
   def rows(self, upd: dict) -> dict:
     mask = upd["attention_mask"]
-    lengths_n, completion_n = np.asarray(jax.device_get(self._lengths(mask)))  # one read
+    lengths_n, completion_n = np.asarray(multihost.read(self._lengths(mask), self.mesh))
     width = mask.shape[1]
-    plan = plan_rows(lengths_n, width, num_micro=self.num_micro, row_multiple=self.row_multiple)
-    heads = self.head_rows(completion_n, width, plan)
-    if (plan.rows, heads, width) not in self.shapes:
-      self.shapes.add((plan.rows, heads, width))
+    plan = self.plan(lengths_n, completion_n, width)
+    shape = (plan.rows, plan.head_rows, plan.num_micro, width)
+    if shape not in self.shapes:
+      self.shapes.add(shape)
       logging.info(
-          "packed rows: %d x %d, LM head on %d rows (padded %d; fill %.2f); packed shapes so "
-          "far: %d",
+          "packed rows: %d x %d in %d micro-batch(es) over %d shard(s), LM head on %d rows "
+          "(padded %d; fill %.2f); packed shapes so far: %d",
           plan.rows,
           width,
-          heads,
+          plan.num_micro,
+          plan.shards,
+          plan.head_rows,
           self.rows_padded,
           plan.fill,
           len(self.shapes),
       )
     self.last_fill = plan.fill
-    where = jax.device_put((plan.row_of, plan.offset_of), sharding.replicated(self.mesh))
-    return self.fns.pack(upd, *where, plan.rows, heads)
-
-  def head_rows(self, completion_n, width: int, plan: Plan) -> int:
-    """Rows of slots the LM head runs on: the completion tokens' (`head_rows`)."""
-    del plan  # (benchmarks/packed_update.py compares the head on all of the plan's rows)
-    return head_rows(completion_n, width, num_micro=self.num_micro, row_multiple=self.row_multiple)
+    where = [multihost.sharded_rows(x, self.mesh) for x in (plan.row_of, plan.offset_of)]
+    out = self.fns.pack(upd, *where, plan.rows, plan.head_rows, plan.num_micro)
+    out["micro_batches"] = MicroBatches(plan.num_micro)
+    return out
 
   def logprobs(self, params, upd: dict) -> jax.Array:
     return self.fns.packed_logprobs(
-        params, upd["input_ids"], upd["segment_ids"], upd["positions"], upd["head_slots"]
+        params,
+        upd["input_ids"],
+        upd["segment_ids"],
+        upd["positions"],
+        upd["head_slots"],
+        upd["micro_batches"],
     )
 
   def fold_kl(self, upd: dict, rewards_n):

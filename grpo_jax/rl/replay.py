@@ -5,7 +5,8 @@
     logp_nc, own_nslk = policy.routed_logprobs(params, ids, mask, batch["routes"], C, temp)
     route_mismatch(own_nslk, batch["routes"], completion_mask_nc)  # rollout/route_mismatch
     # pack_sequences: rl/packing.py gathers routes with their tokens -> [R, S, L_moe, k]
-    logp_rs, own_rslk = policy.packed_routed_logprobs(params, ids, seg, pos, slots, routes_rslk)
+    logp_rs, own_rslk = policy.packed_routed_logprobs(params, ids, seg, pos, slots, routes_rslk,
+                                                      temp, shards=D)  # D: data-parallel shards
     packed_route_mismatch(own_rslk, routes_rslk, completion_mask_rs)  # the same figure
 
 An MoE policy's sampler and trainer route some tokens to different experts (their numerics
@@ -136,4 +137,5 @@ class RoutedPacker(packing.Packer):
         upd["head_slots"],
         upd["routes"],
         upd["completion_mask"],
+        upd["micro_batches"],
     )

@@ -10,8 +10,10 @@ says how the log-probs are asked for and which tokens make a sequence; the loss 
 Exactness of accumulation: the loss of a batch split into micro-batches equals the loss of the
 whole batch, not a mean of per-micro-batch losses. Each micro-batch's aggregated loss is
 weighted by its share of the denominator of the batch-level aggregation (its token count for
-`token-mean`, its row count otherwise), so gradients do not depend on `micro_batch_size` or on
-how rows are laid out over the mesh.
+`token-mean`, its row count otherwise; packed rows count the batch's N sequences in every
+micro-batch, so their weight is 1), so gradients do not depend on the micro-batches (by rows
+or by tokens: packing.MicroBatching) or on how rows are laid out over the mesh. The metrics
+join exactly too (`METRIC_JOIN`).
 
 `GrpoStep` (at the end) is the loop's steps 4-6 over these functions: advantages, the old and
 reference log-probs, the updates, each in its named phase (run/profiling.py).
@@ -162,6 +164,12 @@ def grpo_micro_loss(
   return loss, dict(metrics, **correction_metrics)
 
 
+# How a micro-batch's metric joins the batch's, exactly: "loss" with the loss's own weight (what
+# is aggregated like it), "max" the largest, "seqs" by its share of the sequences with tokens (a
+# fraction of sequences), and any other (a token mean) by its share of the tokens.
+METRIC_JOIN = {"pg_loss": "loss", "ratio_max": "max", "correction_masked_seq_frac": "seqs"}
+
+
 def accumulate_gradients(
     loss_fn: Callable,
     params,
@@ -175,12 +183,13 @@ def accumulate_gradients(
   `loss_fn(params, micro_batch) -> (loss, metrics)`. Micro-batches are strided views
   (rows i, i + n, i + 2n, ... for micro-batch i) so every data-parallel shard contributes to
   each micro-batch and no cross-device reshuffle is needed. Packed rows (`layout`): micro-batch
-  i's rows hold the sequences the padded layout gives it (rl/packing.py), and the batch-level
-  denominators count sequences, not rows.
+  i's rows hold any of the batch's sequences (rl/packing.py), and the batch-level denominators
+  count sequences, not rows. Metrics join as `METRIC_JOIN` says.
   """
   mask = batch["completion_mask"].astype(jnp.float32)
   total_tokens = mask.sum()
   total_seqs = layout.num_sequences(batch)
+  seqs_with_tokens = (layout.seqs(batch).sums(mask) > 0).sum()
 
   def micro(i_batch):  # (packed rows' head_slots have their own row count)
     return jax.tree.map(
@@ -189,22 +198,27 @@ def accumulate_gradients(
 
   def weighted(params, mb):
     loss, metrics = loss_fn(params, mb)
-    w = losses.micro_batch_weight(
-        agg_mode,
-        mb["completion_mask"].astype(jnp.float32),
-        total_tokens,
-        total_seqs,
-        layout.seqs(mb),
+    mask_mb = mb["completion_mask"].astype(jnp.float32)
+    seqs = layout.seqs(mb)
+    w = losses.micro_batch_weight(agg_mode, mask_mb, total_tokens, total_seqs, seqs)
+    shares = dict(
+        loss=w,
+        tokens=mask_mb.sum() / jnp.maximum(total_tokens, 1.0),
+        seqs=(seqs.sums(mask_mb) > 0).sum() / jnp.maximum(seqs_with_tokens, 1),
     )
-    return loss * w, (loss, metrics, w)
+    return loss * w, (loss, metrics, shares)
 
   grad_fn = jax.value_and_grad(weighted, has_aux=True)
 
+  def join(name, acc, m, shares):
+    how = METRIC_JOIN.get(name, "tokens")
+    return jnp.maximum(acc, m) if how == "max" else acc + shares[how] * m
+
   def body(carry, i):
     grads_acc, loss_acc, metrics_acc = carry
-    (wloss, (_, metrics, w)), grads = grad_fn(params, micro(i))
+    (wloss, (_, metrics, shares)), grads = grad_fn(params, micro(i))
     grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
-    metrics_acc = jax.tree.map(lambda a, m: a + w * m, metrics_acc, metrics)
+    metrics_acc = {k: join(k, metrics_acc[k], m, shares) for k, m in metrics.items()}
     return (grads_acc, loss_acc + wloss, metrics_acc), None
 
   if num_micro == 1:
@@ -253,12 +267,15 @@ def make_grpo_update(
     logprob_fn: Callable,
     optimizer: optax.GradientTransformation,
     settings: LossSettings,
-    num_micro: int,
+    micro: packing.MicroBatching | int,
     split: Callable | None = None,
     combine: Callable | None = None,
     layout=packing.PADDED,
 ):
   """(state, batch) -> (state, metrics): one optimizer update on a whole rollout batch.
+
+  `micro`: the micro-batches (an int: that many, by rows); the layout counts them for a batch
+  (packed rows carry their count: packing.MicroBatches).
 
   `split(params) -> (trained, frozen)` and `combine` (LoRA: adapters vs the base): gradients,
   optimizer moments and the update cover only the trained part; the frozen part passes through.
@@ -266,10 +283,14 @@ def make_grpo_update(
   rows)."""
   split = split or (lambda p: (p, None))
   combine = combine or (lambda trained, frozen: trained)
+  if isinstance(micro, int):
+    micro = packing.MicroBatching(count=micro)
 
   def update(state, batch):
     trained, frozen = split(state["params"])
-    batch = {k: v for k, v in batch.items() if k != "sequences"}  # packed: the figures' views
+    num_micro = layout.num_micro(batch, micro)
+    # packed: the figures' views and the micro-batch count, not rows
+    batch = {k: v for k, v in batch.items() if k not in ("sequences", "micro_batches")}
 
     def loss_fn(params, mb):
       return grpo_micro_loss(
@@ -312,18 +333,20 @@ class TrainFunctions:
   refresh(ref, params) -> ref           reference refresh: mix * params + (1 - mix) * ref
   abstract_state                        `init`'s output as a restore target
   With config.pack_sequences (rl/packing.py), `update` trains on packed rows, and:
-  pack(batch, row_of, offset_of, rows, head_rows) -> packed batch   the device-side gather of
-                                        a plan
-  packed_logprobs(params, input_ids, segment_ids, positions, head_slots) -> [R, L]
+  pack(batch, row_of, offset_of, rows, head_rows, num_micro) -> packed batch   the device-side
+                                        gather of a plan, per shard
+  packed_logprobs(params, input_ids, segment_ids, positions, head_slots, micro_batches)
+                                        -> [R, L]   (micro_batches: the batch's MicroBatches)
   packed_fold_kl(batch, rewards) -> (batch, rewards)     fold_kl on packed rows
   unpack(x_rl, slot_nc) -> [N, C]       a packed per-token array in the rollout's layout
   With rollout.routing_replay="rollout" (rl/replay.py), `update` replays the batch's routes, and:
   routed_logprobs(params, input_ids, attention_mask, routes, completion_mask) -> ([N, C],
                                         rollout/route_mismatch)   the replayed log-prob pass
   packed_routed_logprobs(params, input_ids, segment_ids, positions, head_slots, routes,
-                         completion_mask) -> ([R, L], rollout/route_mismatch)   the same on
-                                        packed rows (pack_sequences)
-  num_micro                             gradient-accumulation passes
+                         completion_mask, micro_batches) -> ([R, L], rollout/route_mismatch)
+                                        the same on packed rows (pack_sequences)
+  micro                                 the micro-batches (packing.MicroBatching: by rows or
+                                        by tokens, over the data-parallel shards)
   """
 
   init: Callable
@@ -339,7 +362,7 @@ class TrainFunctions:
   unpack: Callable | None = None
   routed_logprobs: Callable | None = None
   packed_routed_logprobs: Callable | None = None
-  num_micro: int = 1
+  micro: packing.MicroBatching = packing.MicroBatching()
 
 
 def num_micro_batches(micro_batch_size: int, rows: int) -> int:
@@ -433,50 +456,64 @@ def build(config, policy, mesh) -> TrainFunctions:
     rewards_n = kl_penalized(rewards_n, batch["old_logp"], batch["ref_logp"], mask_nc)
     return dict(batch, advantages=advantages(rewards_n)), rewards_n
 
-  num_micro = num_micro_batches(config.micro_batch_size, rows)
+  shards = packing.batch_shards(mesh)
+  micro = packing.MicroBatching(  # micro_batch_size and micro_batch_tokens: one of them is 0
+      shards, num_micro_batches(config.micro_batch_size, rows), config.micro_batch_tokens
+  )
   rows2 = sharding.batch_sharding(mesh, 2)
 
+  # Packed rows: every gather stays within a data-parallel shard (rl/packing.py), the LM head's
+  # too (head_slots within each shard's rows: models/logprobs.py _packed_head).
   def packed_logprobs(params, input_ids, segment_ids, positions, head_slots):
     """head_slots: the micro-batch's own (packing.pack), as the update hands them."""
     return policy.packed_logprobs(
-        params, input_ids, segment_ids, positions, head_slots, temperature
+        params, input_ids, segment_ids, positions, head_slots, temperature, shards=shards
     )
 
-  def packed_logprobs_all(params, input_ids, segment_ids, positions, head_slots):
+  def all_slots(head_slots, rows, micro_batches):
+    return packing.global_slots(head_slots, rows=rows, num_micro=micro_batches.count, shards=shards)
+
+  def packed_logprobs_all(params, input_ids, segment_ids, positions, head_slots, micro_batches):
     """One pass over all micro-batches' rows (the old-policy and reference passes)."""
-    rows = input_ids.shape[0]
-    slots = packing.global_slots(head_slots, rows=rows, num_micro=num_micro)
+    slots = all_slots(head_slots, input_ids.shape[0], micro_batches)
     return packed_logprobs(params, input_ids, segment_ids, positions, slots)
 
   def packed_routed_update_logprobs(params, input_ids, segment_ids, positions, head_slots, routes):
     return policy.packed_routed_logprobs(
-        params, input_ids, segment_ids, positions, head_slots, routes, temperature
+        params, input_ids, segment_ids, positions, head_slots, routes, temperature, shards=shards
     )[0]
 
   def packed_routed_logprobs_all(
-      params, input_ids, segment_ids, positions, head_slots, routes, completion_mask
+      params, input_ids, segment_ids, positions, head_slots, routes, completion_mask, micro_batches
   ):
     """The replayed pass over all micro-batches' rows, and rollout/route_mismatch."""
-    slots = packing.global_slots(head_slots, rows=input_ids.shape[0], num_micro=num_micro)
+    slots = all_slots(head_slots, input_ids.shape[0], micro_batches)
     logp, own = policy.packed_routed_logprobs(
-        params, input_ids, segment_ids, positions, slots, routes, temperature
+        params, input_ids, segment_ids, positions, slots, routes, temperature, shards=shards
     )
     return logp, replay.packed_route_mismatch(own, routes, completion_mask)
 
-  def pack(batch, row_of_n, offset_of_n, packed_rows, head_rows):
-    out = packing.pack(
-        batch, row_of_n, offset_of_n, rows=packed_rows, num_micro=num_micro, head_rows=head_rows
+  def pack(batch, row_of_n, offset_of_n, packed_rows, head_rows, num_micro):
+    return packing.pack(
+        batch,
+        row_of_n,
+        offset_of_n,
+        shards=shards,
+        rows=packed_rows,
+        num_micro=num_micro,
+        head_rows=head_rows,
     )
-    rows_sharded = lambda x: jax.lax.with_sharding_constraint(x, rows2)  # noqa: E731
-    return {k: v if k == "sequences" else rows_sharded(v) for k, v in out.items()}
+
+  def unpack(x_rl, slot_nc):
+    return packing.unpack(x_rl, slot_nc, shards)
 
   def packed_fold_kl(batch, rewards_n):
     # The sums per sequence over the rollout's [N, C] layout, as fold_kl's, so bit for bit.
     slot_nc = batch["sequences"]["slot"]
-    old_nc, ref_nc = (packing.unpack(batch[k], slot_nc) for k in ("old_logp", "ref_logp"))
+    old_nc, ref_nc = (unpack(batch[k], slot_nc) for k in ("old_logp", "ref_logp"))
     rewards_n = kl_penalized(rewards_n, old_nc, ref_nc, batch["sequences"]["kl_mask"])
     adv_n = advantages(rewards_n)
-    adv_rl = adv_n[packing.sequence_index(batch["segment_ids"], num_micro)]
+    adv_rl = packing.spread(adv_n, batch["segment_ids"], shards)
     sequences = dict(batch["sequences"], advantages=adv_n)
     return dict(batch, advantages=adv_rl, sequences=sequences), rewards_n
 
@@ -509,10 +546,10 @@ def build(config, policy, mesh) -> TrainFunctions:
   )
   if config.pack_sequences and replaying:
     update_logprobs = packed_routed_update_logprobs
-    layout = replay.RoutedPackedLayout(rows // num_micro, num_micro)
+    layout = replay.RoutedPackedLayout(rows)
   elif config.pack_sequences:
     update_logprobs = packed_logprobs
-    layout = packing.PackedLayout(rows // num_micro, num_micro)
+    layout = packing.PackedLayout(rows)
   elif replaying:
     update_logprobs, layout = routed_update_logprobs, replay.ROUTED
   else:
@@ -521,7 +558,7 @@ def build(config, policy, mesh) -> TrainFunctions:
       update_logprobs,
       optimizer,
       LossSettings.from_config(config),
-      num_micro,
+      micro,
       policy.split,
       policy.combine,
       layout,
@@ -540,10 +577,10 @@ def build(config, policy, mesh) -> TrainFunctions:
       fold_kl=jax.jit(fold_kl, out_shardings=sharding.batch_sharding(mesh, 1)),
       refresh=jax.jit(refresh, donate_argnums=0, out_shardings=param_shardings),
       abstract_state=sharding.abstract_with(abstract, shardings),
-      pack=jax.jit(pack, static_argnums=(3, 4)),
+      pack=jax.jit(sharding.traced_in(pack, mesh), static_argnums=(3, 4, 5)),
       packed_logprobs=jax.jit(sharding.traced_in(packed_logprobs_all, mesh), out_shardings=rows2),
-      packed_fold_kl=jax.jit(packed_fold_kl),
-      unpack=jax.jit(packing.unpack, out_shardings=rows2),
+      packed_fold_kl=jax.jit(sharding.traced_in(packed_fold_kl, mesh)),
+      unpack=jax.jit(sharding.traced_in(unpack, mesh), out_shardings=rows2),
       routed_logprobs=jax.jit(
           sharding.traced_in(routed_logprobs, mesh),
           out_shardings=(rows2, sharding.replicated(mesh)),
@@ -556,7 +593,7 @@ def build(config, policy, mesh) -> TrainFunctions:
       )
       if replaying and config.pack_sequences
       else None,
-      num_micro=num_micro,
+      micro=micro,
   )
 
 

@@ -358,6 +358,40 @@ def test_slot_engine_two_processes_equal_one_through_a_resume(tmp_path):
   _assert_same_run(single, pair)
 
 
+PACK_ARGS = [
+    "--config=configs/tiny.py",
+    "--config.sft_steps=2",
+    "--config.sft.stop_at_accuracy=0",
+    "--config.num_steps=3",
+    "--config.batch_size=8",
+    "--config.num_generations=4",
+    "--config.data.arithmetic.num_train=64",
+    "--config.eval.num_examples=16",
+    "--config.eval.batch_size=16",
+    "--config.log_interval_steps=1",
+    "--config.save_interval_steps=10",
+    "--config.beta=0.04",
+    # Packed rows (rl/packing.py): every process reads the lengths, makes the same plan and
+    # provides its own shards of it; each of the 8 shards packs its 4 sequences. Micro-batches
+    # by tokens: one row of P + C = 13 slots per device, as many as the packed rows need.
+    "--config.pack_sequences=True",
+    "--config.micro_batch_size=0",
+    "--config.micro_batch_tokens=104",
+]
+
+
+@pytest.mark.slow  # ~1 min on 2 cores: a single run and a pair
+def test_packed_rows_two_processes_equal_one(tmp_path):
+  """pack_sequences with micro-batches by tokens on 2 processes x 4 devices == one process
+  with 8: the same logged figures and final parameters."""
+  single, pair = epath.Path(tmp_path / "single"), epath.Path(tmp_path / "pair")
+  _launch_single(single, base=PACK_ARGS)
+  for rc, err in _launch_pair(pair, base=PACK_ARGS):
+    assert rc == 0, err[-3000:]
+    assert "packed rows:" in err
+  _assert_same_run(single, pair)
+
+
 @pytest.mark.parametrize(
     "partial", [False, pytest.param(True, marks=pytest.mark.slow, id="partial_rollout")]
 )

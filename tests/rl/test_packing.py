@@ -38,28 +38,62 @@ def _long_tailed(rng, n, budget):
   return np.minimum(rng.geometric(3.0 / budget, n) + 1, budget)
 
 
-@pytest.mark.parametrize("num_micro", [1, 2, 4])
-def test_plan_keeps_sequences_whole_within_the_budget_in_few_shapes(num_micro):
-  rng = np.random.default_rng(num_micro)
-  budget, n, shards = 40, 64, 2
+MICRO = {  # name -> packing.MicroBatching (2 shards): by rows, or by tokens (rows of 40 slots)
+    "whole": packing.MicroBatching(2),
+    "rows2": packing.MicroBatching(2, count=2),
+    "rows4": packing.MicroBatching(2, count=4),
+    "tokens": packing.MicroBatching(2, tokens=2 * 3 * 40 + 39),  # 3 rows per shard
+}
+
+
+@pytest.mark.parametrize("name", sorted(MICRO))
+def test_plan_packs_each_shard_whole_within_the_budget_in_few_shapes(name):
+  micro = MICRO[name]
+  rng = np.random.default_rng(len(name))
+  budget, n, shards = 40, 64, micro.shards
+  local = n // shards
   sizes = set()
   for _ in range(30):
     lengths = _long_tailed(rng, n, budget)
-    plan = packing.plan_rows(lengths, budget, num_micro=num_micro, row_multiple=shards)
-    again = packing.plan_rows(lengths, budget, num_micro=num_micro, row_multiple=shards)
+    completion = np.minimum(lengths, rng.integers(0, budget, n))
+    plan = packing.plan_rows(lengths, budget, micro, completion)
+    again = packing.plan_rows(lengths, budget, micro, completion)
     np.testing.assert_array_equal(plan.row_of, again.row_of)  # deterministic
     np.testing.assert_array_equal(plan.offset_of, again.offset_of)
-    assert plan.rows == plan.rows_per_micro * num_micro and plan.rows_per_micro % shards == 0
-    assert plan.rows_per_micro <= n // num_micro
+    per_shard, n_micro = plan.rows_per_shard, plan.num_micro
+    assert plan.rows == per_shard * shards and per_shard % n_micro == 0
+    if micro.tokens:  # a micro-batch within the budget; no more of them than the padded rows
+      assert per_shard // n_micro <= micro.tokens // budget // shards
+      assert n_micro <= -(-local // (micro.tokens // budget // shards))
+    else:
+      assert n_micro == micro.count and per_shard <= local
     used = np.zeros((plan.rows, budget), np.int32)
+    heads = np.zeros((shards, n_micro), np.int64)
     for i, (r, o, l) in enumerate(zip(plan.row_of, plan.offset_of, lengths)):
-      assert r % num_micro == i % num_micro  # micro-batch k's sequences in its rows
-      assert o + l <= budget  # whole, inside its row
-      used[r, o : o + l] += 1
+      assert 0 <= r < per_shard and o + l <= budget  # whole, inside its shard's rows
+      used[i // local * per_shard + r, o : o + l] += 1
+      heads[i // local, r % n_micro] += completion[i]
     assert used.max() == 1  # no overlap
+    head_per_micro = plan.head_rows // shards // n_micro
+    assert plan.head_rows % (shards * n_micro) == 0 and head_per_micro <= per_shard // n_micro
+    assert heads.max() <= head_per_micro * budget  # room for each micro-batch's completions
     assert plan.fill == pytest.approx(lengths.sum() / (plan.rows * budget))
-    sizes.add(plan.rows_per_micro)
+    sizes.add((plan.rows, n_micro))
   assert len(sizes) <= packing.NUM_BUCKETS
+
+
+def test_micro_batches_by_tokens_count_rows_of_the_width():
+  micro = packing.MicroBatching(4, tokens=1000)  # 1000 // 40 = 25 rows: 6 per shard (24)
+  assert micro.shard_rows(40) == 6 and micro.shard_rows(2000) == 1  # at least one per shard
+  # padded: the fewest micro-batches of <= 6 rows per shard that split a shard's rows evenly
+  assert micro.padded_count(64, 40) == 4  # 16 rows per shard: 4 x 4
+  assert micro.padded_count(96, 40) == 4  # 24: 4 x 6
+  assert micro.padded_count(28, 40) == 7  # 7 (a prime): 7 x 1
+  assert packing.MicroBatching(4, count=2).padded_count(64, 40) == 2  # by rows: as configured
+  # packed: micro-batches of <= 6 rows per shard, as many as the fullest shard's rows need,
+  # then the rows each needs (bucketed: 13 rows in 3 micro-batches of 5)
+  assert micro.packed(used=13, local=24, width=40) == (3, 5)
+  assert micro.packed(used=4, local=24, width=40) == (1, 4)
 
 
 def test_first_fit_decreasing_packs_tightly_and_refuses_what_does_not_fit():
@@ -93,33 +127,44 @@ def _padded_batch(rng, n, p, c, vocab, *, fields=("old_logp", "ref_logp", "sampl
   return jax.tree.map(jnp.asarray, batch)
 
 
-def _packed(batch, num_micro, row_multiple=1):
+def _packed(batch, micro=packing.MicroBatching()):
+  """`batch` packed per shard as the Packer does (MicroBatches in it: the update's count)."""
   s = batch["input_ids"].shape[1]
   plan = packing.plan_rows(
-      np.asarray(batch["attention_mask"]).sum(1), s, num_micro=num_micro, row_multiple=row_multiple
+      np.asarray(batch["attention_mask"]).sum(1),
+      s,
+      micro,
+      np.asarray(batch["attention_mask"])[:, -batch["completion_mask"].shape[1] :].sum(1),
   )
-  return packing.pack(
+  out = packing.pack(
       batch,
       jnp.asarray(plan.row_of),
       jnp.asarray(plan.offset_of),
+      shards=plan.shards,
       rows=plan.rows,
-      num_micro=num_micro,
+      num_micro=plan.num_micro,
+      head_rows=plan.head_rows,
   )
+  return dict(out, micro_batches=packing.MicroBatches(plan.num_micro))
 
 
-@pytest.mark.parametrize("num_micro", [1, 2])
-def test_pack_moves_every_field_with_its_token(num_micro):
+@pytest.mark.parametrize("name", ["whole", "rows2", "tokens"])
+def test_pack_moves_every_field_with_its_token(name):
+  micro = MICRO[name]
   rng = np.random.default_rng(0)
-  n, p, c = 12, 5, 6
+  n, p, c = 16, 5, 6
   batch = _padded_batch(rng, n, p, c, 50)
-  out = jax.tree.map(np.asarray, _packed(batch, num_micro))
+  out = _packed(batch, dataclasses.replace(micro, tokens=micro.tokens and 2 * 2 * (p + c)))
+  n_micro = out.pop("micro_batches").count
+  out = jax.tree.map(np.asarray, out)
   b = jax.tree.map(np.asarray, batch)
-  seq_of = packing.sequence_index(jnp.asarray(out["segment_ids"]), num_micro)
+  rows, shards = len(out["input_ids"]), micro.shards
+  per_shard = rows // shards
   for i in range(n):
     real = np.flatnonzero(b["attention_mask"][i])
-    here = (np.asarray(seq_of) == i) & (out["segment_ids"] > 0)
+    here = out["segment_ids"] == i + 1  # the sequence's index in the batch + 1
     r = np.flatnonzero(here.any(1))
-    assert len(r) == 1 and r[0] % num_micro == i % num_micro  # one row, its micro-batch's
+    assert len(r) == 1 and r[0] // per_shard == i // (n // shards)  # one row, its shard's
     slots = np.flatnonzero(here[r[0]])
     assert np.all(np.diff(slots) == 1)  # contiguous, in order
     np.testing.assert_array_equal(out["input_ids"][r[0], slots], b["input_ids"][i, real])
@@ -132,29 +177,27 @@ def test_pack_moves_every_field_with_its_token(num_micro):
     assert np.all(out["advantages"][r[0], slots] == b["advantages"][i])
   assert not out["completion_mask"][out["segment_ids"] == 0].any()  # padding trains on nothing
   for f in ("old_logp", "completion_mask"):
-    back = packing.unpack(jnp.asarray(out[f]), jnp.asarray(out["sequences"]["slot"]))
+    back = packing.unpack(jnp.asarray(out[f]), jnp.asarray(out["sequences"]["slot"]), shards)
     np.testing.assert_array_equal(np.asarray(back), b[f] * b["completion_mask"])
+  adv = packing.spread(jnp.asarray(b["advantages"]), jnp.asarray(out["segment_ids"]), shards)
+  np.testing.assert_array_equal(np.asarray(adv), out["advantages"])
 
-  # The LM head's slots: exactly the real completion tokens', per micro-batch in its own rows.
+  # The LM head's slots: exactly the real completion tokens', per micro-batch and shard in its
+  # own rows (shard d's head rows hold slots of its rows; head row h * n + k: micro-batch k's).
   slot_nc = np.asarray(out["sequences"]["slot"])
-  size = out["input_ids"].size
+  size = per_shard * out["input_ids"].shape[1]
   heads = np.asarray(
       packing.global_slots(
-          jnp.asarray(out["head_slots"]), rows=len(out["input_ids"]), num_micro=num_micro
+          jnp.asarray(out["head_slots"]), rows=rows, num_micro=n_micro, shards=shards
       )
   )
-  assert sorted(heads[heads < size]) == sorted(slot_nc[slot_nc < size])
-  rows_of = heads // out["input_ids"].shape[1]
-  k_h = np.arange(len(heads))[:, None] % num_micro
-  assert np.all((rows_of % num_micro == k_h) | (heads == size))  # head row h * n + k: micro k's
-
-
-def test_head_rows_cover_each_micro_batch_in_whole_buckets():
-  completion_n = np.array([30, 0, 25, 7, 40, 3, 10, 10])
-  assert packing.head_rows(completion_n, 48) == 3  # 125 tokens in rows of 48
-  # micro-batch 0 holds 30 + 25 + 40 + 10 = 105 tokens (3 rows), 1 holds 20: 3 rows each
-  assert packing.head_rows(completion_n, 48, num_micro=2) == 6
-  assert packing.head_rows(completion_n, 48, num_micro=2, row_multiple=2) == 8  # whole shares
+  per_head = len(heads) // shards
+  for d in range(shards):
+    mine = heads[d * per_head : (d + 1) * per_head]
+    want = slot_nc[d * (n // shards) : (d + 1) * (n // shards)]
+    assert sorted(mine[mine < size]) == sorted(want[want < size])
+    k_h = np.arange(per_head)[:, None] % n_micro
+    assert np.all((mine // out["input_ids"].shape[1] % n_micro == k_h) | (mine == size))
 
 
 # ------------------------------------------------- the update: packed == padded, every mode
@@ -186,8 +229,8 @@ def _bigram(vocab, seed=0):
   def padded_fn(params, ids, mask):
     return next_logp(params, ids)[:, -C:]
 
-  def packed_fn(params, ids, seg, pos, head_slots):
-    del head_slots  # every slot: the loss's mask picks the completion tokens
+  def packed_fn(params, ids, seg, pos, head_slots, shards=1):
+    del head_slots, shards  # every slot: the loss's mask picks the completion tokens
     return jnp.pad(next_logp(params, ids), ((0, 0), (1, 0)))
 
   return params, padded_fn, packed_fn
@@ -223,8 +266,8 @@ def _decoder_model():
   def padded_fn(params, ids, mask):
     return completion_logprobs(nnx.merge(graphdef, params), ids, mask, C)
 
-  def packed_fn(params, ids, seg, pos, head_slots):
-    return packed_logprobs(nnx.merge(graphdef, params), ids, seg, pos, head_slots)
+  def packed_fn(params, ids, seg, pos, head_slots, shards=1):
+    return packed_logprobs(nnx.merge(graphdef, params), ids, seg, pos, head_slots, shards=shards)
 
   batch = _padded_batch(np.random.default_rng(1), N, P, C, cfg.vocab_size)
   logp = padded_fn(params, batch["input_ids"], batch["attention_mask"])
@@ -236,28 +279,50 @@ def _rel(a, b):
   return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
+# name -> the micro-batches of the packed side: whole, by rows, per shard by tokens (one row
+# of S = P + C slots per shard in a micro-batch) and by rows
+VARIANTS = {
+    "packed": packing.MicroBatching(),
+    "packed_rows2": packing.MicroBatching(count=2),
+    "shards4_tokens": packing.MicroBatching(4, tokens=4 * (P + C)),
+    "shards2_rows2": packing.MicroBatching(2, count=2),
+}
+
+
 @pytest.mark.parametrize("policy_loss", sorted(POLICY_LOSSES))
 def test_packed_loss_and_gradients_equal_padded(bigram_model, policy_loss):
   """Every aggregation mode x this policy loss (each with its KL kind), beta > 0, TIS, clipped
-  advantages, ragged lengths (one completion empty); whole batch and 2 micro-batches. Loss
-  within 1e-6 of its scale, gradients within 1e-6 relative (f32, CPU). On the bigram stand-in
-  (the loss code; fast): the decoder's version is the slow test below."""
-  _check_matrix(bigram_model, policy_loss)
+  advantages, ragged lengths (one completion empty); packed per shard (2 and 4) by rows and by
+  tokens, several micro-batches. Loss within 1e-6 of its scale, gradients within 1e-6 relative
+  (f32, CPU), the token metrics (joined exactly over micro-batches) within 1e-5. On the bigram
+  stand-in (the loss code; fast): every variant and the decoder are the slow tests below."""
+  _check_matrix(bigram_model, policy_loss, ("shards4_tokens", "shards2_rows2"))
 
 
-@pytest.mark.slow  # ~45 s each: 12 gradients of the decoder compiled in one program
+@pytest.mark.slow  # ~30 s each: 7 layouts' gradients compiled in one program
+@pytest.mark.parametrize("policy_loss", sorted(POLICY_LOSSES))
+def test_every_packed_variant_equals_padded(bigram_model, policy_loss):
+  """The matrix above with padded rows in 2 micro-batches and packed rows whole and in 2
+  micro-batches on one shard too."""
+  _check_matrix(bigram_model, policy_loss, ("padded2", *VARIANTS))
+
+
+@pytest.mark.slow  # ~45 s each: the decoder's gradients compiled in one program
 @pytest.mark.parametrize("policy_loss", sorted(POLICY_LOSSES))
 def test_packed_decoder_loss_and_gradients_equal_padded(decoder_model, policy_loss):
   """The same matrix on a random tiny decoder (tiny-qwen3, f32): packed attention included."""
-  _check_matrix(decoder_model, policy_loss)
+  _check_matrix(decoder_model, policy_loss, ("padded2", "packed", "shards4_tokens"))
 
 
-def _check_matrix(model, policy_loss):
+def _check_matrix(model, policy_loss, names):
   params, padded_fn, packed_fn, batch = model
   modes = sorted(losses.LOSS_AGG_MODES.names())
+  packed = {name: _packed(batch, VARIANTS[name]) for name in names if name in VARIANTS}
+  if "shards4_tokens" in packed:
+    assert packed["shards4_tokens"]["micro_batches"].count >= 2  # several micro-batches
 
   @jax.jit
-  def both(params, batch, packed1, packed2):
+  def both(params, batch, packed):
     out = {}
     for mode in modes:
       settings = step_lib.LossSettings(
@@ -268,25 +333,28 @@ def _check_matrix(model, policy_loss):
           tis_cap=2.0,
           **{k: v for k, v in POLICY_LOSSES[policy_loss].items() if k != "clip_eps"},
       )
-      for name, fn, data, n_micro, layout in (
-          ("padded", padded_fn, batch, 1, packing.PADDED),
-          ("packed", packed_fn, packed1, 1, packing.PackedLayout(N, 1)),
-          ("packed2", packed_fn, packed2, 2, packing.PackedLayout(N // 2, 2)),
-      ):
+      sides = [("padded", padded_fn, batch, 1, packing.PADDED)]
+      if "padded2" in names:
+        sides.append(("padded2", padded_fn, batch, 2, packing.PADDED))
+      for name in packed:
+        fn = functools.partial(packed_fn, shards=VARIANTS[name].shards)
+        data = packed[name]
+        sides.append((name, fn, data, data["micro_batches"].count, packing.PackedLayout(N)))
+      for name, fn, data, n_micro, layout in sides:
         loss_fn = lambda p, mb, fn=fn, layout=layout, settings=settings: step_lib.grpo_micro_loss(
             p, mb, logprob_fn=fn, settings=settings, layout=layout
         )
-        data = {k: v for k, v in data.items() if k != "sequences"}
+        data = {k: v for k, v in data.items() if k not in ("sequences", "micro_batches")}
         out[mode, name] = step_lib.accumulate_gradients(
             loss_fn, params, data, n_micro, mode, layout
         )
     return out
 
-  out = both(params, batch, _packed(batch, 1), _packed(batch, 2))
+  out = both(params, batch, packed)
   for mode in modes:
     loss, grads, metrics = out[mode, "padded"]
     scale = float(jnp.abs(metrics["pg_loss"])) + 1e-3  # the loss can sit near 0
-    for name in ("packed", "packed2"):
+    for name in names:
       l2, g2, m2 = out[mode, name]
       assert abs(float(l2) - float(loss)) <= 1e-6 * scale, (mode, name, l2, loss)
       flat, flat2 = jax.tree.leaves(grads), jax.tree.leaves(g2)
@@ -294,10 +362,83 @@ def _check_matrix(model, policy_loss):
           np.concatenate([x.ravel() for x in flat2]), np.concatenate([x.ravel() for x in flat])
       )
       assert err <= 1e-6, (mode, name, err)
-      if name == "packed":  # the same sequences in one pass: the same token metrics
-        for k in ("kl", "clip_frac", "ppo_kl", "ratio_mean"):
-          assert float(m2[k]) == pytest.approx(float(metrics[k]), rel=1e-5, abs=1e-7), k
+      for k in ("kl", "clip_frac", "ppo_kl", "ratio_mean", "ratio_max"):
+        assert float(m2[k]) == pytest.approx(float(metrics[k]), rel=1e-5, abs=1e-7), (name, k)
+      assert abs(float(m2["pg_loss"]) - float(metrics["pg_loss"])) <= 1e-6 * scale, name
     assert float(metrics["clip_frac"]) > 0 or policy_loss == "gspo"  # the clip is exercised
+
+
+@pytest.mark.slow  # ~40 s: the decoder's gradients in 3 layouts, compiled for 8 devices
+def test_packed_equals_padded_sharded_over_8_devices():
+  """The decoder matrix (every aggregation mode, PPO-clip) with the rows sharded over 8 fake
+  CPU devices (mesh data=8): packed per shard (the gather and the LM head's slots partitioned
+  along the shards), by tokens in several micro-batches and by rows in 2 == padded (sharded
+  alike), loss within 1e-6 of its scale, gradients within 2e-6 relative: sharding alone moves
+  the padded rows' gradients by 1.05e-6 here (the 8 devices' partial sums; measured against
+  the same program on one device), and packed vs padded on one device differ by 1.6e-7."""
+  from grpo_jax.parallel import multihost
+  from grpo_jax.parallel import sharding
+
+  cfg = dataclasses.replace(PRESETS["tiny-qwen3"], dtype="float32", param_dtype="float32")
+  graphdef, params = nnx.split(build_model(cfg, seed=0))
+  n = 32
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8, 1, 1, 1), sharding.MESH_AXES)
+  batch = _padded_batch(np.random.default_rng(5), n, P, C, cfg.vocab_size)
+
+  def padded_fn(params, ids, mask):
+    return completion_logprobs(nnx.merge(graphdef, params), ids, mask, C)
+
+  def packed_fn(params, ids, seg, pos, head_slots):
+    return packed_logprobs(nnx.merge(graphdef, params), ids, seg, pos, head_slots, shards=8)
+
+  variants = {
+      "tokens": packing.MicroBatching(8, tokens=8 * (P + C)),
+      "rows2": packing.MicroBatching(8, count=2),
+  }
+  data = {k: jax.device_put(v, sharding.batch_sharding(mesh, v.ndim)) for k, v in batch.items()}
+  sides = {"padded": (data, 1, packing.PADDED, padded_fn)}
+  for name, micro in variants.items():
+    lengths = np.asarray(batch["attention_mask"])
+    plan = packing.plan_rows(lengths.sum(1), P + C, micro, lengths[:, P:].sum(1))
+    where = [multihost.sharded_rows(x, mesh) for x in (plan.row_of, plan.offset_of)]
+    pack = functools.partial(
+        packing.pack, shards=8, rows=plan.rows, num_micro=plan.num_micro, head_rows=plan.head_rows
+    )
+    packed = jax.jit(sharding.traced_in(pack, mesh))(data, *where)
+    packed = {k: v for k, v in packed.items() if k != "sequences"}
+    layout = packing.PackedLayout(n)
+    sides[name] = (packed, plan.num_micro, layout, packed_fn)
+  assert sides["tokens"][1] >= 2 and sides["rows2"][1] == 2
+
+  def run(params, data, n_micro, layout, fn, mode):
+    settings = step_lib.LossSettings(
+        beta=0.1, clip_eps=0.2, loss_agg_mode=mode, max_completion_length=C, tis_cap=2.0
+    )
+    loss_fn = lambda p, mb: step_lib.grpo_micro_loss(  # noqa: E731
+        p, mb, logprob_fn=fn, settings=settings, layout=layout
+    )
+    return step_lib.accumulate_gradients(loss_fn, params, data, n_micro, mode, layout)[:2]
+
+  modes = sorted(losses.LOSS_AGG_MODES.names())
+
+  @jax.jit
+  @functools.partial(sharding.traced_in, mesh=mesh)
+  def all_sides(params, datas):
+    return {
+        (mode, name): run(params, datas[name], *sides[name][1:], mode)
+        for mode in modes
+        for name in sides
+    }
+
+  out = all_sides(params, {name: side[0] for name, side in sides.items()})
+  for mode in modes:
+    loss, grads = out[mode, "padded"]
+    flat = np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(grads)])
+    for name in variants:
+      l2, g2 = out[mode, name]
+      assert abs(float(l2) - float(loss)) <= 1e-6 * (abs(float(loss)) + 1e-3), (mode, name)
+      flat2 = np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(g2)])
+      assert _rel(flat2, flat) <= 2e-6, (mode, name, _rel(flat2, flat))
 
 
 # -------------------------------------------------- GrpoStep: inputs and update end to end
@@ -397,8 +538,21 @@ def _step_both(overrides, seed=0):
             "loss.loss_agg_mode": "token-mean",
             "micro_batch_size": 16,
         },
+        {  # micro-batches by tokens (one row of 13 slots per device: the padded rows in 4,
+            # the packed in what they need), KL in the reward, token-mean
+            "beta": 0.1,
+            "kl_in_reward": True,
+            "loss.loss_agg_mode": "token-mean",
+            "micro_batch_size": 0,
+            "micro_batch_tokens": 8 * 13,
+        },
     ],
-    ids=["kl_loss_tis_clip_micro", "kl_reward_dynamic_gspo", "geometric_mask_micro"],
+    ids=[
+        "kl_loss_tis_clip_micro",
+        "kl_reward_dynamic_gspo",
+        "geometric_mask_micro",
+        "micro_batch_tokens",
+    ],
 )
 @pytest.mark.slow  # ~40 s each: a tiny_config policy's update compiled in both layouts
 def test_grpo_step_packed_equals_padded(overrides):
@@ -477,8 +631,73 @@ def test_packing_is_refused_where_it_is_not_built(monkeypatch):
   auto = {"model.attention_impl": "auto", "model.sliding_window": 4}  # windows: masked there
   errors = configuration.validate(tiny_config(pack_sequences=True, **auto), num_devices=8)
   assert not any(e.startswith("model.attention_impl=") for e in errors), errors
-  errors = configuration.validate(tiny_config(pack_sequences=True), num_devices=8, num_processes=2)
-  assert any(e.startswith("pack_sequences=") and "2 processes" in e for e in errors), errors
+  # 2+ processes: each packs its own shards (every process makes the same plan)
+  assert not configuration.validate(
+      tiny_config(pack_sequences=True), num_devices=8, num_processes=2
+  )
+
+
+# ---------------------------------------------------------- per shard: no traffic between them
+
+
+@pytest.mark.slow  # ~60 s each: the update and the log-prob passes compiled padded and packed
+@pytest.mark.parametrize("axis", ["data", "fsdp"])
+def test_packing_moves_nothing_between_shards(axis):
+  """8 fake CPU devices, the rows sharded 8 ways over mesh.<axis> (fsdp: the params too): the
+  optimized HLO of the packed programs (the gather, unpack, fold_kl, the old / reference
+  log-prob pass with the LM head's gather of completion slots, the update in 2 micro-batches)
+  holds no collective that the padded programs lack, but for the per-sequence sums of the loss
+  (all-reduces of N values): no all-gather, all-to-all or collective-permute of the packed rows
+  or of the hidden states."""
+  from grpo_jax.parallel import multihost
+  from grpo_jax.plan import hlo_inspect
+
+  overrides = {"micro_batch_size": 16, "beta": 0.1, "kl_in_reward": True, "mesh.data": 1}
+  overrides[f"mesh.{axis}"] = 8
+  found = {}
+  for pack in (False, True):
+    config = tiny_config(pack_sequences=pack, **overrides)
+    mesh = build.make_mesh(config)
+    assert packing.batch_shards(mesh) == 8
+    policy = build.make_policy(config, mesh)
+    fns = step_lib.build(config, policy, mesh)
+    grpo = step_lib.GrpoStep(
+        config, fns, Reference(config, policy, fns, mesh), mesh, matches_trainer=True
+    )
+    batch = _scored(config, policy, 0)
+    state = fns.init(policy.params)
+    upd = fns.assemble(batch.prompt["ids"], batch.prompt["mask"], batch.rollout, batch.rewards)
+    upd = dict(upd, old_logp=batch.rollout.logprobs, ref_logp=batch.rollout.logprobs)
+    n = upd["advantages"].shape[0]
+    programs = {}
+    if pack:
+      mask = upd["attention_mask"]
+      lengths_n, completion_n = np.asarray(jax.device_get(grpo.rows._lengths(mask)))
+      plan = grpo.rows.plan(lengths_n, completion_n, mask.shape[1])
+      where = [multihost.sharded_rows(x, mesh) for x in (plan.row_of, plan.offset_of)]
+      programs["pack"] = fns.pack.lower(upd, *where, plan.rows, plan.head_rows, plan.num_micro)
+      upd = grpo.rows.rows(upd)
+      assert upd["micro_batches"].count == 2
+      programs["unpack"] = fns.unpack.lower(upd["old_logp"], upd["sequences"]["slot"])
+      programs["fold_kl"] = fns.packed_fold_kl.lower(upd, batch.rewards)
+      args = ("input_ids", "segment_ids", "positions", "head_slots", "micro_batches")
+      programs["logprobs"] = fns.packed_logprobs.lower(state["params"], *(upd[k] for k in args))
+    else:
+      args = (upd["input_ids"], upd["attention_mask"])
+      programs["logprobs"] = fns.logprobs.lower(state["params"], *args)
+    programs["update"] = fns.update.lower(state, upd)
+    for name, lowered in programs.items():
+      ops = hlo_inspect.collectives(lowered.compile().as_text())
+      found[pack, name] = {(o.opcode, hlo_inspect.dims(o.type)): o for o in ops}
+  for (pack, name), ops in found.items():
+    if not pack:
+      continue
+    padded = found.get((False, name), {})
+    added = [
+        o.line for key, o in ops.items() if key not in padded and hlo_inspect.largest_array(o) > n
+    ]
+    assert not added, (name, added)
+  assert any(o.opcode.startswith("all-reduce") for o in found[True, "update"].values())
 
 
 # -------------------------------------------------------------------------------- the loop
@@ -581,7 +800,7 @@ def test_packed_routing_replay_loss_and_gradients_equal_padded():
   )
 
   def run(fn, data, n_micro, layout):
-    data = {k: v for k, v in data.items() if k != "sequences"}
+    data = {k: v for k, v in data.items() if k not in ("sequences", "micro_batches")}
     loss_fn = lambda p, mb: step_lib.grpo_micro_loss(  # noqa: E731
         p, mb, logprob_fn=fn, settings=settings, layout=layout
     )
@@ -593,7 +812,7 @@ def test_packed_routing_replay_loss_and_gradients_equal_padded():
     return float(loss), np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(grads)])
 
   def loss_only(fn, data, layout):
-    data = {k: v for k, v in data.items() if k != "sequences"}
+    data = {k: v for k, v in data.items() if k not in ("sequences", "micro_batches")}
     return float(
         jax.jit(
             lambda params, data: step_lib.grpo_micro_loss(
@@ -606,17 +825,17 @@ def test_packed_routing_replay_loss_and_gradients_equal_padded():
   own = {**batch, "routes": jnp.full_like(batch["routes"], -1)}
   assert abs(loss_only(padded_fn, own, replay.ROUTED) - loss) > 1e-3  # replay changes the loss
   for n_micro in (1, 2):
-    packed = _packed(batch, n_micro)
+    packed = _packed(batch, packing.MicroBatching(count=n_micro))
     assert packed["routes"].shape == (*packed["input_ids"].shape, *batch["routes"].shape[2:])
     assert (np.asarray(packed["routes"])[np.asarray(packed["segment_ids"]) == 0] == -1).all()
-    layout = replay.RoutedPackedLayout(n // n_micro, n_micro)
+    layout = replay.RoutedPackedLayout(n)
     loss2, grads2 = run(packed_fn, packed, n_micro, layout)
     assert abs(loss2 - loss) <= 1e-5 * max(1.0, abs(loss)), (n_micro, loss2, loss)
     assert _rel(grads2, grads) <= 1e-5, (n_micro, _rel(grads2, grads))
     assert np.abs(grads).max() > 1e-3
   for axis in (1, 0):  # one position later, one row later
-    shifted = _packed({**batch, "routes": jnp.roll(batch["routes"], 1, axis)}, 1)
-    wrong = loss_only(packed_fn, shifted, replay.RoutedPackedLayout(n, 1))
+    shifted = _packed({**batch, "routes": jnp.roll(batch["routes"], 1, axis)})
+    wrong = loss_only(packed_fn, shifted, replay.RoutedPackedLayout(n))
     assert abs(wrong - loss) > 1e-3, (axis, wrong, loss)
 
 
@@ -634,7 +853,7 @@ def test_packed_route_mismatch_equals_padded():
         model, batch["input_ids"], batch["attention_mask"], batch["routes"], c
     )
     padded = float(replay.route_mismatch(own, batch["routes"], batch["completion_mask"]))
-    packed = _packed(batch, 1)
+    packed = _packed(batch)
     rows = len(packed["input_ids"])
     slots = packing.global_slots(packed["head_slots"], rows=rows, num_micro=1)
     _, own_p = packed_logprobs_routed(

@@ -62,6 +62,8 @@ def test_micro_batches_give_the_whole_batch_gradient(mode, beta):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for k in ref_grads:
       np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    for k in ("pg_loss", "kl", "clip_frac", "ppo_kl", "ratio_mean", "ratio_max"):  # joined exactly
+      np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
   # The whole-batch loss is the definition in docs/design.md (policy_loss on all rows at once).
   direct, _ = losses.policy_loss(
       _logprob_fn(params, batch["input_ids"], batch["attention_mask"]),

@@ -20,7 +20,15 @@ from tests.test_train import grpo_rows
 from tests.test_train import tiny_config
 
 MODULE = os.path.join("grpo_jax", "run/compile_ahead.py")  # (not this test file)
-STEP_PROGRAMS = {"update", "logprobs", "routed_logprobs", "assemble", "fold_kl", "rollout_stats", "_generate"}
+STEP_PROGRAMS = {
+    "update",
+    "logprobs",
+    "routed_logprobs",
+    "assemble",
+    "fold_kl",
+    "rollout_stats",
+    "_generate",
+}
 
 
 @contextlib.contextmanager
@@ -79,6 +87,15 @@ def _alternate_widths(monkeypatch) -> set:
             },
             marks=pytest.mark.slow,
             id="moe-replay",
+        ),
+        pytest.param(  # micro-batches by tokens: 2 per step at width 8 + 7, 4 at 16 + 7
+            {
+                "num_steps": 4,
+                "widths": "alternate",
+                "micro_batch_size": 0,
+                "micro_batch_tokens": 240,
+            },
+            marks=pytest.mark.slow,
         ),
     ],
 )

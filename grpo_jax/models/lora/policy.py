@@ -46,10 +46,16 @@ def lora_policy(config, mesh, *, abstract: bool = False):
         nnx.merge(gd, params), input_ids, attention_mask, completion_len, temperature
     )
 
-  def packed(params, input_ids, segment_ids, positions, head_slots, temperature=1.0):
+  def packed(params, input_ids, segment_ids, positions, head_slots, temperature=1.0, shards=1):
     gd = graphdef if has_adapters(params) else base_graphdef  # no adapters: the reference
     return packed_logprobs(
-        nnx.merge(gd, params), input_ids, segment_ids, positions, head_slots, temperature
+        nnx.merge(gd, params),
+        input_ids,
+        segment_ids,
+        positions,
+        head_slots,
+        temperature,
+        shards=shards,
     )
 
   def routed(params, input_ids, attention_mask, routes, completion_len, temperature=1.0):
@@ -59,10 +65,19 @@ def lora_policy(config, mesh, *, abstract: bool = False):
         nnx.merge(gd, params), input_ids, attention_mask, routes, completion_len, temperature
     )
 
-  def packed_routed(params, input_ids, segment_ids, positions, head_slots, routes, temp=1.0):
+  def packed_routed(
+      params, input_ids, segment_ids, positions, head_slots, routes, temp=1.0, shards=1
+  ):
     gd = graphdef if has_adapters(params) else base_graphdef
     return packed_logprobs_routed(
-        nnx.merge(gd, params), input_ids, segment_ids, positions, head_slots, routes, temp
+        nnx.merge(gd, params),
+        input_ids,
+        segment_ids,
+        positions,
+        head_slots,
+        routes,
+        temp,
+        shards=shards,
     )
 
   merge_fn = jax.jit(lambda p: merged(p, graphdef))
