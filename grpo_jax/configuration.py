@@ -802,16 +802,16 @@ def _check_moe_paths(c: _Checker, cfg):
 
 
 def _check_packing(c: _Checker, cfg, num_processes: int):
-  """pack_sequences (rl/packing.py) where it is built and exact so far: the native decoder
-  (LoRA included) under the masked XLA attention, on one process."""
+  """pack_sequences (rl/packing.py, on by default): decoder-only policies, native (LoRA and
+  MoE included) or MaxText (its attention takes the segment ids, as its pre-training packs), on
+  any number of processes; T5 is refused; on GPU, the native fused kernel's limits."""
+  del num_processes  # every process makes the same plan and packs its own shards
   if not cfg.pack_sequences:
     return
   why = None
-  if cfg.model.impl != "native":
-    why = f"packed rows need the native decoder; model.impl={cfg.model.impl!r} takes padded rows"
-  elif cfg.model.family != "decoder":
+  if cfg.model.family != "decoder":
     why = f"packed rows need a decoder-only model; model.family={cfg.model.family!r} is not one"
-  else:
+  elif cfg.model.impl == "native":
     platform = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend()
     # GPU's segment kernel (attention.triton_attention) has no window or soft-cap: such
     # layers run the masked attention, [S, S] scores the padded rows' cuDNN kernel avoids.

@@ -254,13 +254,19 @@ def plan(
     *,
     remat_policies=None,
     micro_batches=None,
+    micro_batch_tokens=None,
     functions=FUNCTIONS,
     log=print,
     dump_hlo: str | None = None,
 ):
   """-> (rows, mesh shape): the step's compiled `functions` on `target`, the update per remat
-  policy and micro-batch size (defaults: the config's own). `dump_hlo`: a folder that gets
-  each program's optimized HLO as <program>.hlo.txt (program_name; the module docstring)."""
+  policy and micro-batch size, or token budget (`micro_batch_tokens`: config.micro_batch_tokens
+  values; defaults: the config's own). `dump_hlo`: a folder that gets each program's optimized
+  HLO as <program>.hlo.txt (program_name; the module docstring).
+
+  pack_sequences: the update is planned on padded rows, the packed update's worst case (a
+  packed batch never has more rows than the padded one, nor a micro-batch more than its token
+  budget's rows: rl/packing.py), so a token budget that fits here fits packed."""
   if config.model.family != "decoder":
     raise ValueError(
         f"model.family={config.model.family!r}: the memory planner models "
@@ -273,9 +279,16 @@ def plan(
       else config.model.remat_policy
   )
   remat_policies = list(remat_policies or [default_remat])
-  micro_batches = list(micro_batches or [config.micro_batch_size])
+  if micro_batch_tokens:  # each a token budget (micro-batches by tokens)
+    micro_batches = [dict(micro_batch_size=0, micro_batch_tokens=t) for t in micro_batch_tokens]
+  elif micro_batches:
+    micro_batches = [dict(micro_batch_size=mb, micro_batch_tokens=0) for mb in micro_batches]
+  else:
+    micro_batches = [
+        dict(micro_batch_size=config.micro_batch_size, micro_batch_tokens=config.micro_batch_tokens)
+    ]
   for mb in micro_batches:
-    errors = check_config(with_overrides(config, micro_batch_size=mb), target)
+    errors = check_config(with_overrides(config, **mb), target)
     if errors:
       raise ValueError(
           f"the config does not fit {target.name} ({len(target.devices)} devices):"
@@ -337,10 +350,12 @@ def _plan(config, target, remat_policies, micro_batches, functions, log, measure
       inputs = _step_inputs(cfg, policy, fns, mesh)
       rows += _forward_rows(cfg, policy, fns, mesh, inputs, row, functions, log, measure_)
     for mb in micro_batches if "update" in functions else ():
-      fns_mb = step_lib.build(with_overrides(cfg, micro_batch_size=mb), policy, mesh)
-      log(f"compiling update (remat={remat}, micro_batch={mb or 'all'}) ...")
+      fns_mb = step_lib.build(with_overrides(cfg, **mb), policy, mesh)
+      n, width = inputs["num_rows"], inputs["batch"]["input_ids"].shape[1]
+      rows_mb = n // fns_mb.micro.padded_count(n, width)  # the rows of one micro-batch
+      tokens = f", micro_batch_tokens={mb['micro_batch_tokens']}" * bool(mb["micro_batch_tokens"])
+      log(f"compiling update (remat={remat}, micro_batch={rows_mb} rows{tokens}) ...")
       io = shard_bytes(inputs["batch"])
-      rows_mb = mb or inputs["num_rows"]
       temp, stats = measure_(
           fns_mb.update.lower(fns_mb.abstract_state, inputs["batch"]),
           resident["params"] + resident["optimizer"] + io,
@@ -678,6 +693,7 @@ def main(argv):
     kw = dict(
         remat_policies=_csv(_REMAT.value),
         micro_batches=_csv(_MICRO.value, int),
+        micro_batch_tokens=_csv(_MICRO_TOKENS.value, int),
         log=lambda s: print(s, file=sys.stderr, flush=True),
         dump_hlo=_DUMP_HLO.value,
     )
@@ -728,6 +744,13 @@ if __name__ == "__main__":
       "micro_batch",
       None,
       "Comma-separated micro_batch_size values (0 = all rows at once). " "Default: the config's.",
+  )
+  _MICRO_TOKENS = flags.DEFINE_string(
+      "micro_batch_tokens",
+      None,
+      "Comma-separated micro_batch_tokens values (token budgets per micro-batch over all "
+      "devices: (budget // (P + C)) rows; the packed update's worst case). Instead of "
+      "--micro_batch. Default: the config's.",
   )
   _FUNCTIONS = flags.DEFINE_string(
       "functions", None, f"Comma-separated subset of {','.join(FUNCTIONS)}. Default: all."

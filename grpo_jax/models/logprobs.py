@@ -228,6 +228,16 @@ def _packed_head(model, h_rld, input_ids_rl, head_slots_hs, temperature, chunk_s
   return _rows(flat, r, l)
 
 
+def head_slot_mask(head_slots_hs: jax.Array, r: int, l: int, shards: int = 1) -> jax.Array:
+  """[R, L] f32: 1 at the slots `head_slots` names (as `_packed_head` reads them: flat slots
+  within each shard's rows; a shard's slot count pads), else 0. For a policy that computes
+  every slot's log-prob (the MaxText policy) and keeps the head's."""
+  size = r // shards * l
+  slot_kx = head_slots_hs.reshape(shards, -1)
+  flat = jax.vmap(lambda i: jnp.zeros((size,), jnp.float32).at[i].set(1.0, mode="drop"))(slot_kx)
+  return _rows(flat, r, l)
+
+
 def _blocks(x, shards: int, size: int):
   """[R, L, ...] rows -> [shards, R / shards * L, ...]: each shard's slots, flat."""
   x = x.reshape(shards, size, *x.shape[2:])

@@ -238,23 +238,24 @@ def packed_programs(request, tmp_path_factory):
   padded = mp._step_inputs(cfg, policy, fns, mesh)["batch"]
   where = [jax.ShapeDtypeStruct((B * G,), jnp.int32)] * 2  # each sequence's row and offset
   packed = jax.eval_shape(
-      lambda b, r, o: fns.pack(b, r, o, PACKED_ROWS, PACKED_ROWS), padded, *where
+      lambda b, r, o: fns.pack(b, r, o, PACKED_ROWS, PACKED_ROWS, 1), padded, *where
   )
   rows = sharding.batch_sharding(mesh, 2)
   packed = {
       k: (
-          mp._rows_abstract(v, mesh)
+          v
+          if k == "micro_batches"  # static: the micro-batch count (packing.MicroBatches)
+          else mp._rows_abstract(v, mesh)
           if k == "sequences"
           else jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
       )
       for k, v in packed.items()
   }
   params = fns.abstract_state["params"]
+  args = ("input_ids", "segment_ids", "positions", "head_slots", "micro_batches")
   lowered = dict(
       update=fns.update.lower(fns.abstract_state, packed),
-      logprobs=fns.packed_logprobs.lower(
-          params, *(packed[k] for k in ("input_ids", "segment_ids", "positions", "head_slots"))
-      ),
+      logprobs=fns.packed_logprobs.lower(params, *(packed[k] for k in args)),
   )
   platform = target.devices[0].platform
   hlo = {k: tpu_targets.compile_program(v, platform, hlo=True)[1] for k, v in lowered.items()}

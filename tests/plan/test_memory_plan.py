@@ -402,3 +402,21 @@ def test_slot_engine_with_tools_plans_its_extend_program():
   rows, _ = mp.plan(c, mp.make_target(), functions=("sampler",), log=logged.append)
   assert any("compiling slot engine extend" in line for line in logged), logged
   assert any(" extend " in line for line in logged if line.startswith("slot engine:")), logged
+
+
+def test_token_budgets_plan_the_update_by_their_rows():
+  """--micro_batch_tokens: each budget T plans the update with micro-batches of T // (P + C)
+  rows (whole rows per device): the packed update's worst case. A smaller budget, fewer rows
+  per micro-batch, smaller temporaries."""
+  c = _deep_config()
+  width = c.max_prompt_length + c.max_completion_length  # tiny's prompts fit P = 16
+  rows, _ = mp.plan(
+      c,
+      mp.make_target(),
+      micro_batch_tokens=[8 * width, 32 * width],
+      functions=("update",),
+      log=lambda _: None,
+  )
+  by_rows = {r.micro_batch: r for r in rows}
+  assert sorted(by_rows) == [8, 32], sorted(by_rows)
+  assert by_rows[8].temp < by_rows[32].temp

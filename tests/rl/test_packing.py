@@ -615,9 +615,11 @@ def test_routing_replay_step_packed_equals_padded():
 
 def test_packing_is_refused_where_it_is_not_built(monkeypatch):
   errors = configuration.validate(
-      tiny_config(pack_sequences=True, **{"model.impl": "maxtext"}), num_devices=8
+      tiny_config(pack_sequences=True, **{"model.family": "t5"}), num_devices=8
   )
   assert any(e.startswith("pack_sequences=") for e in errors), errors
+  maxtext = tiny_config(pack_sequences=True, **{"model.impl": "maxtext"})  # its segment ids
+  assert not any(e.startswith("pack_sequences=") for e in configuration.validate(maxtext, 8))
   # The fused attention takes segment ids (attention.segment_attention); on GPU its kernel has
   # no sliding window, so a windowed model is refused there, and only there.
   windowed = {"model.attention_impl": "fused", "model.sliding_window": 4}

@@ -86,6 +86,7 @@ from grpo_jax.models.decoder import hf
 from grpo_jax.models import policy as policy_lib
 from grpo_jax.models.decoder.config import ModelConfig
 from grpo_jax.models.decoder.kernels import Kernels
+from grpo_jax.models.logprobs import head_slot_mask
 from grpo_jax.models.logprobs import token_logprobs
 from grpo_jax.run import console
 
@@ -442,6 +443,15 @@ def maxtext_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy
         logits[:, s - completion_len - 1 : s - 1], input_ids[:, s - completion_len :], temperature
     )
 
+  def packed(params, input_ids, segment_ids, positions, head_slots, temperature=1.0, shards=1):
+    """Packed rows (rl/packing.py): MaxText's own segment ids and positions (as its pre-training
+    packs), every slot's log-prob from the slot before it, kept at the head's slots."""
+    model = _merged(graphdef, params, rest)
+    logits = model(input_ids, positions, decoder_segment_ids=segment_ids, enable_dropout=False)
+    logp = token_logprobs(logits[:, :-1].astype(jnp.float32), input_ids[:, 1:], temperature)
+    logp = jnp.pad(logp, ((0, 0), (1, 0)))  # slot 0 starts a sequence: never a head slot
+    return logp * head_slot_mask(head_slots, *input_ids.shape, shards)
+
   def rollout_params(params):
     return _fill_state(parts.native_abstract, to_native(nnx.to_pure_dict(params)))
 
@@ -454,6 +464,7 @@ def maxtext_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy
       params=params,
       graphdef=graphdef,
       logprobs=logprobs,
+      packed_logprobs=packed,
       rollout_params=rollout_params,
       sampler_graphdef=parts.native_graphdef,
       model_config=cfg,
@@ -466,14 +477,19 @@ def maxtext_policy(config, mesh, *, abstract: bool = False) -> policy_lib.Policy
 def forward(graphdef, params, rest, input_ids, attention_mask):
   """MaxText logits [B, S, V] (float32) for left-padded rows: positions from the mask, padding
   in its own segment (0) so real tokens (segment 1) never attend to it."""
-  # Fresh Variables in this trace: MaxText's remat'd layers update their RNG counters in place.
-  copy = lambda tree: jax.tree.map(lambda x: x, tree)  # noqa: E731
-  model = nnx.merge(graphdef, copy(params), copy(rest))
+  model = _merged(graphdef, params, rest)
   mask = attention_mask.astype(jnp.int32)
   logits = model(
       input_ids, positions_from_mask(mask), decoder_segment_ids=mask, enable_dropout=False
   )
   return logits.astype(jnp.float32)
+
+
+def _merged(graphdef, params, rest):
+  """The MaxText model for one trace: fresh Variables (MaxText's remat'd layers update their RNG
+  counters in place)."""
+  copy = lambda tree: jax.tree.map(lambda x: x, tree)  # noqa: E731
+  return nnx.merge(graphdef, copy(params), copy(rest))
 
 
 def _maxtext_random_init(parts: MaxTextParts, seed: int) -> nnx.State:
