@@ -102,13 +102,16 @@ def base() -> ml_collections.ConfigDict:
   # split evenly; packed rows: as many as the packed rows need (one compiled update per count,
   # bucketed). Set one of micro_batch_size and micro_batch_tokens, not both.
   c.micro_batch_tokens = 0
-  # True: the update and the old / reference log-prob passes run on packed rows (grpo_jax/rl/
-  # packing.py): each [prompt; completion] sequence's real tokens only, several sequences per
-  # row of P + C slots, attention within a sequence, the same loss and gradients as padded rows.
-  # Each data-parallel shard packs its own rows (any number of processes). The native decoder
-  # (and LoRA); the fused attention takes the rows' segment ids (splash on TPU; Pallas Triton
-  # on GPU, without sliding windows or soft-caps).
-  c.pack_sequences = False
+  # True (the default): the update and the old / reference log-prob passes run on packed rows
+  # (grpo_jax/rl/packing.py): each [prompt; completion] sequence's real tokens only, several
+  # sequences per row of P + C slots, attention within a sequence, the same loss and gradients
+  # as padded rows. Each data-parallel shard packs its own rows (any number of processes).
+  # Decoder-only policies: native (LoRA, MoE with routing replay) and MaxText (its attention
+  # reads the segment ids); the fused attention takes them too (splash on TPU; Pallas Triton on
+  # GPU, whose layers with sliding windows or soft-caps run the masked attention under
+  # attention_impl=auto). Not T5 (configs/xsum_t5.py turns it off). Packed shapes (one per
+  # bucket of packed rows, logged) compile at their first step, not ahead.
+  c.pack_sequences = True
   # Prompts are left-padded to this many tokens (longer ones: data.overlong_prompts).
   c.max_prompt_length = 256
   c.max_completion_length = 1024  # Tokens generated per completion (TOTAL_GENERATION_STEPS).

@@ -37,6 +37,7 @@ from configs import xsum_rouge
 def get_config():
   c = xsum_rouge.get_config()
   c.model.family = "t5"  # the encoder-decoder policy: the point of this config
+  c.pack_sequences = False  # packed rows are decoder-only (rl/packing.py)
   c.model.preset = "t5-small-scratch"
   # The T5's shape in the decoder fields that a T5 reads (configs/common.py, model.family);
   # the same values as xsum_rouge.py's decoder, stated here for what they mean to a T5.

@@ -62,6 +62,13 @@ from grpo_jax.parallel import multihost
 from grpo_jax.parallel import sharding
 from grpo_jax.rl import losses
 
+
+def packs(config) -> bool:
+  """Whether the update trains on packed rows: config.pack_sequences (on by default) for a
+  decoder-only policy; T5's encoder-decoder rows stay padded (logged once by GrpoStep)."""
+  return bool(config.pack_sequences) and config.model.family == "decoder"
+
+
 NUM_BUCKETS = 16  # packed row counts per micro-batch: the padded count x 2^(-k/4), k < 16
 
 # ------------------------------------------------------------------------ the plan (host)

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 from typing import Callable
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import optax
@@ -544,10 +545,10 @@ def build(config, policy, mesh) -> TrainFunctions:
       nonfinite_streak=sharding.replicated(mesh),
       nonfinite_total=sharding.replicated(mesh),
   )
-  if config.pack_sequences and replaying:
+  if packing.packs(config) and replaying:
     update_logprobs = packed_routed_update_logprobs
     layout = replay.RoutedPackedLayout(rows)
-  elif config.pack_sequences:
+  elif packing.packs(config):
     update_logprobs = packed_logprobs
     layout = packing.PackedLayout(rows)
   elif replaying:
@@ -591,7 +592,7 @@ def build(config, policy, mesh) -> TrainFunctions:
           sharding.traced_in(packed_routed_logprobs_all, mesh),
           out_shardings=(rows2, sharding.replicated(mesh)),
       )
-      if replaying and config.pack_sequences
+      if replaying and packing.packs(config)
       else None,
       micro=micro,
   )
@@ -638,10 +639,16 @@ class GrpoStep:
     self.config, self.fns, self.reference, self.mesh = config, fns, reference, mesh
     self.matches_trainer = matches_trainer
     # The update's rows: as the rollout made them, or packed (rl/packing.py).
-    self.rows = packing.Packer(config, fns, mesh) if config.pack_sequences else packing.Padded(fns)
+    packed = packing.packs(config)
+    if config.pack_sequences and not packed:
+      logging.info(
+          "model.family=%r trains on padded rows (pack_sequences packs decoder-only policies)",
+          config.model.family,
+      )
+    self.rows = packing.Packer(config, fns, mesh) if packed else packing.Padded(fns)
     # Routing replay (rl/replay.py): every log-prob pass replays the rollout's MoE routes.
     self.replay = config.rollout.routing_replay == "rollout"
-    if self.replay and config.pack_sequences:
+    if self.replay and packed:
       self.rows = replay.RoutedPacker(config, fns, mesh)
     elif self.replay:
       self.rows = replay.Routed(fns)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.parallel import sharding
+from grpo_jax.rl import packing
 from grpo_jax.rl import replay
 from grpo_jax.rollout.types import Rollout
 
@@ -193,7 +194,7 @@ class CompileAhead:
       rollout = dataclasses.replace(rollout, routes=routes)
     rewards = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=sharding.batch_sharding(mesh, 1))
     assemble = ("assemble", fns.assemble, (ids, mask, rollout, rewards))
-    if c.pack_sequences:  # packed shapes follow the step's lengths: they compile at first use
+    if packing.packs(c):  # packed shapes follow the step's lengths: they compile at first use
       return [assemble]
     upd = jax.eval_shape(fns.assemble, *assemble[2])
     programs = [assemble]

@@ -35,6 +35,7 @@ from grpo_jax.plan import hlo_inspect as hi
 from grpo_jax import memory_plan as mp
 from grpo_jax.models import build
 from grpo_jax.parallel import sharding
+from grpo_jax.rl import packing
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rollout import sampler as sampler_lib
 from grpo_jax.plan import tpu_targets
@@ -243,14 +244,13 @@ def packed_programs(request, tmp_path_factory):
   rows = sharding.batch_sharding(mesh, 2)
   packed = {
       k: (
-          v
-          if k == "micro_batches"  # static: the micro-batch count (packing.MicroBatches)
-          else mp._rows_abstract(v, mesh)
+          mp._rows_abstract(v, mesh)
           if k == "sequences"
           else jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
       )
       for k, v in packed.items()
   }
+  packed["micro_batches"] = packing.MicroBatches(1)  # static (as Packer.rows adds it)
   params = fns.abstract_state["params"]
   args = ("input_ids", "segment_ids", "positions", "head_slots", "micro_batches")
   lowered = dict(

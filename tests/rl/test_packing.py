@@ -613,13 +613,12 @@ def test_routing_replay_step_packed_equals_padded():
   )
 
 
-def test_packing_is_refused_where_it_is_not_built(monkeypatch):
-  errors = configuration.validate(
-      tiny_config(pack_sequences=True, **{"model.family": "t5"}), num_devices=8
-  )
-  assert any(e.startswith("pack_sequences=") for e in errors), errors
+def test_where_packing_runs_and_where_it_is_refused(monkeypatch):
+  t5 = tiny_config(pack_sequences=True, **{"model.family": "t5"})  # padded rows: decoder-only
+  assert not any(e.startswith("pack_sequences=") for e in configuration.validate(t5, num_devices=8))
+  assert not packing.packs(t5) and packing.packs(tiny_config(pack_sequences=True))
   maxtext = tiny_config(pack_sequences=True, **{"model.impl": "maxtext"})  # its segment ids
-  assert not any(e.startswith("pack_sequences=") for e in configuration.validate(maxtext, 8))
+  assert not any(e.startswith("pack_sequences=") for e in configuration.validate(maxtext, num_devices=8))
   # The fused attention takes segment ids (attention.segment_attention); on GPU its kernel has
   # no sliding window, so a windowed model is refused there, and only there.
   windowed = {"model.attention_impl": "fused", "model.sliding_window": 4}

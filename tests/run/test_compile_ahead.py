@@ -20,6 +20,9 @@ from tests.test_train import grpo_rows
 from tests.test_train import tiny_config
 
 MODULE = os.path.join("grpo_jax", "run/compile_ahead.py")  # (not this test file)
+# Padded rows: packed shapes (pack_sequences, the default) follow each step's lengths and compile
+# at their first use (run/compile_ahead.py), so these tests compile the padded update ahead.
+PADDED = {"pack_sequences": False}
 STEP_PROGRAMS = {
     "update",
     "logprobs",
@@ -103,7 +106,7 @@ def test_step_programs_compile_in_the_background(tmp_path, monkeypatch, override
   overrides = dict(overrides)
   widths = _alternate_widths(monkeypatch) if overrides.pop("widths", None) else {8}
   with compiles() as seen:
-    train.run(tiny_config(**{"eval.generation_configs": (), **overrides}), str(tmp_path))
+    train.run(tiny_config(**{"eval.generation_configs": (), **PADDED, **overrides}), str(tmp_path))
   assert len(grpo_rows(str(tmp_path))) == overrides.get("num_steps", 3)
   step = [(thread, name) for thread, name in seen if name in STEP_PROGRAMS]
   on_main = [name for where, name in step if where != "ahead"]
@@ -149,7 +152,7 @@ def test_the_next_width_is_submitted_while_the_device_samples(tmp_path, monkeypa
   monkeypatch.setattr(NativeEngine, "generate", on_generate)
   monkeypatch.setattr(compile_ahead.CompileAhead, "submit", on_submit)
   monkeypatch.setattr(multihost, "local_rows", on_rows)
-  train.run(tiny_config(**{"eval.generation_configs": (), "num_steps": 4}), str(tmp_path))
+  train.run(tiny_config(**{"eval.generation_configs": (), "num_steps": 4, **PADDED}), str(tmp_path))
   assert len(widths) == 2
   submits = [i for i, e in enumerate(events) if e.startswith("submit")]
   assert len(submits) == 2 and submits[0] == 0, events  # the first before the loop
@@ -161,7 +164,13 @@ def test_turned_off_the_loop_compiles_at_first_call(tmp_path):
   with compiles() as seen:
     train.run(
         tiny_config(
-            **{"eval.generation_configs": (), "compile_ahead": False, "beta": 0.08, "num_steps": 1}
+            **{
+                "eval.generation_configs": (),
+                "compile_ahead": False,
+                "beta": 0.08,
+                "num_steps": 1,
+                **PADDED,
+            }
         ),
         str(tmp_path),
     )
@@ -177,7 +186,7 @@ def test_a_failed_compile_is_logged_and_the_run_goes_on(tmp_path, monkeypatch):
   monkeypatch.setattr(compile_ahead.CompileAhead, "_programs", broken)
   warnings = []
   monkeypatch.setattr(compile_ahead.logging, "warning", lambda msg, *a: warnings.append(msg % a))
-  train.run(tiny_config(**{"eval.generation_configs": (), "num_steps": 2}), str(tmp_path))
+  train.run(tiny_config(**{"eval.generation_configs": (), "num_steps": 2, **PADDED}), str(tmp_path))
   assert len(grpo_rows(str(tmp_path))) == 2
   assert len(warnings) == 1 and "prompt width 6 failed" in warnings[0] and "boom" in warnings[0]
 
@@ -191,6 +200,7 @@ def test_maxtext_policy_programs_compile_ahead(tmp_path, monkeypatch):
   config = tiny_maxtext.get_config()
   config.num_steps, config.sft_steps, config.beta = 4, 0, 0.08
   config.eval.generation_configs = ()
+  config.pack_sequences = False  # (PADDED)
   with compiles() as seen:
     train.run(config, str(tmp_path))
   step = [(where, name) for where, name in seen if name in STEP_PROGRAMS]
