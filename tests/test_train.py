@@ -240,15 +240,19 @@ def test_beta_zero_builds_no_reference(tmp_path, monkeypatch):
   calls = []
   real = policy_lib.native_policy
 
-  def counting_policy(*a, **kw):
+  def counting_policy(*a, **kw):  # the padded and the packed (the default) forwards
     p = real(*a, **kw)
-    inner = p.logprobs
 
-    def logprobs(*args, **kwargs):
-      calls.append(1)
-      return inner(*args, **kwargs)
+    def counted(inner):
+      def logprobs(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
 
-    return dataclasses.replace(p, logprobs=logprobs)
+      return logprobs
+
+    return dataclasses.replace(
+        p, logprobs=counted(p.logprobs), packed_logprobs=counted(p.packed_logprobs)
+    )
 
   monkeypatch.setattr(policy_lib, "native_policy", counting_policy)
   train.run(tiny_config(num_steps=1, beta=0.0), str(tmp_path / "b0"))
