@@ -618,7 +618,9 @@ def test_where_packing_runs_and_where_it_is_refused(monkeypatch):
   assert not any(e.startswith("pack_sequences=") for e in configuration.validate(t5, num_devices=8))
   assert not packing.packs(t5) and packing.packs(tiny_config(pack_sequences=True))
   maxtext = tiny_config(pack_sequences=True, **{"model.impl": "maxtext"})  # its segment ids
-  assert not any(e.startswith("pack_sequences=") for e in configuration.validate(maxtext, num_devices=8))
+  assert not any(
+      e.startswith("pack_sequences=") for e in configuration.validate(maxtext, num_devices=8)
+  )
   # The fused attention takes segment ids (attention.segment_attention); on GPU its kernel has
   # no sliding window, so a windowed model is refused there, and only there.
   windowed = {"model.attention_impl": "fused", "model.sliding_window": 4}
