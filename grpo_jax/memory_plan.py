@@ -273,6 +273,7 @@ def plan(
         "decoder-only policies (its KV cache and sampler). Fix: plan a decoder "
         "config (--config.model.family=decoder)"
     )
+  config = with_overrides(config, pack_sequences=False)  # padded rows: the packed worst case
   default_remat = (
       config.model.maxtext.remat_policy
       if config.model.impl == "maxtext"

@@ -49,6 +49,7 @@ def _fraction_changed(param_dtype, lr, steps=5):
           "num_generations": 2,
           "micro_batch_size": 0,
           "beta": 0.0,
+          "pack_sequences": False,  # fns.update on the assembled (padded) rows
       },
   )
   mesh = build.make_mesh(c)
