@@ -216,7 +216,9 @@ def test_lora_moe_configs_validate_and_bad_values_are_one_line():
 @pytest.mark.parametrize(
     "targets",
     [
-        None,  # the default: attention, and every expert's gate, up and down (PEFT rank 2r)
+        pytest.param(  # the default: attention, every expert's gate, up and down (rank 2r)
+            None, marks=pytest.mark.slow, id="all"
+        ),
         pytest.param(  # experts' down only: rank r, one wrapper
             r"layers/\d+/(attn/(q|v)|mlp/down)", marks=pytest.mark.slow
         ),
