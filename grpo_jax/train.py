@@ -269,7 +269,7 @@ def _compile_ahead(config, session, grpo, engine, sampler_mesh):
   if not config.compile_ahead:
     return None
   mesh = grpo.mesh
-  return session.closing(
+  ahead = session.closing(
       compile_ahead.CompileAhead(
           config,
           grpo,
@@ -278,6 +278,9 @@ def _compile_ahead(config, session, grpo, engine, sampler_mesh):
           key=source_lib.step_key(session.rng, 0, mesh),
       )
   )
+  if hasattr(grpo.rows, "ahead"):  # packed rows: each new shape's likely neighbours
+    grpo.rows.ahead = ahead
+  return ahead
 
 
 def _evaluate_before(config, session, evaluator, state, mesh):

@@ -17,6 +17,12 @@ submits the first batch's width before the evaluation that precedes GRPO, and ea
 width when it prefetches the next step's prompts, so a new width compiles while the device runs
 the current step. XLA compiles with the GIL released: the compiles (and the device) overlap.
 
+Packed rows (config.pack_sequences): their shapes follow each step's lengths, so the first
+packed shape of a run compiles at its first use; from then on each new shape the Packer meets
+sends its likely neighbours (`packed`: the gather, the log-prob passes, the KL fold, the update,
+the unpack on the same arrays with other row counts), and the Packer waits for a shape's
+programs (`wait_packed`) before its first call.
+
 The abstract inputs are made by the same jitted functions the loop calls (`jax.eval_shape` of
 each, chained as in rl/step.py's GrpoStep: steps 4-6), starting from the engine-independent
 `Rollout.spec`,
@@ -58,11 +64,14 @@ def abstract(tree, *, on_device: bool = False):
 
 
 class _Width:
-  """The programs of one prompt width: a list the worker thread and `wait` both take from."""
+  """The programs of one prompt width (or of one packed shape at a width): a list the worker
+  thread and `wait` both take from."""
 
-  def __init__(self, width: int, first: bool):
+  def __init__(self, width: int, first: bool, label: str = ""):
     self.width = width
+    self.label = label or f"prompt width {width}"
     self.first = first  # the first width submitted (its sampler goes after the update)
+    self.state = self.ref = None  # the width's abstract state and reference (packed shapes')
     self.tasks = None  # [(name, jitted fn, abstract args)], set once planned
     self.planned = threading.Event()
     self._taken, self._done, self._lock = set(), set(), threading.Condition()
@@ -126,7 +135,37 @@ class CompileAhead:
           None if ref_params is None else abstract(ref_params, on_device=True),
           self._sampler(job, prompt, state),
       )
+      job.state, job.ref = args[2], args[3]
       self._pool.submit(self._work, job, *args)
+    return True
+
+  def packed(self, width: int, shapes, upd: dict, where, packed: dict) -> None:
+    """Packed rows (rl/packing.py's Packer, when a step meets a new shape): the programs of
+    each of `shapes` [(rows, head rows, micro-batches)] at prompt `width` (the gather, the
+    log-prob passes, the update, the unpack) compile in the worker, so a later step whose
+    lengths land on one of them finds it compiled (`wait_packed`). upd: the padded update batch,
+    where: the plan's two [N] arrays, packed: the packed batch of this step (its shardings are
+    the ones every packed shape's arrays carry; only the row counts differ). Abstract copies
+    are taken here. Routing replay's packed passes compile at their first use."""
+    parent = self._widths.get(width)
+    if parent is None or self.grpo.replay:
+      return
+    args = (abstract(upd), abstract(where), abstract(packed))
+    with self._lock:
+      for shape in shapes:
+        if (width, shape) in self._widths:
+          continue
+        label = f"packed rows {shape[0]} (LM head {shape[1]}, {shape[2]} micro-batches) x {width}"
+        job = self._widths[(width, shape)] = _Width(width, first=False, label=label)
+        self._pool.submit(self._work_packed, job, parent, shape, *args)
+
+  def wait_packed(self, width: int, shape) -> bool:
+    """-> whether the packed `shape` at `width` was submitted (`packed`); if so, returns once
+    its programs are compiled (or failed), compiling in this thread those not started."""
+    job = self._widths.get((width, tuple(shape)))
+    if job is None:
+      return False
+    self.wait((width, tuple(shape)))
     return True
 
   def _sampler(self, job: _Width, prompt: dict, state: dict):
@@ -141,8 +180,9 @@ class CompileAhead:
       return None
     return None if got is None else ("sampler", got[0], abstract(got[1]))
 
-  def wait(self, width: int, only: str | None = None) -> None:
-    """Returns once the programs for `width` are compiled (or failed), compiling in this thread
+  def wait(self, width, only: str | None = None) -> None:
+    """Returns once the programs for `width` (or a packed shape's (width, shape) key) are
+    compiled (or failed), compiling in this thread
     those the worker has not started; no-op if `width` was never submitted. only="sampler":
     just the sampler's program (before the rollout; none with the vLLM engine)."""
     job = self._widths.get(width)
@@ -152,9 +192,9 @@ class CompileAhead:
       if job.errors and not job.reported:
         job.reported = True
         logging.warning(
-            "compiling ahead for prompt width %d failed (those programs compile "
-            "at their first call instead): %s",
-            width,
+            "compiling ahead for %s failed (those programs compile at their first call "
+            "instead): %s",
+            job.label,
             "; ".join(job.errors),
         )
 
@@ -177,10 +217,63 @@ class CompileAhead:
     job.planned.set()
     job.run()
     logging.info(
-        "compiled ahead the step programs for prompt width %d in %.1f s",
-        job.width,
-        time.perf_counter() - job.t0,
+        "compiled ahead the step programs for %s in %.1f s", job.label, time.perf_counter() - job.t0
     )
+
+  def _work_packed(self, job: _Width, parent: _Width, shape, upd, where, packed):
+    parent.planned.wait()  # the width's own programs first
+    try:
+      job.tasks = self._packed_programs(parent, shape, upd, where, packed)
+    except Exception as e:  # pylint: disable=broad-except
+      job.tasks = []
+      job.errors.append(f"planning: {type(e).__name__}: {e}")
+    job.planned.set()
+    job.run()
+    logging.info(
+        "compiled ahead the step programs for %s in %.1f s", job.label, time.perf_counter() - job.t0
+    )
+
+  def _packed_programs(self, parent: _Width, shape, upd, where, packed):
+    """[(name, jitted fn, abstract args)] of one packed shape, in the loop's order (GrpoStep:
+    the gather, the old and reference passes, the KL fold, the update, the unpack of the old
+    log-probs for the step's figures), on `packed`'s arrays given `shape`'s row counts."""
+    c, grpo, fns, mesh = self.config, self.grpo, self.grpo.fns, self.grpo.mesh
+    rows, heads, n = shape
+    batch = {}
+    for k, v in packed.items():
+      if k in ("sequences", "micro_batches"):  # per sequence [N, ...]; static
+        batch[k] = v
+        continue
+      lead = heads if k == "head_slots" else rows
+      batch[k] = jax.ShapeDtypeStruct(
+          (lead, *v.shape[1:]), v.dtype, sharding=v.sharding, weak_type=v.weak_type
+      )
+    batch["micro_batches"] = packing.MicroBatches(n)
+    programs = [("pack", fns.pack, (upd, *where, rows, heads, n))]
+    args = tuple(
+        batch[k] for k in ("input_ids", "segment_ids", "positions", "head_slots", "micro_batches")
+    )
+    logp = jax.ShapeDtypeStruct(
+        batch["input_ids"].shape, jnp.float32, sharding=sharding.batch_sharding(mesh, 2)
+    )
+    if grpo.old_logp == "trainer":
+      programs.append(("old logprobs", fns.packed_logprobs, (parent.state["params"], *args)))
+      batch["old_logp"] = logp
+    if grpo.reference.enabled:  # LoRA: the base of the state's own params; else the reference
+      policy = grpo.reference.policy
+      ref = policy.reference(parent.state["params"]) if policy.reference else parent.ref
+      programs.append(("ref logprobs", fns.packed_logprobs, (ref, *args)))
+      batch["ref_logp"] = logp
+    if c.kl_in_reward:
+      rewards = jax.ShapeDtypeStruct(
+          upd["advantages"].shape, jnp.float32, sharding=sharding.batch_sharding(mesh, 1)
+      )
+      # the same arrays back (the advantages again): the same shapes and shardings
+      programs.append(("fold_kl", fns.packed_fold_kl, (batch, rewards)))
+    programs.append(("update", fns.update, (parent.state, batch)))
+    if "old_logp" in batch:
+      programs.append(("unpack", fns.unpack, (batch["old_logp"], batch["sequences"]["slot"])))
+    return programs
 
   def _programs(self, ids, mask, state, ref):
     """[(name, jitted fn, abstract args)]: the update first (it compiles longest, so the worker
@@ -194,8 +287,8 @@ class CompileAhead:
       rollout = dataclasses.replace(rollout, routes=routes)
     rewards = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=sharding.batch_sharding(mesh, 1))
     assemble = ("assemble", fns.assemble, (ids, mask, rollout, rewards))
-    if packing.packs(c):  # packed shapes follow the step's lengths: they compile at first use
-      return [assemble]
+    if packing.packs(c):  # packed shapes follow the step's lengths: the first compiles at its
+      return [assemble]  # first use, the likely next ones ahead from there (`packed`)
     upd = jax.eval_shape(fns.assemble, *assemble[2])
     programs = [assemble]
     # Routing replay (rl/replay.py): every log-prob pass is the routed program, on the rows

@@ -10,12 +10,20 @@ import threading
 import traceback
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from grpo_jax.run import compile_ahead
 from grpo_jax.parallel import multihost
+from grpo_jax.parallel import sharding
 from grpo_jax import train
 from grpo_jax.rollout.engine import NativeEngine
+from grpo_jax.models import build
+from grpo_jax.rl import step as step_lib
+from grpo_jax.rl.reference import Reference
+from grpo_jax.rollout.source import Scored
+from grpo_jax.rollout import Rollout
 from tests.test_train import grpo_rows
 from tests.test_train import tiny_config
 
@@ -210,3 +218,82 @@ def test_maxtext_policy_programs_compile_ahead(tmp_path, monkeypatch):
   # rollout on, so the first width's sampler compiles at its call, the second's ahead.
   assert [where == "ahead" for where, name in step if name == "_generate"] == [False, True]
   assert all(where == "ahead" for where, name in step if name != "_generate"), step
+
+
+
+def _scored_with(config, policy, mesh, clen, seed=0):
+  """A made-up scored batch (tests/rl/test_packing.py's shape) with completion lengths `clen`."""
+  rng = np.random.default_rng(seed)
+  b, g, p, c = config.batch_size, config.num_generations, 6, config.max_completion_length
+  plen = rng.integers(2, p + 1, b)
+  pmask = (np.arange(p)[None] >= (p - plen)[:, None]).astype(np.int32)
+  cmask = (np.arange(c)[None] < np.asarray(clen)[:, None]).astype(np.int32)
+  vocab = policy.model_config.vocab_size
+  logprobs = jnp.asarray(cmask * rng.normal(-2.5, 0.5, (b * g, c)), jnp.float32)
+  rollout = Rollout(
+      tokens=jnp.asarray(rng.integers(1, vocab, (b * g, c)) * cmask, jnp.int32),
+      mask=jnp.asarray(cmask),
+      logprobs=logprobs,
+      raw_logprobs=logprobs,
+      lengths=jnp.asarray(clen, jnp.int32),
+      truncated=jnp.asarray(np.asarray(clen) == c),
+      tool_mask=jnp.zeros_like(jnp.asarray(cmask)),
+  )
+  rows = sharding.batch_sharding(mesh, 2)
+  prompt = dict(
+      ids=jax.device_put(jnp.asarray(rng.integers(1, vocab, (b, p)) * pmask, jnp.int32), rows),
+      mask=jax.device_put(jnp.asarray(pmask), rows),
+  )
+  rewards = jax.device_put(  # as the loop's rewards (rewards/computer.py)
+      jnp.asarray(rng.uniform(0, 1, b * g), jnp.float32), sharding.batch_sharding(mesh, 1)
+  )
+  return Scored(prompt=prompt, rollout=rollout, rewards=rewards, host={}, figures={})
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"beta": 0.1, "loss.tis_cap": 2.0},  # old and reference passes, the unpack
+        pytest.param({"beta": 0.1, "kl_in_reward": True}, marks=pytest.mark.slow),  # fold_kl
+    ],
+)
+def test_packed_shapes_compile_ahead(overrides):
+  """Packed rows (the default): a step that meets a new packed shape submits the shapes of its
+  batch with every completion 15% longer and shorter (Packer.likely_shapes) to the worker; a
+  later step whose lengths drift onto one of them finds all its programs (gather, old and
+  reference passes, update, unpack) compiled: none compiles on the main thread (a shape or
+  sharding that differs from the loop's arrays would compile again there)."""
+  config = tiny_config(max_completion_length=24, **overrides)
+  mesh = build.make_mesh(config)
+  policy = build.make_policy(config, mesh)
+  fns = step_lib.build(config, policy, mesh)
+  reference = Reference(config, policy, fns, mesh)
+  reference.start(policy.params)
+  grpo = step_lib.GrpoStep(config, fns, reference, mesh, matches_trainer=True)
+  ahead = compile_ahead.CompileAhead(config, grpo)
+  grpo.rows.ahead = ahead
+  state = fns.init(policy.params)
+  n, c = config.batch_size * config.num_generations, config.max_completion_length
+  clen = np.random.default_rng(1).integers(2, 10, n)
+  longer = np.minimum(np.round(clen * 1.15).astype(np.int64), c)
+  first, later = (_scored_with(config, policy, mesh, x) for x in (clen, longer))
+  assert ahead.submit(first.prompt, state)
+  ahead.wait(first.prompt["ids"].shape[1])
+
+  def step(state, batch):
+    upd, kl_rewards = grpo.inputs(state, batch)
+    figures = grpo.figures(batch, upd, kl_rewards)
+    state, _ = grpo.update(state, upd)
+    jax.block_until_ready((state, figures))
+    return state
+
+  state = step(state, first)
+  shapes = sorted(grpo.rows.shapes)
+  assert len(shapes) == 1
+  with compiles() as seen:
+    state = step(state, later)
+  ahead.close()
+  assert len(grpo.rows.shapes) == 2, "the later batch should need another packed shape"
+  programs = {"update", "pack", "packed_logprobs_all", "packed_fold_kl", "unpack"}
+  main = [name for where, name in seen if where != "ahead" and name in programs]
+  assert not main, f"compiled on the main thread: {main} (all: {seen})"
