@@ -32,13 +32,16 @@ It prints:
 - model FLOPs of the real tokens / FLOPs issued, update + both log-prob passes (5 forward
   units: the update's forward + backward is 3, each pass 1), for Qwen3-0.6B and Qwen3-8B at
   the recipe's shapes. Per forward: 2 * N_nonembed per token slot, 2 * D * V per position the
-  LM head runs on, 4 * L * H * K * T^2 per attention row of T slots (PaLM's convention, as
-  grpo_step.py). Issued: padded rows run every slot and the head over the C completion
-  positions; packed rows run every slot of R rows and the head over the completion tokens'
-  slots in whole bucketed rows (rl/packing.py: the plan's head_rows; "head on every slot" is
-  the layout before that, the head over all R x S slots), and the masked XLA attention computes the whole
-  [S, S] scores of each packed row. Real: each sequence's own tokens, its l^2 attention, the
-  head over its completion tokens.
+  LM head runs on, 4 * L * H * K per attention score. Real: each sequence's own tokens, the
+  l (l + 1) / 2 scores a causal model needs, the head over its completion tokens. Issued:
+  padded rows run every slot, the head over the C completion positions and a causal tiled
+  kernel's every tile (cuDNN, 128 x 128 tiles counted); packed rows run every slot of R rows,
+  the head over the completion tokens' slots in whole bucketed rows (rl/packing.py: the plan's
+  head_rows; "head on every slot" is the layout before that), and the segment kernels' tiles
+  (`packed_tiles`: GPU's Triton kernel at 128 x 128, TPU's splash at 256 x 256; each q tile
+  visits the kv tiles from its sequence's start to the diagonal); the masked XLA form (the CPU
+  path) computes every score of each packed row's [S, S]. The FLOPs use the first
+  FLOPS_BATCHES batches.
 """
 
 import argparse
@@ -70,7 +73,8 @@ from grpo_jax.rollout import Rollout  # noqa: E402
 SHARED = os.path.join(ROOT, "..", "shared", "data")
 CUT_FRACTION = 0.05  # rows that run to max_completion_length
 COMPLETION_SCALE = 1.5  # a reasoning trace / the reference answer
-FILL_BATCHES = 400
+FILL_BATCHES = 400  # (the FLOPs count the first FLOPS_BATCHES)
+FLOPS_BATCHES = 100
 
 # The CPU workloads: configs/tiny.py with these overrides; lengths = the recipe's / scale.
 WORKLOADS = {
@@ -183,31 +187,79 @@ def fills(batches, micro: packing.MicroBatching) -> dict:
 # --------------------------------------------------------------------------------- FLOPs
 
 
-def forward_flops(cfg, slots: int, head_positions: int, attention_sq: int) -> float:
-  """One forward: 2 N_nonembed per slot, 2 D V per head position, 4 L H K per score."""
+# The fused kernels' tiles (models/decoder/attention.py): GPU's Triton kernel and TPU's splash
+# attention at the recipe's P + C = 1280 slots (splash's block: the largest of 512, 256, 128
+# dividing the row, 256 here); padded rows: cuDNN's causal kernel, counted at 128 x 128 tiles.
+KERNEL_BLOCKS = dict(gpu=(128, 128), tpu=(256, 256), padded=(128, 128))
+
+
+def forward_flops(cfg, slots: int, head_positions: int, scores: int) -> float:
+  """One forward: 2 N_nonembed per slot, 2 D V per head position, 4 L H K per attention score
+  (q.k and p.v, per head)."""
   d, h, k, l = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.num_layers
   n_nonembed = l * (d * (h + 2 * cfg.num_kv_heads) * k + h * k * d + 3 * d * cfg.intermediate_size)
-  return (
-      2 * n_nonembed * slots
-      + 2 * d * cfg.vocab_size * head_positions
-      + 4 * l * h * k * attention_sq
-  )
+  slots, head_positions, scores = (float(x) for x in (slots, head_positions, scores))
+  return 2 * n_nonembed * slots + 2 * d * cfg.vocab_size * head_positions + 4 * l * h * k * scores
+
+
+def causal_tiles(width: int, bq: int, bk: int, first: int = 0) -> int:
+  """(q tile, kv tile) pairs a causal tiled kernel visits in a row of `width` slots (padded to
+  whole tiles) from q tile `first` on, every kv tile up to the diagonal."""
+  nq = -(-width // bq)
+  return sum(((i + 1) * bq - 1) // bk + 1 for i in range(first, nq))
+
+
+def packed_tiles(bt, plan, width: int, bq: int, bk: int) -> int:
+  """(q tile, kv tile) pairs the packed-row kernels visit (models/decoder/attention.py's
+  segment kernels, GPU and TPU): for each q tile holding a real slot, the kv tiles from the one
+  holding the start of that slot's sequence to the diagonal; tiles of padding only are
+  skipped."""
+  seq = bt.seq_n
+  local = seq.size // plan.shards
+  key = (np.arange(seq.size) // local) * plan.rows_per_shard + plan.row_of
+  total = 0
+  for r in np.unique(key):
+    members = np.flatnonzero(key == r)
+    order = members[np.argsort(plan.offset_of[members])]
+    starts, used = plan.offset_of[order], int(seq[order].sum())
+    for i in range(-(-used // bq)):
+      start = starts[np.searchsorted(starts, i * bq, side="right") - 1]
+      total += ((i + 1) * bq - 1) // bk - int(start) // bk + 1
+  return total
 
 
 def flops_ratios(cfg, batches, micro: packing.MicroBatching) -> dict:
   """Model FLOPs of the real tokens / FLOPs issued (update + both passes: 5 forward units,
-  the same factor on both sides, so the ratio of one forward)."""
-  real = padded = packed = every_slot = 0.0
+  the same factor on both sides, so the ratio of one forward). Attention: a causal model needs
+  l (l + 1) / 2 scores per sequence of l tokens; a tiled kernel issues whole tiles
+  (KERNEL_BLOCKS): padded rows every causal tile of the row, packed rows the tiles of
+  `packed_tiles`; the masked XLA form (CPU) every score of its [S, S] matrix."""
+  real = padded = gpu = tpu = masked = every_slot = 0.0
   for bt in batches:
     s, seq = bt.width + bt.c, bt.seq_n
     n = seq.size
     plan = packing.plan_rows(seq, s, micro, bt.completion_n)
     heads = plan.head_rows
-    real += forward_flops(cfg, seq.sum(), bt.completion_n.sum(), (seq**2).sum())
-    padded += forward_flops(cfg, n * s, n * bt.c, n * s * s)
-    packed += forward_flops(cfg, plan.rows * s, heads * s, plan.rows * s * s)
-    every_slot += forward_flops(cfg, plan.rows * s, plan.rows * s, plan.rows * s * s)
-  return dict(padded=real / padded, packed=real / packed, packed_head_every_slot=real / every_slot)
+    real += forward_flops(cfg, seq.sum(), bt.completion_n.sum(), (seq * (seq + 1) // 2).sum())
+    bq, bk = KERNEL_BLOCKS["padded"]
+    padded += forward_flops(cfg, n * s, n * bt.c, n * causal_tiles(s, bq, bk) * bq * bk)
+    for kind in ("gpu", "tpu"):
+      bq, bk = KERNEL_BLOCKS[kind]
+      scores = packed_tiles(bt, plan, s, bq, bk) * bq * bk
+      issued = forward_flops(cfg, plan.rows * s, heads * s, scores)
+      if kind == "gpu":
+        gpu += issued
+        every_slot += forward_flops(cfg, plan.rows * s, plan.rows * s, scores)
+      else:
+        tpu += issued
+    masked += forward_flops(cfg, plan.rows * s, heads * s, plan.rows * s * s)
+  return dict(
+      padded=real / padded,
+      packed=real / gpu,
+      packed_tpu=real / tpu,
+      packed_masked=real / masked,
+      packed_head_every_slot=real / every_slot,
+  )
 
 
 # ------------------------------------------------------------------------------ the timing
@@ -395,11 +447,12 @@ def main(argv=None):
         ("8 chips", packing.MicroBatching(8, count=recipe_micro)),
         ("one chip", packing.MicroBatching()),
     ):
-      r = flops_ratios(PRESETS[preset], recipe_batches, micro)
+      r = flops_ratios(PRESETS[preset], recipe_batches[:FLOPS_BATCHES], micro)
       results["flops"][f"{preset}, {name}"] = r
       print(
-          f"  {preset:<11} {name:<9} padded {r['padded']:.3f}  packed {r['packed']:.3f}  "
-          f"(head on every slot {r['packed_head_every_slot']:.3f})"
+          f"  {preset:<11} {name:<9} padded {r['padded']:.3f}  packed: GPU kernel "
+          f"{r['packed']:.3f}, TPU splash {r['packed_tpu']:.3f}, masked XLA form "
+          f"{r['packed_masked']:.3f}  (GPU, head on every slot {r['packed_head_every_slot']:.3f})"
       )
   spec = WORKLOADS["quick" if args.quick else "cpu"]
   t = time_layouts(spec, lengths, recipe, args.seed)

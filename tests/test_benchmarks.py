@@ -5,7 +5,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from grpo_jax.rl import packing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -228,6 +231,18 @@ def test_packed_update_benchmark_quick(tmp_path):
   assert one_chip["packed"] > 2 * one_chip["padded"]  # long-tailed: most slots are padding
   for name, f in res["flops"].items():
     assert 0 < f["padded"] < 1 and 0 < f["packed_head_every_slot"] <= f["packed"] < 1, name
+    # the masked form computes every [S, S] score; the segment kernels skip whole tiles
+    assert f["packed_masked"] <= min(f["packed"], f["packed_tpu"]), name
+  # The segment kernels' tile count (`packed_tiles`) on a hand-made plan: one row of 8 slots,
+  # sequences of 3 and 5 tokens, 2 x 2 tiles: q tiles 0-1 start at 0 (kv tiles 0..0, 0..1),
+  # q tile 2's sequence starts at 3 (kv tile 1..2), q tile 3 (1..3): 1 + 2 + 2 + 3 = 8 tiles.
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import packed_update  # pylint: disable=import-outside-toplevel
+
+  bt = packed_update.Batch(np.array([1, 1]), np.array([2, 4]), width=1, c=7)
+  plan = packing.Plan(np.array([0, 0]), np.array([0, 3]), 1, 1, 1, 1, 1.0)
+  assert packed_update.packed_tiles(bt, plan, 8, 2, 2) == 8
+  assert packed_update.causal_tiles(8, 2, 2) == 1 + 2 + 3 + 4
   assert one_chip["packed"] <= one_chip["ffd"] + 1e-9  # buckets only add rows
   t = res["timing"]
   assert t["padded"]["pack"] < t["packed"]["pack"]  # the padded rows are not moved
