@@ -489,18 +489,23 @@ def _with_routes(batch, policy, seed):
   return dataclasses.replace(batch, rollout=rollout)
 
 
+def grpo_step(config):
+  """-> (mesh, policy, fns, grpo): the loop's GrpoStep for `config` (a started reference)."""
+  mesh = build.make_mesh(config)
+  policy = build.make_policy(config, mesh)
+  fns = step_lib.build(config, policy, mesh)
+  reference = Reference(config, policy, fns, mesh)
+  reference.start(policy.params)
+  return mesh, policy, fns, step_lib.GrpoStep(config, fns, reference, mesh, matches_trainer=True)
+
+
 def _step_both(overrides, seed=0):
   """GrpoStep.inputs + update + figures, padded and packed, from the same state and batch."""
   out = []
   for pack in (False, True):
     config = tiny_config(pack_sequences=pack, **overrides)
     assert not configuration.validate(config, num_devices=8)
-    mesh = build.make_mesh(config)
-    policy = build.make_policy(config, mesh)
-    fns = step_lib.build(config, policy, mesh)
-    reference = Reference(config, policy, fns, mesh)
-    reference.start(policy.params)
-    grpo = step_lib.GrpoStep(config, fns, reference, mesh, matches_trainer=True)
+    mesh, policy, fns, grpo = grpo_step(config)
     batch = _scored(config, policy, seed)
     if config.rollout.routing_replay == "rollout":
       batch = _with_routes(batch, policy, seed)

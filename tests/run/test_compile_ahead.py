@@ -19,11 +19,9 @@ from grpo_jax.parallel import multihost
 from grpo_jax.parallel import sharding
 from grpo_jax import train
 from grpo_jax.rollout.engine import NativeEngine
-from grpo_jax.models import build
-from grpo_jax.rl import step as step_lib
-from grpo_jax.rl.reference import Reference
 from grpo_jax.rollout.source import Scored
 from grpo_jax.rollout import Rollout
+from tests.rl.test_packing import grpo_step
 from tests.test_train import grpo_rows
 from tests.test_train import tiny_config
 
@@ -220,7 +218,6 @@ def test_maxtext_policy_programs_compile_ahead(tmp_path, monkeypatch):
   assert all(where == "ahead" for where, name in step if name != "_generate"), step
 
 
-
 def _scored_with(config, policy, mesh, clen, seed=0):
   """A made-up scored batch (tests/rl/test_packing.py's shape) with completion lengths `clen`."""
   rng = np.random.default_rng(seed)
@@ -264,12 +261,7 @@ def test_packed_shapes_compile_ahead(overrides):
   reference passes, update, unpack) compiled: none compiles on the main thread (a shape or
   sharding that differs from the loop's arrays would compile again there)."""
   config = tiny_config(max_completion_length=24, **overrides)
-  mesh = build.make_mesh(config)
-  policy = build.make_policy(config, mesh)
-  fns = step_lib.build(config, policy, mesh)
-  reference = Reference(config, policy, fns, mesh)
-  reference.start(policy.params)
-  grpo = step_lib.GrpoStep(config, fns, reference, mesh, matches_trainer=True)
+  mesh, policy, fns, grpo = grpo_step(config)
   ahead = compile_ahead.CompileAhead(config, grpo)
   grpo.rows.ahead = ahead
   state = fns.init(policy.params)
