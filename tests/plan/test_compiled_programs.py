@@ -212,14 +212,14 @@ def test_gpu_decode_attention_reads_written_slots_only(programs):
 
 PACKED_ROWS = 8  # packed rows of P + C slots (the plan's count, bucketed: abstract here)
 # The fused attention's custom call on packed rows (attention.segment_attention), forward and
-# backward kernels by name: Pallas's Triton flash attention with segment ids on GPU, splash
+# backward kernels by name: segment_flash.py's Triton flash attention on GPU, splash
 # attention's segmented kernels on TPU.
 PACKED_KERNEL = {
-    "gpu": ("custom-call:__gpu$xla.gpu.triton", ("mha_forward",)),
+    "gpu": ("custom-call:__gpu$xla.gpu.triton", ("segment_flash_fwd",)),
     "tpu": ("custom-call:tpu_custom_call", ("splash_mha_fwd_segmented",)),
 }
 PACKED_BACKWARD = {  # the update's kernels, by name
-    "gpu": ("mha_backward",),
+    "gpu": ("segment_flash_dq", "segment_flash_dkv"),
     "tpu": ("splash_mha_dq_segmented", "splash_mha_dkv_segmented"),
 }
 

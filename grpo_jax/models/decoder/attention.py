@@ -11,8 +11,6 @@ Which one runs is decided by `Block` (layers.py) from the model's `Kernels` (ker
 GPU ragged decode kernel is decode_attention.py. Softmax in f32 everywhere.
 """
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 
@@ -169,7 +167,8 @@ def segment_attention(
   slots (so causal in slots is causal in positions, and a `window` of slots is one of positions
   within the sequence). `platform` (Kernels.platform) picks the kernel:
     TPU: `splash_attention` with segment ids (windows and soft-caps in the kernel).
-    GPU: `triton_attention` (Pallas's Triton flash attention with segment ids) for bf16/f16
+    GPU: `triton_attention` (segment_flash.py's Pallas Triton flash attention, skipping the kv
+      blocks of other sequences) for bf16/f16
       and a layer without window or soft-cap; such a layer (and f32) takes the masked form, as
       the padded rows' f32 and soft-capped layers do (`causal_attention`).
     CPU: the masked form (`segment_mask` + `attention`), what the tests check the kernels
@@ -199,47 +198,47 @@ def segment_attention(
 
 
 def triton_attention(q_bthk, k_btgk, v_btgk, segments_bt, *, interpret: bool = False):
-  """`segment_attention` on GPU: Pallas's Triton flash attention with segment ids
-  (jax.experimental.pallas.ops.gpu.attention.mha: causal and segment masks in the kernel,
-  forward and backward kernels of its own), one call over all rows, under a shard_map that
-  keeps rows on (data, fsdp) and heads on tensor when a mesh is set. T is padded at the end to a
-  multiple of 128 (the kernel's block) with segment id 0, as the rows' own padding: a real query
-  never attends it. The kernel takes as many kv heads as query heads: grouped kv heads are
-  repeated (their gradients summed back by autodiff).
+  """`segment_attention` on GPU: this repo's Pallas Triton flash attention for packed rows
+  (segment_flash.py: causal and segment masks in the kernel, forward and backward kernels of
+  its own, each q block visiting only the kv blocks from its first sequence's start to the
+  diagonal, so blocks wholly of other sequences cost nothing), one call over all rows, under a
+  shard_map that keeps rows on (data, fsdp) and heads on tensor when a mesh is set. Grouped kv
+  heads are read in place (query head h reads kv head h // (H / Hkv)); where the tensor axis
+  does not divide the kv heads they are repeated to the query heads first (the gradients summed
+  back by autodiff). The kernel pads T to its block with segment id 0 (the rows' own padding's:
+  a real query never attends it) and head_dim to a power of two.
 
   Why this kernel and not cuDNN's packed layout (jax._src.cudnn.fused_attention_stablehlo's
   q_seqlen / q_offsets): cuDNN checks for Hopper on the *runtime* backend, so it cannot be traced
   for a GPU from a CPU host (memory_plan's and the AOT tests' deviceless H100 compile); the Triton
   kernel traces and compiles there (tests/plan/test_compiled_programs.py), and runs in Pallas's
-  interpreter on CPU, so its values and gradients are tested against the masked form. Its limits:
-  no sliding window and no soft-cap (`segment_attention` keeps the masked form for such layers;
-  configuration refuses packed rows for such a GPU model under the fused attention), head_dim
-  padded to a power of two. Its speed against cuDNN's is unmeasured (no GPU here). JAX marks the
-  module deprecated in favour of tokamax (not a dependency): its warning is silenced here.
+  interpreter on CPU, so its values and gradients are tested against the masked form
+  (tests/models/test_segment_flash.py). Not jax's Pallas Triton attention (pallas.ops.gpu.
+  attention.mha, what ran here before): it masks other sequences elementwise but visits every kv
+  block up to the diagonal. Limits: no sliding window and no soft-cap (`segment_attention` keeps
+  the masked form for such layers; configuration refuses packed rows for such a GPU model under
+  the fused attention). Its speed against cuDNN's or mha's is unmeasured (no GPU here).
   `interpret`: Pallas's interpreter (the CPU tests)."""
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from jax.experimental.pallas.ops.gpu import attention as triton_mha
+  from grpo_jax.models.decoder import segment_flash
 
-  b, t, h, kd = q_bthk.shape
-  rep = h // k_btgk.shape[2]
-  tp = -(-t // 128) * 128
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))  # noqa
-  q = pad(q_bthk)
-  k, v = (pad(jnp.repeat(x, rep, axis=2) if rep > 1 else x) for x in (k_btgk, v_btgk))
+  h, g = q_bthk.shape[2], k_btgk.shape[2]
 
-  def local(q, k, v, seg):  # [b, T, h, K], seg [b, T]: this shard's rows and heads
-    return triton_mha.mha(q, k, v, seg, sm_scale=kd**-0.5, causal=True, interpret=interpret)
+  def local(q, k, v, seg):  # [b, T, h, K], [b, T, g, K], seg [b, T]: this shard's rows, heads
+    return segment_flash.segment_flash(q, k, v, seg, interpret=interpret)
 
   mesh = jax.sharding.get_abstract_mesh()
   if not mesh.empty and set(sharding.MESH_AXES) <= set(mesh.axis_names):
-    qs = sharding.logical_to_spec(("batch", "length", "q_heads", "head_dim"), q.shape, mesh)
-    qs = jax.sharding.PartitionSpec(qs[0], None, qs[2], None)
+    qs = sharding.logical_to_spec(("batch", "length", "q_heads", "head_dim"), q_bthk.shape, mesh)
+    ks = sharding.logical_to_spec(("batch", "length", "kv_heads", "head_dim"), k_btgk.shape, mesh)
+    if qs[2] != ks[2] and g != h:  # kv heads split otherwise than the query heads: repeat them
+      k_btgk, v_btgk = (jnp.repeat(x, h // g, axis=2) for x in (k_btgk, v_btgk))
+      ks = qs
+    qs, ks = (jax.sharding.PartitionSpec(qs[0], None, p[2], None) for p in (qs, ks))
     ss = jax.sharding.PartitionSpec(qs[0], None)
     local = jax.shard_map(
-        local, mesh=mesh, in_specs=(qs, qs, qs, ss), out_specs=qs, check_vma=False
+        local, mesh=mesh, in_specs=(qs, ks, ks, ss), out_specs=qs, check_vma=False
     )
-  return local(q, k, v, pad(segments_bt))[:, :t]
+  return local(q_bthk, k_btgk, v_btgk, segments_bt)
 
 
 def splash_attention(
