@@ -38,7 +38,9 @@ def _rule(seg, window):
   tp = len(seg)
   start = [s if s == 0 or seg[s] != seg[s - 1] else 0 for s in range(tp)]
   start = np.maximum.accumulate(start)
-  end = np.array([max(e for e in range(s + 1, tp + 1) if (seg[s:e] == seg[s]).all()) for s in range(tp)])
+  end = np.array(
+      [max(e for e in range(s + 1, tp + 1) if (seg[s:e] == seg[s]).all()) for s in range(tp)]
+  )
   n = tp // BLK
   fwd, dkv = np.zeros((n, n), bool), np.zeros((n, n), bool)
   for i in range(n):
@@ -81,6 +83,21 @@ def test_tables_follow_the_rule_and_cover_the_mask(window):
     needed = allowed.reshape(4, BLK, 4, BLK).any(axis=(1, 3))
     assert not (needed & ~fwd).any() and not (needed & ~dkv).any()
     assert (~fwd & np.tri(4, dtype=bool)).any()  # blocks skipped below the diagonal
+  # The rows end to end (one kernel call): each row's rule on its own blocks, nothing across.
+  fwd_next, fwd_mask, dkv_next, dkv_mask = (
+      np.asarray(x)[0] for x in splash_segments.packed_tables(seg, bq=BLK, bk=BLK, window=window)
+  )
+  got_fwd, got_dkv = np.zeros((12, 12), bool), np.zeros((12, 12), bool)
+  for i, p in zip(*np.nonzero(fwd_mask)):
+    got_fwd[i, fwd_next[i, p]] = True
+  for p, j in zip(*np.nonzero(dkv_mask)):
+    got_dkv[dkv_next[p, j], j] = True
+  rules = [_rule(s, window) for s in seg]
+  for got, n in ((got_fwd, 0), (got_dkv, 1)):
+    want = np.zeros((12, 12), bool)
+    for r, rule in enumerate(rules):
+      want[4 * r : 4 * r + 4, 4 * r : 4 * r + 4] = rule[n]
+    np.testing.assert_array_equal(got, want)
 
 
 def _inputs(seed=0, h=4, g=2, kd=64):
@@ -116,7 +133,9 @@ def test_values_and_gradients_equal_the_masked_attention(window, softcap):
   q, k, v, seg, real, w = _inputs()
   fused, masked = _fused(seg, window, softcap), _masked(seg, window, softcap)
   np.testing.assert_allclose(fused(q, k, v) * real, masked(q, k, v) * real, rtol=1e-5, atol=1e-5)
-  grads = [jax.jit(jax.grad(lambda *a: (f(*a) * w).sum(), argnums=(0, 1, 2))) for f in (fused, masked)]
+  grads = [
+      jax.jit(jax.grad(lambda *a: (f(*a) * w).sum(), argnums=(0, 1, 2))) for f in (fused, masked)
+  ]
   for got, want in zip(grads[0](q, k, v), grads[1](q, k, v)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -154,9 +173,7 @@ def test_forward_and_dq_skip_the_other_sequences_blocks(window):
   dq = jax.grad(lambda q, k, v, f: (f(q, k, v) * wk).sum(), argnums=0)
   got = jnp.where(keep, dq(q, kn, vn, fused), 0.0)
   assert np.isfinite(got).all()
-  np.testing.assert_allclose(
-      got, jnp.where(keep, dq(q, k, v, masked), 0.0), rtol=1e-5, atol=1e-5
-  )
+  np.testing.assert_allclose(got, jnp.where(keep, dq(q, k, v, masked), 0.0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, pytest.param(200, marks=pytest.mark.slow)])

@@ -262,8 +262,8 @@ def splash_attention(
   query attends to keys of its own segment only); the padding to 128 gets segment 0, the rows'
   own padding's id. With segment ids the kernel also skips, per row, the blocks that lie entirely
   in another sequence (splash_segments.py: each row's own scalar-prefetch tables, built from its
-  segment ids; the rows run one kernel call each, pallas_call's batching of per-row prefetch
-  operands being a loop over them). `block`: the kernel's block (default: the largest of 512,
+  segment ids; the rows laid end to end as one sequence for one kernel call, as pallas_call's
+  vmap of per-row prefetch operands would be a loop of calls over the rows). `block`: the kernel's block (default: the largest of 512,
   256, 128 dividing the padded T). `interpret`: Pallas's interpreter (the CPU tests)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
@@ -302,19 +302,25 @@ def splash_attention(
     if not seg:
       return jax.vmap(kernel)(q, k, v)
 
+    # Packed rows: the b rows laid end to end as one sequence of b * tp slots, one kernel call
+    # with the rows' own tables (splash_segments.packed_tables: no block of one row visits
+    # another's) and the static mask's function (causal or window: the same within a row).
     info = kernel.fwd_mask_info  # the static mask's: a mask function, no mask blocks
     assert info.mask_next is None and info.partial_mask_blocks is None, info
-
-    def row(q, k, v, s):  # one row: its own tables (the kernel's mask function and q_sequence)
-      fwd_next, fwd_mask, dkv_next, dkv_mask = splash_segments.row_tables(
-          s, tp=tp, bq=blk, bk=blk, window=window
-      )
-      fwd = kernel.fwd_mask_info._replace(data_next=fwd_next, block_mask=fwd_mask)
-      dkv = kernel.dkv_mask_info._replace(data_next=dkv_next, block_mask=dkv_mask)
-      row_kernel = sk.SplashAttentionKernel(fwd, fwd, dkv, **kernel.kwargs)
-      return row_kernel(q, k, v, segment_ids=sk.SegmentIds(q=s, kv=s))
-
-    return jax.vmap(row)(q, k, v, seg[0])
+    b, heads = q.shape[:2]
+    fwd_next, fwd_mask, dkv_next, dkv_mask = splash_segments.packed_tables(
+        seg[0], bq=blk, bk=blk, window=window
+    )
+    q_sequence = jnp.arange(b * tp, dtype=jnp.int32)
+    fwd = info._replace(data_next=fwd_next, block_mask=fwd_mask, q_sequence=q_sequence)
+    dkv = kernel.dkv_mask_info._replace(
+        data_next=dkv_next, block_mask=dkv_mask, q_sequence=q_sequence
+    )
+    rows_kernel = sk.SplashAttentionKernel(fwd, fwd, dkv, **kernel.kwargs)
+    flat = lambda x: x.swapaxes(0, 1).reshape(x.shape[1], b * tp, x.shape[3])  # noqa
+    s = seg[0].reshape(b * tp)
+    out = rows_kernel(flat(q), flat(k), flat(v), segment_ids=sk.SegmentIds(q=s, kv=s))
+    return out.reshape(heads, b, tp, -1).swapaxes(0, 1)
 
   args = (q, k, v)
   if segment_ids is not None:

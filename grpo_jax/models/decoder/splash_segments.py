@@ -24,8 +24,13 @@ Layout: splash's "shrunk grid": the kernel's grid has a static width W (the most
 block (kv block) may visit: the window's span, else all), position p of q block i's row holds kv
 block lo(i) + p while that is <= the diagonal (block_mask 1: the mask function and segment ids
 are applied); the positions past it repeat the last visited block with block_mask 0: no compute
-and, the block index unchanged, no copy. The tables are [1, nq, W] int32 per row (one table for
-all heads): a few hundred bytes in SMEM.
+and, the block index unchanged, no copy. One table for all heads. The rows run as one kernel
+call over the rows laid end to end (`packed_tables`; the kernel's causal or window mask function
+is the same within a row, and no row's block visits another's), so the tables are
+[1, B * nq, W] (forward, dq) and [1, Wq, B * nk] (dkv), int16 and int8: B * nq * W * 3 bytes
+each in SMEM (8 rows of 1280 slots, blocks of 256: 600 bytes). A vmap over the rows instead
+would make pallas_call batch the per-row prefetch operands as a loop of kernel calls, each on
+a dynamic slice of q, k, v.
 """
 
 import jax
@@ -96,3 +101,32 @@ def row_tables(segments_t, *, tp: int, bq: int, bk: int, window: int | None):
   dkv_next = jnp.minimum(q, hi[None, :]).astype(jnp.int32)
   dkv_mask = (q <= hi[None, :]).astype(jnp.int32)
   return fwd_next[None], fwd_mask[None], dkv_next[None], dkv_mask[None]
+
+
+def packed_tables(segments_bt, *, bq: int, bk: int, window: int | None):
+  """The tables of B rows laid end to end as one sequence of B * T slots (how
+  `attention.splash_attention` runs them: one kernel call over the rows, each row's blocks
+  offset by its place): `row_tables` of each row, its block indices offset by the row's first
+  block, rows concatenated along the q blocks (forward, dq) or the kv blocks (dkv); a row's
+  blocks never visit another row's. Downcast as splash's own tables are (SMEM is small):
+  block_mask int8, data_next int16 where it fits. segments [B, T] -> (fwd data_next, fwd
+  block_mask) [1, B * nq, W], (dkv data_next, dkv block_mask) [1, Wq, B * nk]."""
+  b, tp = segments_bt.shape
+  nq, nk = tp // bq, tp // bk
+  fwd_next, fwd_mask, dkv_next, dkv_mask = jax.vmap(
+      lambda s: row_tables(s, tp=tp, bq=bq, bk=bk, window=window)
+  )(
+      segments_bt
+  )  # [B, 1, nq, W], [B, 1, Wq, nk]
+  rows = jnp.arange(b)[:, None, None, None]
+  fwd_next = (fwd_next + rows * nk).reshape(1, b * nq, -1)
+  fwd_mask = fwd_mask.reshape(1, b * nq, -1)
+  dkv_next = (dkv_next + rows * nq)[:, 0].transpose(1, 0, 2).reshape(1, -1, b * nk)
+  dkv_mask = dkv_mask[:, 0].transpose(1, 0, 2).reshape(1, -1, b * nk)
+  index = jnp.int16 if b * max(nq, nk) <= np.iinfo(np.int16).max else jnp.int32
+  return (
+      fwd_next.astype(index),
+      fwd_mask.astype(jnp.int8),
+      dkv_next.astype(index),
+      dkv_mask.astype(jnp.int8),
+  )
