@@ -38,9 +38,9 @@ def _rule(seg, window):
   tp = len(seg)
   start = [s if s == 0 or seg[s] != seg[s - 1] else 0 for s in range(tp)]
   start = np.maximum.accumulate(start)
-  end = np.array(
-      [max(e for e in range(s + 1, tp + 1) if (seg[s:e] == seg[s]).all()) for s in range(tp)]
-  )
+  end = np.full(tp, tp)
+  for s in range(tp - 2, -1, -1):
+    end[s] = s + 1 if seg[s] != seg[s + 1] else end[s + 1]
   n = tp // BLK
   fwd, dkv = np.zeros((n, n), bool), np.zeros((n, n), bool)
   for i in range(n):
@@ -148,7 +148,7 @@ def _blocks(x, b, blocks):
   return jnp.asarray(slots[:, :T, None, None])
 
 
-@pytest.mark.parametrize("window", [None, 200])
+@pytest.mark.parametrize("window", [None, pytest.param(200, marks=pytest.mark.slow)])
 def test_forward_and_dq_skip_the_other_sequences_blocks(window):
   """In each row, for the q block with the most skipped kv blocks, NaN in the keys and values of
   every kv block the rule does not visit for it (other sequences' blocks and those past the
