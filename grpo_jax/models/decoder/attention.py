@@ -260,17 +260,19 @@ def splash_attention(
   at the end to a multiple of 128 (causal: the padding is never attended by a real query).
   `segment_ids` [B, T] (packed rows: `segment_attention`): the kernel's segment mask too (a
   query attends to keys of its own segment only); the padding to 128 gets segment 0, the rows'
-  own padding's id. With segment ids the kernel also skips, per row, the blocks that lie entirely
-  in another sequence (splash_segments.py: each row's own scalar-prefetch tables, built from its
-  segment ids; the rows laid end to end as one sequence for one kernel call, as pallas_call's
-  vmap of per-row prefetch operands would be a loop of calls over the rows). `block`: the kernel's block (default: the largest of 512,
-  256, 128 dividing the padded T). `interpret`: Pallas's interpreter (the CPU tests)."""
+  own padding's id. With segment ids the kernel also skips, per row, the blocks that lie
+  entirely in another sequence (splash_segments.py: each row's own scalar-prefetch tables, built
+  from its segment ids), and the rows run as one kernel call, laid end to end as one sequence
+  (a vmap of per-row prefetch operands would be pallas_call's loop of calls over the rows).
+  `block`: the kernel's block (default: the largest of 512, 256, 128 dividing the padded T).
+  `interpret`: Pallas's interpreter (the CPU tests)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
   b, t, h, kd = q_bthk.shape
   tp = -(-t // 128) * 128
   blk = block or next(x for x in (512, 256, 128) if tp % x == 0)
+  assert tp % blk == 0 and blk % 128 == 0, (tp, blk)
   pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, 0))).swapaxes(1, 2)  # noqa
   q, k, v = pad(q_bthk * jnp.asarray(kd**-0.5, q_bthk.dtype)), pad(k_btgk), pad(v_btgk)
 
