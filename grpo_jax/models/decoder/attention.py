@@ -14,6 +14,7 @@ GPU ragged decode kernel is decode_attention.py. Softmax in f32 everywhere.
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.models.decoder import splash_segments
 from grpo_jax.parallel import sharding
 
 
@@ -249,7 +250,8 @@ def splash_attention(
     interpret: bool = False,
     window: int | None = None,
     softcap: float = 0.0,
-    segment_ids=None
+    segment_ids=None,
+    block: int | None = None
 ):
   """`causal_attention` on TPU: the Pallas splash-attention kernel (flash attention tiled for
   the TPU's VMEM, grouped-query heads read in place), one kernel call per row, under a
@@ -257,13 +259,19 @@ def splash_attention(
   at the end to a multiple of 128 (causal: the padding is never attended by a real query).
   `segment_ids` [B, T] (packed rows: `segment_attention`): the kernel's segment mask too (a
   query attends to keys of its own segment only); the padding to 128 gets segment 0, the rows'
-  own padding's id. `interpret`: Pallas's interpreter (the CPU tests)."""
+  own padding's id. With segment ids the kernel also skips, per row, the blocks that lie
+  entirely in another sequence (splash_segments.py: each row's own scalar-prefetch tables, built
+  from its segment ids), and the rows run as one kernel call, laid end to end as one sequence
+  (a vmap of per-row prefetch operands would be pallas_call's loop of calls over the rows).
+  `block`: the kernel's block (default: the largest of 512, 256, 128 dividing the padded T).
+  `interpret`: Pallas's interpreter (the CPU tests)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
   b, t, h, kd = q_bthk.shape
   tp = -(-t // 128) * 128
-  blk = next(x for x in (512, 256, 128) if tp % x == 0)
+  blk = block or next(x for x in (512, 256, 128) if tp % x == 0)
+  assert tp % blk == 0 and blk % 128 == 0, (tp, blk)
   pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, 0))).swapaxes(1, 2)  # noqa
   q, k, v = pad(q_bthk * jnp.asarray(kd**-0.5, q_bthk.dtype)), pad(k_btgk), pad(v_btgk)
 
@@ -294,9 +302,26 @@ def splash_attention(
     )
     if not seg:
       return jax.vmap(kernel)(q, k, v)
-    return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=sk.SegmentIds(q=s, kv=s)))(
-        q, k, v, seg[0]
+
+    # Packed rows: the b rows laid end to end as one sequence of b * tp slots, one kernel call
+    # with the rows' own tables (splash_segments.packed_tables: no block of one row visits
+    # another's) and the static mask's function (causal or window: the same within a row).
+    info = kernel.fwd_mask_info  # the static mask's: a mask function, no mask blocks
+    assert info.mask_next is None and info.partial_mask_blocks is None, info
+    b, heads = q.shape[:2]
+    fwd_next, fwd_mask, dkv_next, dkv_mask = splash_segments.packed_tables(
+        seg[0], bq=blk, bk=blk, window=window
     )
+    q_sequence = jnp.arange(b * tp, dtype=jnp.int32)
+    fwd = info._replace(data_next=fwd_next, block_mask=fwd_mask, q_sequence=q_sequence)
+    dkv = kernel.dkv_mask_info._replace(
+        data_next=dkv_next, block_mask=dkv_mask, q_sequence=q_sequence
+    )
+    rows_kernel = sk.SplashAttentionKernel(fwd, fwd, dkv, **kernel.kwargs)
+    flat = lambda x: x.swapaxes(0, 1).reshape(x.shape[1], b * tp, x.shape[3])  # noqa
+    s = seg[0].reshape(b * tp)
+    out = rows_kernel(flat(q), flat(k), flat(v), segment_ids=sk.SegmentIds(q=s, kv=s))
+    return out.reshape(heads, b, tp, -1).swapaxes(0, 1)
 
   args = (q, k, v)
   if segment_ids is not None:
