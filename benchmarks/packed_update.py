@@ -37,7 +37,8 @@ It prints:
   padded rows run every slot, the head over the C completion positions and a causal tiled
   kernel's every tile (cuDNN, 128 x 128 tiles counted); packed rows run every slot of R rows,
   the head over the completion tokens' slots in whole bucketed rows (rl/packing.py: the plan's
-  head_rows; "head on every slot" is the layout before that), and the segment kernels' tiles
+  head_rows, rows of `head_width` = 128 positions; "head on every slot" is the layout before
+  that), and the segment kernels' tiles
   (`packed_tiles`: GPU's Triton kernel at 128 x 128, TPU's splash at 256 x 256; each q tile
   visits the kv tiles from its sequence's start to the diagonal); the masked XLA form (the CPU
   path) computes every score of each packed row's [S, S]. The FLOPs use the first
@@ -239,20 +240,20 @@ def flops_ratios(cfg, batches, micro: packing.MicroBatching) -> dict:
     s, seq = bt.width + bt.c, bt.seq_n
     n = seq.size
     plan = packing.plan_rows(seq, s, micro, bt.completion_n)
-    heads = plan.head_rows
+    heads = plan.head_rows * packing.head_width(s)  # the LM head's positions
     real += forward_flops(cfg, seq.sum(), bt.completion_n.sum(), (seq * (seq + 1) // 2).sum())
     bq, bk = KERNEL_BLOCKS["padded"]
     padded += forward_flops(cfg, n * s, n * bt.c, n * causal_tiles(s, bq, bk) * bq * bk)
     for kind in ("gpu", "tpu"):
       bq, bk = KERNEL_BLOCKS[kind]
       scores = packed_tiles(bt, plan, s, bq, bk) * bq * bk
-      issued = forward_flops(cfg, plan.rows * s, heads * s, scores)
+      issued = forward_flops(cfg, plan.rows * s, heads, scores)
       if kind == "gpu":
         gpu += issued
         every_slot += forward_flops(cfg, plan.rows * s, plan.rows * s, scores)
       else:
         tpu += issued
-    masked += forward_flops(cfg, plan.rows * s, heads * s, plan.rows * s * s)
+    masked += forward_flops(cfg, plan.rows * s, heads, plan.rows * s * s)
   return dict(
       padded=real / padded,
       packed=real / gpu,

@@ -168,7 +168,7 @@ def packed_logprobs(
     remat: bool | None = None,
     shards: int = 1,
 ) -> jax.Array:
-  """Log-probs [R, L] of the tokens at `head_slots_hs` [H, L] of packed rows (rl/packing.py),
+  """Log-probs [R, L] of the tokens at `head_slots_hs` [H, W] of packed rows (rl/packing.py),
   each given the tokens before it in its sequence, 0 elsewhere. The rows and the head's rows
   split into `shards` blocks (the data-parallel shards: rl/packing.py packs each shard's
   sequences in its own rows): head row block d holds flat slots of row block d (R / shards * L
@@ -207,23 +207,25 @@ def _packed_head(model, h_rld, input_ids_rl, head_slots_hs, temperature, chunk_s
   if remat is None:
     remat = model.cfg.remat_policy != "none"
   r, l = input_ids_rl.shape
-  h, d = head_slots_hs.shape[0], h_rld.shape[-1]
   size = r // shards * l  # slots per shard
-  slot_kx = head_slots_hs.reshape(shards, -1)  # [shards, H / shards * L]
+  slot_kx = head_slots_hs.reshape(shards, -1)  # [shards, H / shards * W]: a shard's positions
   slot = jnp.minimum(slot_kx, size - 1)
   take = jax.vmap(lambda x, i: x[i])
   hidden = take(_blocks(h_rld, shards, size), jnp.maximum(slot - 1, 0))  # the slot before's
+  # Chunks of the positions per shard as many as the rows of L slots they fill hold at
+  # `chunk_size` per row: the logits' memory of a head over whole rows of L, fewer rows.
+  per_shard = slot_kx.shape[1]
   logp = chunked_token_logprobs(
-      _rows(hidden, h, l),  # [H, L, D]
+      hidden,  # [shards, positions, D]
       model.unembedding(),
-      take(_blocks(input_ids_rl, shards, size), slot).reshape(h, l),
+      take(_blocks(input_ids_rl, shards, size), slot),
       temperature,
-      chunk_size,
+      chunk_size * max(1, per_shard // l),
       remat,
       getattr(model.cfg, "final_logit_softcap", 0.0),
   )
   flat = jax.vmap(lambda i, v: jnp.zeros((size,), jnp.float32).at[i].set(v, mode="drop"))(
-      slot_kx, _blocks(logp, shards, -1)
+      slot_kx, logp
   )
   return _rows(flat, r, l)
 

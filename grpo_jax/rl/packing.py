@@ -73,6 +73,16 @@ def packs(config) -> bool:
 
 
 NUM_BUCKETS = 16  # packed row counts per micro-batch: the padded count x 2^(-k/4), k < 16
+HEAD_WIDTH = 128  # slots per row of the LM head's gathered positions (`head_width`)
+
+
+def head_width(s: int) -> int:
+  """The width W of the LM head's rows (head_slots [H, W]) for packed rows of S slots: the
+  completion tokens are gathered in whole rows of W = min(S, HEAD_WIDTH) positions, so the head
+  issues at most W - 1 positions more than a micro-batch's completion tokens (rows of S would
+  issue up to S - 1: 0.85 of Qwen3-0.6B's head FLOPs real at the recipe's 1280 slots)."""
+  return min(s, HEAD_WIDTH)
+
 
 # ------------------------------------------------------------------------ the plan (host)
 
@@ -180,9 +190,10 @@ def plan_rows(
 ) -> Plan:
   """First-fit decreasing per shard (the sequences [d N/D, (d+1) N/D) of shard d of
   `micro.shards`), the same bucketed row count R_local = n x rows per micro-batch for every
-  shard (`MicroBatching.packed`). The LM head's rows (`completion_n` [N]: each sequence's
-  completion tokens): each micro-batch's completion tokens on its fullest shard, in whole
-  rows, bucketed as the packed rows are (so at most those); None: every packed row."""
+  shard (`MicroBatching.packed`). The LM head's rows of W = `head_width(budget)` positions
+  (`completion_n` [N]: each sequence's completion tokens): each micro-batch's completion tokens
+  on its fullest shard, in whole rows of W, bucketed under the rows of W that hold all its
+  slots; None: those (every slot)."""
   lengths_n = np.asarray(lengths_n, np.int64)
   shards, n_seq = micro.shards, lengths_n.size
   if n_seq % shards:
@@ -195,11 +206,13 @@ def plan_rows(
   offset_of = np.concatenate([p[1] for p in parts]).astype(np.int32)
   num_micro, per_micro = micro.packed(max(p[2] for p in parts), local, budget)
   rows = shards * num_micro * per_micro
-  heads = rows
+  w = head_width(budget)
+  cap = -(-per_micro * budget // w)  # head rows of W holding every slot of a micro-batch
+  heads = shards * num_micro * cap
   if completion_n is not None:  # completion tokens of each (shard, micro-batch)
     tokens = np.zeros((shards, num_micro), np.int64)
     np.add.at(tokens, (np.arange(n_seq) // local, row_of % num_micro), completion_n)
-    heads = shards * num_micro * bucket(-(-int(tokens.max()) // budget), per_micro)
+    heads = shards * num_micro * bucket(-(-int(tokens.max()) // w), cap)
   fill = float(lengths_n.sum()) / (rows * budget)
   return Plan(row_of, offset_of, shards, rows, num_micro, heads, fill)
 
@@ -248,18 +261,21 @@ def pack(
 
   -> input_ids, segment_ids, positions, completion_mask, advantages (each token its
   sequence's) and the given log-prob fields, all [R, S]; routes [R, S, L_moe, k] when given
-  (routing replay: each token's recorded experts, -1 on padding slots); head_slots [H, S]
-  (`_head_slots`: where the LM head runs; H = `head_rows`, default R: room for every slot);
+  (routing replay: each token's recorded experts, -1 on padding slots); head_slots [H, W]
+  (`_head_slots`: where the LM head runs, W = `head_width(S)`; H = `head_rows`, default room
+  for every slot);
   and "sequences": what the per-sequence views need (`per_sequence`, `unpack`): advantages
   [N], slot [N, C] (the flat slot of each completion token among its shard's packed rows;
   R / shards * S where it has none), kl_mask [N, C]."""
   n, c = upd["completion_mask"].shape
+  s = upd["input_ids"].shape[1]
   fields = {k: upd[k] for k in _FIELDS if k in upd}
+  every = num_micro * -(-(rows // num_micro) * s // head_width(s))  # rows of W: every slot
   shard = functools.partial(
       _pack_shard,
       rows=rows // shards,
       num_micro=num_micro,
-      head_rows=(head_rows or rows) // shards,
+      head_rows=(head_rows or every * shards) // shards,
   )
   per = lambda x: _per_shard(x, shards)  # noqa: E731
   seq_n = jnp.arange(n, dtype=jnp.int32)
@@ -321,14 +337,16 @@ def _pack_shard(upd, seq_n, row_of_n, offset_of_n, *, rows, num_micro, head_rows
 def _head_slots(completion_rs, num_micro: int, head_rows: int) -> jax.Array:
   """The slots of a shard's completion tokens (`completion_rs` [rows, S]) per micro-batch, flat
   within the micro-batch's rows (its row r is the shard's row r n + k), in order, padded with
-  the micro-batch's slot count; head row h n + k is micro-batch k's row h. -> [head_rows, S]."""
+  the micro-batch's slot count; head row h n + k is micro-batch k's row h.
+  -> [head_rows, W], W = head_width(S)."""
   rows, s = completion_rs.shape
+  w = head_width(s)
   mine = completion_rs.reshape(rows // num_micro, num_micro, s).swapaxes(0, 1)
   mine = mine.reshape(num_micro, -1)  # [n, rows / n * S]: micro-batch k's slots
-  per_micro = head_rows // num_micro * s
+  per_micro = head_rows // num_micro * w
   slots = jax.vmap(lambda m: jnp.nonzero(m, size=per_micro, fill_value=m.size)[0])(mine)
-  slots = slots.astype(jnp.int32).reshape(num_micro, head_rows // num_micro, s)
-  return slots.swapaxes(0, 1).reshape(head_rows, s)
+  slots = slots.astype(jnp.int32).reshape(num_micro, head_rows // num_micro, w)
+  return slots.swapaxes(0, 1).reshape(head_rows, w)
 
 
 def unpack(x_rl: jax.Array, slot_nc: jax.Array, shards: int = 1) -> jax.Array:
@@ -350,11 +368,14 @@ def spread(values_n: jax.Array, segment_ids_rl: jax.Array, shards: int = 1) -> j
   return _whole(jnp.where(seg > 0, got, 0))
 
 
-def global_slots(head_slots_hs: jax.Array, *, rows: int, num_micro: int, shards: int = 1):
+def global_slots(
+    head_slots_hs: jax.Array, *, rows: int, num_micro: int, shards: int = 1, width: int
+):
   """`pack`'s head_slots (flat slots within their micro-batch's rows of their shard; head row
   h * n + k of a shard is micro-batch k's) as flat slots of all the shard's rows (R / shards *
-  S where there is none): what a pass over the whole batch takes. rows: R, all shards'."""
-  s = head_slots_hs.shape[1]
+  S where there is none): what a pass over the whole batch takes. rows: R, all shards'; width:
+  S, the packed rows' slots."""
+  s = width
   rows_local = rows // shards
   size_micro = rows_local // num_micro * s
   k_h = jnp.arange(head_slots_hs.shape[0], dtype=jnp.int32)[:, None] % num_micro

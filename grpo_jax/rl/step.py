@@ -471,12 +471,15 @@ def build(config, policy, mesh) -> TrainFunctions:
         params, input_ids, segment_ids, positions, head_slots, temperature, shards=shards
     )
 
-  def all_slots(head_slots, rows, micro_batches):
-    return packing.global_slots(head_slots, rows=rows, num_micro=micro_batches.count, shards=shards)
+  def all_slots(head_slots, input_ids, micro_batches):
+    r, s = input_ids.shape
+    return packing.global_slots(
+        head_slots, rows=r, num_micro=micro_batches.count, shards=shards, width=s
+    )
 
   def packed_logprobs_all(params, input_ids, segment_ids, positions, head_slots, micro_batches):
     """One pass over all micro-batches' rows (the old-policy and reference passes)."""
-    slots = all_slots(head_slots, input_ids.shape[0], micro_batches)
+    slots = all_slots(head_slots, input_ids, micro_batches)
     return packed_logprobs(params, input_ids, segment_ids, positions, slots)
 
   def packed_routed_update_logprobs(params, input_ids, segment_ids, positions, head_slots, routes):
@@ -488,7 +491,7 @@ def build(config, policy, mesh) -> TrainFunctions:
       params, input_ids, segment_ids, positions, head_slots, routes, completion_mask, micro_batches
   ):
     """The replayed pass over all micro-batches' rows, and rollout/route_mismatch."""
-    slots = all_slots(head_slots, input_ids.shape[0], micro_batches)
+    slots = all_slots(head_slots, input_ids, micro_batches)
     logp, own = policy.packed_routed_logprobs(
         params, input_ids, segment_ids, positions, slots, routes, temperature, shards=shards
     )

@@ -75,8 +75,10 @@ def test_plan_packs_each_shard_whole_within_the_budget_in_few_shapes(name):
       heads[i // local, r % n_micro] += completion[i]
     assert used.max() == 1  # no overlap
     head_per_micro = plan.head_rows // shards // n_micro
-    assert plan.head_rows % (shards * n_micro) == 0 and head_per_micro <= per_shard // n_micro
-    assert heads.max() <= head_per_micro * budget  # room for each micro-batch's completions
+    w = packing.head_width(budget)  # the head's rows: W positions, at most every slot's
+    assert plan.head_rows % (shards * n_micro) == 0
+    assert head_per_micro <= -(-per_shard // n_micro * budget // w)
+    assert heads.max() <= head_per_micro * w  # room for each micro-batch's completions
     assert plan.fill == pytest.approx(lengths.sum() / (plan.rows * budget))
     sizes.add((plan.rows, n_micro))
   assert len(sizes) <= packing.NUM_BUCKETS
@@ -188,7 +190,11 @@ def test_pack_moves_every_field_with_its_token(name):
   size = per_shard * out["input_ids"].shape[1]
   heads = np.asarray(
       packing.global_slots(
-          jnp.asarray(out["head_slots"]), rows=rows, num_micro=n_micro, shards=shards
+          jnp.asarray(out["head_slots"]),
+          rows=rows,
+          num_micro=n_micro,
+          shards=shards,
+          width=out["input_ids"].shape[1],
       )
   )
   per_head = len(heads) // shards
@@ -234,6 +240,37 @@ def _bigram(vocab, seed=0):
     return jnp.pad(next_logp(params, ids), ((0, 0), (1, 0)))
 
   return params, padded_fn, packed_fn
+
+
+@pytest.mark.parametrize("name", ["whole", "rows2", "tokens"])
+def test_head_rows_narrower_than_the_packed_rows(monkeypatch, name):
+  """The LM head's rows of W = head_width(S) < S positions (HEAD_WIDTH 4 here, 128 in a run:
+  S = P + C > W): the head slots are exactly the completion tokens' per micro-batch and shard,
+  in rows of W, fewer positions than rows of S would issue; the log-probs of the decoder's
+  packed pass there == the padded pass's (f32, 1e-5), over 2 shards and micro-batches."""
+  monkeypatch.setattr(packing, "HEAD_WIDTH", 4)
+  micro = MICRO[name]
+  rng = np.random.default_rng(3)
+  n, p, c = 16, 5, 6
+  cfg = dataclasses.replace(PRESETS["tiny-qwen3"], dtype="float32", param_dtype="float32")
+  model = build_model(cfg, seed=0)
+  batch = _padded_batch(rng, n, p, c, cfg.vocab_size)
+  out = _packed(batch, dataclasses.replace(micro, tokens=micro.tokens and 2 * 2 * (p + c)))
+  n_micro = out.pop("micro_batches").count
+  rows, s = out["input_ids"].shape
+  assert out["head_slots"].shape[1] == 4 < s
+  assert out["head_slots"].size < rows * s  # fewer positions than whole rows of S
+  slots = packing.global_slots(
+      out["head_slots"], rows=rows, num_micro=n_micro, shards=micro.shards, width=s
+  )
+  got = packed_logprobs(
+      model, out["input_ids"], out["segment_ids"], out["positions"], slots, shards=micro.shards
+  )
+  want = completion_logprobs(model, batch["input_ids"], batch["attention_mask"], c)
+  back = packing.unpack(got, out["sequences"]["slot"], micro.shards)
+  np.testing.assert_allclose(back, want * batch["completion_mask"], rtol=1e-5, atol=1e-5)
+  real = np.asarray(out["completion_mask"]) > 0
+  assert np.all(np.asarray(got)[~real] == 0)
 
 
 @pytest.fixture(scope="module")
@@ -863,7 +900,9 @@ def test_packed_route_mismatch_equals_padded():
     padded = float(replay.route_mismatch(own, batch["routes"], batch["completion_mask"]))
     packed = _packed(batch)
     rows = len(packed["input_ids"])
-    slots = packing.global_slots(packed["head_slots"], rows=rows, num_micro=1)
+    slots = packing.global_slots(
+        packed["head_slots"], rows=rows, num_micro=1, width=packed["input_ids"].shape[1]
+    )
     _, own_p = packed_logprobs_routed(
         model,
         packed["input_ids"],
