@@ -44,7 +44,7 @@ MODES = {
 }
 
 
-def args_for(seed: int, steps: int, sft_steps: int) -> list[str]:
+def args_for(seed: int, steps: int, sft_steps: int, compile_ahead: bool = True) -> list[str]:
   return [
       "--config=configs/tiny.py",
       f"--config.seed={seed}",
@@ -65,7 +65,8 @@ def args_for(seed: int, steps: int, sft_steps: int) -> list[str]:
       "--config.log_interval_steps=1",
       "--config.save_interval_steps=100000",
       "--config.report_at_end=False",
-      "--config.compile_ahead=False",
+      # packed rows' shapes follow the lengths: their likely next ones compile ahead
+      f"--config.compile_ahead={compile_ahead}",
       # A warmed-up policy: tiny.py's 5e-4 (for a from-scratch one) undoes the warm start.
       "--config.optimizer.learning_rate=1e-4",
   ]
@@ -79,6 +80,7 @@ def main(argv=None):
   ap.add_argument("--sft_steps", type=int, default=400)
   ap.add_argument("--warmup", type=int, default=4)
   ap.add_argument("--cores", default="0,1")
+  ap.add_argument("--compile_ahead", type=int, default=1)
   ap.add_argument("--json", default="")
   a = ap.parse_args(argv)
   cores = [int(c) for c in a.cores.split(",")]
@@ -88,7 +90,11 @@ def main(argv=None):
       for mode in results:
         workdir = os.path.join(tmp, f"{mode}-{seed}".replace(" ", "_"))
         t0 = time.time()
-        log = overlap.run_pair(workdir, args_for(seed, a.steps, a.sft_steps) + MODES[mode], cores)
+        log = overlap.run_pair(
+            workdir,
+            args_for(seed, a.steps, a.sft_steps, bool(a.compile_ahead)) + MODES[mode],
+            cores,
+        )
         rate = overlap.steady_rate(overlap.step_times(log), a.warmup)
         summary = json.load(open(os.path.join(workdir, "summary.json")))
         med = overlap.metric_medians(
@@ -102,9 +108,12 @@ def main(argv=None):
             ),
             a.warmup,
         )
+        shapes = [line for line in log.splitlines() if "packed shapes so far" in line]
         entry = dict(
             seed=seed,
             steps_per_sec=rate,
+            packed_shapes=len(shapes),
+            packed_shapes_ahead=sum("compiled ahead" in line for line in shapes),
             before=summary["eval_before"]["greedy"]["accuracy"],
             after=summary["eval_after"]["greedy"]["accuracy"],
             wall_sec=time.time() - t0,
@@ -113,7 +122,8 @@ def main(argv=None):
         results[mode].append(entry)
         print(
             f"seed {seed} {mode:<13} {rate:6.3f} steps/s  accuracy {entry['before']:.3f} -> "
-            f"{entry['after']:.3f}  "
+            f"{entry['after']:.3f}  packed shapes {entry['packed_shapes']} "
+            f"({entry['packed_shapes_ahead']} compiled ahead)  "
             + "  ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in med.items()),
             flush=True,
         )
