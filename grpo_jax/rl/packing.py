@@ -46,8 +46,8 @@ count by tokens are each rounded up to one of at most `NUM_BUCKETS` sizes (`buck
 count x 2^(-k/4): at most ~19% over the rows needed at any fill; figures: benchmarks/README.md
 "Packed update"), so a prompt width compiles a few update, log-prob and gather programs (a
 batch's token count varies little, and the counts move together); the Packer logs each new
-shape, how many it has met and whether it was compiled ahead: with config.compile_ahead, each
-new shape sends the shapes of its batch with completions 15% shorter and longer
+shape, how many it has met and whether it was compiled ahead: with config.compile_ahead, every
+step sends the shapes of its batch with completions 15% shorter and longer
 (`Packer.likely_shapes`) to run/compile_ahead.py's worker, so a later step whose lengths drift
 onto one finds its programs compiled (the run's first shape compiles at its first use). Small batches on many devices gain little: with one row per
 shard per micro-batch nothing can be removed.
@@ -482,8 +482,8 @@ class Packer(Padded):
     self.shapes = set()  # (rows, head rows, micro-batches, width) met: one program set each
     self.last_fill = 0.0
     self.c = c
-    # run/compile_ahead.py's CompileAhead (config.compile_ahead; set by the loop): each new
-    # shape's likely neighbours (`likely_shapes`) compile in its worker thread
+    # run/compile_ahead.py's CompileAhead (config.compile_ahead; set by the loop): each
+    # step's likely next shapes (`likely_shapes`) compile in its worker thread
     self.ahead = None
 
   def plan(self, lengths_n, completion_n, width: int) -> Plan:
@@ -516,7 +516,7 @@ class Packer(Padded):
     where = [multihost.sharded_rows(x, self.mesh) for x in (plan.row_of, plan.offset_of)]
     out = self.fns.pack(upd, *where, plan.rows, plan.head_rows, plan.num_micro)
     out["micro_batches"] = MicroBatches(plan.num_micro)
-    if new and self.ahead is not None:
+    if self.ahead is not None:  # every step: the lengths drift from any shape
       met = {s[:3] for s in self.shapes if s[3] == width}
       likely = [s for s in self.likely_shapes(lengths_n, completion_n, width) if s not in met]
       if likely:
@@ -526,9 +526,9 @@ class Packer(Padded):
   def likely_shapes(self, lengths_n, completion_n, width: int) -> list[tuple[int, int, int]]:
     """The (rows, head rows, micro-batches) the plan gives this batch with every completion
     15% shorter and 15% longer (at most C): the shapes a later step's lengths are likely to
-    need (a bucket is ~19% over the one below it), compiled ahead when a step meets a new
-    shape. At most 2 per new shape, each at most NUM_BUCKETS^2 per micro-batch count and width
-    over a run."""
+    need (a bucket is ~19% over the one below it), sent to the compile-ahead worker every step
+    (those not sent before). Each at most NUM_BUCKETS^2 per micro-batch count and width over a
+    run."""
     lengths_n, completion_n = np.asarray(lengths_n), np.asarray(completion_n)
     out = []
     for f in (1.15, 0.85):

@@ -18,8 +18,8 @@ width when it prefetches the next step's prompts, so a new width compiles while 
 the current step. XLA compiles with the GIL released: the compiles (and the device) overlap.
 
 Packed rows (config.pack_sequences): their shapes follow each step's lengths, so the first
-packed shape of a run compiles at its first use; from then on each new shape the Packer meets
-sends its likely neighbours (`packed`: the gather, the log-prob passes, the KL fold, the update,
+packed shape of a run compiles at its first use; from then on every step the Packer sends the
+shapes its lengths are likely to drift to (`packed`: the gather, the log-prob passes, the KL fold, the update,
 the unpack on the same arrays with other row counts), and the Packer waits for a shape's
 programs (`wait_packed`) before its first call.
 
@@ -140,21 +140,20 @@ class CompileAhead:
     return True
 
   def packed(self, width: int, shapes, upd: dict, where, packed: dict) -> None:
-    """Packed rows (rl/packing.py's Packer, when a step meets a new shape): the programs of
-    each of `shapes` [(rows, head rows, micro-batches)] at prompt `width` (the gather, the
+    """Packed rows (rl/packing.py's Packer, every step): the programs of each of `shapes` not
+    submitted before [(rows, head rows, micro-batches)] at prompt `width` (the gather, the
     log-prob passes, the update, the unpack) compile in the worker, so a later step whose
     lengths land on one of them finds it compiled (`wait_packed`). upd: the padded update batch,
     where: the plan's two [N] arrays, packed: the packed batch of this step (its shardings are
     the ones every packed shape's arrays carry; only the row counts differ). Abstract copies
     are taken here. Routing replay's packed passes compile at their first use."""
     parent = self._widths.get(width)
-    if parent is None or self.grpo.replay:
+    shapes = [s for s in shapes if (width, s) not in self._widths]
+    if parent is None or self.grpo.replay or not shapes:
       return
     args = (abstract(upd), abstract(where), abstract(packed))
     with self._lock:
       for shape in shapes:
-        if (width, shape) in self._widths:
-          continue
         label = f"packed rows {shape[0]} (LM head {shape[1]}, {shape[2]} micro-batches) x {width}"
         job = self._widths[(width, shape)] = _Width(width, first=False, label=label)
         self._pool.submit(self._work_packed, job, parent, shape, *args)

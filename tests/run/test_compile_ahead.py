@@ -255,8 +255,7 @@ def _scored_with(config, policy, mesh, clen, seed=0):
     ],
 )
 def test_packed_shapes_compile_ahead(overrides):
-  """Packed rows (the default): a step that meets a new packed shape submits the shapes of its
-  batch with every completion 15% longer and shorter (Packer.likely_shapes) to the worker; a
+  """Packed rows (the default): every step submits the shapes of its batch with every completion 15% longer and shorter (Packer.likely_shapes) to the worker; a
   later step whose lengths drift onto one of them finds all its programs (gather, old and
   reference passes, update, unpack) compiled: none compiles on the main thread (a shape or
   sharding that differs from the loop's arrays would compile again there)."""
