@@ -278,7 +278,9 @@ def _compile_ahead(config, session, grpo, engine, sampler_mesh):
           key=source_lib.step_key(session.rng, 0, mesh),
       )
   )
-  if hasattr(grpo.rows, "ahead"):  # packed rows: each new shape's likely neighbours
+  # Packed rows: each step's likely next shapes, on GPU and TPU (on CPU those compiles would
+  # take the cores the steps run on: a CPU run compiles a packed shape at its first use)
+  if hasattr(grpo.rows, "ahead") and mesh.devices.flat[0].platform != "cpu":
     grpo.rows.ahead = ahead
   return ahead
 

@@ -3,19 +3,15 @@
 import os
 import sys
 
-import importlib.metadata
-
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
-# jaxlib 0.11 (tpu-inference's pins: scripts/test_tpu_pins.sh): XLA:CPU's concurrency-optimized
-# scheduler lets one fake device start a while loop holding an all-gather while the others wait
-# in an independent all-reduce before it, a deadlock XLA ends with an abort after 40 s (seen in
-# ~1 of 2 runs of test_maxtext.py's packed two-step loop). The CPU runtime only (a TPU or GPU
-# runs each device's collectives in the program's order); the main suite's jaxlib 0.12 keeps
-# the default.
-if importlib.metadata.version("jaxlib").startswith("0.11."):
-  os.environ["XLA_FLAGS"] += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
+# XLA:CPU's concurrency-optimized scheduler lets one fake device start a while loop holding an
+# all-gather while the others wait in an independent all-reduce before it, a deadlock XLA ends
+# with an abort after 40 s (test_maxtext.py's packed two-step loop: ~1 run in 2 on jaxlib 0.11,
+# tpu-inference's pins; seen on 0.12 too). The CPU runtime only: a TPU or GPU runs each
+# device's collectives in the program's order.
+os.environ["XLA_FLAGS"] += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

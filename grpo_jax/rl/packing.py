@@ -46,8 +46,8 @@ count by tokens are each rounded up to one of at most `NUM_BUCKETS` sizes (`buck
 count x 2^(-k/4): at most ~19% over the rows needed at any fill; figures: benchmarks/README.md
 "Packed update"), so a prompt width compiles a few update, log-prob and gather programs (a
 batch's token count varies little, and the counts move together); the Packer logs each new
-shape, how many it has met and whether it was compiled ahead: with config.compile_ahead, every
-step sends the shapes of its batch with completions 15% shorter and longer
+shape, how many it has met and whether it was compiled ahead: with config.compile_ahead on a GPU
+or TPU, every step sends the shapes of its batch with completions 15% shorter and longer
 (`Packer.likely_shapes`) to run/compile_ahead.py's worker, so a later step whose lengths drift
 onto one finds its programs compiled (the run's first shape compiles at its first use). Small batches on many devices gain little: with one row per
 shard per micro-batch nothing can be removed.

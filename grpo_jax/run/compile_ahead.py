@@ -21,7 +21,8 @@ Packed rows (config.pack_sequences): their shapes follow each step's lengths, so
 packed shape of a run compiles at its first use; from then on every step the Packer sends the
 shapes its lengths are likely to drift to (`packed`: the gather, the log-prob passes, the KL fold, the update,
 the unpack on the same arrays with other row counts), and the Packer waits for a shape's
-programs (`wait_packed`) before its first call.
+programs (`wait_packed`) before its first call. The loop asks this on GPU and TPU only
+(train.py: on CPU the background compiles would take the cores the steps run on).
 
 The abstract inputs are made by the same jitted functions the loop calls (`jax.eval_shape` of
 each, chained as in rl/step.py's GrpoStep: steps 4-6), starting from the engine-independent

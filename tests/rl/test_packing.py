@@ -242,7 +242,14 @@ def _bigram(vocab, seed=0):
   return params, padded_fn, packed_fn
 
 
-@pytest.mark.parametrize("name", ["whole", "rows2", "tokens"])
+@pytest.mark.parametrize(
+    "name",
+    [  # suite time: -m slow runs the other two
+        pytest.param("whole", marks=pytest.mark.slow),
+        "rows2",
+        pytest.param("tokens", marks=pytest.mark.slow),
+    ],
+)
 def test_head_rows_narrower_than_the_packed_rows(monkeypatch, name):
   """The LM head's rows of W = head_width(S) < S positions (HEAD_WIDTH 4 here, 128 in a run:
   S = P + C > W): the head slots are exactly the completion tokens' per micro-batch and shard,
