@@ -210,15 +210,19 @@ def causal_tiles(width: int, bq: int, bk: int, first: int = 0) -> int:
   return sum(((i + 1) * bq - 1) // bk + 1 for i in range(first, nq))
 
 
-def packed_tiles(bt, plan, width: int, bq: int, bk: int) -> int:
+def packed_tiles(bt, plan, width: int, bq: int, bk: int, padding_diagonal: bool = False) -> int:
   """(q tile, kv tile) pairs the packed-row kernels visit (models/decoder/attention.py's
   segment kernels, GPU and TPU): for each q tile holding a real slot, the kv tiles from the one
-  holding the start of that slot's sequence to the diagonal; tiles of padding only are
-  skipped."""
+  holding the start of that slot's sequence to the diagonal; a q tile of padding only visits
+  none (GPU: segment_flash) or its diagonal tile alone (`padding_diagonal`, TPU:
+  splash_segments), in every row of the plan, those of padding only too."""
   seq = bt.seq_n
   local = seq.size // plan.shards
   key = (np.arange(seq.size) // local) * plan.rows_per_shard + plan.row_of
   total = 0
+  if padding_diagonal:
+    used = np.bincount(key, weights=seq, minlength=plan.rows)
+    total += int((-(-width // bq) - np.ceil(used / bq)).sum())
   for r in np.unique(key):
     members = np.flatnonzero(key == r)
     order = members[np.argsort(plan.offset_of[members])]
@@ -246,7 +250,7 @@ def flops_ratios(cfg, batches, micro: packing.MicroBatching) -> dict:
     padded += forward_flops(cfg, n * s, n * bt.c, n * causal_tiles(s, bq, bk) * bq * bk)
     for kind in ("gpu", "tpu"):
       bq, bk = KERNEL_BLOCKS[kind]
-      scores = packed_tiles(bt, plan, s, bq, bk) * bq * bk
+      scores = packed_tiles(bt, plan, s, bq, bk, padding_diagonal=kind == "tpu") * bq * bk
       issued = forward_flops(cfg, plan.rows * s, heads, scores)
       if kind == "gpu":
         gpu += issued

@@ -293,3 +293,34 @@ def _quick_run(script: str, tmp_path) -> dict:
   )
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(out.read_text())
+
+
+def test_packed_tiles_count_what_the_kernels_visit():
+  """benchmarks/packed_update.py's issued attention tiles == the kernels' own rule on the
+  plan's rows: segment_flash.visited_blocks (GPU) and splash_segments.visited_blocks (TPU, a q
+  tile of padding only on its diagonal), rows of padding only included."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import packed_update  # pylint: disable=import-outside-toplevel
+  from grpo_jax.models.decoder import segment_flash
+  from grpo_jax.models.decoder import splash_segments
+
+  rng = np.random.default_rng(0)
+  s = 512
+  for _ in range(3):
+    bt = packed_update.Batch(np.zeros(12, np.int64), rng.integers(20, 300, 12), width=0, c=s)
+    plan = packing.plan_rows(bt.seq_n, s, packing.MicroBatching(count=2))
+    seg = np.zeros((plan.rows, s), np.int32)
+    for i, (r, o, n) in enumerate(zip(plan.row_of, plan.offset_of, bt.seq_n)):
+      seg[r, o : o + n] = i + 1
+    assert packed_update.packed_tiles(bt, plan, s, 64, 64) == segment_flash.visited_blocks(
+        seg, 64, 64
+    )
+    tpu = sum(
+        int(
+            np.asarray(
+                splash_segments.visited_blocks(row, tp=s, bq=128, bk=128, window=None)[0]
+            ).sum()
+        )
+        for row in seg
+    )
+    assert packed_update.packed_tiles(bt, plan, s, 128, 128, padding_diagonal=True) == tpu

@@ -26,9 +26,11 @@ def _row(lengths, t=T):
 
 
 def _segments():
-  """3 rows, ragged sequences, padding at the ends of rows 0 and 2 (row 1 full but for the
-  kernel's padding to 512), boundaries on and off the blocks' edges."""
+  """4 rows, ragged sequences, padding at the ends of rows 0, 2 and 3 (row 1 full but for the
+  kernel's padding to 512; row 3's last 3 blocks padding only), boundaries on and off the
+  blocks' edges."""
   rows = [_row([60, 200, 90, 130]), _row([128, 128, 40, 4, 200]), _row([300, 20, 1, 99])]
+  rows.append(_row([100, 20]))
   return jnp.asarray(np.stack(rows))
 
 
@@ -42,16 +44,20 @@ def _rule(seg, window):
   for s in range(tp - 2, -1, -1):
     end[s] = s + 1 if seg[s] != seg[s + 1] else end[s + 1]
   n = tp // BLK
+  last_real = ((seg != 0).sum() - 1) // BLK  # q blocks past it: padding only
   fwd, dkv = np.zeros((n, n), bool), np.zeros((n, n), bool)
   for i in range(n):
     for j in range(n):
       lo = start[i * BLK] // BLK
       if window:
         lo = max(lo, max(0, i * BLK - (window - 1)) // BLK)
+      if i > last_real:  # padding only: its diagonal block alone
+        lo = i
       fwd[i, j] = lo <= j <= i
       hi = (end[(j + 1) * BLK - 1] - 1) // BLK
       if window:
         hi = min(hi, ((j + 1) * BLK + window - 2) // BLK)
+      hi = max(j, min(hi, last_real))
       dkv[i, j] = j <= i <= hi
   return fwd, dkv
 
@@ -61,6 +67,7 @@ def test_tables_follow_the_rule_and_cover_the_mask(window):
   """The per-row tables visit exactly the rule's blocks (each visited once), and every block
   holding an allowed (query, key) pair of `segment_mask` is visited by both passes."""
   seg = jnp.pad(_segments(), ((0, 0), (0, 12)))
+  seg = jnp.concatenate([seg, jnp.zeros((1, 512), seg.dtype)])  # a bucket's row of padding
   for s in seg:
     fwd_next, fwd_mask, dkv_next, dkv_mask = (
         np.asarray(x)[0]
@@ -83,18 +90,23 @@ def test_tables_follow_the_rule_and_cover_the_mask(window):
     needed = allowed.reshape(4, BLK, 4, BLK).any(axis=(1, 3))
     assert not (needed & ~fwd).any() and not (needed & ~dkv).any()
     assert (~fwd & np.tri(4, dtype=bool)).any()  # blocks skipped below the diagonal
+  # padding only: each q block visits its diagonal block alone, in both passes
+  np.testing.assert_array_equal(got_fwd, np.eye(4, dtype=bool))
+  np.testing.assert_array_equal(got_dkv, np.eye(4, dtype=bool))
   # The rows end to end (one kernel call): each row's rule on its own blocks, nothing across.
   fwd_next, fwd_mask, dkv_next, dkv_mask = (
       np.asarray(x)[0] for x in splash_segments.packed_tables(seg, bq=BLK, bk=BLK, window=window)
   )
-  got_fwd, got_dkv = np.zeros((12, 12), bool), np.zeros((12, 12), bool)
+  got_fwd, got_dkv = np.zeros((4 * len(seg), 4 * len(seg)), bool), np.zeros(
+      (4 * len(seg), 4 * len(seg)), bool
+  )
   for i, p in zip(*np.nonzero(fwd_mask)):
     got_fwd[i, fwd_next[i, p]] = True
   for p, j in zip(*np.nonzero(dkv_mask)):
     got_dkv[dkv_next[p, j], j] = True
   rules = [_rule(s, window) for s in seg]
   for got, n in ((got_fwd, 0), (got_dkv, 1)):
-    want = np.zeros((12, 12), bool)
+    want = np.zeros((4 * len(seg), 4 * len(seg)), bool)
     for r, rule in enumerate(rules):
       want[4 * r : 4 * r + 4, 4 * r : 4 * r + 4] = rule[n]
     np.testing.assert_array_equal(got, want)

@@ -18,7 +18,11 @@ more such run):
     window's last = min(nq - 1, ((j + 1) * bk + window - 2) // bq) (nq - 1 without a window).
 A q at slot s only attends keys at slots >= start(s) >= start(i * bq) (start is monotone), and a
 key at slot s only gets queries at slots < end(s) <= end((j + 1) * bk - 1): no needed block is
-left out.
+left out. Padding (bq = bk, as splash_attention runs it): a q block of padding only visits its
+diagonal block alone (its queries attend to the padding keys up to themselves there: finite
+outputs, never read; a row's bucketed rows of padding only cost a block per q block, not every
+causal one), and the dkv pass's q blocks stop at the last q block holding a real slot (the
+diagonal at least), the forward's pairs exactly.
 
 Layout: splash's "shrunk grid": the kernel's grid has a static width W (the most blocks any q
 block (kv block) may visit: the window's span, else all), position p of q block i's row holds kv
@@ -83,6 +87,10 @@ def _row_spans(segments_t, *, tp, bq, bk, window):
   nq, nk = tp // bq, tp // bk
   lo = jnp.maximum(start[jnp.arange(nq) * bq] // bk, lo_w)
   hi = jnp.minimum((end[(jnp.arange(nk) + 1) * bk - 1] - 1) // bq, hi_w)
+  if bq == bk:  # a q block of padding only visits its diagonal block alone (module docstring)
+    last_real = ((segments_t != 0).sum() - 1) // bq  # the last q block holding a real slot
+    lo = jnp.where(jnp.arange(nq) > last_real, jnp.asarray(diag_q), lo)
+    hi = jnp.maximum(jnp.asarray(diag_k), jnp.minimum(hi, last_real))
   return lo, jnp.asarray(diag_q), jnp.asarray(diag_k), hi
 
 
