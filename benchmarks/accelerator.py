@@ -98,6 +98,7 @@ settings fewer, the loop on a 64-row slice of GSM8K for 3 steps; tests/test_benc
 import argparse
 import functools
 import gc
+import importlib
 import json
 import math
 import os
@@ -144,9 +145,23 @@ BUDGETS = {
     "update": 90,
     "loop": 0,
     "loop_xla": 0,
+    "loop_8b": 200,
     "decode_kernel": 60,
 }
 QUICK_BUDGETS = {k: 60 for k in ORDER}
+QUICK_BUDGETS["loop_8b"] = 90
+
+# loop_8b: Qwen3-8B's recipe on one device. Full fine-tuning needs f32 masters 30.5 GiB + AdamW
+# 61 GiB + the reference 30.5 GiB (beta 0.04) + gradients 30.5 GiB before any activation: over
+# an H200's 139 GiB. Rank-8 LoRA keeps the frozen base (which is also the reference) and trains
+# adapters of 0.3% of its size (memory_plan's rows: PLAN_8B).
+BIG_LOOP = {
+    "lora.rank": 8,
+    "beta": 0.08,  # the recipe's (LoRA: the reference is the base, no copy)
+    "num_steps": 4,
+    "profile.start_step": -1,
+}
+PLAN_8B = "benchmarks/results/memory_plan_qwen3_8b_lora8_h200.json"
 
 # --quick: the same code paths on a tiny Qwen3-shaped model (CPU).
 TINY = {
@@ -1406,7 +1421,9 @@ def data_dir(args) -> str | None:
   return None
 
 
-def loop_overrides(ctx, data: str, workdir: str) -> dict:
+def loop_overrides(ctx, data: str, workdir: str, big: bool = False) -> dict:
+  """The loop's --config.K=V: the 0.6B recipe (loop, loop_xla) or, `big`, Qwen3-8B's recipe on
+  one chip with LoRA (loop_8b: BIG_LOOP)."""
   o = {
       "tokenizer.kind": "hf",
       "tokenizer.path": os.path.join(data, "qwen_tokenizer"),
@@ -1436,6 +1453,11 @@ def loop_overrides(ctx, data: str, workdir: str) -> dict:
         }
     )
     o.update({f"model.{k}": v for k, v in TINY["qwen3-0.6b"].items() if k != "vocab_size"})
+    if big:  # the 8B section's code paths: LoRA on the tiny model, no trace
+      o.update({k: v for k, v in BIG_LOOP.items() if k.startswith("lora.")})
+      o.update({"profile.start_step": -1, "model.remat_policy": "full"})
+  elif big:
+    o.update(BIG_LOOP)
   else:
     # the third step traced (early: a loop stopped at the time limit still has its trace)
     o.update(
@@ -1452,9 +1474,10 @@ def loop_overrides(ctx, data: str, workdir: str) -> dict:
   return o
 
 
-def s_loop(ctx, sec, out, attention: str = ""):
+def s_loop(ctx, sec, out, attention: str = "", big: bool = False):
   """The recipe's loop in a child process; `attention` (loop_xla): the sampler's decode
-  attention set in the child (grpo_jax.models.decoder.decode_attention.DEFAULT), no trace read."""
+  attention set in the child (grpo_jax.models.decoder.decode_attention.DEFAULT), no trace read;
+  `big` (loop_8b): configs/qwen3_8b.py with BIG_LOOP, its peak memory against memory_plan's."""
   data = data_dir(ctx.args)
   if data is None:
     raise FileNotFoundError(
@@ -1476,7 +1499,7 @@ def s_loop(ctx, sec, out, attention: str = ""):
       with open(os.path.join(sub, "gsm8k", f"{split}.jsonl"), "w") as f:
         f.writelines(head)
     data = sub
-  o = loop_overrides(ctx, data, workdir)
+  o = loop_overrides(ctx, data, workdir, big=big)
   main = ["-m", "grpo_jax.main"]
   if attention:
     main = [
@@ -1486,7 +1509,8 @@ def s_loop(ctx, sec, out, attention: str = ""):
         "runpy.run_module('grpo_jax.main', run_name='__main__')",
         attention,
     ]
-  cmd = [sys.executable, *main, "--config=configs/qwen3_0p6b.py", f"--workdir={workdir}"] + [
+  config_file = "configs/qwen3_8b.py" if big else "configs/qwen3_0p6b.py"
+  cmd = [sys.executable, *main, f"--config={config_file}", f"--workdir={workdir}"] + [
       f"--config.{k}={v}" for k, v in o.items()
   ]
   out["command"] = " ".join(cmd)
@@ -1539,7 +1563,7 @@ def s_loop(ctx, sec, out, attention: str = ""):
   console = open(log_path, errors="replace").read()
   rows = _step_rows(metrics_path)
   out["steps_logged"] = len(rows)
-  tag = "loop" + (f"_{attention}" if attention else "")
+  tag = "loop" + (f"_{attention}" if attention else "") + ("_8b" if big else "")
   if ctx.args.out:
     shutil.copy(log_path, os.path.join(ctx.args.out, f"{tag}_log.txt"))
     if os.path.exists(metrics_path):
@@ -1556,10 +1580,59 @@ def s_loop(ctx, sec, out, attention: str = ""):
       f"prompt widths compiled: {widths or '?'}"
   )
   if rows:
-    _loop_figures(ctx, out, rows, o, widths, tag)
+    _loop_figures(ctx, out, rows, o, widths, tag, config_file)
   ctx.save()
-  if not attention:
+  if big:
+    if rows:
+      sec.item(out, "memory_vs_plan", lambda: _memory_vs_plan(ctx, out, rows))
+  elif not attention:
     sec.item(out, "trace_analysis", lambda: _trace(ctx, workdir))
+
+
+def s_loop_8b(ctx, sec, out):
+  """Qwen3-8B's recipe (configs/qwen3_8b.py: f32 masters, bf16 compute, remat full, B 8 x G 2,
+  P 256, C 1024) on ONE device with rank-8 LoRA (BIG_LOOP), random init: steps, rollout tok/s,
+  update MFU, and the device's peak memory against memory_plan's prediction for the same
+  config (PLAN_8B, made on CPU by the deviceless compile). Not in the default order."""
+  s_loop(ctx, sec, out, big=True)
+
+
+def _memory_vs_plan(ctx, out, rows) -> dict:
+  """The loop's measured device peak (metrics.jsonl's memory/hbm_peak_gib: the allocator's
+  peak_bytes_in_use since the process started) against memory_plan's per-program totals."""
+  measured = max(
+      (r["memory/hbm_peak_gib"] for r in rows if "memory/hbm_peak_gib" in r), default=None
+  )
+  if measured is None:
+    raise RuntimeError("the loop logged no memory/hbm_peak_gib (CPU, or no memory_stats)")
+  path = os.path.join(ROOT, PLAN_8B)
+  if ctx.quick or not os.path.exists(path):
+    return dict(measured_peak_gib=measured, plan="none (quick run, or no " + PLAN_8B + ")")
+  plan = json.load(open(path))
+  predicted = plan_peak_gib(plan)
+  r = dict(
+      measured_peak_gib=measured,
+      predicted_peak_gib=predicted,
+      predicted_over_measured=predicted["step"] / measured,
+      plan=PLAN_8B,
+  )
+  say(
+      f"  device peak {measured:.2f} GiB; memory_plan (h200, the same config) "
+      f"{predicted['step']:.2f} GiB (update {predicted['update']:.2f}, sampler "
+      f"{predicted['sampler']:.2f}, log-probs {predicted['logprobs']:.2f}): "
+      f"predicted / measured {r['predicted_over_measured']:.3f}"
+  )
+  ctx.results["summary"]["loop_8b_peak_predicted_over_measured"] = r["predicted_over_measured"]
+  return r
+
+
+def plan_peak_gib(plan: dict) -> dict:
+  """memory_plan's JSON -> GiB per program and the step's (the largest program's total)."""
+  out = {}
+  for row in plan:
+    out[row["function"]] = max(out.get(row["function"], 0.0), row["total"] / 2**30)
+  out["step"] = max(out.values())
+  return out
 
 
 def s_loop_xla(ctx, sec, out):
@@ -1568,7 +1641,7 @@ def s_loop_xla(ctx, sec, out):
   s_loop(ctx, sec, out, attention="xla")
 
 
-def _loop_figures(ctx, out, rows, o, widths, tag="loop"):
+def _loop_figures(ctx, out, rows, o, widths, tag="loop", config_file="configs/qwen3_0p6b.py"):
   profiled = o["profile.start_step"] + 1  # the metrics row of the traced step (1-based)
   key = lambda r, k: r.get(k)  # noqa: E731
   perf = [
@@ -1600,17 +1673,36 @@ def _loop_figures(ctx, out, rows, o, widths, tag="loop"):
       memory={k: v for k, v in rows[-1].items() if k.startswith("memory/")},
   )
   bw = _ceiling(ctx, "hbm_tb_s")
-  if bw:
-    from configs import qwen3_0p6b
-    from grpo_jax.models import policy as policy_lib
+  recipe = importlib.import_module(
+      config_file.removesuffix(".py").replace("/", ".")
+  ).get_config()  # as the loop's process builds it: the recipe + overrides
+  for k, v in o.items():
+    if k.startswith("model."):
+      recipe.model[k[6:]] = type(recipe.model[k[6:]])(v) if k[6:] in recipe.model else v
+  b = o.get("batch_size", recipe.batch_size)
+  g = o.get("num_generations", recipe.num_generations)
+  new = o.get("max_completion_length", recipe.max_completion_length)
+  from grpo_jax.models import policy as policy_lib
 
-    c = qwen3_0p6b.get_config()  # as the loop's process builds it: the recipe + overrides
-    for k, v in o.items():
-      if k.startswith("model."):
-        c.model[k[6:]] = v
-    cfg = policy_lib.model_config_from(c)
-    b, g, new = o["batch_size"], o["num_generations"], o["max_completion_length"]
-    p = float(np.mean(widths)) if widths else float(qwen3_0p6b.get_config().max_prompt_length)
+  cfg = policy_lib.model_config_from(recipe)
+  if f["update_s"]:
+    # The update and its log-prob passes over the step's rows at the logged mean completion:
+    # 6 N per token (forward + backward, grpo_step.update_flops' convention: LoRA's frozen base
+    # still needs the activations' gradients, 4 N; its weight gradients, 2 N, are not taken,
+    # so LoRA's MFU is an upper bound by that share) + the passes (old: num_iterations > 1 or
+    # an off-policy rollout; reference: beta > 0), 2 N per token each.
+    from grpo_step import update_flops
+
+    p = float(np.mean(widths)) if widths else float(recipe.max_prompt_length)
+    c_mean = f["mean_length"] or new
+    units = 1 + (1 / 3 if float(o.get("beta", recipe.beta)) > 0 else 0)
+    flops = update_flops(cfg, b * g, int(p), int(round(c_mean))) * units
+    peak = _ceiling(ctx, "matmul_bf16_tflops")
+    f["update_flops"] = flops
+    if peak:
+      f["update_mfu"] = flops / f["update_s"] / (peak * 1e12)
+  if bw:
+    p = float(np.mean(widths)) if widths else float(recipe.max_prompt_length)
     roof = decode_roofline(
         cfg, prompts=b, rows=b * g, prompt_len=p, new_tokens=new, bandwidth=bw * 1e12
     )
@@ -1634,7 +1726,13 @@ def _loop_figures(ctx, out, rows, o, widths, tag="loop"):
           else ""
       )
   )
+  if f.get("update_mfu") is not None:
+    say(f"  update (+log-prob passes) MFU {f['update_mfu']:.1%} ({f['update_flops']:.3g} FLOPs)")
+  if f["memory"]:
+    say("  memory (last step's row): " + ", ".join(f"{k} {v:.2f}" for k, v in f["memory"].items()))
   s = ctx.results["summary"]
+  if f.get("update_mfu") is not None:
+    s[f"{tag}_update_mfu"] = f["update_mfu"]
   s.update(
       {
           f"{tag}_first_step_s": f["first_step_s"],
@@ -1745,6 +1843,7 @@ SECTIONS = {
     "update": s_update,
     "loop": s_loop,
     "loop_xla": s_loop_xla,
+    "loop_8b": s_loop_8b,
     "decode_kernel": s_decode_kernel,
 }
 

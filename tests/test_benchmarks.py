@@ -159,6 +159,33 @@ def test_accelerator_benchmark_quick(tmp_path):
   assert summary["sampler_bf16/recipe_tok_s"] > 0 and "== summary" in stdout
 
 
+@pytest.mark.slow  # ~30 s: the 8B section's loop on a tiny model
+def test_accelerator_loop_8b_quick(tmp_path):
+  """loop_8b: configs/qwen3_8b.py's loop with LoRA in a child process; its figures; on CPU the
+  memory comparison says why it has no device peak."""
+  if not os.path.isdir(os.path.join(ROOT, "..", "shared", "data", "gsm8k")):
+    pytest.skip("no ../shared/data/gsm8k")
+  res, stdout = _accelerator(tmp_path, "--quick", "--sections=ceilings,loop_8b")
+  lp = res["loop_8b"]
+  assert lp["status"] == "ok" and lp["steps_logged"] == 3
+  assert "--config=configs/qwen3_8b.py" in lp["command"] and "--config.lora.rank=8" in lp["command"]
+  assert 0 < lp["update_mfu"] < 1 and lp["update_flops"] > 0
+  assert "memory_stats" in lp["memory_vs_plan"]["error"]
+  assert res["summary"]["loop_8b_update_mfu"] == lp["update_mfu"]
+
+
+def test_plan_peak_reads_the_memory_plan_rows():
+  """The 8B section's prediction: memory_plan's JSON rows -> the largest program's total."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import accelerator
+
+  rows = json.load(open(os.path.join(ROOT, accelerator.PLAN_8B)))
+  got = accelerator.plan_peak_gib(rows)
+  assert set(got) == {"logprobs", "sampler", "update", "step"}
+  assert got["step"] == max(r["total"] for r in rows) / 2**30
+  assert rows[0]["device_kind"].startswith("NVIDIA H200") and rows[0]["num_devices"] == 1
+
+
 def test_accelerator_benchmark_failures_and_deadline(tmp_path):
   """A failing section is one line and the next one runs; past the deadline sections are
   skipped with a line; the JSON holds both."""
