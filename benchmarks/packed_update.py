@@ -352,6 +352,46 @@ class Side:
     return times
 
 
+def draw_batches(lengths, n: int, b: int, g: int, p: int, c: int, scale: int, seed: int) -> list:
+  """`n` long-tailed batches (draw_batch) of B x G at lengths / `scale`, P and C already scaled."""
+  rng = np.random.default_rng(seed)
+  return [draw_batch(rng, lengths, b, g, p, c, scale) for _ in range(n)]
+
+
+def real_flops(cfg, bt: Batch) -> float:
+  """Model FLOPs of one batch's real tokens, update (forward + backward: 3 forward units) + the
+  old-policy and reference log-prob passes (1 each): each sequence's own slots, the l (l + 1) / 2
+  scores a causal model needs, the LM head on its completion tokens."""
+  seq = bt.seq_n
+  return 5 * forward_flops(cfg, seq.sum(), bt.completion_n.sum(), (seq * (seq + 1) // 2).sum())
+
+
+def timed_rounds(sides: dict, inputs: list, rounds: int, stop=None, failed=None) -> dict:
+  """{side: [{phase: seconds, "batch": i}]}: `rounds` rounds, each every input through every
+  side in turn. stop(): no further round starts (checked before each after the first). A side
+  that raises is dropped from then on, its error in failed[name] (raised when failed is None)."""
+  runs = {name: [] for name in sides}
+  live = dict(sides)
+  for r in range(rounds):
+    if r and stop is not None and stop():
+      break
+    for i, x in enumerate(inputs):
+      for name, side in list(live.items()):
+        try:
+          runs[name].append(dict(side(x), batch=i))
+        except Exception as e:  # noqa: BLE001
+          if failed is None:
+            raise
+          failed[name] = e
+          del live[name]
+  return runs
+
+
+def medians(runs: list) -> dict:
+  """{phase: median seconds} over a side's runs."""
+  return {k: float(np.median([r[k] for r in runs])) for k in runs[0] if k != "batch"}
+
+
 def time_layouts(spec: dict, lengths, recipe, seed: int) -> dict:
   """Padded and packed sides in turns over the same batches; medians over rounds."""
   scale = spec["scale"]
@@ -372,14 +412,8 @@ def time_layouts(spec: dict, lengths, recipe, seed: int) -> dict:
     for x in inputs:
       side(x)
   compile_sec = time.perf_counter() - t0
-  runs = {name: [] for name in sides}
-  for _ in range(spec["rounds"]):
-    for x in inputs:
-      for name, side in sides.items():
-        runs[name].append(side(x))
-  med = {
-      name: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for name, rs in runs.items()
-  }
+  runs = timed_rounds(sides, inputs, spec["rounds"])
+  med = {name: medians(rs) for name, rs in runs.items()}
   paired = [a["total"] / b["total"] for a, b in zip(runs["padded"], runs["packed"])]
   fill = fills(batches, packing.MicroBatching())
   return dict(

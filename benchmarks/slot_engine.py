@@ -81,18 +81,18 @@ def prompt_arrays(rng, bt, vocab: int):
   return jnp.asarray(ids, jnp.int32), jnp.asarray(mask)
 
 
-def run_lockstep(samplers, state, batches, key):
+def run_lockstep(samplers, state, batches, key, generation=GENERATION):
   out = []
   for bt, ids, mask in batches:
-    r = samplers[int(bt.completion_n.max())](state, ids, mask, key, GENERATION)
+    r = samplers[int(bt.completion_n.max())](state, ids, mask, key, generation)
     out.append(r)
   jax.block_until_ready(out)
   return out
 
 
-def run_slots(engine, state, batches, key, streaming: bool):
+def run_slots(engine, state, batches, key, streaming: bool, generation=GENERATION):
   n = batches[0][0].completion_n.size
-  engine.reset(GENERATION, rows_per_step=n)
+  engine.reset(generation, rows_per_step=n)
   engine.set_weights(state, version=0)
   out = []
   steady = None
@@ -117,6 +117,84 @@ def run_slots(engine, state, batches, key, streaming: bool):
   jax.block_until_ready(out)
   run_slots.steady = steady
   return out
+
+
+MODES = ("lockstep", "on-policy slots", "streaming slots", "streaming 2x slots")
+
+
+def make_runs(
+    graphdef,
+    state,
+    batches,
+    key,
+    *,
+    p: int,
+    c: int,
+    g: int,
+    chunk: int,
+    modes=MODES,
+    generation=GENERATION,
+    sampler_kw=None,
+    engine_kw=None,
+):
+  """The modes of the module docstring on (bt, ids, mask) batches: (lockstep samplers by
+  max_new_tokens, {mode: (run, engine or None, streaming)}); nothing compiled yet. sampler_kw /
+  engine_kw: further Sampler / SlotEngine arguments (mesh, decode_phases, ...)."""
+  n = batches[0][0].completion_n.size
+  samplers = {
+      m: Sampler(
+          graphdef, max_prompt_length=p, max_new_tokens=m, num_generations=g, **(sampler_kw or {})
+      )
+      for m in sorted({int(bt.completion_n.max()) for bt, _, _ in batches})
+  }
+  kw = dict(max_prompt_length=p, max_new_tokens=c, num_generations=g, chunk=chunk)
+  kw.update(engine_kw or {})
+  slots = {"on-policy slots": (n // 2, False), "streaming slots": (n, True)}
+  slots["streaming 2x slots"] = (2 * n, True)
+  runs = {}
+  for name in modes:
+    if name == "lockstep":
+      runs[name] = (
+          lambda: run_lockstep(samplers, state, batches, key, generation),
+          None,
+          False,
+      )
+      continue
+    count, streaming = slots[name]
+    flight = dict(steps_in_flight=len(batches)) if streaming else {}
+    engine = SlotEngine(graphdef, slots=count, **flight, **kw)
+    runs[name] = (
+        lambda e=engine, s=streaming: run_slots(e, state, batches, key, s, generation),
+        engine,
+        streaming,
+    )
+  return samplers, runs
+
+
+def check_run(name: str, run, want: int) -> float:
+  """Runs a mode once (its warm-up: every program compiled), checks it drew `want` completion
+  tokens -> seconds."""
+  t0 = time.perf_counter()
+  got = run()
+  sec = time.perf_counter() - t0
+  assert sum(int(r.lengths.sum()) for r in got) == want, (name, want)
+  return sec
+
+
+def time_run(run, engine, streaming, useful: int) -> dict:
+  """One timed run of a warm mode: seconds, useful tokens/s, the engine's stats and (streaming)
+  tokens/s while queued."""
+  t0 = time.perf_counter()
+  run()
+  sec = time.perf_counter() - t0
+  entry = dict(sec=sec, tokens_per_sec=useful / sec)
+  if engine is not None:
+    entry.update(engine.stats())
+    entry["slots"] = engine.num_slots
+    if streaming and run_slots.steady is not None:
+      tokens, at = run_slots.steady
+      entry["steady_tokens_per_sec"] = tokens / at
+  return entry
 
 
 def run_loop(engine, state, batches, key, k: int, partial: bool):
@@ -205,19 +283,9 @@ def main(argv=None):
   useful = sum(int(bt.completion_n.sum()) for bt, _, _ in batches)
   issued = sum(n * int(bt.completion_n.max()) for bt, _, _ in batches)
   key = jax.random.key(args.seed)
-  samplers = {
-      m: Sampler(graphdef, max_prompt_length=p, max_new_tokens=m, num_generations=g)
-      for m in sorted({int(bt.completion_n.max()) for bt, _, _ in batches})
-  }
   kw = dict(max_prompt_length=p, max_new_tokens=c, num_generations=g, chunk=args.chunk)
-  engines = {
-      "on-policy slots": (SlotEngine(graphdef, slots=n // 2, **kw), False),
-      "streaming slots": (SlotEngine(graphdef, slots=n, steps_in_flight=len(batches), **kw), True),
-      "streaming 2x slots": (
-          SlotEngine(graphdef, slots=2 * n, steps_in_flight=len(batches), **kw),
-          True,
-      ),
-  }
+  samplers, modes = make_runs(graphdef, state, batches, key, p=p, c=c, g=g, chunk=args.chunk)
+  engines = {name: (e, s) for name, (_, e, s) in modes.items() if e is not None}
   print(
       f"{len(batches)} batches of B {b} x G {g}: lengths / {w['scale']} (P {p}, C {c}), "
       f"completion mean {useful / len(batches) / n:.1f}, max per batch "
@@ -228,9 +296,7 @@ def main(argv=None):
   results = dict(
       rows=n, batches=len(batches), useful_tokens=useful, lockstep_fill=useful / issued, modes={}
   )
-  runs = {"lockstep": lambda: run_lockstep(samplers, state, batches, key)}
-  for name, (engine, streaming) in engines.items():
-    runs[name] = lambda e=engine, s=streaming: run_slots(e, state, batches, key, s)
+  runs = {name: run for name, (run, _, _) in modes.items()}
   k = args.loop_k
   if k:  # (output rows for 2k + 1 steps: partial rollouts' carried groups)
     for name, partial in ((f"loop k={k}", False), (f"loop k={k}, partial", True)):
@@ -238,23 +304,12 @@ def main(argv=None):
       engines[name] = (engine, None)
       runs[name] = lambda e=engine, p=partial: run_loop(e, state, batches, key, k, p)
   for name, run in runs.items():  # warm-up: every program compiled
-    got = run()
-    want = issued if name == "lockstep" else useful  # lockstep: every row to the batch's max
-    assert sum(int(r.lengths.sum()) for r in got) == want, (name, want)
+    check_run(name, run, issued if name == "lockstep" else useful)  # lockstep: rows to the max
   for name, run in runs.items():
-    t0 = time.perf_counter()
-    run()
-    sec = time.perf_counter() - t0
-    entry = dict(sec=sec, tokens_per_sec=useful / sec)
-    if name in engines:
-      e = engines[name][0]
-      entry.update(e.stats())
-      if engines[name][1]:
-        tokens, at = run_slots.steady
-        entry["steady_tokens_per_sec"] = tokens / at
-      if name.endswith("partial"):
-        entry["carried_groups"] = run_loop.carried
-      entry["slots"] = e.num_slots
+    engine, streaming = engines.get(name, (None, False))
+    entry = time_run(run, engine, streaming, useful)
+    if name.endswith("partial"):
+      entry["carried_groups"] = run_loop.carried
     results["modes"][name] = entry
   base = results["modes"]["lockstep"]["tokens_per_sec"]
   for name, entry in results["modes"].items():

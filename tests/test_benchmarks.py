@@ -199,6 +199,54 @@ def test_accelerator_benchmark_failures_and_deadline(tmp_path):
   assert "== section sampler: skipped (deadline" in stdout
 
 
+_GSM8K = os.path.isdir(os.path.join(ROOT, ".gpudata", "gsm8k")) or os.path.isdir(
+    os.path.join(ROOT, "..", "shared", "data", "gsm8k")
+)
+
+
+@pytest.mark.slow  # ~45 s: the two opt-in sections on a tiny model (CPU)
+@pytest.mark.skipif(
+    not _GSM8K, reason="needs GSM8K and the Qwen tokenizer (.gpudata/ or ../shared/data)"
+)
+def test_accelerator_packed_and_slots_quick(tmp_path):
+  """benchmarks/accelerator.py --quick --sections=ceilings,packed,slots: padded vs packed rows
+  (phases, fill, speedup, MFU on real tokens) and the slot engine vs lockstep (tok/s, ratios,
+  HBM roofline share), in the JSON and the summary."""
+  res, stdout = _accelerator(tmp_path, "--quick", "--sections=ceilings,packed,slots")
+  for name in ("ceilings", "packed", "slots"):
+    assert res[name]["status"] == "ok", (name, res[name])
+  pk = res["packed"]
+  assert pk["workload"]["p"] == 16 and pk["workload"]["c"] == 64 and pk["workload"]["rows"] == 8
+  for layout in ("padded", "packed"):
+    r = pk[layout]
+    assert all(r["ms"][ph] > 0 for ph in ("old_lp", "ref_lp", "update", "total")), r
+    assert r["rounds"] == 2 and 0 < r["mfu_real"] < 1
+    assert pk["compile_round"][layout]["seconds"] > r["ms"]["total"] / 1e3
+  assert 0 < pk["fill"]["padded"] < pk["fill"]["packed"] <= 1
+  assert pk["speedup"] > 0 and pk["goal"] == pytest.approx(0.8 / pk["fill"]["padded"])
+  sl = res["slots"]
+  modes = sl["modes"]
+  assert set(modes) == {"lockstep", "streaming slots", "on-policy slots"}
+  for name, m in modes.items():
+    assert m["tokens_per_sec"] > 0 and m["first_s"] > m["sec"] and m["of_hbm_roofline"] > 0, name
+  assert modes["lockstep"]["vs_lockstep"] == 1
+  assert modes["streaming slots"]["busy"] > sl["workload"]["lockstep_fill"]
+  s = res["summary"]
+  assert s["packed_speedup"] > 0 and s["slots_streaming_slots_vs_lockstep"] > 0
+  assert "speedup padded / packed" in stdout and "lockstep's tok/s" in stdout
+
+
+def test_accelerator_packed_and_slots_without_data(tmp_path):
+  """Without GSM8K both opt-in sections fail with one clear line; the next section runs."""
+  res, stdout = _accelerator(
+      tmp_path, "--quick", "--sections=packed,slots,ceilings", f"--data_dir={tmp_path / 'none'}"
+  )
+  for name in ("packed", "slots"):
+    assert res[name]["status"] == "failed" and "FileNotFoundError" in res[name]["error"]
+    assert f"section {name} failed: FileNotFoundError: GSM8K" in stdout
+  assert res["ceilings"]["status"] == "ok"
+
+
 @pytest.mark.slow  # ~2 min: four 2-process / 8-device runs of the loop
 def test_overlap_benchmark_quick(tmp_path):
   """benchmarks/overlap.py --quick: both placements on both layouts, steps/s and the ratio."""
