@@ -1192,6 +1192,9 @@ def s_update(ctx, sec, out):
         "max_prompt_length": p_len,
         "max_completion_length": c_len,
         "micro_batch_size": mb,
+        # every row real (1024 tokens): padded rows, the batch this section feeds (the
+        # recipe's pack_sequences=True update wants a packed batch: micro_batches, segments)
+        "pack_sequences": False,
     }
     if sec.over():
       results[name] = {"skipped": "section budget spent before lowering"}
