@@ -1662,6 +1662,8 @@ def s_packed(ctx, sec, out):
     if "goal" in out:
       s["packed_goal_0.8/fill"] = out["goal"]
   for layout, r in (("padded", pad), ("packed", pk)):
+    if isinstance(first.get(layout), dict) and "seconds" in first[layout]:
+      s[f"packed_{layout}_compile_round_s"] = first[layout]["seconds"]
     if "ms" in r:
       s[f"packed_{layout}_total_ms"] = r["ms"]["total"]
       if r["mfu_real"] is not None:
@@ -1822,6 +1824,7 @@ def s_slots(ctx, sec, out):
       continue
     key_ = name.replace(" ", "_").replace("-", "_")
     s[f"slots_{key_}_tok_s"] = r["tokens_per_sec"]
+    s[f"slots_{key_}_first_s"] = r["first_s"]
     if base:
       r["vs_lockstep"] = r["tokens_per_sec"] / base
       if "steady_tokens_per_sec" in r:
