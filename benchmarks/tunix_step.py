@@ -7,10 +7,12 @@ safetensors and huggingface_hub below this repo's versions, so it lives in its o
     /work/tunixvenv/bin/pip install jax==0.12.0.1 flax==0.12.12 optax==0.2.8 google-tunix==0.1.7
 
 or, with no registry (the lent GPU machine: jax 0.11.2, flax from our .whl/), as a folder on
-PYTHONPATH: `bash benchmarks/accelerator_wheels.sh` fills .whl_tunix/ with google-tunix and the
-three packages its imports need that such a machine lacks (google-metrax, clu, perfetto);
-install them with `pip install --no-deps --target DIR .whl_tunix/*.whl` and pass
-grpo_step.py `--tunix_path=DIR` (see its docstring). Tunix's other Requires-Dist (datasets,
+PYTHONPATH: `bash benchmarks/accelerator_wheels.sh` fills .whl_tunix/ with google-tunix 0.1.7
+and the two packages its imports need that such a machine lacks (google-metrax 0.2.4 for
+tunix.sft.metrics_logger, clu 0.0.12 for metrax); a third, perfetto, is stubbed below
+(_stub_perfetto) rather than carried; install them with
+`pip install --no-deps --target DIR .whl_tunix/*.whl` and pass grpo_step.py
+`--tunix_path=DIR` (see its docstring). Tunix's other Requires-Dist (datasets,
 tensorflow_datasets, kagglehub, grain, qwix, omegaconf, ...) are imported lazily or not on
 the learner's path; none is needed for what this file imports (checked on jax 0.11.2 +
 flax 0.12.10 with only that machine's packages importable). Its pin safetensors<0.8 is not
