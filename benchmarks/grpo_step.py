@@ -86,6 +86,12 @@ Tunix on .whl_tunix/ (benchmarks/accelerator_wheels.sh fills both). Both run on 
 device; on a GPU each process takes at most XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 of its memory
 unless that is set.
 
+Memory of tunix_gpu: Tunix's side alone, at 2 of the 28 layers, passed 23 GB of resident
+memory on this VM's CPU (killed in its first step, 2026-11-27): the vocabulary dominates
+(32 rows x 384 x 151936 logits are 7.5 GB in float32). On a GPU each process gets 0.45 of it:
+about 63 GB on an H200, 36 GB on an H100, so ask for nvidia-h200 (raise the fraction to 0.48
+by exporting it if one side runs out).
+
 On the lent GPU machine (jax 0.11.2 there; carry [".whl", ".whl_tunix"]), one command:
 
     P="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade";
