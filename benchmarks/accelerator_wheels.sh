@@ -10,6 +10,14 @@
 # pure Python or cp312 manylinux (versions of requirements/constraints.txt, flax 0.12.10: the
 # release that runs on jax 0.11.2); every Requires-Dist of them is already on that machine.
 # rouge-score has no wheel on PyPI: it is built here (pure Python).
+#
+# .whl_tunix/ (also ignored): Tunix for benchmarks/grpo_step.py's Tunix side (tunix_step.py),
+# installed in a folder of its own on the Tunix process's PYTHONPATH (--tunix_path): google-tunix
+# and the two packages its imports need that the machine and .whl/ lack, google-metrax
+# (tunix.sft.metrics_logger) and clu (metrax's base); pure Python, about 0.7 MB. Tunix's other
+# Requires-Dist are not imported on the learner's path (datasets, tensorflow_datasets, kagglehub,
+# grain, qwix, omegaconf, ...) or are there already; perfetto (imported at `import tunix` by
+# tunix.perf.perfetto, used only to write traces) is stubbed by tunix_step.py.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -18,7 +26,7 @@ DATA="${SHARED_DATA:-$ROOT/../shared/data}"
 
 exclude="$(git rev-parse --git-path info/exclude)"
 mkdir -p "$(dirname "$exclude")"
-for p in /.whl/ /.gpudata/; do
+for p in /.whl/ /.whl_tunix/ /.gpudata/; do
   grep -qxF "$p" "$exclude" 2>/dev/null || echo "$p" >>"$exclude"
 done
 
@@ -31,10 +39,14 @@ rm -rf .whl && mkdir -p .whl
   nltk==3.10.4 optax==0.2.8 orbax-checkpoint==0.12.8 portpicker==1.6.0 defusedxml==0.7.1
 "$PY" -m pip wheel -q --no-deps -w .whl rouge_score==0.1.2
 
+rm -rf .whl_tunix && mkdir -p .whl_tunix
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform any -d .whl_tunix google-tunix==0.1.7 google-metrax==0.2.4 clu==0.0.12
+
 rm -rf .gpudata && mkdir -p .gpudata/gsm8k .gpudata/qwen_tokenizer
 cp "$DATA"/gsm8k/train.jsonl "$DATA"/gsm8k/test.jsonl .gpudata/gsm8k/
 cp "$DATA"/qwen_tokenizer/* .gpudata/qwen_tokenizer/
 chmod -R u+w .gpudata
 
-ls -la .whl
-du -sh .whl .gpudata
+ls -la .whl .whl_tunix
+du -sh .whl .whl_tunix .gpudata

@@ -5,6 +5,8 @@ r"""One GRPO step, phase by phase: the loop's own jitted functions on named work
     python benchmarks/grpo_step.py --workloads=small --remat=none,full --micro_batch=0,8
     python benchmarks/grpo_step.py --workloads=tunix --tunix_python=/path/to/tunixvenv/bin/python
     python benchmarks/grpo_step.py --quick --trace=/tmp/trace   # Perfetto trace, phase names
+    python benchmarks/grpo_step.py --workloads=tunix_gpu --tunix_python=python3 \
+        --tunix_path=/tmp/tunixsite          # Tunix at Qwen3-0.6B's shape (a GPU; see below)
 
 The step is train.py's steps 1-7 chained from the same pieces the loop builds (nothing copied):
 `prompts.prompt_data` + `data.make_prompt_iterator` (prompts), `rollout.make_engine` (rollout,
@@ -26,6 +28,16 @@ overlaps a little host work with device work that this waits out. Workloads:
          update per step, AdamW lr 1e-5 with global-norm clip 1.0, reward 1 when the
          completion starts with the sum; one CPU device. Ours accumulates the one update
          over micro-batches of 8 rows (same gradients; cache-sized on CPU)
+  tunix_gpu  the tunix workload at Qwen3-0.6B's shape (PRESETS["qwen3-0.6b"]: vocab 151936,
+         d1024, 28 layers, 16 q / 8 kv heads of 128, MLP 3072, tied, qk-norm), random init,
+         bf16 compute over float32 parameters on both sides, 8 prompts x G=4, prompt 128
+         columns (left-padded, data.prompt_width "max", as Tunix pads) + 256 new tokens (no
+         stop in effect: a random-init model draws the one EOS id of 151936 about once in
+         150k tokens), one update over all 32 rows (Tunix's), same reward and optimizer.
+         On CPU its code path runs in a minute with a small shape through --set, e.g.
+         --set=model.vocab_size=2048,model.hidden_size=128,model.num_layers=2,\
+model.intermediate_size=256,model.num_heads=4,model.num_kv_heads=2,model.head_dim=32,\
+max_prompt_length=32,max_completion_length=16
 
 The first step (compilation included) is reported apart from the steady state (the median
 of the --repeats steps after it). "compile" is what JAX itself reports for the first step on
@@ -66,10 +78,31 @@ Tunix side by side (workload tunix): benchmarks/tunix_step.py runs Tunix's own G
 a subprocess (Tunix needs its own environment: see that file), fed the same prompts and
 vocabulary; the two sides take turns step by step (ours, Tunix, ours, ...) so machine load
 hits both alike. Speedup = Tunix steady step / ours (> 1: ours is faster), from the medians,
-from the best steps, and paired (median over i of Tunix's step i / our step i).
+from the best steps, and paired (median over i of Tunix's step i / our step i); steps/s
+ours/Tunix (the same ratio) and rollout tok/s ours/Tunix (Tunix: completion tokens its rollout
+returned / the wall time of its RLCluster.generate). --tunix_path (or $TUNIX_PATH) goes in
+front of the Tunix process's PYTHONPATH, so one python3 serves both sides: ours on .whl/,
+Tunix on .whl_tunix/ (benchmarks/accelerator_wheels.sh fills both). Both run on the same
+device; on a GPU each process takes at most XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 of its memory
+unless that is set.
+
+Memory of tunix_gpu: Tunix's side alone, at 2 of the 28 layers, passed 23 GB of resident
+memory on this VM's CPU (killed in its first step, 2026-11-27): the vocabulary dominates
+(32 rows x 384 x 151936 logits are 7.5 GB in float32). On a GPU each process gets 0.45 of it:
+about 63 GB on an H200, 36 GB on an H100, so ask for nvidia-h200 (raise the fraction to 0.48
+by exporting it if one side runs out).
+
+On the lent GPU machine (jax 0.11.2 there; carry [".whl", ".whl_tunix"]), one command:
+
+    P="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade";
+    $P --target /tmp/site .whl/*.whl && $P --target /tmp/tunixsite .whl_tunix/*.whl &&
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 || exit; set -o pipefail;
+    python3 benchmarks/grpo_step.py --workloads=tunix_gpu --repeats=5 --tunix_python=python3
+    --tunix_path=/tmp/tunixsite --json=$OUT/tunix_gpu.json 2>&1 | tee $OUT/log
 """
 
 import argparse
+import ast
 import contextlib
 import itertools
 import json
@@ -154,6 +187,33 @@ WORKLOADS = {  # dotted overrides of configs/tiny.py
         **_SUM_REWARD,
     },
 }
+# Tunix at Qwen3-0.6B's shape (grpo_jax.models PRESETS["qwen3-0.6b"], random init), bf16
+# compute over float32 parameters on both sides, 8 prompts x G=4 at 128 prompt columns
+# (left-padded: data.prompt_width "max", as Tunix pads to max_prompt_length) + 256 new tokens,
+# the whole batch in one update (Tunix's), the tunix workload's reward and optimizer. With the
+# vocabulary of 151936 and the char tokenizer's EOS one id among them, a random-init model
+# draws EOS about once in 150k tokens: both sides generate the 256 tokens (no stop in effect).
+WORKLOADS["tunix_gpu"] = {
+    **WORKLOADS["tunix"],
+    "model.vocab_size": 151936,
+    "model.hidden_size": 1024,
+    "model.num_layers": 28,
+    "model.intermediate_size": 3072,
+    "model.num_heads": 16,
+    "model.num_kv_heads": 8,
+    "model.head_dim": 128,
+    "model.rope_theta": 1e6,
+    "model.tie_embeddings": True,
+    "model.dtype": "bfloat16",
+    "model.param_dtype": "float32",
+    "model.max_position_embeddings": 512,
+    "max_prompt_length": 128,
+    "max_completion_length": 256,
+    "data.prompt_width": "max",
+    "micro_batch_size": 0,
+}
+# The workloads that run Tunix beside ours (benchmarks/tunix_step.py).
+TUNIX_PEERS = ("tunix", "tunix_gpu")
 # LoRA on the small model (rank 8 on every projection): the sampler applying the adapters per
 # layer like the trainer (the default) vs running the plain decoder on weights merged once per
 # step (lora.merge_for_rollout). Update MFU counts the full model's 6N FLOPs per token.
@@ -171,11 +231,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
   return 1.0 if solution_str.startswith(str(ground_truth)) else 0.0
 
 
-def make_config(workload, remat=None, micro_batch=None, generations=None):
-  """configs/tiny.py with the workload's overrides (and the sweep's values when given),
-  validated as the entry point validates it."""
+def make_config(workload, remat=None, micro_batch=None, generations=None, extra=None):
+  """configs/tiny.py with the workload's overrides, then `extra` (--set), then the sweep's
+  values when given, validated as the entry point validates it."""
   config = tiny_config.get_config()
-  overrides = dict(WORKLOADS[workload])
+  overrides = {**WORKLOADS[workload], **(extra or {})}
   for key, value in (
       ("model.remat_policy", remat),
       ("micro_batch_size", micro_batch),
@@ -395,7 +455,7 @@ def update_flops(cfg, rows: int, prompt_len: int, completion_len: int) -> float:
 class TunixSide:
   """benchmarks/tunix_step.py in a subprocess: one Tunix GRPO step per `step()`."""
 
-  def __init__(self, python: str, config, batches, answers, itos, pad_id, eos_id):
+  def __init__(self, python: str, config, batches, answers, itos, pad_id, eos_id, path: str = ""):
     m = config.model
     spec = dict(
         model={
@@ -410,6 +470,8 @@ class TunixSide:
                 "num_kv_heads",
                 "rope_theta",
                 "tie_embeddings",
+                "dtype",
+                "param_dtype",
             )
         },
         seed=config.seed,
@@ -427,7 +489,13 @@ class TunixSide:
         batches=batches,
         answers=answers,
     )
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # Tunix on the device ours uses (one device each; on a GPU both processes share it, see
+    # XLA_PYTHON_CLIENT_MEM_FRACTION at the top); `path` goes in front of PYTHONPATH.
+    env = dict(os.environ)
+    if jax.default_backend() == "cpu":
+      env["JAX_PLATFORMS"] = "cpu"
+    if path:
+      env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH", "")]))
     self.proc = subprocess.Popen(
         [python, os.path.join(ROOT, "benchmarks", "tunix_step.py")],
         stdin=subprocess.PIPE,
@@ -478,7 +546,7 @@ def _settings(c):
 def run_workload(workload, combos, args, tunix_py) -> list[dict]:
   """Every (remat, micro_batch, G) combo of one workload, their steady steps taken in turn
   (combo 1, combo 2, ..., Tunix, then again) so load on the machine hits all alike."""
-  configs = [make_config(workload, *combo) for combo in combos]
+  configs = [make_config(workload, *combo, extra=args.overrides) for combo in combos]
   for config in configs:
     config.compile_ahead = not args.no_compile_ahead
   loops, setup, first, first_compile = [], [], [], []
@@ -492,10 +560,10 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
     first_compile[-1]["ahead"], _ahead_secs[0] = _ahead_secs[0], 0.0
   # Tunix beside the combo with the workload's own settings (Tunix's: G=4, one update on the
   # whole batch, no remat).
-  own = _settings(make_config(workload))
+  own = _settings(make_config(workload, extra=args.overrides))
   mine = next((k for k, c in enumerate(configs) if _settings(c) == own), None)
   tunix = None
-  if tunix_py and workload == "tunix" and mine is not None:
+  if tunix_py and workload in TUNIX_PEERS and mine is not None:
     config, loop = configs[mine], loops[mine]
     batches, answers = [], []  # the prompts our side sees, in the same order
     same_iter = data_lib.make_prompt_iterator(
@@ -506,7 +574,9 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
       batches.append([r["prompt"] for r in rows])
       answers.append([r["ground_truth"] for r in rows])
     tok = data_lib.build_tokenizer(config.tokenizer.kind, config.tokenizer.path)
-    tunix = TunixSide(tunix_py, config, batches, answers, tok.itos, tok.pad_id, tok.eos_id)
+    tunix = TunixSide(
+        tunix_py, config, batches, answers, tok.itos, tok.pad_id, tok.eos_id, args.tunix_path
+    )
     tunix_first = tunix.step()
   steady, tunix_steady = [[] for _ in loops], []
   steady_compile = [0.0 for _ in loops]
@@ -581,7 +651,13 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
           rest_sec=_median(
               [t["sec"] - sum(t["phases"].get(n, 0.0) for n in shown) for t in tunix_steady]
           ),
+          generated_tokens=tunix_steady[-1]["generated"],
+          rollout_tok_s=_median([t["generated"] / t["phases"]["rollout"] for t in tunix_steady]),
       )
+      r["tunix"]["steps_per_sec"] = 1.0 / r["tunix"]["steady_step_sec"]
+      r["steps_per_sec"] = 1.0 / r["steady_step_sec"]
+      # ours / Tunix: > 1 means ours is faster (steps/s is the speedup; rollout tok/s apart).
+      r["tunix"]["rollout_tok_s_ratio"] = r["rollout_tok_s"] / r["tunix"]["rollout_tok_s"]
       r["tunix"]["speedup"] = r["tunix"]["steady_step_sec"] / r["steady_step_sec"]
       r["tunix"]["speedup_best"] = r["tunix"]["best_step_sec"] / r["best_step_sec"]
       # Each Tunix step over the step of ours just before it (same load), median.
@@ -590,6 +666,18 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
       )
     results.append(r)
   return results
+
+
+def _overrides(s: str) -> dict:
+  """--set's "a.b=1,c=x" -> {"a.b": 1, "c": "x"} (literals where they parse, else strings)."""
+  out = {}
+  for item in filter(None, s.split(",")):
+    key, value = item.split("=", 1)
+    try:
+      out[key.strip()] = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+      out[key.strip()] = value.strip()
+  return out
 
 
 def _list(s, cast):
@@ -611,18 +699,35 @@ def main(argv=None):
       help="compile each program at its first call (config.compile_ahead=False)",
   )
   ap.add_argument("--tunix_python", default="", help="interpreter with google-tunix installed")
+  ap.add_argument(
+      "--tunix_path",
+      default=os.environ.get("TUNIX_PATH", ""),
+      help="put in front of the Tunix side's PYTHONPATH (a --target folder of .whl_tunix/)",
+  )
+  ap.add_argument(
+      "--set",
+      default="",
+      help="dotted config overrides for every workload, comma list of key=value (a value is a "
+      "Python literal or a string), e.g. model.num_layers=2,max_completion_length=16",
+  )
   ap.add_argument("--trace", default="", help="write a Perfetto trace of the steady steps here")
   ap.add_argument("--json", default="", help="also write the results to this file")
   args = ap.parse_args(argv)
+  args.overrides = _overrides(args.set)
   jax.monitoring.register_event_duration_secs_listener(_on_event)  # (not when loaded as a reward)
   workloads = ["tiny"] if args.quick else args.workloads.split(",")
   if args.quick:
     args.repeats = min(args.repeats, 2)
   tunix_py = (
       None
-      if (args.quick or args.no_tunix or "tunix" not in workloads)
+      if (args.quick or args.no_tunix or not set(TUNIX_PEERS) & set(workloads))
       else (tunix_python(args.tunix_python))
   )
+  if tunix_py:
+    # Both sides share one GPU: each process takes at most 45% of its memory (JAX's default
+    # preallocation, 75% in the first, would leave the second too little). Read when the
+    # backend starts, which is the matmul below.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
   n = 1024 if args.quick else 2048
   peak = matmul_peak_gflops(args.repeats, n)
   print(
@@ -646,7 +751,7 @@ def main(argv=None):
             r["logprob_flops"] / r["phases"][name] / (peak * 1e9)
         )
   _print(results, peak)
-  if "tunix" in workloads and not any("tunix" in r for r in results):
+  if set(TUNIX_PEERS) & set(workloads) and not any("tunix" in r for r in results):
     why = (
         "--no_tunix"
         if args.no_tunix or args.quick
@@ -675,7 +780,7 @@ def _print(results, peak):
   cols = [p for p in PHASES if any(p in r["phases"] for r in results)]
   short = {"advantages": "adv", "old_logprobs": "old_lp", "ref_logprobs": "ref_lp"}
   print(
-      f"\n{'workload':<9}{'remat':<13}{'mb':>4}{'G':>3}{'params':>8}{'rows x S':>10}"
+      f"\n{'workload':<10}{'remat':<13}{'mb':>4}{'G':>3}{'params':>8}{'rows x S':>10}"
       f"{'first':>8}{'compile':>8}{'steady':>8}"
       + "".join(f"{short.get(p, p):>10}" for p in cols)
       + f"{'prefill~':>10}{'decode~':>10}{'gen tok/s':>10}{'upd tok/s':>10}{'upd MFU':>8}"
@@ -684,7 +789,7 @@ def _print(results, peak):
   for r in results:
     ph = r["phases"]
     print(
-        f"{r['workload']:<9}{r['remat']:<13}{r['micro_batch']:>4}{r['generations']:>3}"
+        f"{r['workload']:<10}{r['remat']:<13}{r['micro_batch']:>4}{r['generations']:>3}"
         f"{r['params_m']:>7.2f}M{r['rows']:>5} x{r['seq']:>3}"
         f"{r['first_step_sec']:>7.2f}s{r['compile_sec']:>7.2f}s{r['steady_step_sec']:>7.3f}s"
         + "".join(f"{1e3 * ph[p]:>8.1f}ms" if p in ph else f"{'-':>10}" for p in cols)
@@ -730,6 +835,13 @@ def _print(results, peak):
         )
     )
     print(f"paired speedup (median of Tunix step i / our step i): {t['speedup_paired']:.2f}x")
+    print(
+        f"steps/s: ours {r['steps_per_sec']:.3f}, Tunix {t['steps_per_sec']:.3f}, ours/Tunix "
+        f"{t['speedup']:.2f}x; rollout tok/s: ours {r['rollout_tok_s']:.0f} "
+        f"({r['generated_tokens']} tokens), Tunix {t['rollout_tok_s']:.0f} "
+        f"({t['generated_tokens']} tokens; its generate() timed), ours/Tunix "
+        f"{t['rollout_tok_s_ratio']:.2f}x"
+    )
     print(
         "(ours: prefill/decode estimated, see the docstring; Tunix: its two jitted programs "
         "timed; rest = the step minus the phases shown, median over steps)"

@@ -6,13 +6,29 @@ safetensors and huggingface_hub below this repo's versions, so it lives in its o
     python3.12 -m venv /work/tunixvenv
     /work/tunixvenv/bin/pip install jax==0.12.0.1 flax==0.12.12 optax==0.2.8 google-tunix==0.1.7
 
+or, with no registry (the lent GPU machine: jax 0.11.2, flax from our .whl/), as a folder on
+PYTHONPATH: `bash benchmarks/accelerator_wheels.sh` fills .whl_tunix/ with google-tunix 0.1.7
+and the two packages its imports need that such a machine lacks (google-metrax 0.2.4 for
+tunix.sft.metrics_logger, clu 0.0.12 for metrax); a third, perfetto, is stubbed below
+(_stub_perfetto) rather than carried; install them with
+`pip install --no-deps --target DIR .whl_tunix/*.whl` and pass grpo_step.py
+`--tunix_path=DIR` (see its docstring). Tunix's other Requires-Dist (datasets,
+tensorflow_datasets, kagglehub, grain, qwix, omegaconf, ...) are imported lazily or not on
+the learner's path; none is needed for what this file imports (checked on jax 0.11.2 +
+flax 0.12.10 with only that machine's packages importable). Its pin safetensors<0.8 is not
+needed either: the 0.8.0 there imports and the learner reads no checkpoint.
+
 grpo_step.py starts it as a subprocess and speaks a line protocol, so the two sides can take
 turns step by step in one run (fair under a noisy machine):
 
   stdin, line 1   the workload as JSON (model shape, prompt batches, answers, the vocabulary,
                   G, lengths, beta, epsilon, learning rate, clip)
-  stdout          {"ready": ..., "setup_sec": ...} once built, then one {"step": i, "sec": s}
-                  per "step" line read; "stop" ends the run.
+  stdout          {"ready": ..., "setup_sec": ...} once built, then one {"step": i, "sec": s,
+                  "phases": {...}, "generated": n} per "step" line read (n: completion tokens
+                  the rollout produced, EOS included); "stop" ends the run.
+
+The model shape comes in the spec ("model": layers, vocab, widths, heads, rope_theta, tied,
+and "dtype"/"param_dtype": compute and parameter dtypes, e.g. bfloat16 / float32).
 
 The driver is ours; everything it times is Tunix's: `RLCluster` (vanilla rollout on the
 actor's own weights, a full reference copy), `GRPOLearner.train` over an iterator that hands
@@ -31,7 +47,56 @@ import time
 _PROTO = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)
 
+
+def _stub_perfetto():
+  """Stands in for the `perfetto` package when it does not import (not installed: .whl_tunix/
+  leaves it out; or its generated protobuf code needs a newer protobuf runtime than the one
+  there, 6.31.1 for perfetto 0.59.1). `import tunix` imports tunix.perf.export ->
+  tunix.perf.perfetto, which imports TraceProtoBuilder, TrackDescriptor and TrackEvent at
+  module import; they are used only to write a Perfetto trace when a
+  PerfMetricsConfig asks for one, which this driver never sets (RLCluster's perf_config None:
+  NoopTracer)."""
+  import types  # pylint: disable=import-outside-toplevel
+
+  try:
+    from perfetto.protos.perfetto.trace import perfetto_trace_pb2  # noqa: F401
+    from perfetto.trace_builder import proto_builder  # noqa: F401
+
+    return
+  except Exception:  # pylint: disable=broad-except
+    pass
+
+  class _Unused:
+
+    def __init__(self, *_, **__):
+      raise RuntimeError("perfetto is stubbed out in benchmarks/tunix_step.py")
+
+  names = (
+      "perfetto",
+      "perfetto.trace_builder",
+      "perfetto.trace_builder.proto_builder",
+      "perfetto.protos",
+      "perfetto.protos.perfetto",
+      "perfetto.protos.perfetto.trace",
+      "perfetto.protos.perfetto.trace.perfetto_trace_pb2",
+  )
+  for name in names:
+    mod = types.ModuleType(name)
+    mod.__path__ = []  # a package, so the submodule imports resolve through sys.modules
+    sys.modules[name] = mod
+  sys.modules["perfetto.trace_builder.proto_builder"].TraceProtoBuilder = _Unused
+  pb2 = sys.modules["perfetto.protos.perfetto.trace.perfetto_trace_pb2"]
+  pb2.TrackDescriptor = pb2.TrackEvent = _Unused
+  for parent, child in zip(names, names[1:]):
+    if child.startswith(parent + "."):
+      setattr(sys.modules[parent], child.rsplit(".", 1)[1], sys.modules[child])
+  setattr(sys.modules["perfetto"], "protos", sys.modules["perfetto.protos"])
+
+
+_stub_perfetto()
+
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -76,9 +141,9 @@ class PhaseTimes:
   """Wall time of Tunix's own phase functions, each waited out (outputs blocked on), per step."""
 
   def __init__(self):
-    self.current = {}
+    self.current, self.generated = {}, 0
 
-  def wrap(self, obj, attr, name, block=None):
+  def wrap(self, obj, attr, name, block=None, count=None):
     fn = getattr(obj, attr)
 
     def timed(*args, **kwargs):
@@ -86,12 +151,14 @@ class PhaseTimes:
       out = fn(*args, **kwargs)
       jax.block_until_ready(out if block is None else block())
       self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - t0
+      if count is not None:
+        self.generated += count(out)
       return out
 
     setattr(obj, attr, timed)
 
   def take(self):
-    out, self.current = self.current, {}
+    out, self.current, self.generated = (self.current, self.generated), {}, 0
     return out
 
 
@@ -108,7 +175,9 @@ class Commands:
   def __next__(self):
     if self.t0 is not None:
       jax.block_until_ready(nnx.state(self.cluster.actor_trainer.model))
-      say(step=self.i - 1, sec=time.perf_counter() - self.t0, phases=self.phases.take())
+      sec = time.perf_counter() - self.t0
+      phases, generated = self.phases.take()
+      say(step=self.i - 1, sec=sec, phases=phases, generated=generated)
     line = sys.stdin.readline().strip()
     if line != "step":
       raise StopIteration
@@ -138,6 +207,8 @@ def main():
       rope_theta=int(m["rope_theta"]),
       norm_eps=1e-6,
       use_tied_embedding=m["tie_embeddings"],
+      dtype=jnp.dtype(m.get("dtype", "float32")),
+      param_dtype=jnp.dtype(m.get("param_dtype", "float32")),
   )
   # Auto axes (jax.make_mesh's default is Explicit, which Tunix's layers do not expect).
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
@@ -190,7 +261,7 @@ def main():
   sampler = cluster.rollout._sampler  # pylint: disable=protected-access
   phases.wrap(sampler, "_compiled_prefill_fn", "prefill")
   phases.wrap(sampler, "_compiled_decode_fn", "decode")
-  phases.wrap(cluster, "generate", "rollout")
+  phases.wrap(cluster, "generate", "rollout", count=lambda out: sum(len(t) for t in out.tokens))
   phases.wrap(learner, "_compute_rewards", "rewards")
   phases.wrap(cluster, "get_ref_per_token_logps", "ref_logprobs")
   phases.wrap(
