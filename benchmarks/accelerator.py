@@ -1961,7 +1961,7 @@ def s_loop(ctx, sec, out, attention: str = "", big: bool = False):
   timeout = min(sec.budget or math.inf, ctx.args.hard_limit_s - ctx.elapsed())
   timeout = max(timeout, 30.0)
   out["timeout_s"] = round(timeout, 1)
-  num_steps = o["num_steps"]
+  num_steps = int(o["num_steps"])
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   t0 = time.monotonic()
   with open(log_path, "w") as log:

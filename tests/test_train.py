@@ -274,6 +274,38 @@ def test_beta_zero_builds_no_reference(tmp_path, monkeypatch):
   assert len(kl) == 1 and 0.0 <= kl[0] < 1e-9
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_grpo_start_keeps_one_copy_of_the_weights(lora):
+  """A fresh GRPO state takes the starting weights' buffers (donated, XLA aliases them) and the
+  policy keeps their shapes only: the loop holds no second copy of the weights (on an H200,
+  Qwen3-8B with LoRA peaked at 79.3 GiB with the copy, 48.7 GiB without: memory_plan's 48.6)."""
+  from types import SimpleNamespace
+
+  from grpo_jax.models import build
+  from grpo_jax.rl import step as step_lib
+  from grpo_jax.rl.reference import Reference
+
+  config = tiny_config(**({"lora.rank": 4} if lora else {}))
+  mesh = build.make_mesh(config)
+  policy = build.make_policy(config, mesh)
+  # (the same init again: a numpy view of the policy's own CPU buffers would pin them)
+  fresh = jax.tree.map(np.asarray, build.make_policy(config, mesh).params)
+  start = jax.tree.leaves(policy.params)
+  fns = step_lib.build(config, policy, mesh)
+  reference = Reference(config, policy, fns, mesh)
+  session = SimpleNamespace(resume_phase=None)
+  state = train._start_grpo(
+      config, session, fns, policy, mesh, policy.params, None, reference, None
+  )
+  assert all(x.is_deleted() for x in start)  # the state holds those buffers, not a copy
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(policy.params))
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state["params"]), fresh)
+  # the policy's shapes still serve what reads them after the start (restore targets)
+  assert jax.tree.map(lambda x: x.shape, reference.target()) == (
+      {"ref": jax.tree.map(lambda x: x.shape, fresh)} if reference.own_copy else {}
+  )
+
+
 # ------------------------------------------------------------------------ mesh equivalence
 
 

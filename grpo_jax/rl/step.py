@@ -325,6 +325,8 @@ class TrainFunctions:
   """The jitted pieces of GRPO's steps 4-6 for one policy on one mesh (explicit shardings).
 
   init(params) -> state                 the update state (params, AdamW moments, counters)
+  start(params) -> state                init that takes `params` (donated: the state's weights
+                                        are those buffers, not a copy beside them; the loop's)
   update(state, batch) -> (state, metrics)   one optimizer update; `state` is donated
   logprobs(params, input_ids, attention_mask) -> [N, C]   completion log-probs, rows sharded
   assemble(prompt_ids, prompt_mask, rollout, rewards) -> batch   advantages and the
@@ -357,6 +359,7 @@ class TrainFunctions:
   fold_kl: Callable
   refresh: Callable
   abstract_state: dict
+  start: Callable | None = None
   pack: Callable | None = None
   packed_logprobs: Callable | None = None
   packed_fold_kl: Callable | None = None
@@ -569,6 +572,7 @@ def build(config, policy, mesh) -> TrainFunctions:
   )
   return TrainFunctions(
       init=jax.jit(init, out_shardings=shardings),
+      start=jax.jit(init, out_shardings=shardings, donate_argnums=0),
       # The model's forward runs in these two: traced in the mesh (activation constraints,
       # TPU splash attention's shard_map).
       update=jax.jit(
