@@ -543,6 +543,15 @@ def _settings(c):
   return c.model.remat_policy, min(c.micro_batch_size or rows, rows), c.num_generations
 
 
+_T0 = time.monotonic()
+
+
+def progress(msg: str):
+  """A timestamped line on stderr as each side gets through its start (a run stopped by a
+  time limit then says which side it was in)."""
+  print(f"[{time.monotonic() - _T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
 def run_workload(workload, combos, args, tunix_py) -> list[dict]:
   """Every (remat, micro_batch, G) combo of one workload, their steady steps taken in turn
   (combo 1, combo 2, ..., Tunix, then again) so load on the machine hits all alike."""
@@ -552,9 +561,12 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
   loops, setup, first, first_compile = [], [], [], []
   for config in configs:
     t0 = time.perf_counter()
+    progress(f"{workload}: ours, building {_settings(config)}")
     loops.append(LoopStep(config))
     setup.append(time.perf_counter() - t0)
+    progress(f"{workload}: ours built in {setup[-1]:.1f} s; first step (compiles)")
     first.append(loops[-1](0))
+    progress(f"{workload}: ours, first step {time.perf_counter() - t0 - setup[-1]:.1f} s")
     first_compile.append(dict(loops[-1].compile))
     # The worker's compiles for the first width (the step waited for them before step 4).
     first_compile[-1]["ahead"], _ahead_secs[0] = _ahead_secs[0], 0.0
@@ -574,10 +586,13 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
       batches.append([r["prompt"] for r in rows])
       answers.append([r["ground_truth"] for r in rows])
     tok = data_lib.build_tokenizer(config.tokenizer.kind, config.tokenizer.path)
+    progress(f"{workload}: Tunix, starting its process ({tunix_py})")
     tunix = TunixSide(
         tunix_py, config, batches, answers, tok.itos, tok.pad_id, tok.eos_id, args.tunix_path
     )
+    progress(f"{workload}: Tunix ready (setup {tunix.ready.get('setup_sec', float('nan')):.1f} s)")
     tunix_first = tunix.step()
+    progress(f"{workload}: Tunix, first step {tunix_first.get('sec', float('nan')):.1f} s")
   steady, tunix_steady = [[] for _ in loops], []
   steady_compile = [0.0 for _ in loops]
   if args.trace:  # one trace per workload: with a sweep, its combos' steps alternate in it
@@ -592,6 +607,7 @@ def run_workload(workload, combos, args, tunix_py) -> list[dict]:
       steady_compile[k] += loop.compile["step"]  # a recompiling step would show here
     if tunix:
       tunix_steady.append(tunix.step())
+    progress(f"{workload}: steady step {i}/{args.repeats} done")
   if args.trace:
     jax.profiler.stop_trace()
   if tunix:

@@ -95,6 +95,14 @@ def _stub_perfetto():
 
 _stub_perfetto()
 
+_T0 = time.monotonic()
+
+
+def _say(msg: str):
+  """Progress on stderr (the protocol owns stdout): where a run stopped by a limit was."""
+  print(f"[tunix {time.monotonic() - _T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -212,6 +220,7 @@ def main():
   )
   # Auto axes (jax.make_mesh's default is Explicit, which Tunix's layers do not expect).
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+  _say("Tunix side: building its Qwen3 (actor and reference)")
   actor = qwen3.Qwen3(cfg, rngs=nnx.Rngs(spec["seed"]))
   reference = qwen3.Qwen3(cfg, rngs=nnx.Rngs(spec["seed"]))  # a full copy, same weights
   p, c = spec["max_prompt_length"], spec["max_completion_length"]
@@ -242,6 +251,7 @@ def main():
       ),
   )
   tokenizer = CharTokenizer(spec["itos"], spec["pad_id"], spec["eos_id"])
+  _say("Tunix side: models built; RLCluster and GRPOLearner")
   cluster = rl_cluster_lib.RLCluster(
       actor=actor, reference=reference, tokenizer=tokenizer, cluster_config=cluster_config
   )
