@@ -54,6 +54,10 @@ def parse_args(argv=None):
   )
   p.add_argument("--engines", default="layers,scan", help="layers (per-layer) and/or scan")
   p.add_argument("--admit", type=int, default=0, help="admission width (0: batch_size)")
+  p.add_argument("--top_k", type=int, default=-1, help="override rollout.top_k (-1: as is)")
+  p.add_argument(
+      "--set", action="append", default=[], help="config override a.b=value (repeatable)"
+  )
   p.add_argument("--json", default="")
   return p.parse_args(argv)
 
@@ -75,6 +79,15 @@ def main(argv=None):
   cfg = importlib.import_module(f"configs.{name}").get_config()
   if args.layers:
     cfg.model.num_layers = args.layers
+  if args.top_k >= 0:
+    cfg.rollout.top_k = args.top_k
+  for item in args.set:
+    path, value = item.split("=", 1)
+    *parents, leaf = path.split(".")
+    node = cfg
+    for part in parents:
+      node = node[part]
+    node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else value == "True"
   if args.platform == "h100":
     if tpu_targets.cuda_plugin_version() is None:
       sys.exit("no jax-cuda13-plugin: run with .venv-aot (scripts/test_aot.sh), or --platform=cpu")
@@ -170,8 +183,6 @@ def main(argv=None):
             sds((a, p), i32),
             *(sds((n,), i32) for _ in range(4)),
             sds((a, *key.shape), key.dtype),
-            sds((), i32),
-            *scalars,
         ),
         "decode": lambda: engine._program("decode").lower(
             st, weights, sds((), i32), sds((), i32), *scalars

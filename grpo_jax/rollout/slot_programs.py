@@ -5,7 +5,7 @@ config (`_program`), on the engine's mesh, over one state dict:
 - init: the empty state (per-layer or stacked KV caches [slots, Hkv, S, K], each slot's row,
   position, budget, key, and the output rows [ring x rows per step, C]);
 - admit: prefills A prompts once each (`Transformer.prefill_rows`), copies each prompt's
-  keys/values into its G rows' slots, draws each row's first token;
+  keys/values into its G rows' slots; the first decode step draws each row's first token;
 - decode: up to `chunk` steps for every slot at its own position (`Transformer.decode_rows`),
   each token written with its log-probs and weight version, a row stopped at a stop token or
   its budget; the chunk ends early once `refill` slots are free;
@@ -71,7 +71,7 @@ class SlotPrograms:
     )
 
   def _program(self, name, *shape):
-    static = self._static() if name in ("admit", "decode", "extend") else {}
+    static = self._static() if name in ("decode", "extend") else {}
     key = (name, shape, tuple(sorted(static.items())))
     if key not in self._programs:
       fn = getattr(self, "_" + name)
@@ -181,25 +181,17 @@ class SlotPrograms:
     )
     return out
 
-  def _admit(
-      self,
-      st,
-      weights,
-      ids,
-      mask,
-      slot_ids,
-      row_ids,
-      index,
-      caps,
-      keys,
-      version,
-      temperature,
-      top_p,
-      **static,
-  ):
+  def _admit(self, st, weights, ids, mask, slot_ids, row_ids, index, caps, keys):
+    """Prefills the prompts into their rows' slots; draws nothing. Each row's last prompt
+    token is its slot's next input (`token`, at position length - 1): the first decode step
+    feeds it again (its keys/values written again, the same values) and draws the row's first
+    token from its logits with key fold_in(row key, 0), as every later column t with
+    fold_in(row key, t). So admit has no LM head and no sampling (half of its compile,
+    benchmarks/slot_compile.py) and one program per (width, prompt width) serves every
+    generation config; a row costs one decode step more."""
     model = self._model(weights)
     scan = self.scan_layers
-    logits, ks, vs, length = model.prefill_rows(ids, mask, stacked=scan)
+    _, ks, vs, length = model.prefill_rows(ids, mask, stacked=scan)  # logits unused: not computed
     g, w = self.g, ids.shape[1]
     rep = lambda x: jnp.repeat(x, g, axis=0)  # noqa: E731
     put = lambda c, x: c.at[slot_ids].set(x.astype(c.dtype), mode="drop")  # noqa: E731
@@ -214,24 +206,27 @@ class SlotPrograms:
 
     row_keys = jax.vmap(jax.random.fold_in)(rep(keys), index)
     compact = jnp.take_along_axis(ids, compaction(mask)[0], axis=1)
-    st = dict(
+    last = jnp.maximum(length - 1, 0)
+    last_token = jnp.take_along_axis(compact, last[:, None], axis=1)[:, 0]
+    r_out = self.ring * self._rows_per_tag
+    active = slot_ids < self.num_slots
+    rows = jnp.where(active, row_ids, r_out)
+    return dict(
         st,
         seq=st["seq"].at[slot_ids, :w].set(rep(compact), mode="drop"),
         k=_constrain_cache(kv(st["k"], ks)),
         v=_constrain_cache(kv(st["v"], vs)),
-        length=put(st["length"], rep(length)),
+        length=put(st["length"], rep(last)),
+        token=put(st["token"], rep(last_token)),
         col=put(st["col"], jnp.zeros_like(slot_ids)),
         cap=put(st["cap"], caps),
         row=put(st["row"], row_ids),
+        live=put(st["live"], active),
         keys=st["keys"].at[slot_ids].set(row_keys, mode="drop"),
-        out_tool=st["out_tool"].at[row_ids].set(0, mode="drop"),
+        out_len=st["out_len"].at[rows].set(0, mode="drop"),
+        out_stop=st["out_stop"].at[rows].set(False, mode="drop"),
+        out_tool=st["out_tool"].at[rows].set(0, mode="drop"),
     )
-    draw = self._draw(temperature, top_p, **static)
-    token, lp, raw = draw(
-        rep(logits), jax.vmap(jax.random.fold_in)(row_keys, jnp.zeros_like(index))
-    )
-    active = slot_ids < self.num_slots
-    return self._record(st, slot_ids, active, token, lp, raw, version)
 
   def _decode(self, st, weights, version, refill, temperature, top_p, **static):
     model = self._model(weights)

@@ -17,8 +17,9 @@ slot, and the host admits the next queued group into free slots between decode c
 Device programs (rollout/slot_programs.py; static shapes; one compile per (slots, admission
 width, prompt width); two admission widths, a refill's and the whole engine's):
 - admit: prefills A prompts once each (`Transformer.prefill_rows`: real tokens first, so slot j
-  of a row holds position j), copies each prompt's keys/values into its G rows' slots, draws
-  each row's first token;
+  of a row holds position j), copies each prompt's keys/values into its G rows' slots, and
+  leaves each row's last prompt token as its next input (no LM head, no sampling: the first
+  decode step feeds it again and draws the row's first token);
 - decode: `chunk` steps for every slot at its own position (`Transformer.decode_rows`), each
   drawing one token per live row, writing it, its log-probs and the weight version that drew it
   into the output rows, and stopping a row at a stop token or its budget (`caps`, default C);
@@ -432,7 +433,7 @@ class SlotEngine(SlotPrograms):
       n = a * self.g
       args = (st, weights, sds((a, p), i32), sds((a, p), i32))
       args += tuple(sds((n,), i32) for _ in range(4))
-      args += (sds((a, *key.shape), key.dtype), sds((), i32), *scalars)
+      args += (sds((a, *key.shape), key.dtype),)
       return self._program("admit", a, p), args
 
     out = {}
@@ -509,9 +510,7 @@ class SlotEngine(SlotPrograms):
       keys.append(grp.key)
     keys += [groups[0].key] * (a - len(groups))
     args = [self._replicated(x) for x in (ids, mask, slot_ids, row_ids, index, caps)]
-    self._state = self._program("admit", a, w)(
-        self._state, self._weights, *args, jnp.stack(keys), self._version, *self._scalars()
-    )
+    self._state = self._program("admit", a, w)(self._state, self._weights, *args, jnp.stack(keys))
 
   def _scalars(self):
     return (
