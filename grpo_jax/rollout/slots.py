@@ -32,9 +32,10 @@ as one `lax.scan` over the layers (the decode carries the caches and scatters ea
 token into them in place: no cache copy per step; each layer's weights and cache are sliced out
 of the stacks, a read and a write of their size per step). Measured (benchmarks/slot_compile.py,
 Qwen3-0.6B recipe shapes): on CPU the scan halves a 28-layer decode's compile but steps 1.47x
-slower; for an H100 (deviceless) the decode compiles in ~10 s at 2 layers and at 28, per-layer
-or scanned (its compile is the sampling's and the head's, not the layers'). So per-layer is
-the default.
+slower; for an H100 (deviceless) all programs compile in 21 s scanned vs 35 s per layer (the
+lockstep sampler: 64 s), most of it a fixed cost per program (5-8 s at 2 layers as at 28). The
+scan's runtime on an accelerator is unmeasured (the GPU's ragged kernel would read a copy of each
+layer's cache slice), so per-layer is the default.
 
 KV layout (benchmarks/README.md "Slot engine"): per-slot contiguous caches [slots, Hkv, P + C, K]
 per layer (P + C rounded up to the ragged kernel's block on GPU). A prompt is prefilled once
@@ -113,8 +114,8 @@ class SlotEngine(SlotPrograms):
     [L, slots, Hkv, S, K] (compile time flat in depth) instead of a program per layer; None: as
     the policy's model.scan_layers. Default False, measured (benchmarks/slot_compile.py and
     the module docstring): the scan slices each layer's weights and cache out of the stacks
-    every step (1.47x the per-layer decode's step time on CPU at 28 layers) and the H100's
-    decode compile does not grow with depth either way.
+    every step (1.47x the per-layer decode's step time on CPU at 28 layers); for an H100 its
+    programs compile in 0.6x the per-layer ones' time (the module docstring).
 
     turns: multi-turn rows (rollout/turns.py's ToolTurns, or any object with its methods): a
     row that stops is offered to `turns.stopped`; if it takes the row (a tool call is running),
