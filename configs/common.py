@@ -215,6 +215,11 @@ def base() -> ml_collections.ConfigDict:
   # chunks of at most `slot_chunk` steps (benchmarks/slot_engine.py). Native decoder policies.
   c.rollout.slots = 0
   c.rollout.slot_chunk = 64
+  # The slot engine's programs as one lax.scan over stacked layers and caches (True) instead of
+  # a program per layer (False): an H100's compile of them 21 s instead of 35 s for Qwen3-0.6B
+  # (benchmarks/README.md "Slot engine"), but each decode step slices every layer's cache out
+  # of the stacks (on CPU 1.47x the step time; on an accelerator unmeasured).
+  c.rollout.slot_scan_layers = False
   # Streaming (slots > 0, max_staleness = k >= 1; rollout/source.py): the prompts of up to k
   # steps ahead queue in the slots, new weights land between decode chunks, each token keeps the
   # version that drew it. partial_rollout (streaming only): True = a step trains the first

@@ -1,6 +1,7 @@
 """Both rollout engines satisfy one interface (grpo_jax/rollout/engine.py): the native engine
 always, vLLM when installed. Same call, same Rollout contract, same optional figures."""
 
+import copy
 import importlib.util
 import os
 
@@ -101,3 +102,24 @@ def test_engines_agree_on_greedy(setup):
   (t1, m1), (t2, m2) = _GREEDY["native"], _GREEDY["vllm"]
   np.testing.assert_array_equal(m1, m2)
   np.testing.assert_array_equal(t1 * m1, t2 * m2)
+
+
+def test_slot_scan_layers_reaches_the_engine_and_draws_the_per_layer_tokens(setup):
+  """config.rollout.slot_scan_layers picks the slot engine's scanned programs (one layer scan
+  over stacked caches), on the run's 8-device mesh; greedy rows equal the per-layer engine's."""
+  s = setup
+  gen = GenerationConfig(temperature=0.0, top_k=0, top_p=1.0)
+  out = {}
+  for scan in (False, True):
+    config = copy.deepcopy(s["config"])
+    config.rollout.slots = B * G
+    config.rollout.slot_scan_layers = scan
+    engine = rollout.make_engine(config, s["policy"], s["tok"], s["mesh"], kind="native")
+    assert engine.sampler.scan_layers is scan
+    r = engine.generate(s["policy"].params, s["batch"], jax.random.key(1), gen)
+    out[scan] = (multihost.local_rows(r.tokens), multihost.local_rows(r.logprobs))
+    if scan:
+      assert engine.sampler._state["k"].ndim == 5  # [L, slots, Hkv, S, K]
+    engine.close()
+  np.testing.assert_array_equal(out[True][0], out[False][0])
+  np.testing.assert_allclose(out[True][1], out[False][1], atol=1e-5)
