@@ -104,9 +104,8 @@ def run_slots(engine, state, batches, key, streaming: bool, generation=GENERATIO
       while not engine.finished(i):
         engine.advance()
         if steady is None and not engine.pending():  # the queue ran dry: the drain begins
-          stats = engine.stats()
-          admitted = n * len(batches)  # every row admitted, each drew its first token there
-          steady = (stats["live_steps"] + admitted, time.perf_counter() - t0)
+          # every live slot of a decode step drew one token (a row's first too: admit draws none)
+          steady = (engine.stats()["live_steps"], time.perf_counter() - t0)
       out.append(engine.take(i)[0])
   else:
     for i, (bt, ids, mask) in enumerate(batches):
