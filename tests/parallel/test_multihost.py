@@ -166,26 +166,21 @@ def test_two_processes_equal_one_through_stop_kill_and_resume(tmp_path, gcs):
   _launch_single(single)
   single_sec = time.time() - t0
 
-  # 1. A clean stop on the step budget after one GRPO step: exit 0 on both processes.
+  # 1. A hard kill of both processes once GRPO step 2's checkpoint is committed. (A clean stop
+  # on the step budget and its resume, 2 processes: test_slot_engine_two_processes_equal_one_
+  # through_a_resume.)
   t0 = time.time()
-  for rc, err in _launch_pair(pair, "--config.max_steps_per_run=1"):
-    assert rc == 0, err[-3000:]
-    assert "max_steps_per_run=1 reached" in err
-  assert not (pair / "summary.json").exists()
-
-  # 2. Resume, then a hard kill of both processes once GRPO step 2's checkpoint is committed.
   committed = pair / "checkpoints" / str(SFT_STEPS + 2) / "commit_success.txt"  # GCS: no rename
   killed = _launch_pair(pair, kill_when=committed.exists)
-  for rc, err in killed:
-    assert "resuming from" in err
   if all(rc == -signal.SIGKILL for rc, _ in killed):
     assert not (pair / "summary.json").exists()
   else:  # the job outran the poll: it must then have finished cleanly
     assert all(rc == 0 for rc, _ in killed), killed[0][1][-3000:]
 
-  # 3. Restart: resumes from the last committed checkpoint and finishes.
+  # 2. Restart: resumes from the last committed checkpoint and finishes.
   for rc, err in _launch_pair(pair):
     assert rc == 0, err[-3000:]
+    assert "resuming from" in err
   pair_sec = time.time() - t0
 
   assert not os.path.exists(os.path.join(ROOT, "gs:"))  # no local ./gs:/bucket/... copy
@@ -217,7 +212,7 @@ def test_two_processes_equal_one_through_stop_kill_and_resume(tmp_path, gcs):
   diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), p1, p2)
   assert max(jax.tree.leaves(diffs)) <= PARAM_TOL, diffs
   print(
-      f"1x8 {single_sec:.1f}s; 2x4 stop+kill+resume {pair_sec:.1f}s (kill rcs "
+      f"1x8 {single_sec:.1f}s; 2x4 kill+resume {pair_sec:.1f}s (kill rcs "
       f"{[rc for rc, _ in killed]}); "
       f"max metric diff {max(worst.values()):.2e}; max param diff "
       f"{max(jax.tree.leaves(diffs)):.2e}"
@@ -351,10 +346,14 @@ def test_slot_engine_two_processes_equal_one_through_a_resume(tmp_path):
   (stopped after one GRPO step and resumed) == one uninterrupted process with 8."""
   single, pair = epath.Path(tmp_path / "single"), epath.Path(tmp_path / "pair")
   _launch_single(single, base=SLOT_ARGS)
+  # A clean stop on the step budget after one GRPO step: exit 0 on both processes, no summary.
   for rc, err in _launch_pair(pair, "--config.max_steps_per_run=1", base=SLOT_ARGS):
     assert rc == 0, err[-3000:]
+    assert "max_steps_per_run=1 reached" in err
+  assert not (pair / "summary.json").exists()
   for rc, err in _launch_pair(pair, base=SLOT_ARGS):
     assert rc == 0, err[-3000:]
+    assert "resuming from" in err
   _assert_same_run(single, pair)
 
 
