@@ -54,7 +54,7 @@ def test_engine_batches_hold_the_first_finished_groups_whole_and_carry_the_rest(
   k, b = 1, 4
   e = engine(graphdef, 6, eos_ids=(), chunk=1, steps_in_flight=2 * k + 1)
   gen = GenerationConfig(temperature=1.0)
-  short, long = [1, 2, 3], [12, 12, 11]
+  short, long = [1, 2, 2], [12, 12, 11]  # a short group takes 2 decode steps, the long 12
   caps = {
       0: np.array([*short, *long, *short, *short]),
       1: np.array([*short, *short, *short, *short]),
