@@ -186,8 +186,8 @@ class SlotPrograms:
     token is its slot's next input (`token`, at position length - 1): the first decode step
     feeds it again (its keys/values written again, the same values) and draws the row's first
     token from its logits with key fold_in(row key, 0), as every later column t with
-    fold_in(row key, t). So admit has no LM head and no sampling (half of its compile,
-    benchmarks/slot_compile.py) and one program per (width, prompt width) serves every
+    fold_in(row key, t). So admit has no LM head and no sampling (a quarter of its compile for
+    Qwen3-0.6B on an H100, 9.3 -> 7.1 s: benchmarks/slot_compile.py) and one program per (width, prompt width) serves every
     generation config; a row costs one decode step more."""
     model = self._model(weights)
     scan = self.scan_layers
@@ -208,9 +208,8 @@ class SlotPrograms:
     compact = jnp.take_along_axis(ids, compaction(mask)[0], axis=1)
     last = jnp.maximum(length - 1, 0)
     last_token = jnp.take_along_axis(compact, last[:, None], axis=1)[:, 0]
-    r_out = self.ring * self._rows_per_tag
     active = slot_ids < self.num_slots
-    rows = jnp.where(active, row_ids, r_out)
+    rows = row_ids  # the host gives padding entries the out-of-range row: dropped below
     return dict(
         st,
         seq=st["seq"].at[slot_ids, :w].set(rep(compact), mode="drop"),
