@@ -474,11 +474,12 @@ class Packer(Padded):
     self.rows_padded = config.batch_size * config.num_generations
     self.mesh = mesh
     c = config.max_completion_length
-    # [2, N]: each sequence's real tokens and its completion's, on every device
-    self._lengths = jax.jit(
-        lambda m: jnp.stack([(m != 0).sum(-1), (m[:, -c:] != 0).sum(-1)]),
-        out_shardings=sharding.replicated(mesh),
-    )
+
+    def lengths(m):  # [2, N]: each sequence's real tokens and its completion's
+      return jnp.stack([(m != 0).sum(-1), (m[:, -c:] != 0).sum(-1)])
+
+    # on every device; named: a trace's modules name the step's programs (jit_lengths)
+    self._lengths = jax.jit(lengths, out_shardings=sharding.replicated(mesh))
     self.shapes = set()  # (rows, head rows, micro-batches, width) met: one program set each
     self.last_fill = 0.0
     self.c = c

@@ -160,6 +160,7 @@ def test_profiled_grpo_steps(tmp_path, capsys):
       "jit_logprobs",
       "jit_packed_logprobs_all",  # packed rows (the default): the log-prob passes
       "jit_pack",
+      "jit_lengths",  # packing's sequence lengths
       "jit_assemble",
       "jit_rollout_stats",
       "jit__threefry_fold_in",
