@@ -21,7 +21,49 @@ if ROOT not in sys.path:
 SHARED_DATA = os.environ.get("GRPO_SHARED_DATA", os.path.join(ROOT, "..", "shared", "data"))
 
 
+import contextlib  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
+
+# One persistent compilation cache for the suite's own processes (the xdist workers read the
+# folder the controller made from the environment they inherit): the same small programs recur
+# across tests (the tiny models' updates, log-prob passes, samplers), and a test that compiles
+# one already compiled elsewhere in the run loads it instead. In-process only (jax.config, not
+# JAX_* variables): the runs tests launch as subprocesses keep main.py's own cache setting.
+# Tests that watch XLA's compiles turn it off (`compilation_cache_off`).
+_CACHE_ENV = "GRPO_TEST_COMPILATION_CACHE"
+_MADE_CACHE = _CACHE_ENV not in os.environ
+if _MADE_CACHE:
+  os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="grpo_jax_test_jax_cache_")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_sessionfinish(session, exitstatus):
+  if _MADE_CACHE and not hasattr(session.config, "workerinput"):  # the controller made it
+    shutil.rmtree(os.environ[_CACHE_ENV], ignore_errors=True)
+
+
+@contextlib.contextmanager
+def compilation_cache_off():
+  """The suite's persistent compilation cache off inside (every program compiles in XLA, and
+  jax's compile events fire): for tests that count or trace compiles."""
+  from jax._src import compilation_cache
+
+  old = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", old)
+    compilation_cache.reset_cache()
 
 
 @pytest.fixture

@@ -25,6 +25,16 @@ from tests.rl.test_packing import grpo_step
 from tests.test_train import grpo_rows
 from tests.test_train import tiny_config
 
+
+@pytest.fixture(autouse=True)
+def _no_compilation_cache():
+  """Compiles watched here (XLA's compile events / the profiler's trace): no cache loads."""
+  from tests.conftest import compilation_cache_off
+
+  with compilation_cache_off():
+    yield
+
+
 MODULE = os.path.join("grpo_jax", "run/compile_ahead.py")  # (not this test file)
 # Padded rows: packed shapes (pack_sequences, the default) follow each step's lengths and compile
 # at their first use (run/compile_ahead.py), so these tests compile the padded update ahead.
