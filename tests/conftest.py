@@ -13,6 +13,8 @@ os.environ["XLA_FLAGS"] = (
 # device's collectives in the program's order.
 os.environ["XLA_FLAGS"] += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The offline gs:// (fake_gcs.py) in this process too: gcsfs reads it when first imported.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:

@@ -109,6 +109,9 @@ def start(port: int | None = None):
       "STORAGE_EMULATOR_HOST": url,
       "TENSORSTORE_GCS_HTTP_URL": url,
       "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake-token",
+      # gcsfs's default file system asks each bucket's layout (zonal / hierarchical) first:
+      # the emulator's exists() took 9-11 ms with it, 2.7 ms without (read at gcsfs's import)
+      "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
   }
   return server, env
 

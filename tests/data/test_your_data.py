@@ -161,6 +161,7 @@ def test_a_chat_message_jsonl_trains_with_only_its_path(tmp_path):
   assert summary["eval_after"]["greedy"]["num_examples"] == 8
 
 
+@pytest.mark.slow  # ~30 s; verl's parquet in the default suite: test_data_sources_loop.py
 def test_a_verl_parquet_trains_with_its_source_and_path(tmp_path):
   tr = fx.write_parquet(fx.verl_gsm8k_records("train", 24), str(tmp_path / "train.parquet"))
   from grpo_jax import train

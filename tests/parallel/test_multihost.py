@@ -167,8 +167,9 @@ def test_two_processes_equal_one_through_stop_kill_and_resume(tmp_path, gcs):
   single_sec = time.time() - t0
 
   # 1. A hard kill of both processes once GRPO step 2's checkpoint is committed. (A clean stop
-  # on the step budget and its resume, 2 processes: test_slot_engine_two_processes_equal_one_
-  # through_a_resume.)
+  # on the step budget and its resume, 2 processes: tests/rollout/test_staleness.py's
+  # test_disaggregated_two_processes_equal_one_through_a_resume; with the slot engine:
+  # test_slot_engine_two_processes_equal_one_through_a_resume, -m slow.)
   t0 = time.time()
   committed = pair / "checkpoints" / str(SFT_STEPS + 2) / "commit_success.txt"  # GCS: no rename
   killed = _launch_pair(pair, kill_when=committed.exists)
@@ -341,6 +342,9 @@ SLOT_ARGS = [
 ]
 
 
+@pytest.mark.slow  # ~2-3 min; the slot engine on 2 processes stays in the default suite
+# (test_streaming_slots_disaggregated_two_processes_equal_one) and so does a 2-process
+# resume (test_two_processes_equal_one_through_stop_kill_and_resume)
 def test_slot_engine_two_processes_equal_one_through_a_resume(tmp_path):
   """~1 min: the slot engine's rollouts, losses and final parameters on 2 processes x 4 devices
   (stopped after one GRPO step and resumed) == one uninterrupted process with 8."""
