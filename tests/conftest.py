@@ -69,6 +69,14 @@ def compilation_cache_off():
 
 
 @pytest.fixture
+def no_compilation_cache():
+  """compilation_cache_off for a test; a module opts in with
+  `pytestmark = pytest.mark.usefixtures("no_compilation_cache")`."""
+  with compilation_cache_off():
+    yield
+
+
+@pytest.fixture
 def gcs(monkeypatch):
   """An offline gs:// (in-memory GCS emulator, tests/fake_gcs.py) for this process and the
   runs it starts: -> "gs://bucket"."""

@@ -187,8 +187,9 @@ class SlotPrograms:
     feeds it again (its keys/values written again, the same values) and draws the row's first
     token from its logits with key fold_in(row key, 0), as every later column t with
     fold_in(row key, t). So admit has no LM head and no sampling (a quarter of its compile for
-    Qwen3-0.6B on an H100, 9.3 -> 7.1 s: benchmarks/slot_compile.py) and one program per (width, prompt width) serves every
-    generation config; a row costs one decode step more."""
+    Qwen3-0.6B on an H100, 9.3 -> 7.1 s: benchmarks/slot_compile.py) and one program per
+    (width, prompt width) serves every generation config; a row costs one decode step more.
+    Padding entries come with the out-of-range slot and row: their writes are dropped."""
     model = self._model(weights)
     scan = self.scan_layers
     _, ks, vs, length = model.prefill_rows(ids, mask, stacked=scan)  # logits unused: not computed
@@ -209,7 +210,6 @@ class SlotPrograms:
     last = jnp.maximum(length - 1, 0)
     last_token = jnp.take_along_axis(compact, last[:, None], axis=1)[:, 0]
     active = slot_ids < self.num_slots
-    rows = row_ids  # the host gives padding entries the out-of-range row: dropped below
     return dict(
         st,
         seq=st["seq"].at[slot_ids, :w].set(rep(compact), mode="drop"),
@@ -222,9 +222,9 @@ class SlotPrograms:
         row=put(st["row"], row_ids),
         live=put(st["live"], active),
         keys=st["keys"].at[slot_ids].set(row_keys, mode="drop"),
-        out_len=st["out_len"].at[rows].set(0, mode="drop"),
-        out_stop=st["out_stop"].at[rows].set(False, mode="drop"),
-        out_tool=st["out_tool"].at[rows].set(0, mode="drop"),
+        out_len=st["out_len"].at[row_ids].set(0, mode="drop"),
+        out_stop=st["out_stop"].at[row_ids].set(False, mode="drop"),
+        out_tool=st["out_tool"].at[row_ids].set(0, mode="drop"),
     )
 
   def _decode(self, st, weights, version, refill, temperature, top_p, **static):

@@ -5,8 +5,5 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def _no_compilation_cache():
-  from tests.conftest import compilation_cache_off
-
-  with compilation_cache_off():
-    yield
+def _no_compilation_cache(no_compilation_cache):
+  yield

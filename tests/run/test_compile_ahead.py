@@ -25,14 +25,8 @@ from tests.rl.test_packing import grpo_step
 from tests.test_train import grpo_rows
 from tests.test_train import tiny_config
 
-
-@pytest.fixture(autouse=True)
-def _no_compilation_cache():
-  """Compiles watched here (XLA's compile events / the profiler's trace): no cache loads."""
-  from tests.conftest import compilation_cache_off
-
-  with compilation_cache_off():
-    yield
+# Compiles watched here (XLA's compile events / the profiler's trace): no cache loads.
+pytestmark = pytest.mark.usefixtures("no_compilation_cache")
 
 
 MODULE = os.path.join("grpo_jax", "run/compile_ahead.py")  # (not this test file)

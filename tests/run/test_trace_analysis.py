@@ -13,14 +13,8 @@ from grpo_jax import train
 from tests.test_train import ROOT
 from tests.test_train import tiny_config
 
-
-@pytest.fixture(autouse=True)
-def _no_compilation_cache():
-  """Compiles watched here (XLA's compile events / the profiler's trace): no cache loads."""
-  from tests.conftest import compilation_cache_off
-
-  with compilation_cache_off():
-    yield
+# Compiles watched here (XLA's compile events / the profiler's trace): no cache loads.
+pytestmark = pytest.mark.usefixtures("no_compilation_cache")
 
 
 _spec = importlib.util.spec_from_file_location(
