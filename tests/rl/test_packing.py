@@ -8,6 +8,7 @@ GrpoStep."""
 
 import dataclasses
 import functools
+import itertools
 
 from flax import nnx
 import jax
@@ -104,6 +105,69 @@ def test_first_fit_decreasing_packs_tightly_and_refuses_what_does_not_fit():
   assert (row[5], offset[5], row[4], offset[4]) == (0, 0, 0, 8)
   with pytest.raises(ValueError, match="does not fit"):
     packing.first_fit_decreasing(np.array([11]), 10)
+
+
+def _fewest_by_subsets(lengths, budget) -> int:
+  """The fewest rows of `budget` slots that hold `lengths` (n <= 12): over every subset of the
+  sequences placed, (rows closed, tokens in the open row), least first."""
+  n = len(lengths)
+  best = [(n + 1, 0)] * (1 << n)
+  best[0] = (0, budget)  # as if a full row were open: the first sequence opens one
+  for mask in range(1 << n):
+    rows, open_ = best[mask]
+    for i in range(n):
+      if not mask >> i & 1:
+        step = (
+            (rows, open_ + lengths[i]) if open_ + lengths[i] <= budget else (rows + 1, lengths[i])
+        )
+        best[mask | 1 << i] = min(best[mask | 1 << i], step)
+  return best[-1][0]
+
+
+def _check_plan(lengths, budget, row, offset, used):
+  """Every sequence in a row < used, inside its row, overlapping none."""
+  cover = np.zeros((used, budget), np.int32)
+  for l, r, o in zip(lengths, row, offset):
+    assert 0 <= r < used and 0 <= o and o + l <= budget
+    cover[r, o : o + l] += 1
+  assert cover.max() <= 1
+
+
+def test_fewest_rows_finds_what_first_fit_decreasing_misses():
+  lengths = np.array([4, 4, 3, 3, 3, 3])  # first-fit decreasing: [4, 4], [3, 3, 3], [3]
+  assert packing.first_fit_decreasing(lengths, 10)[2] == 3
+  row, offset, used = packing.fewest_rows(lengths, 10)
+  assert used == 2  # [4, 3, 3] twice
+  _check_plan(lengths, 10, row, offset, used)
+  with pytest.raises(ValueError, match="does not fit"):
+    packing.fewest_rows(np.array([3, 11]), 10)
+
+
+def test_fewest_rows_is_the_fewest_on_random_batches_and_never_worse_than_ffd():
+  rng = np.random.default_rng(0)
+  better = 0
+  for trial in range(200):
+    n, budget = int(rng.integers(1, 13)), int(rng.integers(20, 60))
+    lengths = rng.integers(budget // 5, budget // 2 + 2, n)  # where first-fit decreasing slips
+    row, offset, used = packing.fewest_rows(lengths, budget)
+    _check_plan(lengths, budget, row, offset, used)
+    assert used == _fewest_by_subsets(lengths.tolist(), budget), (lengths, budget)
+    ffd = packing.first_fit_decreasing(lengths, budget)[2]
+    assert used <= ffd
+    better += used < ffd
+    again = packing.fewest_rows(lengths, budget)  # deterministic: every process plans alike
+    assert (again[0] == row).all() and (again[1] == offset).all()
+  assert better > 0  # the search did find fewer rows somewhere
+
+
+def test_fewest_rows_keeps_first_fit_decreasing_when_its_search_runs_out():
+  lengths = np.random.default_rng(1).integers(30, 70, 120)
+  ffd = packing.first_fit_decreasing(lengths, 100)
+  row, offset, used = packing.fewest_rows(lengths, 100, max_work=0)
+  assert used == ffd[2] and (row == ffd[0]).all() and (offset == ffd[1]).all()
+  row, offset, used = packing.fewest_rows(lengths, 100)  # bounded host time on any batch
+  _check_plan(lengths, 100, row, offset, used)
+  assert used <= ffd[2]
 
 
 # ------------------------------------------------------------------------------ the gather
