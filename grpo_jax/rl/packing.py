@@ -122,8 +122,8 @@ def fewest_rows(
   tokens left; one row fewer at a time while found, within `max_work` row visits each.
   Same result for the same lengths (every process plans alike). -> (row [n], offset [n] (the
   row's sequences in placement order), rows used). First-fit decreasing alone leaves a row
-  more than the fewest on 13 of 100 batches of the recipe's GSM8K lengths (fill 0.861 -> 0.883,
-  benchmarks/README.md "Packed update")."""
+  more than the fewest on 13 of 100 batches of the recipe's GSM8K lengths (one chip's fill over
+  400 batches: 0.863 -> 0.889, benchmarks/README.md "Packed update")."""
   row, offset, used = first_fit_decreasing(lengths_n, budget)
   lengths_n = np.asarray(lengths_n, np.int64)
   n = lengths_n.size
