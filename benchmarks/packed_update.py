@@ -16,12 +16,12 @@ width data.prompt_width=bucket picks (the power of two over the batch's longest 
 plus C.
 
 It prints:
-- fill = real tokens / slots issued, padded and packed (rl/packing.py's plan: first-fit
-  decreasing rows of the padded width per data-parallel shard, row counts bucketed:
-  rl/packing.py's bucket; one global plan over all rows, as before the plan went per shard;
-  and FFD's rows alone, unbucketed), over 400 batches at the recipe's shapes (B 8 x G 2,
-  P 256, C 1024; on its 8-chip mesh with micro-batch 8 and with micro-batches by tokens, and
-  on one chip) and at the CPU workload;
+- fill = real tokens / slots issued, padded and packed (rl/packing.py's plan: `fewest_rows`
+  rows of the padded width per data-parallel shard, row counts bucketed: rl/packing.py's
+  bucket; one global plan over all rows, as before the plan went per shard; and the rows
+  alone, unbucketed: fewest_rows' and first-fit decreasing's), over 400 batches at the
+  recipe's shapes (B 8 x G 2, P 256, C 1024; on its 8-chip mesh with micro-batch 8 and with
+  micro-batches by tokens, and on one chip) and at the CPU workload;
 - wall time of the update plus the old-policy and reference log-prob passes, padded vs packed,
   on CPU: rl/step.py's own jitted functions (`build`) and the Packer / Padded object GrpoStep
   asks (`rows`, `logprobs`), timed to the end of each phase; the two layouts take turns, the
@@ -169,9 +169,10 @@ def fills(batches, micro: packing.MicroBatching) -> dict:
   """Real tokens / slots over `batches`: padded (N rows of the width), packed (the plan: each
   of micro.shards shards packs its own rows), one global plan (first-fit decreasing over all
   N, each micro-batch's rows bucketed and rounded up to whole shares of one row per shard: how
-  rl/packing.py planned before it packed per shard) and first-fit decreasing alone (no
-  buckets, no micro-batches, no shards: the rows the tokens need)."""
-  real = padded = packed = whole = ffd = 0
+  rl/packing.py planned before it packed per shard), and with no buckets, micro-batches or
+  shards: `fewest_rows` alone (the rows the tokens need, as far as its search finds) and
+  first-fit decreasing alone (the plan before that search)."""
+  real = padded = packed = whole = fewest = ffd = 0
   for bt in batches:
     s = bt.width + bt.c
     plan = packing.plan_rows(bt.seq_n, s, micro)
@@ -181,8 +182,15 @@ def fills(batches, micro: packing.MicroBatching) -> dict:
     packed += plan.rows * s
     per_micro = -(-one.rows // one.num_micro // micro.shards) * micro.shards
     whole += per_micro * one.num_micro * s
+    fewest += packing.fewest_rows(bt.seq_n, s)[2] * s
     ffd += packing.first_fit_decreasing(bt.seq_n, s)[2] * s
-  return dict(padded=real / padded, packed=real / packed, global_plan=real / whole, ffd=real / ffd)
+  return dict(
+      padded=real / padded,
+      packed=real / packed,
+      global_plan=real / whole,
+      fewest=real / fewest,
+      ffd=real / ffd,
+  )
 
 
 # --------------------------------------------------------------------------------- FLOPs
@@ -478,7 +486,8 @@ def main(argv=None):
     results["recipe"][name] = f
     print(
         f"  {name:<38} padded {f['padded']:.3f}  packed per shard {f['packed']:.3f}  "
-        f"one global plan {f['global_plan']:.3f}  (first-fit decreasing alone {f['ffd']:.3f})"
+        f"one global plan {f['global_plan']:.3f}  (alone: fewest_rows {f['fewest']:.3f}, "
+        f"first-fit decreasing {f['ffd']:.3f})"
     )
   print("\nmodel FLOPs of real tokens / FLOPs issued (update + old + ref passes), recipe shapes")
   for preset in ("qwen3-0.6b", "qwen3-8b"):
@@ -504,7 +513,7 @@ def main(argv=None):
       f"median of {spec['rounds']} rounds x {spec['batches']} batches, turns"
   )
   f = t["fill"]
-  print(f"  fill: padded {f['padded']:.3f}, packed {f['packed']:.3f} (FFD alone {f['ffd']:.3f})")
+  print(f"  fill: padded {f['padded']:.3f}, packed {f['packed']:.3f} (alone: fewest_rows {f['fewest']:.3f}, FFD {f['ffd']:.3f})")
   phases = ("pack", "old_lp", "ref_lp", "update", "total")
   print(f"  {'':<16}" + "".join(f"{ph:>10}" for ph in phases))
   for name in ("padded", "packed", "head_every_slot"):
