@@ -513,7 +513,9 @@ def main(argv=None):
       f"median of {spec['rounds']} rounds x {spec['batches']} batches, turns"
   )
   f = t["fill"]
-  print(f"  fill: padded {f['padded']:.3f}, packed {f['packed']:.3f} (alone: fewest_rows {f['fewest']:.3f}, FFD {f['ffd']:.3f})")
+  print(
+      f"  fill: padded {f['padded']:.3f}, packed {f['packed']:.3f} (alone: fewest_rows {f['fewest']:.3f}, FFD {f['ffd']:.3f})"
+  )
   phases = ("pack", "old_lp", "ref_lp", "update", "total")
   print(f"  {'':<16}" + "".join(f"{ph:>10}" for ph in phases))
   for name in ("padded", "packed", "head_every_slot"):
