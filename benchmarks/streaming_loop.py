@@ -14,12 +14,16 @@ problems before and after GRPO.
 
 Layout (benchmarks/overlap.py's "pair"): 2 JAX processes with one CPU device each, each pinned
 to its own core (taskset). Disaggregated: the trainer is process 0's device, the sampler
-process 1's. Steps per second: process 0's [grpo] log lines after --warmup steps (wall clock).
+process 1's. Steps per second: process 0's [grpo] log lines after --warmup steps (wall clock),
+and settled (`settled`): after the step that compiled the last new packed shape (packed rows'
+shapes follow the lengths, and on CPU each new one compiles at its first use on the trainer's
+core), with the median step interval of the steps that compiled none.
 """
 
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -72,6 +76,40 @@ def args_for(seed: int, steps: int, sft_steps: int, compile_ahead: bool = True) 
   ]
 
 
+def _clock(line: str) -> float | None:
+  m = re.match(r"^I\d{4} (\d\d):(\d\d):(\d\d\.\d+) ", line)
+  return None if m is None else int(m[1]) * 3600 + int(m[2]) * 60 + float(m[3])
+
+
+def settled(log: str, min_steps: int = 5) -> dict:
+  """Process 0's log -> the steps that met a new packed shape (the first step logged at or
+  after its "packed shapes so far" line), the rate after the last of them (None with fewer than
+  `min_steps` steps after it) and the median interval of the steps after step 1 that met none."""
+  times = overlap.step_times(log)
+  steps = sorted(times)
+  shape_at = [
+      t
+      for line in log.splitlines()
+      if "packed shapes so far" in line
+      for t in [_clock(line)]
+      if t is not None
+  ]
+  compiled = sorted({next((s for s in steps if times[s] >= t), steps[-1]) for t in shape_at})
+  last = compiled[-1] if compiled else steps[0]
+  after = [s for s in steps if s >= last]
+  rate = None
+  if len(after) > min_steps:
+    rate = (after[-1] - after[0]) / (times[after[-1]] - times[after[0]])
+  quiet = [times[s] - times[s - 1] for s in steps[1:] if s - 1 in times and s not in compiled]
+  return dict(
+      compile_steps=compiled,
+      settled_steps_per_sec=rate,
+      settled_from=last,
+      median_interval=statistics.median(quiet) if quiet else None,
+      whole_steps_per_sec=(steps[-1] - steps[0]) / (times[steps[-1]] - times[steps[0]]),
+  )
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--seeds", default="0,1,2")
@@ -109,6 +147,7 @@ def main(argv=None):
             a.warmup,
         )
         shapes = [line for line in log.splitlines() if "packed shapes so far" in line]
+        rates = settled(log)
         entry = dict(
             seed=seed,
             steps_per_sec=rate,
@@ -117,13 +156,17 @@ def main(argv=None):
             before=summary["eval_before"]["greedy"]["accuracy"],
             after=summary["eval_after"]["greedy"]["accuracy"],
             wall_sec=time.time() - t0,
+            **rates,
             **med,
         )
         results[mode].append(entry)
         print(
             f"seed {seed} {mode:<13} {rate:6.3f} steps/s  accuracy {entry['before']:.3f} -> "
             f"{entry['after']:.3f}  packed shapes {entry['packed_shapes']} "
-            f"({entry['packed_shapes_ahead']} compiled ahead)  "
+            f"({entry['packed_shapes_ahead']} compiled ahead, at steps {rates['compile_steps']})  "
+            f"settled {_fmt(rates['settled_steps_per_sec'])} steps/s from step "
+            f"{rates['settled_from']}, median quiet interval {_fmt(rates['median_interval'])} s, "
+            f"whole run {rates['whole_steps_per_sec']:.3f} steps/s  "
             + "  ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in med.items()),
             flush=True,
         )
@@ -133,11 +176,24 @@ def main(argv=None):
     rate = statistics.median(r["steps_per_sec"] for r in runs)
     after = statistics.mean(r["after"] for r in runs)
     vs = f"  x{rate / statistics.median(r['steps_per_sec'] for r in base):.2f}" if base else ""
-    print(f"{mode:<13} median {rate:.3f} steps/s{vs}  mean accuracy after {after:.3f}")
+    line = f"{mode:<13} median {rate:.3f} steps/s{vs}"
+    if all(r["settled_steps_per_sec"] for r in runs + (base or [])):
+      cut = statistics.median(r["settled_steps_per_sec"] for r in runs)
+      line += f"  settled {cut:.3f}"
+      if base:
+        per_seed = [
+            r["settled_steps_per_sec"] / b["settled_steps_per_sec"] for r, b in zip(runs, base)
+        ]
+        line += " (x" + ", x".join(f"{x:.2f}" for x in per_seed) + " per seed)"
+    print(line + f"  mean accuracy after {after:.3f}")
   if a.json:
     with open(a.json, "w") as f:
       json.dump(results, f, indent=2)
   return results
+
+
+def _fmt(x) -> str:
+  return "-" if x is None else f"{x:.3f}"
 
 
 if __name__ == "__main__":
