@@ -28,7 +28,12 @@ On the H100 every program compiles with XLA's sort kernel instead of cub
 grpo_jax/plan/tpu_targets.compile_program), the same for all.
 Printed: seconds per program, each engine's sum and its ratio to the lockstep sampler, and the
 sum without refresh: what an on-policy run (rollout.max_staleness=0) compiles, as refresh runs
-only when new weights land while rows are in flight (streaming).
+only when new weights land while rows are in flight (streaming). --workers=N: the engine's
+programs once more as the engine compiles them ahead (rollout/slots.py, rollout.slot_compile_
+threads; jax's caches cleared first): copy and init one after the other, then the admission of
+every group, the decode and the take ("on_policy"; streaming, "total": also a refill's admission
+and the refresh) lowered in order and compiled by N threads at once (XLA compiles with the GIL
+released): the wall time of the set.
 """
 
 import argparse
@@ -59,6 +64,13 @@ def parse_args(argv=None):
   p.add_argument("--top_k", type=int, default=-1, help="override rollout.top_k (-1: as is)")
   p.add_argument(
       "--set", action="append", default=[], help="config override a.b=value (repeatable)"
+  )
+  p.add_argument(
+      "--workers",
+      type=int,
+      default=0,
+      help="also compile each engine's programs (but copy) again, lowered in order and "
+      "compiled by this many threads at once, and print the wall time (0: not)",
   )
   p.add_argument("--json", default="")
   return p.parse_args(argv)
@@ -175,17 +187,21 @@ def main(argv=None):
     st = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), st, shardings)
     i32, f32 = jnp.int32, jnp.float32
     a = args.admit or b
-    n = a * g
     scalars = (sds((), f32), sds((), f32))
+
+    def admit_at(a):
+      n = a * g
+      return engine._program("admit", a, p).lower(
+          st,
+          weights,
+          sds((a, p), i32),
+          sds((a, p), i32),
+          *(sds((n,), i32) for _ in range(4)),
+          sds((a, *key.shape), key.dtype),
+      )
+
     lowers = {
-        "admit": lambda: engine._program("admit", a, p).lower(
-            st,
-            weights,
-            sds((a, p), i32),
-            sds((a, p), i32),
-            *(sds((n,), i32) for _ in range(4)),
-            sds((a, *key.shape), key.dtype),
-        ),
+        "admit": lambda: admit_at(a),
         "decode": lambda: engine._program("decode").lower(
             st, weights, sds((), i32), sds((), i32), *scalars
         ),
@@ -211,9 +227,42 @@ def main(argv=None):
       if "lockstep" in results:
         line += f"   engine / lockstep = {on_policy / results['lockstep']:.3f}"
       print(line, flush=True)
+    if args.workers:
+      lowers["copy"] = lambda: engine._program("copy").lower(params)
+      # as the engine compiles ahead (rollout/slots.py: _compile_ahead): on-policy one admission
+      # of every group; streaming a refill's too
+      lowers["admit"] = lambda: admit_at(engine.num_slots // g)
+      lowers["admit_refill"] = lambda: admit_at(engine.refill // g)
+      results.update(_parallel(kind, lowers, programs, args.workers, options, timed, results, mesh))
   if args.json:
     with open(args.json, "w") as fh:
       json.dump(dict(vars(args), target=target.compiler, seconds=results), fh, indent=1)
+
+
+def _parallel(kind, lowers, programs, workers, options, timed, results, mesh) -> dict:
+  """Wall seconds of `kind`'s programs compiled again by `workers` threads (module docstring)."""
+  import concurrent.futures
+  import jax
+
+  out = {}
+  streaming = ("admit", "admit_refill", "decode", "take", "refresh")
+  for label, names in (("on_policy", ("admit", "decode", "take")), ("total", streaming)):
+    names = [n for n in names if n.split("_")[0] in programs]
+    jax.clear_caches()  # nothing compiled before is reused
+    t0 = time.perf_counter()
+    timed(f"{kind}: copy (first)", lowers["copy"])  # the engine's set_weights, then init
+    timed(f"{kind}: init (first)", lowers["init"])
+    with jax.set_mesh(mesh):
+      lowered = {n: lowers[n]() for n in names}
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+      list(pool.map(lambda n: lowered[n].compile(compiler_options=options), names))
+    wall = time.perf_counter() - t0
+    out[f"{kind}:{label}_wall_{workers}"] = wall
+    line = f"  {kind + f': {label}, {workers} threads':<28} {wall:7.2f} s wall"
+    if "lockstep" in results:
+      line += f"   engine / lockstep = {wall / results['lockstep']:.3f}"
+    print(line, flush=True)
+  return out
 
 
 if __name__ == "__main__":

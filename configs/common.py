@@ -220,6 +220,11 @@ def base() -> ml_collections.ConfigDict:
   # (benchmarks/README.md "Slot engine"), but each decode step slices every layer's cache out
   # of the stacks (on CPU 1.47x the step time; on an accelerator unmeasured).
   c.rollout.slot_scan_layers = False
+  # Threads that compile the slot engine's programs for a prompt width at once, before its
+  # first step there (XLA compiles with the GIL released: the step waits for the slowest
+  # program, not the sum; benchmarks/README.md "Slot engine"). 0 = one per core this process
+  # may run on; 1 = one after the other.
+  c.rollout.slot_compile_threads = 0
   # Streaming (slots > 0, max_staleness = k >= 1; rollout/source.py): the prompts of up to k
   # steps ahead queue in the slots, new weights land between decode chunks, each token keeps the
   # version that drew it. partial_rollout (streaming only): True = a step trains the first

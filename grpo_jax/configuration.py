@@ -371,6 +371,12 @@ def _check_rollout(c: _Checker, cfg):
     )
   c.require(r.slots >= 0, "rollout.slots", "must be >= 0", "0 = the lockstep sampler; e.g. 64")
   c.require(r.slot_chunk >= 1, "rollout.slot_chunk", "must be >= 1", "e.g. 64")
+  c.require(
+      r.slot_compile_threads >= 0,
+      "rollout.slot_compile_threads",
+      "must be >= 0",
+      "0 = one per core, 1 = one after the other",
+  )
   if r.slots:
     c.require(
         r.engine == "native" and m.impl == "native" and m.family == "decoder",

@@ -401,3 +401,23 @@ def test_packed_tiles_count_what_the_kernels_visit():
         for row in seg
     )
     assert packed_update.packed_tiles(bt, plan, s, 128, 128, padding_diagonal=True) == tpu
+
+
+def test_streaming_loop_reads_the_settled_rate_from_a_log():
+  """benchmarks/streaming_loop.py `settled`: the steps logged at or after a new packed shape's
+  line are the compiles; the rate after the last of them; the median of the other intervals."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import streaming_loop  # pylint: disable=import-outside-toplevel
+
+  lines, t = [], 0.0
+  for step in range(1, 21):
+    if step in (3, 7):  # a compile of 8 s inside these steps
+      lines.append(f"I1128 10:00:{t + 0.5:09.6f} 1 packing.py:568] ... packed shapes so far: 2")
+      t += 8.0
+    t += 1.0 if step < 7 else 0.5
+    lines.append(f"I1128 10:00:{t:09.6f} 1 train.py:1] [grpo] step {step}/20 loss 0.1")
+  r = streaming_loop.settled("\n".join(lines))
+  assert r["compile_steps"] == [3, 7] and r["settled_from"] == 7
+  assert r["settled_steps_per_sec"] == pytest.approx(2.0)  # 0.5 s a step after step 7
+  assert r["median_interval"] == pytest.approx(0.5)  # 17 quiet intervals: 4 of 1 s, 13 of 0.5 s
+  assert r["whole_steps_per_sec"] == pytest.approx(19 / (t - 1.0))

@@ -57,7 +57,9 @@ tests/parallel/test_multihost.py: 2 processes == 1, colocated and disaggregated 
 """
 
 import collections
+import concurrent.futures
 import dataclasses
+import os
 
 from flax import nnx
 import jax
@@ -109,6 +111,7 @@ class SlotEngine(SlotPrograms):
       turns=None,
       max_append: int = 0,
       reprefill_turns: bool = False,
+      compile_threads: int = 0,
   ):
     """scan_layers: the decode (and prefills) as one `lax.scan` over stacked layers and caches
     [L, slots, Hkv, S, K] (compile time flat in depth) instead of a program per layer; None: as
@@ -123,7 +126,14 @@ class SlotEngine(SlotPrograms):
     most `max_append`), which are fed into the row's live cache (only they are prefilled) with
     tool_mask 1; the row then goes on drawing. reprefill_turns: instead, every slot's whole
     history is prefilled again after each append, as engines without a live cache do (the
-    baseline of benchmarks/tool_turns.py)."""
+    baseline of benchmarks/tool_turns.py).
+
+    compile_threads: before the first admission at a prompt width, the programs a step runs
+    there (the admission's width and a refill's when one is coming, the decode, the take; the
+    refresh with steps in flight, the extend with turns) are lowered on the call's own shapes and shardings and compiled by this
+    many threads at once (XLA compiles with the GIL released; jit's caches then serve the
+    calls), so the first step waits for the slowest program, not their sum; 0: one per core
+    this process may run on, 1: one after the other."""
     g = num_generations
     if slots < g:
       raise ValueError(f"rollout.slots={slots}: needs at least num_generations={g} slots")
@@ -184,6 +194,8 @@ class SlotEngine(SlotPrograms):
     self._paused = set()
     self._turn_col = np.zeros(self.num_slots, np.int64)
     self._live = np.zeros(self.num_slots, bool)  # host view after the last program
+    self.compile_threads = int(compile_threads) or len(os.sched_getaffinity(0))
+    self._compiled = set()  # the programs compiled ahead (`_compile_ahead`'s keys)
 
   # ------------------------------------------------------------------------- on-policy
 
@@ -491,6 +503,10 @@ class SlotEngine(SlotPrograms):
     small = self.refill // self.g
     a = small if len(groups) <= small else self.num_slots // self.g
     w = max(grp.ids.shape[0] for grp in groups)
+    # compiled ahead: this admission's width, and a refill's when one is coming (groups still
+    # queued, or later steps' in flight)
+    widths = {a} | ({small} if self._queue or self.ring > 1 else set())
+    self._compile_ahead(w, widths, groups[0].key)
     ids = np.full((a, w), self.pad_id, np.int32)
     mask = np.zeros((a, w), np.int32)
     n = a * self.g
@@ -512,6 +528,47 @@ class SlotEngine(SlotPrograms):
     keys += [groups[0].key] * (a - len(groups))
     args = [self._replicated(x) for x in (ids, mask, slot_ids, row_ids, index, caps)]
     self._state = self._program("admit", a, w)(self._state, self._weights, *args, jnp.stack(keys))
+
+  def _compile_ahead(self, width: int, admissions, key):
+    """The programs of a step at prompt `width` (`admissions`: the admission widths, in groups)
+    not compiled yet, compiled at once (`compile_threads`) before their first call, on
+    arguments shaped and placed as the calls' (a jit cache hit then)."""
+    z = lambda *shape: self._replicated(np.zeros(shape, np.int32))  # noqa: E731
+    st, w8, n = self._state, self._weights, self.num_slots
+    statics = tuple(sorted(self._static().items()))
+    scalars = lambda: (self._version, *self._scalars())  # noqa: E731
+    tasks = {}  # key -> (program name and shape, its arguments)
+    for a in admissions:
+      tasks["admit", a, width] = lambda a=a: (
+          (st, w8, z(a, width), z(a, width), *(z(a * self.g) for _ in range(4)))
+          + (jnp.stack([key] * a),)
+      )
+    one = self._replicated(np.int32(0))
+    tasks["decode", statics] = lambda: (st, w8, self._version, one, *self._scalars())
+    tasks["take", self._rows_per_tag] = lambda: (st, z(self._rows_per_tag))
+    if self.ring > 1:  # steps in flight: weights land with rows live
+      tasks["refresh",] = lambda: (st, w8)
+    if self.turns is not None:
+      go = lambda: self._replicated(np.zeros(n, bool))  # noqa: E731
+      tasks["extend", statics] = lambda: (
+          st,
+          w8,
+          z(n),
+          z(n, self.max_append),
+          z(n),
+          go(),
+          *scalars(),
+      )
+    todo = [k for k in tasks if k not in self._compiled]
+    if not todo:
+      return
+    lowered = []
+    for k in todo:
+      self._compiled.add(k)
+      name, shape = k[0], (k[1:] if k[0] == "admit" else ())
+      lowered.append(self._program(name, *shape).lower(*tasks[k]()))
+    with concurrent.futures.ThreadPoolExecutor(min(self.compile_threads, len(todo))) as pool:
+      list(pool.map(lambda low: low.compile(), lowered))
 
   def _scalars(self):
     return (

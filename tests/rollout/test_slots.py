@@ -1,6 +1,8 @@
 """The slot engine (rollout/slots.py): the lockstep sampler's tokens and log-probs on-policy,
 per-row randomness, budgets, and each token's log-prob under the weight version that drew it."""
 
+import threading
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -203,3 +205,46 @@ def test_ragged_kernel_with_per_row_lengths_equals_the_xla_attention(model):
   got = pallas(state, ids, mask, jax.random.key(3), "greedy")
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_allclose(got.raw_logprobs, want.raw_logprobs, atol=1e-5)
+
+
+@pytest.mark.usefixtures("no_compilation_cache")
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_a_steps_programs_compile_at_once_before_the_first_admit(model, on_mesh):
+  """compile_threads: both admission widths (groups stay queued after the first admission),
+  the decode and the take compile in the pool's threads before the first admit, each once (a
+  shape or sharding unlike the call's would compile again, on the main thread), with the
+  tokens of an engine compiling one at a time."""
+  if on_mesh and jax.device_count() < 8:
+    pytest.skip("needs 8 (fake) devices")
+  ids, mask = prompts(CFG.vocab_size, b=8, seed=5)
+  graphdef, state = nnx.split(model)
+  kw = {}
+  if on_mesh:
+    kw["mesh"] = mesh = sharding.make_mesh(2, 2, 2)
+    state = jax.device_put(state, sharding.state_shardings(state, mesh))
+    ids, mask = (jax.device_put(x, sharding.batch_sharding(mesh)) for x in (ids, mask))
+  seen = []
+
+  def on(event, secs, **k):
+    if event == "/jax/core/compile/backend_compile_duration":
+      seen.append((threading.current_thread().name, k.get("fun_name", "")))
+
+  jax.monitoring.register_event_duration_secs_listener(on)
+  try:
+    # 8 groups of G 3 in 12 slots: admissions of 4 groups (the whole engine), then of 1 (a refill)
+    eng = engine(graphdef, 12, chunk=2, compile_threads=3, **kw)
+    got = eng(state, ids, mask, jax.random.key(6), "standard")
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on)
+  names = lambda part, where: [t for t, f in seen if part in f and where(t)]  # noqa: E731
+  main = lambda t: t == threading.main_thread().name  # noqa: E731
+  assert len(names("_admit", lambda t: True)) == 2, seen
+  for part in ("_admit", "_decode", "_take"):
+    assert names(part, lambda t: t.startswith("ThreadPoolExecutor")), (part, seen)
+    assert not names(part, main), f"{part} compiled again on the main thread: {seen}"
+  assert len(names("_decode", lambda t: True)) == 1 and len(names("_take", lambda t: True)) == 1
+  one = engine(graphdef, 12, chunk=2, compile_threads=1, **kw)(
+      state, ids, mask, jax.random.key(6), "standard"
+  )
+  np.testing.assert_array_equal(got.tokens, one.tokens)
+  np.testing.assert_array_equal(got.logprobs, one.logprobs)
