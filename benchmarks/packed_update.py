@@ -184,13 +184,8 @@ def fills(batches, micro: packing.MicroBatching) -> dict:
     whole += per_micro * one.num_micro * s
     fewest += packing.fewest_rows(bt.seq_n, s)[2] * s
     ffd += packing.first_fit_decreasing(bt.seq_n, s)[2] * s
-  return dict(
-      padded=real / padded,
-      packed=real / packed,
-      global_plan=real / whole,
-      fewest=real / fewest,
-      ffd=real / ffd,
-  )
+  slots = dict(padded=padded, packed=packed, global_plan=whole, fewest=fewest, ffd=ffd)
+  return {name: real / n for name, n in slots.items()}
 
 
 # --------------------------------------------------------------------------------- FLOPs
