@@ -32,8 +32,8 @@ only when new weights land while rows are in flight (streaming). --workers=N: th
 programs once more as the engine compiles them ahead (rollout/slots.py, rollout.slot_compile_
 threads; jax's caches cleared first): copy and init one after the other, then the admission of
 every group, the decode and the take ("on_policy"; streaming, "total": also a refill's admission
-and the refresh) lowered in order and compiled by N threads at once (XLA compiles with the GIL
-released): the wall time of the set.
+and the refresh) lowered in order, each compiled by one of N threads as soon as it is lowered
+(XLA compiles with the GIL released): the wall time of the set.
 """
 
 import argparse
@@ -252,10 +252,10 @@ def _parallel(kind, lowers, programs, workers, options, timed, results, mesh) ->
     t0 = time.perf_counter()
     timed(f"{kind}: copy (first)", lowers["copy"])  # the engine's set_weights, then init
     timed(f"{kind}: init (first)", lowers["init"])
-    with jax.set_mesh(mesh):
-      lowered = {n: lowers[n]() for n in names}
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-      list(pool.map(lambda n: lowered[n].compile(compiler_options=options), names))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool, jax.set_mesh(mesh):
+      compiles = [pool.submit(lowers[n]().compile, compiler_options=options) for n in names]
+      for done in compiles:
+        done.result()
     wall = time.perf_counter() - t0
     out[f"{kind}:{label}_wall_{workers}"] = wall
     line = f"  {kind + f': {label}, {workers} threads':<28} {wall:7.2f} s wall"

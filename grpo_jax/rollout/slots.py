@@ -562,13 +562,14 @@ class SlotEngine(SlotPrograms):
     todo = [k for k in tasks if k not in self._compiled]
     if not todo:
       return
-    lowered = []
-    for k in todo:
-      self._compiled.add(k)
-      name, shape = k[0], (k[1:] if k[0] == "admit" else ())
-      lowered.append(self._program(name, *shape).lower(*tasks[k]()))
     with concurrent.futures.ThreadPoolExecutor(min(self.compile_threads, len(todo))) as pool:
-      list(pool.map(lambda low: low.compile(), lowered))
+      compiles = []
+      for k in todo:  # each compile starts as soon as its program is lowered (here: the GIL)
+        self._compiled.add(k)
+        name, shape = k[0], (k[1:] if k[0] == "admit" else ())
+        compiles.append(pool.submit(self._program(name, *shape).lower(*tasks[k]()).compile))
+      for done in compiles:
+        done.result()
 
   def _scalars(self):
     return (
