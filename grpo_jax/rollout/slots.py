@@ -532,42 +532,39 @@ class SlotEngine(SlotPrograms):
   def _compile_ahead(self, width: int, admissions, key):
     """The programs of a step at prompt `width` (`admissions`: the admission widths, in groups)
     not compiled yet, compiled at once (`compile_threads`) before their first call, on
-    arguments shaped and placed as the calls' (a jit cache hit then)."""
-    z = lambda *shape: self._replicated(np.zeros(shape, np.int32))  # noqa: E731
-    st, w8, n = self._state, self._weights, self.num_slots
+    arguments shaped and placed as the calls' (a jit cache hit then). Every admission asks;
+    once a width's programs are compiled that is a set lookup."""
     statics = tuple(sorted(self._static().items()))
-    scalars = lambda: (self._version, *self._scalars())  # noqa: E731
-    tasks = {}  # key -> (program name and shape, its arguments)
-    for a in admissions:
-      tasks["admit", a, width] = lambda a=a: (
-          (st, w8, z(a, width), z(a, width), *(z(a * self.g) for _ in range(4)))
-          + (jnp.stack([key] * a),)
-      )
-    one = self._replicated(np.int32(0))
-    tasks["decode", statics] = lambda: (st, w8, self._version, one, *self._scalars())
-    tasks["take", self._rows_per_tag] = lambda: (st, z(self._rows_per_tag))
-    if self.ring > 1:  # steps in flight: weights land with rows live
-      tasks["refresh",] = lambda: (st, w8)
-    if self.turns is not None:
-      go = lambda: self._replicated(np.zeros(n, bool))  # noqa: E731
-      tasks["extend", statics] = lambda: (
-          st,
-          w8,
-          z(n),
-          z(n, self.max_append),
-          z(n),
-          go(),
-          *scalars(),
-      )
-    todo = [k for k in tasks if k not in self._compiled]
+    keys = [("admit", a, width) for a in admissions]
+    keys += [("decode", statics), ("take", self._rows_per_tag)]
+    keys += [("refresh",)] if self.ring > 1 else []  # steps in flight: weights land, rows live
+    keys += [("extend", statics)] if self.turns is not None else []
+    todo = [k for k in keys if k not in self._compiled]
     if not todo:
       return
+    z = lambda *shape: self._replicated(np.zeros(shape, np.int32))  # noqa: E731
+    st, w8, n = self._state, self._weights, self.num_slots
+
+    def args(k):
+      if k[0] == "admit":
+        a = k[1]
+        ids = (z(a, width), z(a, width))
+        return (st, w8, *ids, *(z(a * self.g) for _ in range(4)), jnp.stack([key] * a))
+      if k[0] == "decode":
+        return (st, w8, self._version, z(), *self._scalars())
+      if k[0] == "take":
+        return (st, z(self._rows_per_tag))
+      if k[0] == "refresh":
+        return (st, w8)
+      go = self._replicated(np.zeros(n, bool))
+      return (st, w8, z(n), z(n, self.max_append), z(n), go, self._version, *self._scalars())
+
     with concurrent.futures.ThreadPoolExecutor(min(self.compile_threads, len(todo))) as pool:
       compiles = []
       for k in todo:  # each compile starts as soon as its program is lowered (here: the GIL)
         self._compiled.add(k)
-        name, shape = k[0], (k[1:] if k[0] == "admit" else ())
-        compiles.append(pool.submit(self._program(name, *shape).lower(*tasks[k]()).compile))
+        shape = k[1:] if k[0] == "admit" else ()
+        compiles.append(pool.submit(self._program(k[0], *shape).lower(*args(k)).compile))
       for done in compiles:
         done.result()
 
