@@ -16,8 +16,8 @@ width data.prompt_width=bucket picks (the power of two over the batch's longest 
 plus C.
 
 It prints:
-- fill = real tokens / slots issued, padded and packed (rl/packing.py's plan: `fewest_rows`
-  rows of the padded width per data-parallel shard, row counts bucketed: rl/packing.py's
+- fill = real tokens / slots issued, padded and packed (rl/row_plan.py's plan: `fewest_rows`
+  rows of the padded width per data-parallel shard, row counts bucketed: rl/row_plan.py's
   bucket; one global plan over all rows, as before the plan went per shard; and the rows
   alone, unbucketed: fewest_rows' and first-fit decreasing's), over 400 batches at the
   recipe's shapes (B 8 x G 2, P 256, C 1024; on its 8-chip mesh with micro-batch 8 and with
@@ -36,7 +36,7 @@ It prints:
   l (l + 1) / 2 scores a causal model needs, the head over its completion tokens. Issued:
   padded rows run every slot, the head over the C completion positions and a causal tiled
   kernel's every tile (cuDNN, 128 x 128 tiles counted); packed rows run every slot of R rows,
-  the head over the completion tokens' slots in whole bucketed rows (rl/packing.py: the plan's
+  the head over the completion tokens' slots in whole bucketed rows (rl/row_plan.py: the plan's
   head_rows, rows of `head_width` = 128 positions; "head on every slot" is the layout before
   that), and the segment kernels' tiles
   (`packed_tiles`: GPU's Triton kernel at 128 x 128, TPU's splash at 256 x 256; each q tile
@@ -67,6 +67,7 @@ from grpo_jax.data.pipeline import bucket_width  # noqa: E402
 from grpo_jax.models import PRESETS  # noqa: E402
 from grpo_jax.models import build  # noqa: E402
 from grpo_jax.rl import packing  # noqa: E402
+from grpo_jax.rl import row_plan  # noqa: E402
 from grpo_jax.rl import step as step_lib  # noqa: E402
 from grpo_jax.rl.reference import Reference  # noqa: E402
 from grpo_jax.rollout import Rollout  # noqa: E402
@@ -165,7 +166,7 @@ def draw_batch(rng, lengths, b: int, g: int, p: int, c: int, scale: int = 1) -> 
   return Batch(prompt_b, completion_n, bucket_width(prompt_b.max(), p), c)
 
 
-def fills(batches, micro: packing.MicroBatching) -> dict:
+def fills(batches, micro: row_plan.MicroBatching) -> dict:
   """Real tokens / slots over `batches`: padded (N rows of the width), packed (the plan: each
   of micro.shards shards packs its own rows), one global plan (first-fit decreasing over all
   N, each micro-batch's rows bucketed and rounded up to whole shares of one row per shard: how
@@ -175,15 +176,15 @@ def fills(batches, micro: packing.MicroBatching) -> dict:
   real = padded = packed = whole = fewest = ffd = 0
   for bt in batches:
     s = bt.width + bt.c
-    plan = packing.plan_rows(bt.seq_n, s, micro)
-    one = packing.plan_rows(bt.seq_n, s, dataclasses.replace(micro, shards=1))
+    plan = row_plan.plan_rows(bt.seq_n, s, micro)
+    one = row_plan.plan_rows(bt.seq_n, s, dataclasses.replace(micro, shards=1))
     real += bt.seq_n.sum()
     padded += bt.seq_n.size * s
     packed += plan.rows * s
     per_micro = -(-one.rows // one.num_micro // micro.shards) * micro.shards
     whole += per_micro * one.num_micro * s
-    fewest += packing.fewest_rows(bt.seq_n, s)[2] * s
-    ffd += packing.first_fit_decreasing(bt.seq_n, s)[2] * s
+    fewest += row_plan.fewest_rows(bt.seq_n, s)[2] * s
+    ffd += row_plan.first_fit_decreasing(bt.seq_n, s)[2] * s
   slots = dict(padded=padded, packed=packed, global_plan=whole, fewest=fewest, ffd=ffd)
   return {name: real / n for name, n in slots.items()}
 
@@ -236,7 +237,7 @@ def packed_tiles(bt, plan, width: int, bq: int, bk: int, padding_diagonal: bool 
   return total
 
 
-def flops_ratios(cfg, batches, micro: packing.MicroBatching) -> dict:
+def flops_ratios(cfg, batches, micro: row_plan.MicroBatching) -> dict:
   """Model FLOPs of the real tokens / FLOPs issued (update + both passes: 5 forward units,
   the same factor on both sides, so the ratio of one forward). Attention: a causal model needs
   l (l + 1) / 2 scores per sequence of l tokens; a tiled kernel issues whole tiles
@@ -246,8 +247,8 @@ def flops_ratios(cfg, batches, micro: packing.MicroBatching) -> dict:
   for bt in batches:
     s, seq = bt.width + bt.c, bt.seq_n
     n = seq.size
-    plan = packing.plan_rows(seq, s, micro, bt.completion_n)
-    heads = plan.head_rows * packing.head_width(s)  # the LM head's positions
+    plan = row_plan.plan_rows(seq, s, micro, bt.completion_n)
+    heads = plan.head_rows * row_plan.head_width(s)  # the LM head's positions
     real += forward_flops(cfg, seq.sum(), bt.completion_n.sum(), (seq * (seq + 1) // 2).sum())
     bq, bk = KERNEL_BLOCKS["padded"]
     padded += forward_flops(cfg, n * s, n * bt.c, n * causal_tiles(s, bq, bk) * bq * bk)
@@ -317,7 +318,7 @@ class HeadOnEverySlot(packing.Packer):
   """Packed rows with the LM head on all R x S slots (as before the plan's head_rows)."""
 
   def plan(self, lengths_n, completion_n, width):
-    return packing.plan_rows(lengths_n, width, self.micro)
+    return row_plan.plan_rows(lengths_n, width, self.micro)
 
 
 class Side:
@@ -418,7 +419,7 @@ def time_layouts(spec: dict, lengths, recipe, seed: int) -> dict:
   runs = timed_rounds(sides, inputs, spec["rounds"])
   med = {name: medians(rs) for name, rs in runs.items()}
   paired = [a["total"] / b["total"] for a, b in zip(runs["padded"], runs["packed"])]
-  fill = fills(batches, packing.MicroBatching())
+  fill = fills(batches, row_plan.MicroBatching())
   return dict(
       p=p,
       c=c,
@@ -469,13 +470,13 @@ def main(argv=None):
   for name, micro in (
       (
           f"recipe: 8 chips, {recipe_micro} micro-batches",
-          packing.MicroBatching(8, count=recipe_micro),
+          row_plan.MicroBatching(8, count=recipe_micro),
       ),
       (
           f"8 chips, micro_batch_tokens {rows // recipe_micro * width}",
-          packing.MicroBatching(8, tokens=rows // recipe_micro * width),
+          row_plan.MicroBatching(8, tokens=rows // recipe_micro * width),
       ),
-      ("one chip, one micro-batch", packing.MicroBatching()),
+      ("one chip, one micro-batch", row_plan.MicroBatching()),
   ):
     f = fills(recipe_batches, micro)
     results["recipe"][name] = f
@@ -487,8 +488,8 @@ def main(argv=None):
   print("\nmodel FLOPs of real tokens / FLOPs issued (update + old + ref passes), recipe shapes")
   for preset in ("qwen3-0.6b", "qwen3-8b"):
     for name, micro in (
-        ("8 chips", packing.MicroBatching(8, count=recipe_micro)),
-        ("one chip", packing.MicroBatching()),
+        ("8 chips", row_plan.MicroBatching(8, count=recipe_micro)),
+        ("one chip", row_plan.MicroBatching()),
     ):
       r = flops_ratios(PRESETS[preset], recipe_batches[:FLOPS_BATCHES], micro)
       results["flops"][f"{preset}, {name}"] = r

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from grpo_jax.rl import packing
+from grpo_jax.rl import row_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -315,7 +315,7 @@ def test_packed_update_benchmark_quick(tmp_path):
   import packed_update  # pylint: disable=import-outside-toplevel
 
   bt = packed_update.Batch(np.array([1, 1]), np.array([2, 4]), width=1, c=7)
-  plan = packing.Plan(np.array([0, 0]), np.array([0, 3]), 1, 1, 1, 1, 1.0)
+  plan = row_plan.Plan(np.array([0, 0]), np.array([0, 3]), 1, 1, 1, 1, 1.0)
   assert packed_update.packed_tiles(bt, plan, 8, 2, 2) == 8
   assert packed_update.causal_tiles(8, 2, 2) == 1 + 2 + 3 + 4
   # one shard, one micro-batch: the plan is fewest_rows' rows bucketed, and buckets only add rows
@@ -385,7 +385,7 @@ def test_packed_tiles_count_what_the_kernels_visit():
   s = 512
   for _ in range(3):
     bt = packed_update.Batch(np.zeros(12, np.int64), rng.integers(20, 300, 12), width=0, c=s)
-    plan = packing.plan_rows(bt.seq_n, s, packing.MicroBatching(count=2))
+    plan = row_plan.plan_rows(bt.seq_n, s, row_plan.MicroBatching(count=2))
     seg = np.zeros((plan.rows, s), np.int32)
     for i, (r, o, n) in enumerate(zip(plan.row_of, plan.offset_of, bt.seq_n)):
       seg[r, o : o + n] = i + 1

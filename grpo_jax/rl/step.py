@@ -12,7 +12,7 @@ whole batch, not a mean of per-micro-batch losses. Each micro-batch's aggregated
 weighted by its share of the denominator of the batch-level aggregation (its token count for
 `token-mean`, its row count otherwise; packed rows count the batch's N sequences in every
 micro-batch, so their weight is 1), so gradients do not depend on the micro-batches (by rows
-or by tokens: packing.MicroBatching) or on how rows are laid out over the mesh. The metrics
+or by tokens: row_plan.MicroBatching) or on how rows are laid out over the mesh. The metrics
 join exactly too (`METRIC_JOIN`).
 
 `GrpoStep` (at the end) is the loop's steps 4-6 over these functions: advantages, the old and
@@ -33,6 +33,7 @@ from grpo_jax.rl import advantages as adv_lib
 from grpo_jax.rl import corrections
 from grpo_jax.rl import losses
 from grpo_jax.rl import packing
+from grpo_jax.rl import row_plan
 from grpo_jax.rl import replay
 from grpo_jax.models.decoder.moe import routes_dtype
 from grpo_jax.run import metrics as metrics_lib
@@ -268,7 +269,7 @@ def make_grpo_update(
     logprob_fn: Callable,
     optimizer: optax.GradientTransformation,
     settings: LossSettings,
-    micro: packing.MicroBatching | int,
+    micro: row_plan.MicroBatching | int,
     split: Callable | None = None,
     combine: Callable | None = None,
     layout=packing.PADDED,
@@ -285,7 +286,7 @@ def make_grpo_update(
   split = split or (lambda p: (p, None))
   combine = combine or (lambda trained, frozen: trained)
   if isinstance(micro, int):
-    micro = packing.MicroBatching(count=micro)
+    micro = row_plan.MicroBatching(count=micro)
 
   def update(state, batch):
     trained, frozen = split(state["params"])
@@ -348,7 +349,7 @@ class TrainFunctions:
   packed_routed_logprobs(params, input_ids, segment_ids, positions, head_slots, routes,
                          completion_mask, micro_batches) -> ([R, L], rollout/route_mismatch)
                                         the same on packed rows (pack_sequences)
-  micro                                 the micro-batches (packing.MicroBatching: by rows or
+  micro                                 the micro-batches (row_plan.MicroBatching: by rows or
                                         by tokens, over the data-parallel shards)
   """
 
@@ -366,7 +367,7 @@ class TrainFunctions:
   unpack: Callable | None = None
   routed_logprobs: Callable | None = None
   packed_routed_logprobs: Callable | None = None
-  micro: packing.MicroBatching = packing.MicroBatching()
+  micro: row_plan.MicroBatching = row_plan.MicroBatching()
 
 
 def num_micro_batches(micro_batch_size: int, rows: int) -> int:
@@ -461,7 +462,7 @@ def build(config, policy, mesh) -> TrainFunctions:
     return dict(batch, advantages=advantages(rewards_n)), rewards_n
 
   shards = packing.batch_shards(mesh)
-  micro = packing.MicroBatching(  # micro_batch_size and micro_batch_tokens: one of them is 0
+  micro = row_plan.MicroBatching(  # micro_batch_size and micro_batch_tokens: one of them is 0
       shards, num_micro_batches(config.micro_batch_size, rows), config.micro_batch_tokens
   )
   rows2 = sharding.batch_sharding(mesh, 2)

@@ -19,6 +19,7 @@ from grpo_jax.models.decoder.transformer import Transformer
 from grpo_jax.models.logprobs import completion_logprobs
 from grpo_jax.models.logprobs import packed_logprobs
 from grpo_jax.rl import packing
+from grpo_jax.rl import row_plan
 from flax import nnx
 
 
@@ -35,7 +36,7 @@ def _batch(vocab, seed=0):
   upd = dict(
       input_ids=ids, attention_mask=am, completion_mask=cm, advantages=np.zeros(n, np.float32)
   )
-  plan = packing.plan_rows(am.sum(1), p + c)
+  plan = row_plan.plan_rows(am.sum(1), p + c)
   assert plan.rows < n  # several sequences share rows
   packed = packing.pack(
       jax.tree.map(jnp.asarray, upd),

@@ -25,6 +25,7 @@ from grpo_jax.models.logprobs import completion_logprobs
 from grpo_jax.models.logprobs import packed_logprobs
 from grpo_jax.rl import losses
 from grpo_jax.rl import packing
+from grpo_jax.rl import row_plan
 from grpo_jax.rl import step as step_lib
 from grpo_jax.rl.reference import Reference
 from grpo_jax.rollout import Rollout
@@ -39,11 +40,11 @@ def _long_tailed(rng, n, budget):
   return np.minimum(rng.geometric(3.0 / budget, n) + 1, budget)
 
 
-MICRO = {  # name -> packing.MicroBatching (2 shards): by rows, or by tokens (rows of 40 slots)
-    "whole": packing.MicroBatching(2),
-    "rows2": packing.MicroBatching(2, count=2),
-    "rows4": packing.MicroBatching(2, count=4),
-    "tokens": packing.MicroBatching(2, tokens=2 * 3 * 40 + 39),  # 3 rows per shard
+MICRO = {  # name -> row_plan.MicroBatching (2 shards): by rows, or by tokens (rows of 40 slots)
+    "whole": row_plan.MicroBatching(2),
+    "rows2": row_plan.MicroBatching(2, count=2),
+    "rows4": row_plan.MicroBatching(2, count=4),
+    "tokens": row_plan.MicroBatching(2, tokens=2 * 3 * 40 + 39),  # 3 rows per shard
 }
 
 
@@ -57,8 +58,8 @@ def test_plan_packs_each_shard_whole_within_the_budget_in_few_shapes(name):
   for _ in range(30):
     lengths = _long_tailed(rng, n, budget)
     completion = np.minimum(lengths, rng.integers(0, budget, n))
-    plan = packing.plan_rows(lengths, budget, micro, completion)
-    again = packing.plan_rows(lengths, budget, micro, completion)
+    plan = row_plan.plan_rows(lengths, budget, micro, completion)
+    again = row_plan.plan_rows(lengths, budget, micro, completion)
     np.testing.assert_array_equal(plan.row_of, again.row_of)  # deterministic
     np.testing.assert_array_equal(plan.offset_of, again.offset_of)
     per_shard, n_micro = plan.rows_per_shard, plan.num_micro
@@ -76,23 +77,23 @@ def test_plan_packs_each_shard_whole_within_the_budget_in_few_shapes(name):
       heads[i // local, r % n_micro] += completion[i]
     assert used.max() == 1  # no overlap
     head_per_micro = plan.head_rows // shards // n_micro
-    w = packing.head_width(budget)  # the head's rows: W positions, at most every slot's
+    w = row_plan.head_width(budget)  # the head's rows: W positions, at most every slot's
     assert plan.head_rows % (shards * n_micro) == 0
     assert head_per_micro <= -(-per_shard // n_micro * budget // w)
     assert heads.max() <= head_per_micro * w  # room for each micro-batch's completions
     assert plan.fill == pytest.approx(lengths.sum() / (plan.rows * budget))
     sizes.add((plan.rows, n_micro))
-  assert len(sizes) <= packing.NUM_BUCKETS
+  assert len(sizes) <= row_plan.NUM_BUCKETS
 
 
 def test_micro_batches_by_tokens_count_rows_of_the_width():
-  micro = packing.MicroBatching(4, tokens=1000)  # 1000 // 40 = 25 rows: 6 per shard (24)
+  micro = row_plan.MicroBatching(4, tokens=1000)  # 1000 // 40 = 25 rows: 6 per shard (24)
   assert micro.shard_rows(40) == 6 and micro.shard_rows(2000) == 1  # at least one per shard
   # padded: the fewest micro-batches of <= 6 rows per shard that split a shard's rows evenly
   assert micro.padded_count(64, 40) == 4  # 16 rows per shard: 4 x 4
   assert micro.padded_count(96, 40) == 4  # 24: 4 x 6
   assert micro.padded_count(28, 40) == 7  # 7 (a prime): 7 x 1
-  assert packing.MicroBatching(4, count=2).padded_count(64, 40) == 2  # by rows: as configured
+  assert row_plan.MicroBatching(4, count=2).padded_count(64, 40) == 2  # by rows: as configured
   # packed: micro-batches of <= 6 rows per shard, as many as the fullest shard's rows need,
   # then the rows each needs (bucketed: 13 rows in 3 micro-batches of 5)
   assert micro.packed(used=13, local=24, width=40) == (3, 5)
@@ -100,11 +101,11 @@ def test_micro_batches_by_tokens_count_rows_of_the_width():
 
 
 def test_first_fit_decreasing_packs_tightly_and_refuses_what_does_not_fit():
-  row, offset, used = packing.first_fit_decreasing(np.array([3, 7, 5, 5, 2, 8]), 10)
+  row, offset, used = row_plan.first_fit_decreasing(np.array([3, 7, 5, 5, 2, 8]), 10)
   assert used == 3  # 30 tokens in 3 rows of 10: [8, 2], [7, 3], [5, 5]
   assert (row[5], offset[5], row[4], offset[4]) == (0, 0, 0, 8)
   with pytest.raises(ValueError, match="does not fit"):
-    packing.first_fit_decreasing(np.array([11]), 10)
+    row_plan.first_fit_decreasing(np.array([11]), 10)
 
 
 def _fewest_by_subsets(lengths, budget) -> int:
@@ -135,12 +136,12 @@ def _check_plan(lengths, budget, row, offset, used):
 
 def test_fewest_rows_finds_what_first_fit_decreasing_misses():
   lengths = np.array([4, 4, 3, 3, 3, 3])  # first-fit decreasing: [4, 4], [3, 3, 3], [3]
-  assert packing.first_fit_decreasing(lengths, 10)[2] == 3
-  row, offset, used = packing.fewest_rows(lengths, 10)
+  assert row_plan.first_fit_decreasing(lengths, 10)[2] == 3
+  row, offset, used = row_plan.fewest_rows(lengths, 10)
   assert used == 2  # [4, 3, 3] twice
   _check_plan(lengths, 10, row, offset, used)
   with pytest.raises(ValueError, match="does not fit"):
-    packing.fewest_rows(np.array([3, 11]), 10)
+    row_plan.fewest_rows(np.array([3, 11]), 10)
 
 
 def test_fewest_rows_is_the_fewest_on_random_batches_and_never_worse_than_ffd():
@@ -149,23 +150,23 @@ def test_fewest_rows_is_the_fewest_on_random_batches_and_never_worse_than_ffd():
   for trial in range(200):
     n, budget = int(rng.integers(1, 13)), int(rng.integers(20, 60))
     lengths = rng.integers(budget // 5, budget // 2 + 2, n)  # where first-fit decreasing slips
-    row, offset, used = packing.fewest_rows(lengths, budget)
+    row, offset, used = row_plan.fewest_rows(lengths, budget)
     _check_plan(lengths, budget, row, offset, used)
     assert used == _fewest_by_subsets(lengths.tolist(), budget), (lengths, budget)
-    ffd = packing.first_fit_decreasing(lengths, budget)[2]
+    ffd = row_plan.first_fit_decreasing(lengths, budget)[2]
     assert used <= ffd
     better += used < ffd
-    again = packing.fewest_rows(lengths, budget)  # deterministic: every process plans alike
+    again = row_plan.fewest_rows(lengths, budget)  # deterministic: every process plans alike
     assert (again[0] == row).all() and (again[1] == offset).all()
   assert better > 0  # the search did find fewer rows somewhere
 
 
 def test_fewest_rows_keeps_first_fit_decreasing_when_its_search_runs_out():
   lengths = np.random.default_rng(1).integers(30, 70, 120)
-  ffd = packing.first_fit_decreasing(lengths, 100)
-  row, offset, used = packing.fewest_rows(lengths, 100, max_work=0)
+  ffd = row_plan.first_fit_decreasing(lengths, 100)
+  row, offset, used = row_plan.fewest_rows(lengths, 100, max_work=0)
   assert used == ffd[2] and (row == ffd[0]).all() and (offset == ffd[1]).all()
-  row, offset, used = packing.fewest_rows(lengths, 100)  # bounded host time on any batch
+  row, offset, used = row_plan.fewest_rows(lengths, 100)  # bounded host time on any batch
   _check_plan(lengths, 100, row, offset, used)
   assert used <= ffd[2]
 
@@ -193,10 +194,10 @@ def _padded_batch(rng, n, p, c, vocab, *, fields=("old_logp", "ref_logp", "sampl
   return jax.tree.map(jnp.asarray, batch)
 
 
-def _packed(batch, micro=packing.MicroBatching()):
+def _packed(batch, micro=row_plan.MicroBatching()):
   """`batch` packed per shard as the Packer does (MicroBatches in it: the update's count)."""
   s = batch["input_ids"].shape[1]
-  plan = packing.plan_rows(
+  plan = row_plan.plan_rows(
       np.asarray(batch["attention_mask"]).sum(1),
       s,
       micro,
@@ -319,7 +320,7 @@ def test_head_rows_narrower_than_the_packed_rows(monkeypatch, name):
   S = P + C > W): the head slots are exactly the completion tokens' per micro-batch and shard,
   in rows of W, fewer positions than rows of S would issue; the log-probs of the decoder's
   packed pass there == the padded pass's (f32, 1e-5), over 2 shards and micro-batches."""
-  monkeypatch.setattr(packing, "HEAD_WIDTH", 4)
+  monkeypatch.setattr(row_plan, "HEAD_WIDTH", 4)
   micro = MICRO[name]
   rng = np.random.default_rng(3)
   n, p, c = 16, 5, 6
@@ -390,10 +391,10 @@ def _rel(a, b):
 # name -> the micro-batches of the packed side: whole, by rows, per shard by tokens (one row
 # of S = P + C slots per shard in a micro-batch) and by rows
 VARIANTS = {
-    "packed": packing.MicroBatching(),
-    "packed_rows2": packing.MicroBatching(count=2),
-    "shards4_tokens": packing.MicroBatching(4, tokens=4 * (P + C)),
-    "shards2_rows2": packing.MicroBatching(2, count=2),
+    "packed": row_plan.MicroBatching(),
+    "packed_rows2": row_plan.MicroBatching(count=2),
+    "shards4_tokens": row_plan.MicroBatching(4, tokens=4 * (P + C)),
+    "shards2_rows2": row_plan.MicroBatching(2, count=2),
 }
 
 
@@ -500,14 +501,14 @@ def test_packed_equals_padded_sharded_over_8_devices():
     return packed_logprobs(nnx.merge(graphdef, params), ids, seg, pos, head_slots, shards=8)
 
   variants = {
-      "tokens": packing.MicroBatching(8, tokens=8 * (P + C)),
-      "rows2": packing.MicroBatching(8, count=2),
+      "tokens": row_plan.MicroBatching(8, tokens=8 * (P + C)),
+      "rows2": row_plan.MicroBatching(8, count=2),
   }
   data = {k: jax.device_put(v, sharding.batch_sharding(mesh, v.ndim)) for k, v in batch.items()}
   sides = {"padded": (data, 1, packing.PADDED, padded_fn)}
   for name, micro in variants.items():
     lengths = np.asarray(batch["attention_mask"])
-    plan = packing.plan_rows(lengths.sum(1), P + C, micro, lengths[:, P:].sum(1))
+    plan = row_plan.plan_rows(lengths.sum(1), P + C, micro, lengths[:, P:].sum(1))
     where = [multihost.sharded_rows(x, mesh) for x in (plan.row_of, plan.offset_of)]
     pack = functools.partial(
         packing.pack, shards=8, rows=plan.rows, num_micro=plan.num_micro, head_rows=plan.head_rows
@@ -941,7 +942,7 @@ def test_packed_routing_replay_loss_and_gradients_equal_padded():
   own = {**batch, "routes": jnp.full_like(batch["routes"], -1)}
   assert abs(loss_only(padded_fn, own, replay.ROUTED) - loss) > 1e-3  # replay changes the loss
   for n_micro in (1, 2):
-    packed = _packed(batch, packing.MicroBatching(count=n_micro))
+    packed = _packed(batch, row_plan.MicroBatching(count=n_micro))
     assert packed["routes"].shape == (*packed["input_ids"].shape, *batch["routes"].shape[2:])
     assert (np.asarray(packed["routes"])[np.asarray(packed["segment_ids"]) == 0] == -1).all()
     layout = replay.RoutedPackedLayout(n)
