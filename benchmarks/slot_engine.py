@@ -119,6 +119,8 @@ def run_slots(engine, state, batches, key, streaming: bool, generation=GENERATIO
 
 
 MODES = ("lockstep", "on-policy slots", "streaming slots", "streaming 2x slots")
+# The same slot modes with admission inside the decode (SlotEngine(admit_in_decode=True)).
+INSIDE = " +admit in decode"
 
 
 def make_runs(
@@ -152,6 +154,8 @@ def make_runs(
   slots["streaming 2x slots"] = (2 * n, True)
   runs = {}
   for name in modes:
+    inside = name.endswith(INSIDE)
+    base = name.removesuffix(INSIDE)
     if name == "lockstep":
       runs[name] = (
           lambda: run_lockstep(samplers, state, batches, key, generation),
@@ -159,9 +163,9 @@ def make_runs(
           False,
       )
       continue
-    count, streaming = slots[name]
+    count, streaming = slots[base]
     flight = dict(steps_in_flight=len(batches)) if streaming else {}
-    engine = SlotEngine(graphdef, slots=count, **flight, **kw)
+    engine = SlotEngine(graphdef, slots=count, **flight, **kw, admit_in_decode=inside)
     runs[name] = (
         lambda e=engine, s=streaming: run_slots(e, state, batches, key, s, generation),
         engine,
@@ -222,18 +226,19 @@ def run_loop(engine, state, batches, key, k: int, partial: bool):
   return out
 
 
-def uniform(graphdef, state, batches, samplers, kw, key) -> dict:
+def uniform(graphdef, state, batches, samplers, kw, key, admission=("host",)) -> dict:
   """On-policy on a batch whose rows all have the same length (the batches' largest maximum,
-  so the lockstep sampler compiled for it serves): slots = rows, no refill to gain."""
+  so the lockstep sampler compiled for it serves): slots = rows, no refill to gain.
+  admission: "host" (slots_sec) and/or "decode" (slots_inside_sec)."""
   bt, ids, mask = batches[0]
   length = max(samplers)
   n = bt.completion_n.size
-  engine = SlotEngine(graphdef, slots=n, **kw)
   caps = np.full(n, length)
-  runs = dict(
-      lockstep_sec=lambda: samplers[length](state, ids, mask, key, GENERATION),
-      slots_sec=lambda: engine(state, ids, mask, key, GENERATION, caps=caps),
-  )
+  runs = dict(lockstep_sec=lambda: samplers[length](state, ids, mask, key, GENERATION))
+  for how in admission:
+    engine = SlotEngine(graphdef, slots=n, **kw, admit_in_decode=how == "decode")
+    name = "slots_sec" if how == "host" else "slots_inside_sec"
+    runs[name] = lambda e=engine: e(state, ids, mask, key, GENERATION, caps=caps)
   out = dict(length=length)
   for name, run in runs.items():
     jax.block_until_ready(run())
@@ -264,6 +269,12 @@ def main(argv=None):
       default=0,
       help="> 0: also the loop's queueing k steps ahead, partial rollouts off and on",
   )
+  ap.add_argument(
+      "--admission",
+      choices=("host", "decode", "both"),
+      default="both",
+      help="the slot modes' admission: between decode calls (host), inside the decode, or both",
+  )
   ap.add_argument("--json", default="")
   args = ap.parse_args(argv)
   w = WORKLOADS["quick" if args.quick else "cpu"]
@@ -283,7 +294,13 @@ def main(argv=None):
   issued = sum(n * int(bt.completion_n.max()) for bt, _, _ in batches)
   key = jax.random.key(args.seed)
   kw = dict(max_prompt_length=p, max_new_tokens=c, num_generations=g, chunk=args.chunk)
-  samplers, modes = make_runs(graphdef, state, batches, key, p=p, c=c, g=g, chunk=args.chunk)
+  slot_modes = [m for m in MODES if m != "lockstep"]
+  chosen = ["lockstep"]
+  chosen += slot_modes if args.admission != "decode" else []
+  chosen += [m + INSIDE for m in slot_modes] if args.admission != "host" else []
+  samplers, modes = make_runs(
+      graphdef, state, batches, key, p=p, c=c, g=g, chunk=args.chunk, modes=chosen
+  )
   engines = {name: (e, s) for name, (_, e, s) in modes.items() if e is not None}
   print(
       f"{len(batches)} batches of B {b} x G {g}: lengths / {w['scale']} (P {p}, C {c}), "
@@ -299,7 +316,9 @@ def main(argv=None):
   k = args.loop_k
   if k:  # (output rows for 2k + 1 steps: partial rollouts' carried groups)
     for name, partial in ((f"loop k={k}", False), (f"loop k={k}, partial", True)):
-      engine = SlotEngine(graphdef, slots=n, steps_in_flight=2 * k + 1, **kw)
+      engine = SlotEngine(
+          graphdef, slots=n, steps_in_flight=2 * k + 1, **kw, admit_in_decode=inside
+      )
       engines[name] = (engine, None)
       runs[name] = lambda e=engine, p=partial: run_loop(e, state, batches, key, k, p)
   for name, run in runs.items():  # warm-up: every program compiled
@@ -323,21 +342,24 @@ def main(argv=None):
     if "carried_groups" in entry:
       extra += f", {entry['carried_groups']} groups carried"
     print(
-        f"  {name:<18} {entry['tokens_per_sec']:>9.0f} tok/s  {entry['sec']:6.2f} s  "
+        f"  {name:<34} {entry['tokens_per_sec']:>9.0f} tok/s  {entry['sec']:6.2f} s  "
         f"x{entry['vs_lockstep']:.2f}  ({extra})"
     )
     if "steady_tokens_per_sec" in entry:
       print(
-          f"  {'  while queued':<18} {entry['steady_tokens_per_sec']:>9.0f} tok/s            "
+          f"  {'  while queued':<34} {entry['steady_tokens_per_sec']:>9.0f} tok/s            "
           f"x{entry['steady_vs_lockstep']:.2f}  (until the queue ran dry, before the drain)"
       )
-  results["uniform"] = uniform(graphdef, state, batches, samplers, kw, key)
+  how = ("host", "decode") if args.admission == "both" else (args.admission,)
+  results["uniform"] = uniform(graphdef, state, batches, samplers, kw, key, how)
   u = results["uniform"]
-  print(
-      f"  uniform batch (every row {u['length']} tokens), on-policy slots = rows vs lockstep: "
-      f"{u['lockstep_sec'] * 1e3:.0f} ms vs {u['slots_sec'] * 1e3:.0f} ms, "
-      f"x{u['lockstep_sec'] / u['slots_sec']:.2f} (medians of 3)"
-  )
+  for name, label in (("slots_sec", ""), ("slots_inside_sec", INSIDE)):
+    if name in u:
+      print(
+          f"  uniform batch (every row {u['length']} tokens), on-policy slots = rows{label} vs "
+          f"lockstep: {u['lockstep_sec'] * 1e3:.0f} ms vs {u[name] * 1e3:.0f} ms, "
+          f"x{u['lockstep_sec'] / u[name]:.2f} (medians of 3)"
+      )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=2)

@@ -225,6 +225,13 @@ def base() -> ml_collections.ConfigDict:
   # program, not the sum; benchmarks/README.md "Slot engine"). 0 = one per core this process
   # may run on; 1 = one after the other.
   c.rollout.slot_compile_threads = 0
+  # Where the slot engine admits queued groups into free slots: "decode" = inside the decode
+  # program (groups prefilled in batches onto a device queue; a group's keys/values copied into
+  # its slots the step they free: no host round trip per admission; streaming 2.4x -> 3.1x the
+  # lockstep sampler's tok/s on CPU, benchmarks/README.md "Slot engine"); "host" = between
+  # decode chunks (what tool turns need: a paused row's slot is the host's); "auto" = decode,
+  # host with rollout.tools.
+  c.rollout.slot_admission = "auto"
   # Streaming (slots > 0, max_staleness = k >= 1; rollout/source.py): the prompts of up to k
   # steps ahead queue in the slots, new weights land between decode chunks, each token keeps the
   # version that drew it. partial_rollout (streaming only): True = a step trains the first

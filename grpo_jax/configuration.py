@@ -39,6 +39,7 @@ from grpo_jax.rollout import vllm_engine as vllm_sync
 # jax.transfer_guard levels that config.debug.transfer_guard may name (passed to jax as is).
 TRANSFER_GUARDS = ("allow", "log", "disallow")
 PLACEMENTS = ("colocated", "disaggregated")
+SLOT_ADMISSIONS = ("auto", "decode", "host")
 
 
 class _Checker:
@@ -371,6 +372,7 @@ def _check_rollout(c: _Checker, cfg):
     )
   c.require(r.slots >= 0, "rollout.slots", "must be >= 0", "0 = the lockstep sampler; e.g. 64")
   c.require(r.slot_chunk >= 1, "rollout.slot_chunk", "must be >= 1", "e.g. 64")
+  c.one_of("rollout.slot_admission", SLOT_ADMISSIONS, "slot admission")
   c.require(
       r.slot_compile_threads >= 0,
       "rollout.slot_compile_threads",
@@ -852,6 +854,13 @@ def _validate_tools(c: _Checker, cfg):
       "or --config.rollout.engine=vllm",
   )
   c.one_of("rollout.tools.format", tuple(tool_formats.FORMATS), "tool format")
+  c.require(
+      r.slot_admission != "decode",
+      "rollout.slot_admission",
+      "'decode' admits into free slots inside the decode, but a row paused on a tool call "
+      "keeps its slot, which only the host knows",
+      "--config.rollout.slot_admission=auto (host admission with tools)",
+  )
   c.require(r.max_turns >= 1, "rollout.max_turns", "must be >= 1", "e.g. 4 (model turns)")
   c.require(
       0 < r.max_tool_response_tokens < cfg.max_completion_length,

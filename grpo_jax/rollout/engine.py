@@ -56,6 +56,7 @@ class NativeEngine:
       slot_chunk: int = 64,
       slot_scan_layers: bool = False,
       slot_compile_threads: int = 0,
+      slot_admission: str = "auto",
       steps_in_flight: int = 1,
       turns=None,
       max_append: int = 0,
@@ -64,7 +65,9 @@ class NativeEngine:
     """slots > 0: the slot engine (rollout/slots.py) with that many decode slots, room for
     `steps_in_flight` steps' rows at once (streaming: streaming.steps_in_flight), else the
     lockstep group sampler. record_routes: the lockstep sampler keeps the MoE routes of its
-    rollouts (Rollout.routes, routing replay: rl/replay.py)."""
+    rollouts (Rollout.routes, routing replay: rl/replay.py). slot_admission: "decode" admits
+    queued groups inside the slot engine's decode, "host" between its chunks, "auto" decode
+    unless `turns` (configs/common.py)."""
     self.mesh = mesh
     kw = dict(
         max_prompt_length=max_prompt_length,
@@ -81,6 +84,8 @@ class NativeEngine:
           chunk=slot_chunk,
           scan_layers=slot_scan_layers,
           compile_threads=slot_compile_threads,
+          admit_in_decode=slot_admission == "decode"
+          or (slot_admission == "auto" and turns is None),
           decode_attention=decode_attention,
           steps_in_flight=steps_in_flight,
           turns=turns,
@@ -256,6 +261,7 @@ def make_engine(
       slot_chunk=config.rollout.slot_chunk,
       slot_scan_layers=bool(config.rollout.slot_scan_layers),
       slot_compile_threads=config.rollout.slot_compile_threads,
+      slot_admission=config.rollout.slot_admission,
       steps_in_flight=streaming.steps_in_flight(config),
       turns=turns,
       max_append=config.rollout.max_tool_response_tokens if turns is not None else 0,

@@ -55,7 +55,22 @@ _CONTROL = (
     "steps",
     "live_steps",
     "extended",
+    "out_done",
+    "q_k",
+    "q_v",
+    "q_ids",
+    "q_len",
+    "q_rows",
+    "q_index",
+    "q_caps",
+    "q_keys",
+    "q_head",
+    "q_tail",
 )
+
+
+# The state's per-slot arrays besides the caches (a narrow decode gathers them).
+_PER_SLOT = ("length", "seq", "token", "col", "cap", "row", "live", "keys")
 
 
 class SlotPrograms:
@@ -71,15 +86,16 @@ class SlotPrograms:
     )
 
   def _program(self, name, *shape):
-    static = self._static() if name in ("decode", "extend") else {}
+    static = self._static() if name in ("decode", "decode_narrow", "extend") else {}
     key = (name, shape, tuple(sorted(static.items())))
     if key not in self._programs:
       fn = getattr(self, "_" + name)
       fn = functools.partial(fn, **static) if static else fn
       kw = {}
-      if name in ("admit", "decode", "refresh", "extend"):
+      stateful = ("admit", "decode", "decode_narrow", "refresh", "extend", "push")
+      if name in stateful:
         kw["donate_argnums"] = (0,)
-      if self.mesh is not None and name in ("init", "admit", "decode", "refresh", "extend"):
+      if self.mesh is not None and name in ("init", *stateful):
         kw["out_shardings"] = self._state_shardings()
       if self.mesh is not None and name == "take":
         kw["out_shardings"] = (Rollout.shardings(self.mesh), sharding.batch_sharding(self.mesh, 2))
@@ -115,12 +131,17 @@ class SlotPrograms:
   def _init(self):
     model_cfg = self._model_cfg
     s, n, r = self.cache_len, self.num_slots, self.ring * self._rows_per_tag
+    q, p, g = self.queue_len, self.max_prompt_length, self.g
     shape = (n, model_cfg.num_kv_heads, s, model_cfg.head_dim)
     dt = jnp.dtype(model_cfg.dtype)
+    staged = (q, model_cfg.num_kv_heads, p, model_cfg.head_dim)  # the device queue's prefills
+    layers = model_cfg.num_layers
     if self.scan_layers:
-      zeros = lambda: jnp.zeros((model_cfg.num_layers, *shape), dt)  # noqa: E731
+      zeros = lambda: jnp.zeros((layers, *shape), dt)  # noqa: E731
+      zeros_q = lambda: jnp.zeros((layers, *staged), dt)  # noqa: E731
     else:
-      zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(model_cfg.num_layers))  # noqa
+      zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(layers))  # noqa: E731
+      zeros_q = lambda: tuple(jnp.zeros(staged, dt) for _ in range(layers))  # noqa: E731
     return dict(
         k=zeros(),
         v=zeros(),
@@ -142,6 +163,18 @@ class SlotPrograms:
         steps=jnp.zeros((), jnp.int32),
         live_steps=jnp.zeros((), jnp.int32),
         extended=jnp.zeros((), jnp.int32),
+        out_done=jnp.zeros((r,), bool),
+        # The device queue (admission inside the decode): groups pushed, admitted in order.
+        q_k=zeros_q(),
+        q_v=zeros_q(),
+        q_ids=jnp.zeros((q, p), jnp.int32),
+        q_len=jnp.zeros((q,), jnp.int32),
+        q_rows=jnp.zeros((q, g), jnp.int32),
+        q_index=jnp.zeros((q, g), jnp.int32),
+        q_caps=jnp.zeros((q, g), jnp.int32),
+        q_keys=jax.random.split(jax.random.key(0), q),
+        q_head=jnp.zeros((), jnp.int32),
+        q_tail=jnp.zeros((), jnp.int32),
     )
 
   def _draw(self, temperature, top_p, *, top_k, use_top_p, greedy):
@@ -175,6 +208,7 @@ class SlotPrograms:
         out_version=st["out_version"].at[row, col].set(version, mode="drop"),
         out_len=st["out_len"].at[row].set(col2, mode="drop"),
         out_stop=st["out_stop"].at[row].set(stop, mode="drop"),
+        out_done=st["out_done"].at[row].set(~live, mode="drop"),
         col=put(st["col"], col2),
         live=put(st["live"], live),
         token=put(st["token"], jnp.where(active, token, take(st["token"]))),
@@ -191,9 +225,16 @@ class SlotPrograms:
     (width, prompt width) serves every generation config; a row costs one decode step more.
     Padding entries come with the out-of-range slot and row: their writes are dropped."""
     model = self._model(weights)
+    _, ks, vs, length = model.prefill_rows(ids, mask, stacked=self.scan_layers)  # no logits
+    compact = jnp.take_along_axis(ids, compaction(mask)[0], axis=1)
+    return self._place(st, ks, vs, compact, length, slot_ids, row_ids, index, caps, keys)
+
+  def _place(self, st, ks, vs, compact, length, slot_ids, row_ids, index, caps, keys):
+    """A prefills' keys/values ([A, Hkv, W, K] per layer, or stacked [L, A, ...]), real
+    tokens `compact` [A, W] first (`length` [A] of them), into their G rows' slots
+    slot_ids [A * G]; each row's state and output row reset (see `_admit`)."""
     scan = self.scan_layers
-    _, ks, vs, length = model.prefill_rows(ids, mask, stacked=scan)  # logits unused: not computed
-    g, w = self.g, ids.shape[1]
+    g, w = self.g, compact.shape[1]
     rep = lambda x: jnp.repeat(x, g, axis=0)  # noqa: E731
     put = lambda c, x: c.at[slot_ids].set(x.astype(c.dtype), mode="drop")  # noqa: E731
 
@@ -206,7 +247,6 @@ class SlotPrograms:
       )
 
     row_keys = jax.vmap(jax.random.fold_in)(rep(keys), index)
-    compact = jnp.take_along_axis(ids, compaction(mask)[0], axis=1)
     last = jnp.maximum(length - 1, 0)
     last_token = jnp.take_along_axis(compact, last[:, None], axis=1)[:, 0]
     active = slot_ids < self.num_slots
@@ -224,17 +264,120 @@ class SlotPrograms:
         keys=st["keys"].at[slot_ids].set(row_keys, mode="drop"),
         out_len=st["out_len"].at[row_ids].set(0, mode="drop"),
         out_stop=st["out_stop"].at[row_ids].set(False, mode="drop"),
+        out_done=st["out_done"].at[row_ids].set(False, mode="drop"),
         out_tool=st["out_tool"].at[row_ids].set(0, mode="drop"),
     )
 
-  def _decode(self, st, weights, version, refill, temperature, top_p, **static):
+  def _push(self, st, weights, ids, mask, rows, index, caps, keys, count):
+    """Onto the device queue (admission inside the decode): the first `count` of the Q
+    groups given (ids/mask [Q, P] left-padded, rows/index/caps [Q, G], keys [Q]), after the
+    groups already queued, prefilled here, all Q prompts in one batch (the decode's
+    admission then only copies their keys/values into slots); their rows' outputs are marked
+    not done."""
     model = self._model(weights)
+    _, ks, vs, length = model.prefill_rows(ids, mask, stacked=self.scan_layers)
+    compact = jnp.take_along_axis(ids, compaction(mask)[0], axis=1)
+    q = self.queue_len
+    j = jnp.arange(q)
+    at = jnp.where(j < count, (st["q_tail"] + j) % q, q)
+    put = lambda name, x: st[name].at[at].set(x, mode="drop")  # noqa: E731
+    r = self.ring * self._rows_per_tag
+    done_rows = jnp.where((j < count)[:, None], rows, r).reshape(-1)
+    return dict(
+        st,
+        q_k=self._staged(st["q_k"], ks, at),
+        q_v=self._staged(st["q_v"], vs, at),
+        q_ids=put("q_ids", compact),
+        q_len=put("q_len", length),
+        q_rows=put("q_rows", rows),
+        q_index=put("q_index", index),
+        q_caps=put("q_caps", caps),
+        q_keys=put("q_keys", keys),
+        q_tail=st["q_tail"] + count,
+        out_done=st["out_done"].at[done_rows].set(False, mode="drop"),
+    )
+
+  def _staged(self, old, new, at):
+    """The device queue's keys/values with entries `at` [Q] (Q out of range: dropped) set."""
+    if self.scan_layers:
+      return old.at[:, at].set(new.astype(old.dtype), mode="drop")
+    return tuple(o.at[at].set(x.astype(o.dtype), mode="drop") for o, x in zip(old, new))
+
+  def _admit_queued(self, st):
+    """The device queue's next group into G free slots (the lowest-numbered ones): its
+    prefilled keys/values copied in."""
+    e = st["q_head"] % self.queue_len
+    free = jnp.nonzero(~st["live"], size=self.g, fill_value=self.num_slots)[0].astype(jnp.int32)
+    if self.scan_layers:
+      ks, vs = st["q_k"][:, e][:, None], st["q_v"][:, e][:, None]
+    else:
+      ks = tuple(x[e][None] for x in st["q_k"])
+      vs = tuple(x[e][None] for x in st["q_v"])
+    st = self._place(
+        st,
+        ks,
+        vs,
+        st["q_ids"][e][None],
+        st["q_len"][e][None],
+        free,
+        st["q_rows"][e],
+        st["q_index"][e],
+        st["q_caps"][e],
+        st["q_keys"][e][None],
+    )
+    return dict(st, q_head=st["q_head"] + 1)
+
+  def _decode(self, st, weights, version, refill, watch, temperature, top_p, **static):
+    """Up to `chunk` decode steps for every slot. The chunk ends early once `refill` slots
+    are free (with admission inside the decode: once, too, the device queue is empty), or
+    once watch = (lo, hi, need), need > 0, rows of [lo, hi) stopped in this call. With
+    admission inside the decode (`admit_in_decode`), each step first admits the device
+    queue's next group when G slots are free."""
     draw = self._draw(temperature, top_p, **static)
-    s_len = self.cache_len
-    every = jnp.arange(self.num_slots)
+    return self._steps(st, weights, version, refill, watch, draw, self.admit_in_decode)
+
+  def _decode_narrow(self, st, weights, version, refill, watch, temperature, top_p, **static):
+    """`_decode` over `narrow` slots only: the live ones (the host calls it when at most
+    `narrow` slots are live and nothing is queued: a step's last rows). Their caches and
+    state are gathered once per call and written back after it; each step then costs a
+    decode of `narrow` rows, not of every slot."""
+    draw = self._draw(temperature, top_p, **static)
+    n, m = self.num_slots, self.narrow
+    idx = jnp.nonzero(st["live"], size=m, fill_value=n)[0]
+    # (entries past the live slots read slot n - 1 and are not live; their writes are dropped)
+    get = lambda x, axis=0: jnp.take(x, idx, axis=axis, mode="clip")  # noqa: E731
+    if self.scan_layers:
+      cache = lambda c: _constrain_cache(get(c, 1))  # noqa: E731
+    else:
+      cache = lambda c: _constrain_cache(tuple(get(x) for x in c))  # noqa: E731
+    sub = dict(st, k=cache(st["k"]), v=cache(st["v"]))
+    sub.update({name: get(st[name]) for name in _PER_SLOT})
+    sub["live"] = sub["live"] & (idx < n)
+    sub = self._steps(sub, weights, version, refill, watch, draw, False)
+    put = lambda x, new, axis=0: (  # noqa: E731
+        x.at[idx].set(new, mode="drop") if axis == 0 else x.at[:, idx].set(new, mode="drop")
+    )
+    if self.scan_layers:
+      back = lambda c, new: put(c, new, 1)  # noqa: E731
+    else:
+      back = lambda c, new: tuple(put(x, y) for x, y in zip(c, new))  # noqa: E731
+    out = dict(sub, k=_constrain_cache(back(st["k"], sub["k"])))
+    out["v"] = _constrain_cache(back(st["v"], sub["v"]))
+    out.update({name: put(st[name], sub[name]) for name in _PER_SLOT})
+    return out
+
+  def _steps(self, st, weights, version, refill, watch, draw, inside):
+    """The decode loop over the state's slots (however many it holds; see `_decode`)."""
+    model = self._model(weights)
+    s_len, n = self.cache_len, st["live"].shape[0]
+    every = jnp.arange(n)
+    lo, hi, need = watch[0], watch[1], watch[2]
 
     def body(c):
-      i, st = c
+      i, fin, st = c
+      if inside:
+        can = (st["q_head"] < st["q_tail"]) & ((~st["live"]).sum() >= self.g)
+        st = jax.lax.cond(can, self._admit_queued, lambda s: s, st)
       live = st["live"]
       at = jnp.minimum(st["length"], s_len - 1)
       logits, ks, vs = model.decode_rows(st["token"], st["k"], st["v"], at)
@@ -248,16 +391,23 @@ class SlotPrograms:
           live_steps=st["live_steps"] + live.sum(),
       )
       token, lp, raw = draw(logits, jax.vmap(jax.random.fold_in)(st["keys"], st["col"]))
-      return i + 1, self._record(st, every, live, token, lp, raw, version)
+      st = self._record(st, every, live, token, lp, raw, version)
+      watched = (st["row"] >= lo) & (st["row"] < hi)
+      return i + 1, fin + (live & ~st["live"] & watched).sum(), st
 
     def cond(c):
-      live = c[1]["live"].sum()
-      return (c[0] < self.chunk) & (live > 0) & (self.num_slots - live < refill)
+      i, fin, st = c
+      live = st["live"].sum()
+      queued = st["q_tail"] - st["q_head"] if inside else 0
+      go = (i < self.chunk) & ((live > 0) | (queued > 0)) & ((need <= 0) | (fin < need))
+      return go & ((queued > 0) | (n - live < refill))
 
-    return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), st))[1]
+    zero = jnp.zeros((), jnp.int32)
+    return jax.lax.while_loop(cond, body, (zero, zero, st))[2]
 
   def _refresh(self, st, weights):
-    """Every slot's keys/values computed again from its tokens (new weights)."""
+    """Every slot's keys/values computed again from its tokens (new weights); with admission
+    inside the decode, the device queue's prefills too."""
     model = self._model(weights)
     s_len = st["seq"].shape[1]
     mask = (jnp.arange(s_len)[None, :] < st["length"][:, None]).astype(jnp.int32)
@@ -268,7 +418,13 @@ class SlotPrograms:
         return new.astype(cache.dtype)
       return tuple(x.astype(c.dtype) for c, x in zip(cache, new))
 
-    return dict(st, k=_constrain_cache(fresh(st["k"], ks)), v=_constrain_cache(fresh(st["v"], vs)))
+    st = dict(st, k=_constrain_cache(fresh(st["k"], ks)), v=_constrain_cache(fresh(st["v"], vs)))
+    if self.admit_in_decode:
+      p = st["q_ids"].shape[1]
+      mask = (jnp.arange(p)[None, :] < st["q_len"][:, None]).astype(jnp.int32)
+      _, ks, vs, _ = model.prefill_rows(st["q_ids"], mask, stacked=self.scan_layers)
+      st = dict(st, q_k=fresh(st["q_k"], ks), q_v=fresh(st["q_v"], vs))
+    return st
 
   def _take(self, st, rows):
     length = st["out_len"][rows]

@@ -73,6 +73,8 @@ from grpo_jax.rollout.slot_programs import SlotPrograms
 from grpo_jax.rollout.slot_programs import _host
 from grpo_jax.rollout.types import generation_config
 
+# Live slots at or below 1/NARROW_DIV of them, nothing queued: the narrow decode runs them.
+NARROW_DIV = 4
 # A decode chunk ends early, groups queued, once this share of the slots is free (whole groups).
 REFILL_DIV = 8
 
@@ -112,6 +114,7 @@ class SlotEngine(SlotPrograms):
       max_append: int = 0,
       reprefill_turns: bool = False,
       compile_threads: int = 0,
+      admit_in_decode: bool = False,
   ):
     """scan_layers: the decode (and prefills) as one `lax.scan` over stacked layers and caches
     [L, slots, Hkv, S, K] (compile time flat in depth) instead of a program per layer; None: as
@@ -133,7 +136,15 @@ class SlotEngine(SlotPrograms):
     refresh with steps in flight, the extend with turns) are lowered on the call's own shapes and shardings and compiled by this
     many threads at once (XLA compiles with the GIL released; jit's caches then serve the
     calls), so the first step waits for the slowest program, not their sum; 0: one per core
-    this process may run on, 1: one after the other."""
+    this process may run on, 1: one after the other.
+
+    admit_in_decode: groups wait in a queue on the device (up to slots / G of them, pushed
+    by the host before each decode call) and the decode admits the next one, at the full
+    prompt width, as soon as G slots are free, inside its loop: no host round trip per
+    admission and no slot idle until the next call (a call ends once its watched rows are
+    done, or the device queue runs dry while the host holds more). The host still admits in
+    bulk when half the slots or more are free and the device queue is empty (a step's start).
+    Not with turns (a paused row's slot is the host's to keep)."""
     g = num_generations
     if slots < g:
       raise ValueError(f"rollout.slots={slots}: needs at least num_generations={g} slots")
@@ -196,6 +207,17 @@ class SlotEngine(SlotPrograms):
     self._live = np.zeros(self.num_slots, bool)  # host view after the last program
     self.compile_threads = int(compile_threads) or len(os.sched_getaffinity(0))
     self._compiled = set()  # the programs compiled ahead (`_compile_ahead`'s keys)
+    if admit_in_decode and turns is not None:
+      raise ValueError("admit_in_decode does not take turns (paused rows keep their slots)")
+    self.admit_in_decode = bool(admit_in_decode)
+    # The device queue's groups (their prompts' keys/values, prefilled at push): 1 unused.
+    self.queue_len = max(1, self.num_slots // self.g) if self.admit_in_decode else 1
+    # A step's last rows (at most `narrow` live, nothing queued) decode in a narrow program.
+    narrow = self.num_slots // NARROW_DIV
+    dp = 1 if mesh is None else sharding.data_parallel_size(mesh)
+    self.narrow = narrow if narrow >= 1 and narrow % dp == 0 and turns is None else 0
+    self._on_device = collections.deque()  # groups pushed to the device queue, not admitted
+    self._admitted = set()  # (admit_in_decode) rows in slots, as of the last call
 
   # ------------------------------------------------------------------------- on-policy
 
@@ -217,6 +239,9 @@ class SlotEngine(SlotPrograms):
     self._gen = generation_config(generation)
     self._rows_per_tag = int(rows_per_step)
     self._queue.clear()
+    self._on_device.clear()
+    self._device_head = 0
+    self._admitted.clear()
     self._tags.clear()
     self._open_rows.clear()
     self._open_group.clear()
@@ -241,7 +266,8 @@ class SlotEngine(SlotPrograms):
         self.scan_layers = bool(self._model_cfg.scan_layers)
     self._weights = self._program("copy")(state)
     self._version = self._replicated(np.int32(version))
-    if self.local and self._state is not None and np.any(self._slot_row >= 0):
+    held = np.any(self._slot_row >= 0) or self._on_device  # (queued: prefilled at push)
+    if self.local and self._state is not None and held:
       self._state = self._program("refresh")(self._state, self._weights)
 
   def enqueue(self, tag: int, prompt_ids, prompt_mask, key, caps=None):
@@ -272,12 +298,17 @@ class SlotEngine(SlotPrograms):
       self._open_group[tag, i] = self.g
       self._queue.append(_Group(tag, ids[i], mask[i], key, base + rows, rows, caps[rows]))
 
-  def advance(self):
-    """Admits queued groups into free slots, then runs one decode chunk."""
+  def advance(self, rows: int | None = None):
+    """Admits queued groups into free slots, then runs one decode chunk. With
+    admit_in_decode the chunk runs until the oldest step with open rows is done (or, with
+    `rows`, until that many more rows of any step stopped), or the device queue ran dry with
+    groups still on the host."""
     if not self.local:
       return
     if self._state is None:
       self._state = self._program("init")()
+    if self.admit_in_decode:
+      return self._advance_inside(rows)
     self._admit_ready()
     if self._paused:  # tool responses that came back: appended, their rows live again
       self._extend_ready()
@@ -287,11 +318,12 @@ class SlotEngine(SlotPrograms):
       refill = min(self.refill + len(self._paused), self.num_slots + 1)
     else:
       refill = self.num_slots + 1
-    self._state = self._program("decode")(
+    self._state = self._program(self._decode_name())(
         self._state,
         self._weights,
         self._version,
         self._replicated(np.int32(refill)),
+        self._replicated(np.zeros(3, np.int32)),
         *self._scalars(),
     )
     self._live = np.array(_host(self._state["live"]))
@@ -303,8 +335,77 @@ class SlotEngine(SlotPrograms):
     for s in stopped:
       self._free(s)
 
+  def _advance_inside(self, rows):
+    """advance() with admission inside the decode (see __init__'s admit_in_decode)."""
+    if not self._on_device and np.sum(self._slot_row < 0) * 2 >= self.num_slots:
+      self._admit_ready()  # bulk: a step's start
+      self._admitted.update(int(r) for r in self._slot_row if r >= 0)
+    self._push_ready()
+    n_rows = self.ring * self._rows_per_tag
+    if rows is not None:
+      watch = (0, n_rows, max(1, int(rows)))
+    else:
+      open_tags = [t for t in self._tags if self._open_rows[t] > 0]
+      tag = min(open_tags) if open_tags else None
+      lo = self._tags[tag] if tag is not None else 0
+      watch = (lo, lo + self._rows_per_tag, self._open_rows[tag] if tag is not None else 0)
+    refill = self.refill if self._queue else self.num_slots + 1
+    self._state = self._program(self._decode_name())(
+        self._state,
+        self._weights,
+        self._version,
+        self._replicated(np.int32(refill)),
+        self._replicated(np.asarray(watch, np.int32)),
+        *self._scalars(),
+    )
+    self._chunks += 1
+    live, row, head, done = (_host(self._state[k]) for k in ("live", "row", "q_head", "out_done"))
+    self._live = np.array(live)
+    for _ in range(int(head) - self._device_head):
+      self._admitted.update(int(r) for r in self._on_device.popleft().rows)
+      self._device_head += 1
+    for r in sorted(r for r in self._admitted if done[r]):
+      self._admitted.discard(r)
+      self._finish(r)
+    self._slot_row = np.where(self._live, row, -1).astype(np.int64)
+
+  def _decode_name(self) -> str:
+    """The decode over every slot, or the narrow one when few are live and none queued."""
+    live = int(np.sum(self._slot_row >= 0))
+    queued = self._queue or self._on_device or self._paused
+    return "decode_narrow" if not queued and 0 < live <= self.narrow else "decode"
+
+  def _push_ready(self):
+    """Host-queued groups onto the device queue, as many as it has room for, once it is at
+    most half full (each push prefills the queue's width of prompts, valid or not)."""
+    if len(self._on_device) * 2 > self.queue_len:
+      return
+    room = self.queue_len - len(self._on_device)
+    groups = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+    if not groups:
+      return
+    q, p, g = self.queue_len, self.max_prompt_length, self.g
+    self._compile_ahead(p, (), groups[0].key)
+    ids = np.full((q, p), self.pad_id, np.int32)
+    mask = np.zeros((q, p), np.int32)
+    rows, index = np.zeros((q, g), np.int32), np.zeros((q, g), np.int32)
+    caps = np.ones((q, g), np.int32)
+    for j, grp in enumerate(groups):
+      width = grp.ids.shape[0]
+      ids[j, p - width :], mask[j, p - width :] = grp.ids, grp.mask
+      rows[j], index[j], caps[j] = grp.rows, grp.index, grp.caps
+    keys = jnp.stack([grp.key for grp in groups] + [groups[0].key] * (q - len(groups)))
+    args = [self._replicated(x) for x in (ids, mask, rows, index, caps)]
+    count = self._replicated(np.int32(len(groups)))
+    self._state = self._program("push")(self._state, self._weights, *args, keys, count)
+    self._on_device.extend(groups)
+
   def _free(self, s):
-    row = self._slot_row[s]
+    self._finish(self._slot_row[s])
+    self._slot_row[s] = -1
+
+  def _finish(self, row):
+    """Row `row` stopped for good: its step's and group's counts."""
     tag = self._tag_of(row)
     self._open_rows[tag] -= 1
     group = (tag, int(row - self._tags[tag]) // self.g)
@@ -312,7 +413,6 @@ class SlotEngine(SlotPrograms):
     if not self._open_group[group]:
       del self._open_group[group]
       self._done[group] = self._chunks
-    self._slot_row[s] = -1
     if self.turns is not None:
       self.turns.finish(int(row))
 
@@ -371,7 +471,8 @@ class SlotEngine(SlotPrograms):
           self._free(s)
 
   def finished(self, tag: int) -> bool:
-    return self._open_rows[tag] == 0 and not any(g.tag == tag for g in self._queue)
+    queued = (*self._queue, *self._on_device)
+    return self._open_rows[tag] == 0 and not any(g.tag == tag for g in queued)
 
   def take(self, tag: int):
     """A finished step's rows -> (Rollout, versions int32 [N, C]: the weight version that drew
@@ -408,7 +509,8 @@ class SlotEngine(SlotPrograms):
 
   def running(self) -> bool:
     """Whether a decode chunk can make progress: groups queued or rows in slots."""
-    return bool(self._queue) or bool(np.any(self._slot_row >= 0))
+    queued = self._queue or self._on_device
+    return bool(queued) or bool(np.any(self._slot_row >= 0))
 
   def stats(self) -> dict:
     """Decode steps run since `reset` and the slots' busy fraction over them (live slots /
@@ -424,7 +526,8 @@ class SlotEngine(SlotPrograms):
     """The engine's programs on abstract inputs, for compiling ahead of time without weights
     (memory_plan.py, benchmarks/slot_compile.py): params, the policy's abstract params
     (ShapeDtypeStructs with shardings). -> {"copy": (program, args), "admit", "decode",
-    "refresh", "take", "init", and "extend" with max_append}, each program with .lower(*args); admit at the refill's and at
+    "refresh", "take", "init", "decode_narrow" with a narrow decode, "push" with admission in
+    the decode, and "extend" with max_append}, each program with .lower(*args); admit at the refill's and at
     the whole engine's width ("admit", "admit_all") and the full prompt width."""
     self.reset(generation, rows_per_step=rows_per_step)
     self._model_cfg = model_cfg
@@ -457,11 +560,20 @@ class SlotEngine(SlotPrograms):
           (st, weights, sds((n,), i32), sds((n, r), i32), sds((n,), i32), sds((n,), jnp.bool_))
           + (sds((), i32), *scalars),
       )
+    decode_args = (st, weights, sds((), i32), sds((), i32), sds((3,), i32), *scalars)
+    if self.narrow:  # a step's last rows
+      out["decode_narrow"] = (self._program("decode_narrow"), decode_args)
+    if self.admit_in_decode:  # the device queue
+      q, g = self.queue_len, self.g
+      push = (st, weights, sds((q, p), i32), sds((q, p), i32))
+      push += tuple(sds((q, g), i32) for _ in range(3))
+      push += (sds((q, *key.shape), key.dtype), sds((), i32))
+      out["push"] = (self._program("push"), push)
     return out | dict(
         copy=(copy, (params,)),
         admit=admit(self.refill // self.g),
         admit_all=admit(self.num_slots // self.g),
-        decode=(self._program("decode"), (st, weights, sds((), i32), sds((), i32), *scalars)),
+        decode=(self._program("decode"), decode_args),
         refresh=(self._program("refresh"), (st, weights)),
         take=(self._program("take"), (st, sds((rows_per_step,), i32))),
         init=(self._program("init"), ()),
@@ -469,7 +581,7 @@ class SlotEngine(SlotPrograms):
 
   def pending(self) -> int:
     """Groups queued, not yet admitted."""
-    return len(self._queue)
+    return len(self._queue) + len(self._on_device)
 
   def _agree(self, ready: dict) -> dict:
     """The tool responses every process appends now: the engine's first process's (it runs
@@ -537,7 +649,11 @@ class SlotEngine(SlotPrograms):
     statics = tuple(sorted(self._static().items()))
     keys = [("admit", a, width) for a in admissions]
     keys += [("decode", statics), ("take", self._rows_per_tag)]
-    keys += [("refresh",)] if self.ring > 1 else []  # steps in flight: weights land, rows live
+    keys += [("refresh",)] if self.ring > 1 else []
+    keys += [("push",)] if self.admit_in_decode else []
+    keys += (
+        [("decode_narrow", statics)] if self.narrow else []
+    )  # steps in flight: weights land, rows live
     keys += [("extend", statics)] if self.turns is not None else []
     todo = [k for k in keys if k not in self._compiled]
     if not todo:
@@ -550,8 +666,12 @@ class SlotEngine(SlotPrograms):
         a = k[1]
         ids = (z(a, width), z(a, width))
         return (st, w8, *ids, *(z(a * self.g) for _ in range(4)), jnp.stack([key] * a))
-      if k[0] == "decode":
-        return (st, w8, self._version, z(), *self._scalars())
+      if k[0] in ("decode", "decode_narrow"):
+        return (st, w8, self._version, z(), z(3), *self._scalars())
+      if k[0] == "push":
+        q, p = self.queue_len, self.max_prompt_length
+        keys = jnp.stack([key] * q)
+        return (st, w8, z(q, p), z(q, p), *(z(q, self.g) for _ in range(3)), keys, z())
       if k[0] == "take":
         return (st, z(self._rows_per_tag))
       if k[0] == "refresh":

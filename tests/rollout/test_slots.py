@@ -33,15 +33,18 @@ def engine(graphdef, slots, **kw):
   return SlotEngine(graphdef, slots=slots, **kw)
 
 
+@pytest.mark.parametrize("inside", [False, True], ids=["host_admits", "decode_admits"])
 @pytest.mark.parametrize("slots,chunk", [(12, 64), (5, 3), (3, 1)])
-def test_greedy_equals_the_lockstep_sampler(model, slots, chunk):
-  """Fewer, as many or more slots than rows, any chunk: the lockstep sampler's greedy tokens,
-  masks, lengths and stops; raw log-probs = the trainer's within 1e-5 (f32)."""
+def test_greedy_equals_the_lockstep_sampler(model, slots, chunk, inside):
+  """Fewer, as many or more slots than rows, any chunk, admission between chunks or inside
+  the decode: the lockstep sampler's greedy tokens, masks, lengths and stops; raw log-probs =
+  the trainer's within 1e-5 (f32)."""
   ids, mask = prompts(CFG.vocab_size, b=4)
   graphdef, state = nnx.split(model)
   lock = Sampler(graphdef, max_prompt_length=P, max_new_tokens=C, num_generations=G, eos_ids=(5, 9))
   want = lock(state, ids, mask, jax.random.key(1), "greedy")
-  got = engine(graphdef, slots, chunk=chunk)(state, ids, mask, jax.random.key(1), "greedy")
+  e = engine(graphdef, slots, chunk=chunk, admit_in_decode=inside)
+  got = e(state, ids, mask, jax.random.key(1), "greedy")
   for name in ("tokens", "mask", "lengths", "truncated"):
     np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
   assert 0 < int(got.truncated.sum()) < got.truncated.size  # some rows stop, some run out
@@ -72,8 +75,11 @@ def test_a_rows_tokens_do_not_depend_on_its_slot_or_admission(model):
   a = engine(graphdef, 12)(state, ids, mask, jax.random.key(7), "liberal")
   b = engine(graphdef, 3, chunk=1)(state, ids, mask, jax.random.key(7), "liberal")
   c = engine(graphdef, 12)(state, ids, mask, jax.random.key(8), "liberal")
+  d = engine(graphdef, 6, chunk=5, admit_in_decode=True)(state, ids, mask, jax.random.key(7), "liberal")
   np.testing.assert_array_equal(a.tokens, b.tokens)
   np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)  # other batches: last bits
+  np.testing.assert_array_equal(a.tokens, d.tokens)
+  np.testing.assert_allclose(a.logprobs, d.logprobs, atol=1e-5)
   assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
 
 
@@ -97,11 +103,12 @@ def test_samples_follow_the_lockstep_samplers_distribution():
     assert stats.chi2_contingency(table)[1] > 1e-3, (col, table)
 
 
-def test_budgets_stop_each_row_at_its_own_length(model):
+@pytest.mark.parametrize("inside", [False, True], ids=["host_admits", "decode_admits"])
+def test_budgets_stop_each_row_at_its_own_length(model, inside):
   ids, mask = prompts(CFG.vocab_size, b=4)
   graphdef, state = nnx.split(model)
   caps = np.array([1, 2, 3, 12, 7, 5, 4, 9, 11, 6, 8, 10])
-  e = engine(graphdef, 4, eos_ids=(), chunk=2)
+  e = engine(graphdef, 4, eos_ids=(), chunk=2, admit_in_decode=inside)
   r = e(state, ids, mask, jax.random.key(1), "standard", caps=caps)
   np.testing.assert_array_equal(r.lengths, caps)
   np.testing.assert_array_equal(np.asarray(r.mask).sum(-1), caps)
@@ -111,14 +118,16 @@ def test_budgets_stop_each_row_at_its_own_length(model):
   assert s["busy"] > 0.6
 
 
-def test_streaming_tokens_keep_the_log_probs_of_the_version_that_drew_them(model):
+@pytest.mark.parametrize("inside", [False, True], ids=["host_admits", "decode_admits"])
+def test_streaming_tokens_keep_the_log_probs_of_the_version_that_drew_them(model, inside):
   """Two steps in flight, new weights landing between decode chunks: rows straddle the two
   versions, and each token's recorded log-prob is the trainer's under the version recorded
-  with it (1e-5, f32)."""
+  with it (1e-5, f32). Admission inside the decode: the device queue's groups, prefilled
+  under the old weights when pushed, are prefilled again under the new ones."""
   graphdef, state = nnx.split(model)
   state2 = jax.tree.map(lambda x: x * 1.05 if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
   model2 = nnx.merge(graphdef, state2)
-  e = engine(graphdef, 6, eos_ids=(), chunk=3, steps_in_flight=2)
+  e = engine(graphdef, 6, eos_ids=(), chunk=3, steps_in_flight=2, admit_in_decode=inside)
   e.reset(GenerationConfig(temperature=1.0), rows_per_step=12)
   e.set_weights(state, version=0)
   batches = [prompts(CFG.vocab_size, b=4, seed=s) for s in (1, 2)]
@@ -126,6 +135,7 @@ def test_streaming_tokens_keep_the_log_probs_of_the_version_that_drew_them(model
     e.enqueue(tag, ids, mask, jax.random.key(10 + tag))
   e.advance()
   e.advance()
+  assert not inside or e._on_device  # groups prefilled under version 0, not admitted yet
   e.set_weights(state2, version=1)
   straddled = 0
   for tag, (ids, mask) in enumerate(batches):
@@ -171,7 +181,8 @@ def test_sliding_window_model_equals_the_lockstep_sampler():
   np.testing.assert_allclose(got.raw_logprobs, want.raw_logprobs, atol=1e-5)
 
 
-def test_mesh_results_equal_single_device(model):
+@pytest.mark.parametrize("inside", [False, True], ids=["host_admits", "decode_admits"])
+def test_mesh_results_equal_single_device(model, inside):
   """8 devices (data 2 x fsdp 2 x tensor 2): the slot caches' rows over (data, fsdp), the
   control arrays replicated: the single device's tokens and log-probs."""
   if jax.device_count() < 8:
@@ -181,7 +192,7 @@ def test_mesh_results_equal_single_device(model):
   one = engine(graphdef, 8, chunk=4)(state, ids, mask, jax.random.key(4), "standard")
   mesh = sharding.make_mesh(2, 2, 2)
   sharded = jax.device_put(state, sharding.state_shardings(state, mesh))
-  got = engine(graphdef, 8, chunk=4, mesh=mesh)(
+  got = engine(graphdef, 8, chunk=4, mesh=mesh, admit_in_decode=inside)(
       sharded,
       jax.device_put(ids, sharding.batch_sharding(mesh)),
       jax.device_put(mask, sharding.batch_sharding(mesh)),
@@ -208,8 +219,9 @@ def test_ragged_kernel_with_per_row_lengths_equals_the_xla_attention(model):
 
 
 @pytest.mark.usefixtures("no_compilation_cache")
+@pytest.mark.parametrize("inside", [False, True], ids=["host_admits", "decode_admits"])
 @pytest.mark.parametrize("on_mesh", [False, True])
-def test_a_steps_programs_compile_at_once_before_the_first_admit(model, on_mesh):
+def test_a_steps_programs_compile_at_once_before_the_first_admit(model, on_mesh, inside):
   """compile_threads: both admission widths (groups stay queued after the first admission),
   the decode and the take compile in the pool's threads before the first admit, each once (a
   shape or sharding unlike the call's would compile again, on the main thread), with the
@@ -232,19 +244,62 @@ def test_a_steps_programs_compile_at_once_before_the_first_admit(model, on_mesh)
   jax.monitoring.register_event_duration_secs_listener(on)
   try:
     # 8 groups of G 3 in 12 slots: admissions of 4 groups (the whole engine), then of 1 (a refill)
-    eng = engine(graphdef, 12, chunk=2, compile_threads=3, **kw)
+    eng = engine(graphdef, 12, chunk=2, compile_threads=3, admit_in_decode=inside, **kw)
     got = eng(state, ids, mask, jax.random.key(6), "standard")
   finally:
     jax.monitoring.unregister_event_duration_listener(on)
-  names = lambda part, where: [t for t, f in seen if part in f and where(t)]  # noqa: E731
+  # (a program's name: "_decode" is not "_decode_narrow")
+  names = lambda part, where: [t for t, f in seen if f"({part})" in f and where(t)]  # noqa: E731
   main = lambda t: t == threading.main_thread().name  # noqa: E731
   assert len(names("_admit", lambda t: True)) == 2, seen
-  for part in ("_admit", "_decode", "_take"):
+  narrow = ("_decode_narrow",) if eng.narrow else ()  # (on the mesh: 3 slots over 4 shards)
+  push = ("_push",) if inside else ()  # (the device queue's)
+  for part in ("_admit", "_decode", "_take", *narrow, *push):
     assert names(part, lambda t: t.startswith("ThreadPoolExecutor")), (part, seen)
     assert not names(part, main), f"{part} compiled again on the main thread: {seen}"
   assert len(names("_decode", lambda t: True)) == 1 and len(names("_take", lambda t: True)) == 1
-  one = engine(graphdef, 12, chunk=2, compile_threads=1, **kw)(
+  one = engine(graphdef, 12, chunk=2, compile_threads=1, admit_in_decode=inside, **kw)(
       state, ids, mask, jax.random.key(6), "standard"
   )
   np.testing.assert_array_equal(got.tokens, one.tokens)
   np.testing.assert_array_equal(got.logprobs, one.logprobs)
+
+
+def test_admission_inside_the_decode_needs_fewer_calls_and_keeps_slots_busier(model):
+  """A long-tailed batch (budgets 1..24) in 6 slots: admitting inside the decode runs the
+  same rows in fewer decode calls than admitting between chunks (no call ends for a refill)
+  with no fewer slots busy per step, and the same tokens."""
+  ids, mask = prompts(CFG.vocab_size, b=8, seed=2)
+  graphdef, state = nnx.split(model)
+  caps = np.random.default_rng(0).integers(1, 25, 24)
+  caps[::7] = 24
+  out, stats = {}, {}
+  for inside in (False, True):
+    e = engine(graphdef, 6, eos_ids=(), chunk=64, max_new_tokens=24, admit_in_decode=inside)
+    out[inside] = e(state, ids, mask, jax.random.key(3), "standard", caps=caps)
+    stats[inside] = dict(e.stats(), calls=e._chunks)
+  np.testing.assert_array_equal(out[True].tokens, out[False].tokens)
+  np.testing.assert_array_equal(out[True].lengths, caps)
+  assert stats[True]["calls"] < stats[False]["calls"] / 2, stats
+  assert stats[True]["busy"] >= stats[False]["busy"] - 1e-9, stats
+
+
+def test_a_steps_last_rows_decode_narrow_with_the_same_results(model):
+  """Nothing queued and at most slots / 4 rows live: the narrow decode (those rows' caches
+  gathered, decoded, written back) runs them, with the tokens and log-probs of the decode
+  over every slot."""
+  ids, mask = prompts(CFG.vocab_size, b=4, seed=6)
+  graphdef, state = nnx.split(model)
+  caps = np.array([2, 3, 12, 4, 2, 11, 3, 3, 12, 2, 4, 10])  # a long tail: 3 rows run on
+  wide = engine(graphdef, 12, eos_ids=(), chunk=2)
+  wide.narrow = 0
+  narrow = engine(graphdef, 12, eos_ids=(), chunk=2)
+  assert narrow.narrow == 3
+  want = wide(state, ids, mask, jax.random.key(5), "standard", caps=caps)
+  got = narrow(state, ids, mask, jax.random.key(5), "standard", caps=caps)
+  assert any(k[0] == "decode_narrow" for k in narrow._programs)
+  assert not any(k[0] == "decode_narrow" for k in wide._programs)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.lengths, caps)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6)
+  assert narrow.stats() == wide.stats()

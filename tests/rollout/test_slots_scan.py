@@ -124,7 +124,7 @@ def decode_hlo(scan: bool, layers: int = 4) -> tuple[str, tuple]:
   e.reset("standard", rows_per_step=8)
   e.set_weights(state, version=0)
   st = e._program("init")()
-  args = (st, e._weights, e._version, jnp.int32(9), *e._scalars())
+  args = (st, e._weights, e._version, jnp.int32(9), jnp.zeros(3, jnp.int32), *e._scalars())
   hlo = e._program("decode").lower(*args).compile().as_text()
   shape = (layers, 8, cfg.num_kv_heads, 16 + 48, cfg.head_dim)
   return hlo, shape
