@@ -606,7 +606,8 @@ def tools_on(cfg) -> bool:
 def _plan_slots(cfg, policy, inputs, mesh, measure_, row, log, host_ref):
   """The slot engine's row (rollout.slots > 0): its weight copy (made once per version, kept
   between programs: rollout_w), its slot caches [slots, Hkv, P + C, K] per layer (kv_cache) and
-  the largest temporaries of its admit (whole engine), decode and refresh programs."""
+  the largest temporaries of its admit (whole engine), decode and refresh programs (and the
+  device queue's push, whose prefills it keeps: in io)."""
   from grpo_jax.rollout import slots as slots_lib
 
   weights = inputs["sampler_args"][0]
@@ -625,6 +626,7 @@ def _plan_slots(cfg, policy, inputs, mesh, measure_, row, log, host_ref):
       decode_attention=cfg.rollout.decode_attention,
       # Multi-turn rows (rollout.tools): the extend program appends tool responses.
       max_append=cfg.rollout.max_tool_response_tokens if tools_on(cfg) else 0,
+      admit_in_decode=slots_lib.admits_in_decode(cfg.rollout.slot_admission, tools_on(cfg)),
   )
   gen = GenerationConfig(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
   programs = engine.abstract_programs(weights, policy.model_config, gen, rows_per_step=b * g)
@@ -633,7 +635,7 @@ def _plan_slots(cfg, policy, inputs, mesh, measure_, row, log, host_ref):
   rollout_w = shard_bytes(copy)
   state_b = shard_bytes(st)
   temps, stats = {}, {}
-  for name in ("admit_all", "decode", "refresh", "extend"):
+  for name in ("admit_all", "decode", "refresh", "extend", "push"):
     if name not in programs:
       continue
     fn, args = programs[name]

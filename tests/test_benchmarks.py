@@ -335,13 +335,18 @@ def test_packed_update_benchmark_quick(tmp_path):
     reason="needs ../shared/data (GSM8K and the Qwen tokenizer)",
 )
 def test_slot_engine_benchmark_quick(tmp_path):
-  """benchmarks/slot_engine.py --quick (~30 s): every mode produced the batch's lengths (the
-  script asserts it), the streaming slots were busier than lockstep's rows were useful."""
+  """benchmarks/slot_engine.py --quick (~50 s): every mode produced the batch's lengths (the
+  script asserts it), with admission between chunks and inside the decode; the streaming
+  slots were busier than lockstep's rows were useful."""
   res = _quick_run("benchmarks/slot_engine.py", tmp_path)
   modes = res["modes"]
-  assert set(modes) == {"lockstep", "on-policy slots", "streaming slots", "streaming 2x slots"}
+  slot_modes = {"on-policy slots", "streaming slots", "streaming 2x slots"}
+  inside = {m + " +admit in decode" for m in slot_modes}
+  assert set(modes) == {"lockstep"} | slot_modes | inside
   assert 0 < res["lockstep_fill"] < 0.5  # long-tailed: most lockstep row-steps are wasted
-  assert modes["streaming slots"]["busy"] > 1.5 * res["lockstep_fill"]
+  for mode in ("streaming slots", "streaming slots +admit in decode"):
+    assert modes[mode]["busy"] > 1.5 * res["lockstep_fill"], mode
+  assert {"slots_sec", "slots_inside_sec"} <= set(res["uniform"])
   assert all(m["tokens_per_sec"] > 0 for m in modes.values())
 
 

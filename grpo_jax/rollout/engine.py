@@ -28,6 +28,7 @@ from grpo_jax.rollout.sampler import config_options
 from grpo_jax.rollout.seq2seq_sampler import Seq2SeqSampler
 from grpo_jax.rollout import streaming
 from grpo_jax.rollout.slots import SlotEngine
+from grpo_jax.rollout.slots import admits_in_decode
 from grpo_jax.rollout.tools import formats as tool_formats
 from grpo_jax.rollout.tools import loader as tools_loader
 from grpo_jax.rollout.turns import ToolTurns

@@ -107,13 +107,15 @@ class SlotPrograms:
     """The state's layout on the mesh: caches' slots over (data, fsdp); the rest replicated
     (every process reads the slots' status and makes the same decisions)."""
     rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    control = {k: rep for k in _CONTROL}
     if self.scan_layers:  # [L, slots, ...]: the slots over (data, fsdp)
       spec = sharding.batch_sharding(self.mesh, 4).spec
       cache = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, *spec))
-      return dict(k=cache, v=cache, **{k: rep for k in _CONTROL})
+      return dict(k=cache, v=cache, **control)
     cache = sharding.batch_sharding(self.mesh, 4)
     layers = self._model_cfg.num_layers
-    return dict(k=(cache,) * layers, v=(cache,) * layers, **{k: rep for k in _CONTROL})
+    control.update(q_k=(rep,) * layers, q_v=(rep,) * layers)  # (the queue's, per layer)
+    return dict(k=(cache,) * layers, v=(cache,) * layers, **control)
 
   def _model(self, weights):
     model = nnx.merge(self._copy_graphdef, weights)

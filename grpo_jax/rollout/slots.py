@@ -79,6 +79,12 @@ NARROW_DIV = 4
 REFILL_DIV = 8
 
 
+def admits_in_decode(admission: str, with_turns: bool) -> bool:
+  """rollout.slot_admission -> SlotEngine's admit_in_decode: "decode", or "auto" without tool
+  turns (a row paused on a tool call keeps its slot, which only the host knows)."""
+  return admission == "decode" or (admission == "auto" and not with_turns)
+
+
 @dataclasses.dataclass
 class _Group:
   """A queued prompt: its host ids/mask [W], the step key, its G output rows and budgets."""

@@ -75,7 +75,9 @@ def test_a_rows_tokens_do_not_depend_on_its_slot_or_admission(model):
   a = engine(graphdef, 12)(state, ids, mask, jax.random.key(7), "liberal")
   b = engine(graphdef, 3, chunk=1)(state, ids, mask, jax.random.key(7), "liberal")
   c = engine(graphdef, 12)(state, ids, mask, jax.random.key(8), "liberal")
-  d = engine(graphdef, 6, chunk=5, admit_in_decode=True)(state, ids, mask, jax.random.key(7), "liberal")
+  d = engine(graphdef, 6, chunk=5, admit_in_decode=True)(
+      state, ids, mask, jax.random.key(7), "liberal"
+  )
   np.testing.assert_array_equal(a.tokens, b.tokens)
   np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)  # other batches: last bits
   np.testing.assert_array_equal(a.tokens, d.tokens)
