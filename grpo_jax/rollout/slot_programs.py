@@ -9,7 +9,12 @@ config (`_program`), on the engine's mesh, over one state dict:
 - decode: up to `chunk` steps for every slot at its own position (`Transformer.decode_rows`),
   each token written with its log-probs and weight version, a row stopped at a stop token or
   its budget; the chunk ends early once `refill` slots are free;
-- refresh: the live slots' keys/values again from their tokens (new weights);
+  with admission inside the decode (`admit_in_decode`), each step first copies the device
+  queue's next group's prefilled keys/values into G free slots; decode_narrow: the same over
+  the live slots only (at most slots / 4), gathered once per call;
+- push: groups onto the device queue, their prompts prefilled there in one batch;
+- refresh: the live slots' keys/values again from their tokens (new weights), and the device
+  queue's prefills;
 - extend: tool responses appended into paused rows' live caches (`Transformer.extend_rows`);
 - take / peek: a step's output rows as a `Rollout` (+ versions) / a stopped row's last turn;
 - copy: the compute-dtype sampling copy of the weights, once per weight version.

@@ -12,10 +12,24 @@
 The lockstep sampler (sampler.py) decodes all B x G rows together until the longest has
 stopped: on a long-tailed batch most of its decode steps run for rows that are done. Here a
 fixed number of decode *slots* each hold one row at its own position; a row that stops frees its
-slot, and the host admits the next queued group into free slots between decode chunks.
+slot, and the next queued group takes it: admitted inside the decode program (the default,
+`admit_in_decode`) or by the host between decode chunks (with tool turns).
+
+Admission inside the decode: the host pushes queued groups onto a device queue (up to
+slots / G of them, their prompts prefilled there in one batch under the current weights, and
+again by `refresh` when new ones land); each decode step first copies the queue's next group's
+keys/values into G free slots, when there are G. No decode call ends to refill slots, and no
+slot waits for the host: on CPU, streaming draws 3.1x the lockstep sampler's tokens per second
+instead of 2.4x (benchmarks/README.md "Slot engine"). A call ends when the rows the host waits
+for are done (`watch`: a step's rows, or a count of rows for partial rollouts), when the device
+queue ran dry with groups still on the host, or after `chunk` steps. A step's last rows (at
+most slots / 4 live, nothing queued) run in the narrow decode: their caches gathered once per
+call, each step a decode of slots / 4 rows, written back after.
 
 Device programs (rollout/slot_programs.py; static shapes; one compile per (slots, admission
-width, prompt width); two admission widths, a refill's and the whole engine's):
+width, prompt width); two admission widths, a refill's and the whole engine's; with admission
+inside the decode also push (the device queue's prefill, at the full prompt width) and the
+decode admits; decode_narrow: the decode over slots / 4 of them):
 - admit: prefills A prompts once each (`Transformer.prefill_rows`: real tokens first, so slot j
   of a row holds position j), copies each prompt's keys/values into its G rows' slots, and
   leaves each row's last prompt token as its next input (no LM head, no sampling: the first
@@ -304,17 +318,17 @@ class SlotEngine(SlotPrograms):
       self._open_group[tag, i] = self.g
       self._queue.append(_Group(tag, ids[i], mask[i], key, base + rows, rows, caps[rows]))
 
-  def advance(self, rows: int | None = None):
+  def advance(self, *, tag: int | None = None, rows: int | None = None):
     """Admits queued groups into free slots, then runs one decode chunk. With
-    admit_in_decode the chunk runs until the oldest step with open rows is done (or, with
-    `rows`, until that many more rows of any step stopped), or the device queue ran dry with
-    groups still on the host."""
+    admit_in_decode the chunk runs until step `tag`'s rows are done (default: the oldest step
+    with open rows), or with `rows` until that many more rows of any step stopped, or until
+    the device queue ran dry with groups still on the host (or `chunk` steps)."""
     if not self.local:
       return
     if self._state is None:
       self._state = self._program("init")()
     if self.admit_in_decode:
-      return self._advance_inside(rows)
+      return self._advance_inside(tag, rows)
     self._admit_ready()
     if self._paused:  # tool responses that came back: appended, their rows live again
       self._extend_ready()
@@ -341,7 +355,7 @@ class SlotEngine(SlotPrograms):
     for s in stopped:
       self._free(s)
 
-  def _advance_inside(self, rows):
+  def _advance_inside(self, tag, rows):
     """advance() with admission inside the decode (see __init__'s admit_in_decode)."""
     if not self._on_device and np.sum(self._slot_row < 0) * 2 >= self.num_slots:
       self._admit_ready()  # bulk: a step's start
@@ -351,8 +365,9 @@ class SlotEngine(SlotPrograms):
     if rows is not None:
       watch = (0, n_rows, max(1, int(rows)))
     else:
-      open_tags = [t for t in self._tags if self._open_rows[t] > 0]
-      tag = min(open_tags) if open_tags else None
+      if tag is None or not self._open_rows[tag]:
+        open_tags = [t for t in self._tags if self._open_rows[t] > 0]
+        tag = min(open_tags) if open_tags else None
       lo = self._tags[tag] if tag is not None else 0
       watch = (lo, lo + self._rows_per_tag, self._open_rows[tag] if tag is not None else 0)
     refill = self.refill if self._queue else self.num_slots + 1

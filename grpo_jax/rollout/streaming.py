@@ -58,7 +58,7 @@ class Stream:
     has stopped -> (its Rollout [N, C], versions int32 [N, C]: the weight version that drew
     each token, 0 where masked)."""
     while not self.slots.finished(step):
-      self.slots.advance()
+      self.slots.advance(tag=step)
     self._steps.remove(step)
     return self.slots.take(step)
 
@@ -80,7 +80,9 @@ class Stream:
           break
         if not self.slots.running():
           raise RuntimeError(f"step {step}: fewer than {b} groups in flight (a scheduling bug)")
-        self.slots.advance()
+        # (admission inside the decode: the chunk runs until a group's rows could complete it)
+        missing = b - len(self.slots.finished_groups())
+        self.slots.advance(rows=self.slots.g * max(1, missing))
       chosen = np.array(picked, np.int64)
     chosen = multihost.from_mesh_to_all(chosen, self.slots.mesh)
     rollout, versions = self.slots.take_groups([(int(t), int(i)) for t, i in chosen])
