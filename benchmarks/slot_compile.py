@@ -17,7 +17,10 @@ process, programs in order, after a warm-up compile of a trivial program:
   copy       the engine's compute-dtype weight copy (once per weight version)
   admit      prefill of `--admit` prompts into their G slots each (one program per admission
              width, powers of two; the on-policy step with slots = B x G admits all B at once)
-  decode     a chunk of decode steps over every slot
+  decode     a chunk of decode steps over every slot (admitting from the device queue with
+             --admission=decode, the engine's default without tools)
+  decode_narrow  the same over a quarter of the slots (a step's last rows; CPU only)
+  push       the device queue's prefill of slots / G prompts (--admission=decode)
   refresh    re-prefill of every slot (new weights in flight)
   take       a step's rows as a Rollout
   init       the empty state
@@ -31,8 +34,8 @@ sum without refresh: what an on-policy run (rollout.max_staleness=0) compiles, a
 only when new weights land while rows are in flight (streaming). --workers=N: the engine's
 programs once more as the engine compiles them ahead (rollout/slots.py, rollout.slot_compile_
 threads; jax's caches cleared first): copy and init one after the other, then the admission of
-every group, the decode and the take ("on_policy"; streaming, "total": also a refill's admission
-and the refresh) lowered in order, each compiled by one of N threads as soon as it is lowered
+every group, the decode (and the narrow one), the push (admission in the decode) and the take
+("on_policy"; streaming, "total": also a refill's admission and the refresh) lowered in order, each compiled by one of N threads as soon as it is lowered
 (XLA compiles with the GIL released): the wall time of the set.
 """
 
@@ -46,7 +49,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-ENGINE_PROGRAMS = ("copy", "admit", "decode", "refresh", "take", "init")
+ENGINE_PROGRAMS = ("copy", "admit", "decode", "decode_narrow", "push", "refresh", "take", "init")
 
 
 def parse_args(argv=None):
@@ -61,6 +64,12 @@ def parse_args(argv=None):
   )
   p.add_argument("--engines", default="layers,scan", help="layers (per-layer) and/or scan")
   p.add_argument("--admit", type=int, default=0, help="admission width (0: batch_size)")
+  p.add_argument(
+      "--admission",
+      default="decode",
+      choices=("decode", "host"),
+      help="the engine's rollout.slot_admission (decode: the default without tools)",
+  )
   p.add_argument("--top_k", type=int, default=-1, help="override rollout.top_k (-1: as is)")
   p.add_argument(
       "--set", action="append", default=[], help="config override a.b=value (repeatable)"
@@ -170,6 +179,7 @@ def main(argv=None):
         mesh=mesh,
         chunk=cfg.rollout.slot_chunk,
         scan_layers=scan,
+        admit_in_decode=args.admission == "decode",
     )
     engine.reset(gen, rows_per_step=b * g)
     engine._model_cfg = policy.model_config  # what set_weights reads from the weights
@@ -200,17 +210,25 @@ def main(argv=None):
           sds((a, *key.shape), key.dtype),
       )
 
+    q = engine.queue_len
+    decode_args = (st, weights, sds((), i32), sds((), i32), sds((3,), i32), *scalars)
+    push_args = (st, weights, sds((q, p), i32), sds((q, p), i32))
+    push_args += tuple(sds((q, g), i32) for _ in range(3))
+    push_args += (sds((q, *key.shape), key.dtype), sds((), i32))
     lowers = {
         "admit": lambda: admit_at(a),
-        "decode": lambda: engine._program("decode").lower(
-            st, weights, sds((), i32), sds((), i32), *scalars
-        ),
+        "decode": lambda: engine._program("decode").lower(*decode_args),
+        "decode_narrow": lambda: engine._program("decode_narrow").lower(*decode_args),
+        "push": lambda: engine._program("push").lower(*push_args),
         "refresh": lambda: engine._program("refresh").lower(st, weights),
         "take": lambda: engine._program("take").lower(st, sds((b * g,), i32)),
         "init": lambda: engine._program("init").lower(),
     }
+    used = set(ENGINE_PROGRAMS) - ({"push"} if not engine.admit_in_decode else set())
+    used -= {"decode_narrow"} if not engine.narrow else set()
+    programs_here = [x for x in programs if x in used or x == "lockstep"]
     for prog in ENGINE_PROGRAMS[1:]:
-      if prog in programs:
+      if prog in programs_here:
         _, results[f"{kind}:{prog}"] = timed(f"{kind}: {prog}", lowers[prog])
     total = sum(v for k, v in results.items() if k.startswith(kind + ":"))
     results[f"{kind}:total"] = total
@@ -233,7 +251,9 @@ def main(argv=None):
       # of every group; streaming a refill's too
       lowers["admit"] = lambda: admit_at(engine.num_slots // g)
       lowers["admit_refill"] = lambda: admit_at(engine.refill // g)
-      results.update(_parallel(kind, lowers, programs, args.workers, options, timed, results, mesh))
+      results.update(
+          _parallel(kind, lowers, programs_here, args.workers, options, timed, results, mesh)
+      )
   if args.json:
     with open(args.json, "w") as fh:
       json.dump(dict(vars(args), target=target.compiler, seconds=results), fh, indent=1)
@@ -245,9 +265,11 @@ def _parallel(kind, lowers, programs, workers, options, timed, results, mesh) ->
   import jax
 
   out = {}
-  streaming = ("admit", "admit_refill", "decode", "take", "refresh")
-  for label, names in (("on_policy", ("admit", "decode", "take")), ("total", streaming)):
-    names = [n for n in names if n.split("_")[0] in programs]
+  # (on-policy with slots = B x G every group is admitted at once: no push)
+  on_policy = ("admit", "decode", "decode_narrow", "take")
+  streaming = ("admit", "admit_refill", "decode", "decode_narrow", "push", "take", "refresh")
+  for label, names in (("on_policy", on_policy), ("total", streaming)):
+    names = [n for n in names if n.removesuffix("_refill") in programs]
     jax.clear_caches()  # nothing compiled before is reused
     t0 = time.perf_counter()
     timed(f"{kind}: copy (first)", lowers["copy"])  # the engine's set_weights, then init

@@ -197,16 +197,21 @@ class SlotPrograms:
   def _record(self, st, slots, active, token, logp, raw, version):
     """Writes each active entry's token (at its row's column) into the output rows and moves
     its slot on: column + 1, stopped at a stop token or its budget. `slots` [E]: the entries'
-    slots (out-of-range entries are dropped)."""
+    slots (out-of-range entries are dropped), or None: every slot, in order (the decode's:
+    no gather or scatter of the slots' arrays)."""
     r = self.ring * self._rows_per_tag
-    take = lambda x: x.at[slots].get(mode="fill", fill_value=0)  # noqa: E731
+    if slots is None:
+      take = lambda x: x  # noqa: E731
+      put = lambda x, v: v  # noqa: E731
+    else:
+      take = lambda x: x.at[slots].get(mode="fill", fill_value=0)  # noqa: E731
+      put = lambda x, v: x.at[slots].set(v, mode="drop")  # noqa: E731
     row = jnp.where(active, take(st["row"]), r)
     col = take(st["col"])
     stop_ids = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
     stop = active & jnp.isin(token, stop_ids)
     col2 = col + active
     live = active & ~stop & (col2 < take(st["cap"]))
-    put = lambda x, v: x.at[slots].set(v, mode="drop")  # noqa: E731
     out = dict(
         st,
         out_tokens=st["out_tokens"].at[row, col].set(token, mode="drop"),
@@ -215,11 +220,12 @@ class SlotPrograms:
         out_version=st["out_version"].at[row, col].set(version, mode="drop"),
         out_len=st["out_len"].at[row].set(col2, mode="drop"),
         out_stop=st["out_stop"].at[row].set(stop, mode="drop"),
-        out_done=st["out_done"].at[row].set(~live, mode="drop"),
         col=put(st["col"], col2),
         live=put(st["live"], live),
         token=put(st["token"], jnp.where(active, token, take(st["token"]))),
     )
+    if self.admit_in_decode:  # (the host reads which rows are done from here)
+      out["out_done"] = st["out_done"].at[row].set(~live, mode="drop")
     return out
 
   def _admit(self, st, weights, ids, mask, slot_ids, row_ids, index, caps, keys):
@@ -398,9 +404,10 @@ class SlotPrograms:
           live_steps=st["live_steps"] + live.sum(),
       )
       token, lp, raw = draw(logits, jax.vmap(jax.random.fold_in)(st["keys"], st["col"]))
-      st = self._record(st, every, live, token, lp, raw, version)
-      watched = (st["row"] >= lo) & (st["row"] < hi)
-      return i + 1, fin + (live & ~st["live"] & watched).sum(), st
+      st = self._record(st, None, live, token, lp, raw, version)
+      if self.admit_in_decode:  # (the watch: rows the host waits for; see `_decode`)
+        fin = fin + (live & ~st["live"] & (st["row"] >= lo) & (st["row"] < hi)).sum()
+      return i + 1, fin, st
 
     def cond(c):
       i, fin, st = c

@@ -232,10 +232,15 @@ class SlotEngine(SlotPrograms):
     self.admit_in_decode = bool(admit_in_decode)
     # The device queue's groups (their prompts' keys/values, prefilled at push): 1 unused.
     self.queue_len = max(1, self.num_slots // self.g) if self.admit_in_decode else 1
-    # A step's last rows (at most `narrow` live, nothing queued) decode in a narrow program.
+    # A step's last rows (at most `narrow` live, nothing queued) decode in a narrow program, on
+    # CPU: its decode step costs about its rows' FLOPs (a quarter of the slots: 1.3x on-policy
+    # tok/s, benchmarks/README.md "Slot engine"). Not on accelerators, where a step of a few
+    # rows reads the same weights as a step of many (the ragged kernel reads only written
+    # slots), so a program more to compile would buy little.
     narrow = self.num_slots // NARROW_DIV
     dp = 1 if mesh is None else sharding.data_parallel_size(mesh)
-    self.narrow = narrow if narrow >= 1 and narrow % dp == 0 and turns is None else 0
+    cpu = self.platform == "cpu"
+    self.narrow = narrow if cpu and narrow >= 1 and narrow % dp == 0 and turns is None else 0
     self._on_device = collections.deque()  # groups pushed to the device queue, not admitted
     self._admitted = set()  # (admit_in_decode) rows in slots, as of the last call
 
@@ -671,7 +676,8 @@ class SlotEngine(SlotPrograms):
     keys = [("admit", a, width) for a in admissions]
     keys += [("decode", statics), ("take", self._rows_per_tag)]
     keys += [("refresh",)] if self.ring > 1 else []
-    keys += [("push",)] if self.admit_in_decode else []
+    # the device queue's push: when groups wait beyond this admission, or steps are in flight
+    keys += [("push",)] if self.admit_in_decode and (self._queue or self.ring > 1) else []
     keys += (
         [("decode_narrow", statics)] if self.narrow else []
     )  # steps in flight: weights land, rows live
