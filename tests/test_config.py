@@ -461,6 +461,7 @@ def test_slot_engine_fields():
       ({"rollout.slots": 2}, "rollout.slots=2", "num_generations"),
       ({"rollout.slots": -1}, "rollout.slots=-1", ">= 0"),
       ({"rollout.slot_chunk": 0}, "rollout.slot_chunk=0", ">= 1"),
+      ({"rollout.slot_admission": "gpu"}, "rollout.slot_admission='gpu'", "auto, decode, host"),
       ({"rollout.engine": "vllm"}, "rollout.slots=16", "native decoder"),
   ]
   for fields, field_line, why in cases:
@@ -485,6 +486,7 @@ def test_tool_fields(tmp_path):
       ({"rollout.max_turns": 0}, "rollout.max_turns=0", ">= 1"),
       ({"rollout.max_tool_response_tokens": 500}, "rollout.max_tool_response_tokens=500", "[1,"),
       ({"rollout.tools.names": "calculator,abacus"}, "rollout.tools.names=", "abacus"),
+      ({"rollout.slot_admission": "decode"}, "rollout.slot_admission='decode'", "paused"),
   ]
   for fields, start, words in cases:
     config = load("tiny_tools")
