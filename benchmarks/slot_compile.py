@@ -238,8 +238,10 @@ def main(argv=None):
     print(line, flush=True)
     # On-policy (max_staleness 0) steps never run refresh: weights land between steps, with no
     # row in flight (rollout/slots.py: set_weights), and the loop compiles on first use.
-    if "refresh" in programs:
+    if "refresh" in programs:  # (admission in the decode: no admit program, the push instead)
       on_policy = total - results[f"{kind}:refresh"]
+      if engine.admit_in_decode:
+        on_policy -= results.get(f"{kind}:admit", 0.0)
       results[f"{kind}:on_policy"] = on_policy
       line = f"  {kind + ': on-policy (no refresh)':<28} {on_policy:7.2f} s"
       if "lockstep" in results:
@@ -265,9 +267,12 @@ def _parallel(kind, lowers, programs, workers, options, timed, results, mesh) ->
   import jax
 
   out = {}
-  # (on-policy with slots = B x G every group is admitted at once: no push)
-  on_policy = ("admit", "decode", "decode_narrow", "take")
-  streaming = ("admit", "admit_refill", "decode", "decode_narrow", "push", "take", "refresh")
+  # admission in the decode: the push (its prefill), no admit program; between chunks the
+  # admission of every group, and streaming a refill's too
+  admit = ("push",) if "push" in programs else ("admit",)
+  refill = () if "push" in programs else ("admit_refill",)
+  on_policy = (*admit, "decode", "decode_narrow", "take")
+  streaming = (*admit, *refill, "decode", "decode_narrow", "take", "refresh")
   for label, names in (("on_policy", on_policy), ("total", streaming)):
     names = [n for n in names if n.removesuffix("_refill") in programs]
     jax.clear_caches()  # nothing compiled before is reused

@@ -10,7 +10,7 @@ config (`_program`), on the engine's mesh, over one state dict:
   each token written with its log-probs and weight version, a row stopped at a stop token or
   its budget; the chunk ends early once `refill` slots are free;
   with admission inside the decode (`admit_in_decode`), each step first copies the device
-  queue's next group's prefilled keys/values into G free slots; decode_narrow: the same over
+  queue's next groups' prefilled keys/values into free slots, G each, as many as fit; decode_narrow: the same over
   the live slots only (at most slots / 4), gathered once per call;
 - push: groups onto the device queue, their prompts prefilled there in one batch;
 - refresh: the live slots' keys/values again from their tokens (new weights), and the device
@@ -345,7 +345,7 @@ class SlotPrograms:
     are free (with admission inside the decode: once, too, the device queue is empty), or
     once watch = (lo, hi, need), need > 0, rows of [lo, hi) stopped in this call. With
     admission inside the decode (`admit_in_decode`), each step first admits the device
-    queue's next group when G slots are free."""
+    queue's next groups, one per G free slots."""
     draw = self._draw(temperature, top_p, **static)
     return self._steps(st, weights, version, refill, watch, draw, self.admit_in_decode)
 
@@ -388,9 +388,12 @@ class SlotPrograms:
 
     def body(c):
       i, fin, st = c
-      if inside:
-        can = (st["q_head"] < st["q_tail"]) & ((~st["live"]).sum() >= self.g)
-        st = jax.lax.cond(can, self._admit_queued, lambda s: s, st)
+      if inside:  # the device queue's groups into free slots, as many as fit
+
+        def more(s):
+          return (s["q_head"] < s["q_tail"]) & ((~s["live"]).sum() >= self.g)
+
+        st = jax.lax.while_loop(more, self._admit_queued, st)
       live = st["live"]
       at = jnp.minimum(st["length"], s_len - 1)
       logits, ks, vs = model.decode_rows(st["token"], st["k"], st["v"], at)

@@ -17,8 +17,8 @@ slot, and the next queued group takes it: admitted inside the decode program (th
 
 Admission inside the decode: the host pushes queued groups onto a device queue (up to
 slots / G of them, their prompts prefilled there in one batch under the current weights, and
-again by `refresh` when new ones land); each decode step first copies the queue's next group's
-keys/values into G free slots, when there are G. No decode call ends to refill slots, and no
+again by `refresh` when new ones land); each decode step first copies the queue's next groups'
+keys/values into free slots, G each, as many as fit. No decode call ends to refill slots, and no
 slot waits for the host: on CPU, streaming draws 3.3-3.4x the lockstep sampler's tokens per
 second instead of 2.4-2.5x (benchmarks/README.md "Slot engine"). A call ends when the rows the host waits
 for are done (`watch`: a step's rows, or a count of rows for partial rollouts), when the device
@@ -162,9 +162,9 @@ class SlotEngine(SlotPrograms):
     by the host before each decode call) and the decode admits the next one, at the full
     prompt width, as soon as G slots are free, inside its loop: no host round trip per
     admission and no slot idle until the next call (a call ends once its watched rows are
-    done, or the device queue runs dry while the host holds more). The host still admits in
-    bulk when half the slots or more are free and the device queue is empty (a step's start).
-    Not with turns (a paused row's slot is the host's to keep)."""
+    done, or the device queue runs dry while the host holds more); each step admits as many
+    queued groups as there are free slots for. No admit program then: the push's prefill is
+    the only one. Not with turns (a paused row's slot is the host's to keep)."""
     g = num_generations
     if slots < g:
       raise ValueError(f"rollout.slots={slots}: needs at least num_generations={g} slots")
@@ -362,9 +362,6 @@ class SlotEngine(SlotPrograms):
 
   def _advance_inside(self, tag, rows):
     """advance() with admission inside the decode (see __init__'s admit_in_decode)."""
-    if not self._on_device and np.sum(self._slot_row < 0) * 2 >= self.num_slots:
-      self._admit_ready()  # bulk: a step's start
-      self._admitted.update(int(r) for r in self._slot_row if r >= 0)
     self._push_ready()
     n_rows = self.ring * self._rows_per_tag
     if rows is not None:
@@ -676,8 +673,7 @@ class SlotEngine(SlotPrograms):
     keys = [("admit", a, width) for a in admissions]
     keys += [("decode", statics), ("take", self._rows_per_tag)]
     keys += [("refresh",)] if self.ring > 1 else []
-    # the device queue's push: when groups wait beyond this admission, or steps are in flight
-    keys += [("push",)] if self.admit_in_decode and (self._queue or self.ring > 1) else []
+    keys += [("push",)] if self.admit_in_decode else []  # (its only admission)
     keys += (
         [("decode_narrow", statics)] if self.narrow else []
     )  # steps in flight: weights land, rows live

@@ -224,10 +224,11 @@ def test_ragged_kernel_with_per_row_lengths_equals_the_xla_attention(model):
 @pytest.mark.parametrize("inside", [False, True], ids=["host_admits", "decode_admits"])
 @pytest.mark.parametrize("on_mesh", [False, True])
 def test_a_steps_programs_compile_at_once_before_the_first_admit(model, on_mesh, inside):
-  """compile_threads: both admission widths (groups stay queued after the first admission),
-  the decode and the take compile in the pool's threads before the first admit, each once (a
-  shape or sharding unlike the call's would compile again, on the main thread), with the
-  tokens of an engine compiling one at a time."""
+  """compile_threads: both admission widths (groups stay queued after the first admission;
+  with admission in the decode the push instead), the decode and the take compile in the
+  pool's threads before the first admit, each once (a shape or sharding unlike the call's
+  would compile again, on the main thread), with the tokens of an engine compiling one at a
+  time."""
   if on_mesh and jax.device_count() < 8:
     pytest.skip("needs 8 (fake) devices")
   ids, mask = prompts(CFG.vocab_size, b=8, seed=5)
@@ -253,10 +254,12 @@ def test_a_steps_programs_compile_at_once_before_the_first_admit(model, on_mesh,
   # (a program's name: "_decode" is not "_decode_narrow")
   names = lambda part, where: [t for t, f in seen if f"({part})" in f and where(t)]  # noqa: E731
   main = lambda t: t == threading.main_thread().name  # noqa: E731
-  assert len(names("_admit", lambda t: True)) == 2, seen
+  # (admission in the decode: the push's prefill only, no admit program)
+  assert len(names("_admit", lambda t: True)) == (0 if inside else 2), seen
+  admit = ("_admit",) if not inside else ()
   narrow = ("_decode_narrow",) if eng.narrow else ()  # (on the mesh: 3 slots over 4 shards)
   push = ("_push",) if inside else ()  # (the device queue's)
-  for part in ("_admit", "_decode", "_take", *narrow, *push):
+  for part in (*admit, "_decode", "_take", *narrow, *push):
     assert names(part, lambda t: t.startswith("ThreadPoolExecutor")), (part, seen)
     assert not names(part, main), f"{part} compiled again on the main thread: {seen}"
   assert len(names("_decode", lambda t: True)) == 1 and len(names("_take", lambda t: True)) == 1
@@ -282,7 +285,7 @@ def test_admission_inside_the_decode_needs_fewer_calls_and_keeps_slots_busier(mo
     stats[inside] = dict(e.stats(), calls=e._chunks)
   np.testing.assert_array_equal(out[True].tokens, out[False].tokens)
   np.testing.assert_array_equal(out[True].lengths, caps)
-  assert stats[True]["calls"] < stats[False]["calls"] / 2, stats
+  assert stats[True]["calls"] < stats[False]["calls"], stats
   assert stats[True]["busy"] >= stats[False]["busy"] - 1e-9, stats
 
 
