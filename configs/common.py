@@ -227,8 +227,8 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.slot_compile_threads = 0
   # Where the slot engine admits queued groups into free slots: "decode" = inside the decode
   # program (groups prefilled in batches onto a device queue; a group's keys/values copied into
-  # its slots the step they free: no host round trip per admission; streaming 2.4x -> 3.3x the
-  # lockstep sampler's tok/s on CPU, benchmarks/README.md "Slot engine"); "host" = between
+  # its slots the step they free: no host round trip per admission; streaming 2.4x -> 2.9-3.2x
+  # the lockstep sampler's tok/s on CPU, benchmarks/README.md "Slot engine"); "host" = between
   # decode chunks (what tool turns need: a paused row's slot is the host's); "auto" = decode,
   # host with rollout.tools.
   c.rollout.slot_admission = "auto"

@@ -636,8 +636,8 @@ def _plan_slots(cfg, policy, inputs, mesh, measure_, row, log, host_ref):
   state_b = shard_bytes(st)
   temps, stats = {}, {}
   for name in ("admit_all", "decode", "refresh", "extend", "push"):
-    if name not in programs:
-      continue
+    if name not in programs or (name == "admit_all" and engine.admit_in_decode):
+      continue  # (admission in the decode runs no admit program: the push prefills)
     fn, args = programs[name]
     log(f"compiling slot engine {name} ...")
     temps[name], stats[name] = measure_(

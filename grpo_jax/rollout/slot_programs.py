@@ -393,7 +393,9 @@ class SlotPrograms:
         def more(s):
           return (s["q_head"] < s["q_tail"]) & ((~s["live"]).sum() >= self.g)
 
-        st = jax.lax.while_loop(more, self._admit_queued, st)
+        # (the loop behind a cond: most steps admit nothing and skip it for one predicate)
+        admit = lambda s: jax.lax.while_loop(more, self._admit_queued, s)  # noqa: E731
+        st = jax.lax.cond(more(st), admit, lambda s: s, st)
       live = st["live"]
       at = jnp.minimum(st["length"], s_len - 1)
       logits, ks, vs = model.decode_rows(st["token"], st["k"], st["v"], at)
