@@ -10,8 +10,8 @@ config (`_program`), on the engine's mesh, over one state dict:
   each token written with its log-probs and weight version, a row stopped at a stop token or
   its budget; the chunk ends early once `refill` slots are free;
   with admission inside the decode (`admit_in_decode`), each step first copies the device
-  queue's next groups' prefilled keys/values into free slots, G each, as many as fit; decode_narrow: the same over
-  the live slots only (at most slots / 4), gathered once per call;
+  queue's next groups' prefilled keys/values into free slots, G each, as many as fit;
+  decode_narrow: the same over the live slots only (at most slots / 4), gathered once per call;
 - push: groups onto the device queue, their prompts prefilled there in one batch;
 - refresh: the live slots' keys/values again from their tokens (new weights), and the device
   queue's prefills;

@@ -20,9 +20,9 @@ slots / G of them, their prompts prefilled there in one batch under the current 
 again by `refresh` when new ones land); each decode step first copies the queue's next groups'
 keys/values into free slots, G each, as many as fit. No decode call ends to refill slots, and no
 slot waits for the host: on CPU, streaming draws 2.9-3.2x the lockstep sampler's tokens per
-second instead of 2.3-2.5x (benchmarks/README.md "Slot engine"). A call ends when the rows the host waits
-for are done (`watch`: a step's rows, or a count of rows for partial rollouts), when the device
-queue ran dry with groups still on the host, or after `chunk` steps. A step's last rows (at
+second instead of 2.3-2.5x (benchmarks/README.md "Slot engine"). A call ends when the rows the
+host waits for are done (`watch`: a step's rows, or a count of rows for partial rollouts), when
+the device queue ran dry with groups still on the host, or after `chunk` steps. A step's last rows (at
 most slots / 4 live, nothing queued) run in the narrow decode: their caches gathered once per
 call, each step a decode of slots / 4 rows, written back after.
 
