@@ -87,6 +87,7 @@ class NativeEngine:
           compile_threads=slot_compile_threads,
           admit_in_decode=slot_admission == "decode"
           or (slot_admission == "auto" and turns is None),
+          decode_phases=decode_phases,
           decode_attention=decode_attention,
           steps_in_flight=steps_in_flight,
           turns=turns,

@@ -366,7 +366,7 @@ class SlotPrograms:
     sub = dict(st, k=cache(st["k"]), v=cache(st["v"]))
     sub.update({name: get(st[name]) for name in _PER_SLOT})
     sub["live"] = sub["live"] & (idx < n)
-    sub = self._steps(sub, weights, version, refill, watch, draw, False)
+    sub = self._steps(sub, weights, version, refill, watch, draw, False, (self.cache_len,))
     put = lambda x, new, axis=0: (  # noqa: E731
         x.at[idx].set(new, mode="drop") if axis == 0 else x.at[:, idx].set(new, mode="drop")
     )
@@ -379,12 +379,21 @@ class SlotPrograms:
     out.update({name: put(st[name], sub[name]) for name in _PER_SLOT})
     return out
 
-  def _steps(self, st, weights, version, refill, watch, draw, inside):
-    """The decode loop over the state's slots (however many it holds; see `_decode`)."""
+  def _steps(self, st, weights, version, refill, watch, draw, inside, widths=None):
+    """The decode loop over the state's slots (however many it holds; see `_decode`), in
+    phases (`widths`, default the engine's `decode_widths`, ascending, the last the cache's
+    width): while every live row's next slot is below a phase's width w, the steps attend to
+    the caches' first w slots only (copied out of the caches once per phase, written back
+    after it), as the lockstep sampler's decode phases do; a phase that cannot hold the live
+    rows is skipped. The chunk, refill and watch count across phases."""
     model = self._model(weights)
-    s_len, n = self.cache_len, st["live"].shape[0]
+    n = st["live"].shape[0]
     every = jnp.arange(n)
     lo, hi, need = watch[0], watch[1], watch[2]
+    widths = self.decode_widths if widths is None else widths
+
+    def fits(st, w):  # every live row's next slot is below w
+      return jnp.max(jnp.where(st["live"], st["length"], 0)) < w
 
     def body(c):
       i, fin, st = c
@@ -397,7 +406,7 @@ class SlotPrograms:
         admit = lambda s: jax.lax.while_loop(more, self._admit_queued, s)  # noqa: E731
         st = jax.lax.cond(more(st), admit, lambda s: s, st)
       live = st["live"]
-      at = jnp.minimum(st["length"], s_len - 1)
+      at = jnp.minimum(st["length"], _width(st["k"], self.scan_layers) - 1)
       logits, ks, vs = model.decode_rows(st["token"], st["k"], st["v"], at)
       st = dict(
           st,
@@ -414,15 +423,28 @@ class SlotPrograms:
         fin = fin + (live & ~st["live"] & (st["row"] >= lo) & (st["row"] < hi)).sum()
       return i + 1, fin, st
 
-    def cond(c):
+    def cond(c, w=None):
       i, fin, st = c
       live = st["live"].sum()
       queued = st["q_tail"] - st["q_head"] if inside else 0
       go = (i < self.chunk) & ((live > 0) | (queued > 0)) & ((need <= 0) | (fin < need))
-      return go & ((queued > 0) | (n - live < refill))
+      go = go & ((queued > 0) | (n - live < refill))
+      return go if w is None else go & fits(st, w)
+
+    def phase(c, w):
+      i, fin, st = c
+      cut = lambda x: _cut(x, w, self.scan_layers)  # noqa: E731
+      sub = dict(st, k=_constrain_cache(cut(st["k"])), v=_constrain_cache(cut(st["v"])))
+      i, fin, sub = jax.lax.while_loop(functools.partial(cond, w=w), body, (i, fin, sub))
+      back = lambda x, y: _paste(x, y, self.scan_layers)  # noqa: E731
+      k, v = back(st["k"], sub["k"]), back(st["v"], sub["v"])
+      return i, fin, dict(sub, k=_constrain_cache(k), v=_constrain_cache(v))
 
     zero = jnp.zeros((), jnp.int32)
-    return jax.lax.while_loop(cond, body, (zero, zero, st))[2]
+    c = (zero, zero, st)
+    for w in widths[:-1]:
+      c = jax.lax.cond(cond(c, w), functools.partial(phase, w=w), lambda c: c, c)
+    return jax.lax.while_loop(cond, body, c)[2]
 
   def _refresh(self, st, weights):
     """Every slot's keys/values computed again from its tokens (new weights); with admission
@@ -536,6 +558,23 @@ class SlotPrograms:
     token, lp, raw = draw(logits, jax.vmap(jax.random.fold_in)(st["keys"], st["col"]))
     on = n_all > 0  # only the appended rows move on (the others keep their slot's state)
     return self._record(st, jnp.where(on, every, n_slots), on, token, lp, raw, version)
+
+
+def _width(cache, scanned: bool) -> int:
+  """The slots per row of a cache (per-layer tuple of [B, Hkv, S, K], or stacked [L, ...])."""
+  return (cache.shape if scanned else cache[0].shape)[-2]
+
+
+def _cut(cache, w: int, scanned: bool):
+  """The first `w` slots of every row of a cache (a copy)."""
+  return cache[..., :w, :] if scanned else tuple(c[..., :w, :] for c in cache)
+
+
+def _paste(cache, part, scanned: bool):
+  """`cache` with its first slots replaced by `part` (`_cut`'s shape; in place)."""
+  if scanned:
+    return jax.lax.dynamic_update_slice_in_dim(cache, part, 0, axis=-2)
+  return tuple(jax.lax.dynamic_update_slice_in_dim(c, x, 0, axis=-2) for c, x in zip(cache, part))
 
 
 def _constrain_cache(kv):

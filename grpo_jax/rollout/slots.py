@@ -83,6 +83,7 @@ import numpy as np
 from grpo_jax.models.decoder import decode_attention as decode_attention_lib
 from grpo_jax.parallel import multihost
 from grpo_jax.parallel import sharding
+from grpo_jax.rollout.sampler import phase_ends
 from grpo_jax.rollout.slot_programs import SlotPrograms
 from grpo_jax.rollout.slot_programs import _host
 from grpo_jax.rollout.types import generation_config
@@ -91,6 +92,10 @@ from grpo_jax.rollout.types import generation_config
 NARROW_DIV = 4
 # A decode chunk ends early, groups queued, once this share of the slots is free (whole groups).
 REFILL_DIV = 8
+# Programs no step's first decode calls (the refresh: weights landing with rows in flight; the
+# narrow decode: a step's last rows): `_compile_ahead` compiles them behind the ones it waits
+# for, and their first call waits for that compile (`_program`).
+LATER = ("refresh", "decode_narrow")
 
 
 def admits_in_decode(admission: str, with_turns: bool) -> bool:
@@ -135,6 +140,7 @@ class SlotEngine(SlotPrograms):
       reprefill_turns: bool = False,
       compile_threads: int = 0,
       admit_in_decode: bool = False,
+      decode_phases: int = 0,
   ):
     """scan_layers: the decode (and prefills) as one `lax.scan` over stacked layers and caches
     [L, slots, Hkv, S, K] (compile time flat in depth) instead of a program per layer; None: as
@@ -153,10 +159,12 @@ class SlotEngine(SlotPrograms):
 
     compile_threads: before the first admission at a prompt width, the programs a step runs
     there (the admission's width and a refill's when one is coming, the decode, the take; the
-    refresh with steps in flight, the extend with turns) are lowered on the call's own shapes and shardings and compiled by this
-    many threads at once (XLA compiles with the GIL released; jit's caches then serve the
-    calls), so the first step waits for the slowest program, not their sum; 0: one per core
-    this process may run on, 1: one after the other.
+    refresh with steps in flight, the extend with turns) are lowered on the call's own shapes
+    and shardings and compiled by this many threads at once (XLA compiles with the GIL
+    released; jit's caches then serve the calls), so the first step waits for the slowest
+    program, not their sum, and not for the programs its first decode does not call (LATER:
+    the refresh, the narrow decode), which compile behind it; 0: one per core this process
+    may run on, 1: one after the other.
 
     admit_in_decode: groups wait in a queue on the device (up to slots / G of them, pushed
     by the host before each decode call) and the decode admits the next one, at the full
@@ -164,7 +172,14 @@ class SlotEngine(SlotPrograms):
     admission and no slot idle until the next call (a call ends once its watched rows are
     done, or the device queue runs dry while the host holds more); each step admits as many
     queued groups as there are free slots for. No admit program then: the push's prefill is
-    the only one. Not with turns (a paused row's slot is the host's to keep)."""
+    the only one. Not with turns (a paused row's slot is the host's to keep).
+
+    decode_phases: the decode attends to the caches' first P + e slots while every live row's
+    next slot is below that, for the phase ends e of the lockstep sampler's
+    `rollout.decode_phases` (sampler.phase_ends: 0 = auto, on CPU one per 32 new tokens, at
+    most 4; on TPU 1); 1 with the ragged kernel (it reads each row's written slots only). A
+    decode call that starts with its rows short reads a part of the caches, as the lockstep
+    sampler's phases do (1.1x on a uniform batch on CPU: benchmarks/README.md "Slot engine")."""
     g = num_generations
     if slots < g:
       raise ValueError(f"rollout.slots={slots}: needs at least num_generations={g} slots")
@@ -198,6 +213,8 @@ class SlotEngine(SlotPrograms):
     s = self.max_prompt_length + self.c
     block = decode_attention_lib.BLOCK
     self.cache_len = -(-s // block) * block if self.ragged else s  # the kernel reads blocks
+    ends = phase_ends(self.c, 1 if self.ragged else int(decode_phases), self.platform)
+    self.decode_widths = tuple(self.max_prompt_length + e for e in ends[:-1]) + (self.cache_len,)
     self._programs = {}
     self._copy_graphdef = None
     self._model_cfg = None
@@ -227,6 +244,8 @@ class SlotEngine(SlotPrograms):
     self._live = np.zeros(self.num_slots, bool)  # host view after the last program
     self.compile_threads = int(compile_threads) or len(os.sched_getaffinity(0))
     self._compiled = set()  # the programs compiled ahead (`_compile_ahead`'s keys)
+    self._pool = None  # their compile threads
+    self._later = {}  # name -> the compile of a LATER program not waited for yet
     if admit_in_decode and turns is not None:
       raise ValueError("admit_in_decode does not take turns (paused rows keep their slots)")
     self.admit_in_decode = bool(admit_in_decode)
@@ -667,16 +686,16 @@ class SlotEngine(SlotPrograms):
   def _compile_ahead(self, width: int, admissions, key):
     """The programs of a step at prompt `width` (`admissions`: the admission widths, in groups)
     not compiled yet, compiled at once (`compile_threads`) before their first call, on
-    arguments shaped and placed as the calls' (a jit cache hit then). Every admission asks;
-    once a width's programs are compiled that is a set lookup."""
+    arguments shaped and placed as the calls' (a jit cache hit then); the LATER ones (refresh,
+    the narrow decode) compile once the others, which alone are waited for here, are done:
+    the first decode starts while they compile. Every admission asks; once a width's programs are
+    compiled that is a set lookup."""
     statics = tuple(sorted(self._static().items()))
     keys = [("admit", a, width) for a in admissions]
     keys += [("decode", statics), ("take", self._rows_per_tag)]
-    keys += [("refresh",)] if self.ring > 1 else []
+    keys += [("refresh",)] if self.ring > 1 else []  # steps in flight: weights land, rows live
     keys += [("push",)] if self.admit_in_decode else []  # (its only admission)
-    keys += (
-        [("decode_narrow", statics)] if self.narrow else []
-    )  # steps in flight: weights land, rows live
+    keys += [("decode_narrow", statics)] if self.narrow else []
     keys += [("extend", statics)] if self.turns is not None else []
     todo = [k for k in keys if k not in self._compiled]
     if not todo:
@@ -702,14 +721,29 @@ class SlotEngine(SlotPrograms):
       go = self._replicated(np.zeros(n, bool))
       return (st, w8, z(n), z(n, self.max_append), z(n), go, self._version, *self._scalars())
 
-    with concurrent.futures.ThreadPoolExecutor(min(self.compile_threads, len(todo))) as pool:
-      compiles = []
-      for k in todo:  # each compile starts as soon as its program is lowered (here: the GIL)
-        self._compiled.add(k)
-        shape = k[1:] if k[0] == "admit" else ()
-        compiles.append(pool.submit(self._program(k[0], *shape).lower(*args(k)).compile))
-      for done in compiles:
-        done.result()
+    if self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(self.compile_threads)
+    waits, later = [], []
+    for k in sorted(todo, key=lambda k: k[0] in LATER):  # (stable: LATER ones last)
+      self._compiled.add(k)  # each compile starts as soon as its program is lowered (the GIL)
+      shape = k[1:] if k[0] == "admit" else ()
+      lowered = self._program(k[0], *shape).lower(*args(k))
+      if k[0] in LATER:
+        later.append((k[0], lowered))
+      else:
+        waits.append(self._pool.submit(lowered.compile))
+    for done in waits:
+      done.result()
+    for name, lowered in later:  # (after the others: no thread of theirs taken)
+      self._later[name] = self._pool.submit(lowered.compile)
+
+  def _program(self, name, *shape):
+    """SlotPrograms._program; a LATER program's first call waits for its compile ahead (jit's
+    cache then serves it: no second compile on this thread)."""
+    later = self._later.pop(name, None) if self._later else None
+    if later is not None:
+      later.result()
+    return super()._program(name, *shape)
 
   def _scalars(self):
     return (

@@ -249,6 +249,8 @@ def test_a_steps_programs_compile_at_once_before_the_first_admit(model, on_mesh,
     # 8 groups of G 3 in 12 slots: admissions of 4 groups (the whole engine), then of 1 (a refill)
     eng = engine(graphdef, 12, chunk=2, compile_threads=3, admit_in_decode=inside, **kw)
     got = eng(state, ids, mask, jax.random.key(6), "standard")
+    for later in eng._later.values():  # (a LATER program not called: its compile may run on)
+      later.result()
   finally:
     jax.monitoring.unregister_event_duration_listener(on)
   # (a program's name: "_decode" is not "_decode_narrow")
@@ -268,6 +270,38 @@ def test_a_steps_programs_compile_at_once_before_the_first_admit(model, on_mesh,
   )
   np.testing.assert_array_equal(got.tokens, one.tokens)
   np.testing.assert_array_equal(got.logprobs, one.logprobs)
+
+
+@pytest.mark.usefixtures("no_compilation_cache")
+def test_the_refresh_compiles_behind_the_first_decode(model):
+  """Streaming (two steps in flight): the refresh, which no step's first decode calls, is
+  compiled in the pool's threads but not waited for before the first decode (it is still
+  pending after it); when new weights land its call waits for that compile, and nothing
+  compiles again on the main thread."""
+  graphdef, state = nnx.split(model)
+  seen = []
+
+  def on(event, secs, **k):
+    if event == "/jax/core/compile/backend_compile_duration":
+      seen.append((threading.current_thread().name, k.get("fun_name", "")))
+
+  jax.monitoring.register_event_duration_secs_listener(on)
+  try:
+    e = engine(graphdef, 6, chunk=3, steps_in_flight=2, compile_threads=2, admit_in_decode=True)
+    e.reset(GenerationConfig(temperature=1.0), rows_per_step=12)
+    e.set_weights(state, version=0)
+    ids, mask = prompts(CFG.vocab_size, b=4, seed=1)
+    e.enqueue(0, ids, mask, jax.random.key(10))
+    e.advance()
+    assert "refresh" in e._later  # its compile was not waited for by the first decode
+    e.set_weights(jax.tree.map(lambda x: x, state), version=1)
+    assert "refresh" not in e._later
+    while not e.finished(0):
+      e.advance()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on)
+  refresh = [t for t, f in seen if "(_refresh)" in f]
+  assert len(refresh) == 1 and refresh[0].startswith("ThreadPoolExecutor"), seen
 
 
 def test_admission_inside_the_decode_needs_fewer_calls_and_keeps_slots_busier(model):
@@ -308,3 +342,34 @@ def test_a_steps_last_rows_decode_narrow_with_the_same_results(model):
   np.testing.assert_array_equal(got.lengths, caps)
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6)
   assert narrow.stats() == wide.stats()
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["host_admits", "decode_admits"])
+def test_decode_phases_read_part_of_the_caches_with_the_same_results(model, inside):
+  """decode_phases=4 (C 32: widths P + 8, 16, 24, 32): steps whose live rows are all short
+  attend to the caches' first slots only, with the tokens, log-probs and stats of one phase
+  over every slot; long-tailed budgets in fewer slots than rows, so rows are admitted while
+  others are in a later phase (admission inside the decode: the scanned caches' phases)."""
+  ids, mask = prompts(CFG.vocab_size, b=4, seed=8)
+  graphdef, state = nnx.split(model)
+  caps = np.array([3, 32, 9, 17, 2, 30, 5, 8, 25, 12, 1, 20])
+  out, stats = {}, {}
+  for phases in (1, 4):
+    e = engine(
+        graphdef,
+        6,
+        eos_ids=(),
+        max_new_tokens=32,
+        chunk=5,
+        decode_phases=phases,
+        admit_in_decode=inside,
+        scan_layers=inside,
+    )
+    assert len(e.decode_widths) == phases and e.decode_widths[-1] == P + 32
+    out[phases] = e(state, ids, mask, jax.random.key(4), "standard", caps=caps)
+    stats[phases] = e.stats()
+  np.testing.assert_array_equal(out[4].tokens, out[1].tokens)
+  np.testing.assert_array_equal(out[4].lengths, caps)
+  np.testing.assert_allclose(out[4].logprobs, out[1].logprobs, atol=1e-5)
+  np.testing.assert_allclose(out[4].raw_logprobs, out[1].raw_logprobs, atol=1e-5)
+  assert stats[4] == stats[1]
