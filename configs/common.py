@@ -192,6 +192,9 @@ def base() -> ml_collections.ConfigDict:
   # cache that grows between them (a step reads about the slots written so far; each loop
   # compiles once; a growth holds the old and the new cache at once). 0 = auto: on CPU one per
   # 32 new tokens, at most 4; on GPU one per 128, at most 4 (1 with the ragged kernel); on TPU 1.
+  # The slot engine (rollout.slots) takes the same phases: while every live row is short, its
+  # decode attends to the caches' first P + (phase end) slots (CPU, uniform batch: 0.91-0.96x
+  # the lockstep sampler -> 0.99-1.06x; benchmarks/README.md "Slot engine").
   c.rollout.decode_phases = 0
   # Decode steps between two checks of "every row stopped": on GPU the check of a while loop
   # waits on the host each iteration, a block of steps of known count does not (at most

@@ -37,7 +37,8 @@ decode admits; decode_narrow: the decode over slots / 4 of them):
 - decode: `chunk` steps for every slot at its own position (`Transformer.decode_rows`), each
   drawing one token per live row, writing it, its log-probs and the weight version that drew it
   into the output rows, and stopping a row at a stop token or its budget (`caps`, default C);
-- refresh: the live slots' keys/values computed again from their tokens (new weights);
+- refresh: the live slots' keys/values computed again from their tokens (new weights; it and
+  decode_narrow are `LATER`: compiled behind the first decode, not waited for before it);
 - take: a step's output rows as a `Rollout` (+ versions [N, C]).
 The decode reads the compute-dtype, per-layer copy of the weights (cache.sampling_copy) made
 once per weight version by `set_weights`; with `scan_layers=True` the same weights kept stacked
@@ -54,8 +55,9 @@ layer's cache slice), so per-layer is the default.
 KV layout (benchmarks/README.md "Slot engine"): per-slot contiguous caches [slots, Hkv, P + C, K]
 per layer (P + C rounded up to the ragged kernel's block on GPU). A prompt is prefilled once
 per group; its keys are copied into each of its G slots (P x G slots, not P: the price of per-row refill, and what multi-turn rows
-need, whose contexts diverge after the prompt). The XLA attention reads every slot of a row's
-cache each step (masked past its position); on GPU (decode_attention "auto") one kernel per
+need, whose contexts diverge after the prompt). The XLA attention reads a phase's first P + e slots
+of every row's cache while every live row is short enough (`decode_phases`, as the lockstep
+sampler's; copied out once per phase), else every slot (masked past each row's position); on GPU (decode_attention "auto") one kernel per
 layer reads each row's written slots only (decode_attention.ragged with per-row lengths).
 Sliding-window layers keep full caches here (no rings) and the XLA attention.
 
@@ -179,7 +181,8 @@ class SlotEngine(SlotPrograms):
     `rollout.decode_phases` (sampler.phase_ends: 0 = auto, on CPU one per 32 new tokens, at
     most 4; on TPU 1); 1 with the ragged kernel (it reads each row's written slots only). A
     decode call that starts with its rows short reads a part of the caches, as the lockstep
-    sampler's phases do (1.1x on a uniform batch on CPU: benchmarks/README.md "Slot engine")."""
+    sampler's phases do (on a uniform batch on CPU 0.91-0.96x the lockstep sampler -> 0.99-1.06x:
+    benchmarks/README.md "Slot engine")."""
     g = num_generations
     if slots < g:
       raise ValueError(f"rollout.slots={slots}: needs at least num_generations={g} slots")
