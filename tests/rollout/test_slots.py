@@ -1,6 +1,7 @@
 """The slot engine (rollout/slots.py): the lockstep sampler's tokens and log-probs on-policy,
 per-row randomness, budgets, and each token's log-prob under the weight version that drew it."""
 
+import contextlib
 import threading
 
 from flax import nnx
@@ -31,6 +32,22 @@ def model():
 def engine(graphdef, slots, **kw):
   kw = dict(max_prompt_length=P, max_new_tokens=C, num_generations=G, eos_ids=(5, 9)) | kw
   return SlotEngine(graphdef, slots=slots, **kw)
+
+
+@contextlib.contextmanager
+def compiles():
+  """The (thread name, program name) of every XLA compile while the context is open."""
+  seen = []
+
+  def on(event, secs, **k):
+    if event == "/jax/core/compile/backend_compile_duration":
+      seen.append((threading.current_thread().name, k.get("fun_name", "")))
+
+  jax.monitoring.register_event_duration_secs_listener(on)
+  try:
+    yield seen
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on)
 
 
 @pytest.mark.parametrize("inside", [False, True], ids=["host_admits", "decode_admits"])
@@ -238,21 +255,12 @@ def test_a_steps_programs_compile_at_once_before_the_first_admit(model, on_mesh,
     kw["mesh"] = mesh = sharding.make_mesh(2, 2, 2)
     state = jax.device_put(state, sharding.state_shardings(state, mesh))
     ids, mask = (jax.device_put(x, sharding.batch_sharding(mesh)) for x in (ids, mask))
-  seen = []
-
-  def on(event, secs, **k):
-    if event == "/jax/core/compile/backend_compile_duration":
-      seen.append((threading.current_thread().name, k.get("fun_name", "")))
-
-  jax.monitoring.register_event_duration_secs_listener(on)
-  try:
+  with compiles() as seen:
     # 8 groups of G 3 in 12 slots: admissions of 4 groups (the whole engine), then of 1 (a refill)
     eng = engine(graphdef, 12, chunk=2, compile_threads=3, admit_in_decode=inside, **kw)
     got = eng(state, ids, mask, jax.random.key(6), "standard")
     for later in eng._later.values():  # (a LATER program not called: its compile may run on)
       later.result()
-  finally:
-    jax.monitoring.unregister_event_duration_listener(on)
   # (a program's name: "_decode" is not "_decode_narrow")
   names = lambda part, where: [t for t, f in seen if f"({part})" in f and where(t)]  # noqa: E731
   main = lambda t: t == threading.main_thread().name  # noqa: E731
@@ -279,14 +287,7 @@ def test_the_refresh_compiles_behind_the_first_decode(model):
   pending after it); when new weights land its call waits for that compile, and nothing
   compiles again on the main thread."""
   graphdef, state = nnx.split(model)
-  seen = []
-
-  def on(event, secs, **k):
-    if event == "/jax/core/compile/backend_compile_duration":
-      seen.append((threading.current_thread().name, k.get("fun_name", "")))
-
-  jax.monitoring.register_event_duration_secs_listener(on)
-  try:
+  with compiles() as seen:
     e = engine(graphdef, 6, chunk=3, steps_in_flight=2, compile_threads=2, admit_in_decode=True)
     e.reset(GenerationConfig(temperature=1.0), rows_per_step=12)
     e.set_weights(state, version=0)
@@ -298,8 +299,6 @@ def test_the_refresh_compiles_behind_the_first_decode(model):
     assert "refresh" not in e._later
     while not e.finished(0):
       e.advance()
-  finally:
-    jax.monitoring.unregister_event_duration_listener(on)
   refresh = [t for t, f in seen if "(_refresh)" in f]
   assert len(refresh) == 1 and refresh[0].startswith("ThreadPoolExecutor"), seen
 
