@@ -334,6 +334,7 @@ def test_packed_update_benchmark_quick(tmp_path):
     not os.path.isdir(os.path.join(ROOT, "..", "shared", "data", "gsm8k")),
     reason="needs ../shared/data (GSM8K and the Qwen tokenizer)",
 )
+@pytest.mark.slow  # suite time (~70 s: seven engine modes, each compiled, and the uniform batch)
 def test_slot_engine_benchmark_quick(tmp_path):
   """benchmarks/slot_engine.py --quick (~50 s): every mode produced the batch's lengths (the
   script asserts it), with admission between chunks and inside the decode; the streaming
