@@ -19,12 +19,12 @@ Admission inside the decode: the host pushes queued groups onto a device queue (
 slots / G of them, their prompts prefilled there in one batch under the current weights, and
 again by `refresh` when new ones land); each decode step first copies the queue's next groups'
 keys/values into free slots, G each, as many as fit. No decode call ends to refill slots, and no
-slot waits for the host: on CPU, streaming draws 2.9-3.2x the lockstep sampler's tokens per
-second instead of 2.3-2.5x (benchmarks/README.md "Slot engine"). A call ends when the rows the
+slot waits for the host: on CPU, streaming draws 2.8-3.6x the lockstep sampler's tokens per
+second instead of 2.3-2.6x (benchmarks/README.md "Slot engine"). A call ends when the rows the
 host waits for are done (`watch`: a step's rows, or a count of rows for partial rollouts), when
-the device queue ran dry with groups still on the host, or after `chunk` steps. A step's last rows (at
-most slots / 4 live, nothing queued) run in the narrow decode: their caches gathered once per
-call, each step a decode of slots / 4 rows, written back after.
+the device queue ran dry with groups still on the host, or after `chunk` steps. A step's last
+rows (at most slots / 4 live, nothing queued) run in the narrow decode: their caches gathered
+once per call, each step a decode of slots / 4 rows, written back after.
 
 Device programs (rollout/slot_programs.py; static shapes; one compile per (slots, admission
 width, prompt width); two admission widths, a refill's and the whole engine's; with admission
@@ -54,10 +54,11 @@ layer's cache slice), so per-layer is the default.
 
 KV layout (benchmarks/README.md "Slot engine"): per-slot contiguous caches [slots, Hkv, P + C, K]
 per layer (P + C rounded up to the ragged kernel's block on GPU). A prompt is prefilled once
-per group; its keys are copied into each of its G slots (P x G slots, not P: the price of per-row refill, and what multi-turn rows
-need, whose contexts diverge after the prompt). The XLA attention reads a phase's first P + e slots
-of every row's cache while every live row is short enough (`decode_phases`, as the lockstep
-sampler's; copied out once per phase), else every slot (masked past each row's position); on GPU (decode_attention "auto") one kernel per
+per group; its keys are copied into each of its G slots (P x G slots, not P: the price of
+per-row refill, and what multi-turn rows need, whose contexts diverge after the prompt). The
+XLA attention reads a phase's first P + e slots of every row's cache while every live row is
+short enough (`decode_phases`, as the lockstep sampler's; copied out once per phase), else
+every slot (masked past each row's position); on GPU (decode_attention "auto") one kernel per
 layer reads each row's written slots only (decode_attention.ragged with per-row lengths).
 Sliding-window layers keep full caches here (no rings) and the XLA attention.
 
@@ -181,8 +182,8 @@ class SlotEngine(SlotPrograms):
     `rollout.decode_phases` (sampler.phase_ends: 0 = auto, on CPU one per 32 new tokens, at
     most 4; on TPU 1); 1 with the ragged kernel (it reads each row's written slots only). A
     decode call that starts with its rows short reads a part of the caches, as the lockstep
-    sampler's phases do (on a uniform batch on CPU 0.91-0.96x the lockstep sampler -> 0.99-1.06x:
-    benchmarks/README.md "Slot engine")."""
+    sampler's phases do (on a uniform batch on CPU 0.91-0.96x the lockstep sampler ->
+    0.99-1.06x: benchmarks/README.md "Slot engine")."""
     g = num_generations
     if slots < g:
       raise ValueError(f"rollout.slots={slots}: needs at least num_generations={g} slots")
@@ -572,8 +573,9 @@ class SlotEngine(SlotPrograms):
     (memory_plan.py, benchmarks/slot_compile.py): params, the policy's abstract params
     (ShapeDtypeStructs with shardings). -> {"copy": (program, args), "admit", "decode",
     "refresh", "take", "init", "decode_narrow" with a narrow decode, "push" with admission in
-    the decode, and "extend" with max_append}, each program with .lower(*args); admit at the refill's and at
-    the whole engine's width ("admit", "admit_all") and the full prompt width."""
+    the decode, and "extend" with max_append}, each program with .lower(*args); admit at the
+    refill's and at the whole engine's width ("admit", "admit_all") and the full prompt
+    width."""
     self.reset(generation, rows_per_step=rows_per_step)
     self._model_cfg = model_cfg
     rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -691,8 +693,8 @@ class SlotEngine(SlotPrograms):
     not compiled yet, compiled at once (`compile_threads`) before their first call, on
     arguments shaped and placed as the calls' (a jit cache hit then); the LATER ones (refresh,
     the narrow decode) compile once the others, which alone are waited for here, are done:
-    the first decode starts while they compile. Every admission asks; once a width's programs are
-    compiled that is a set lookup."""
+    the first decode starts while they compile. Every admission asks; once a width's programs
+    are compiled that is a set lookup."""
     statics = tuple(sorted(self._static().items()))
     keys = [("admit", a, width) for a in admissions]
     keys += [("decode", statics), ("take", self._rows_per_tag)]
