@@ -5,6 +5,9 @@ r"""Compile seconds of the slot engine's programs (rollout/slots.py) vs the lock
     JAX_PLATFORMS=cpu .venv-aot/bin/python benchmarks/slot_compile.py --platform=h100
     python benchmarks/slot_compile.py --platform=cpu          # XLA:CPU, this machine
     python benchmarks/slot_compile.py --platform=cpu --layers=4 --programs=decode  # depth check
+    # libtpu's compile for a v5p-8 (one chip), and each program's optimized HLO into a folder
+    JAX_PLATFORMS=cpu .venv-aot/bin/python benchmarks/slot_compile.py --platform=v5p-8 \
+        --programs=decode --dump_hlo=/tmp/hlo   # grpo_jax/plan/hlo_inspect.py reads them
 
 The model is the recipe's (--config: configs/qwen3_0p6b.py, Qwen3-0.6B, f32 master weights,
 scanned, bf16 compute); shapes are its own: prompts P = max_prompt_length, completions C =
@@ -29,7 +32,7 @@ sampler) and its scanned ones (scan_layers=True: one lax.scan over stacked layer
 On the H100 every program compiles with XLA's sort kernel instead of cub
 (xla_gpu_deviceless_cub_mode: a top-k > 16 otherwise fails at the deviceless compile's end;
 grpo_jax/plan/tpu_targets.compile_program), the same for all.
-Printed: seconds per program, each engine's sum and its ratio to the lockstep sampler, and the
+Printed: seconds per program (and its temporaries, XLA's memory analysis), each engine's sum and its ratio to the lockstep sampler, and the
 sum without refresh: what an on-policy run (rollout.max_staleness=0) compiles, as refresh runs
 only when new weights land while rows are in flight (streaming). --workers=N: the engine's
 programs once more as the engine compiles them ahead (rollout/slots.py, rollout.slot_compile_
@@ -56,7 +59,7 @@ ENGINE_PROGRAMS = ("copy", "admit", "decode", "decode_narrow", "push", "refresh"
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--platform", default="h100", choices=("h100", "cpu"))
+  p.add_argument("--platform", default="h100", choices=("h100", "v5p-8", "cpu"))
   p.add_argument("--config", default="configs/qwen3_0p6b.py")
   p.add_argument("--layers", type=int, default=0, help="override model.num_layers (0: as is)")
   p.add_argument(
@@ -83,13 +86,19 @@ def parse_args(argv=None):
       help="also compile each engine's programs (but copy) again, lowered in order and "
       "compiled by this many threads at once, and print the wall time (0: not)",
   )
+  p.add_argument(
+      "--dump_hlo",
+      default="",
+      help="a folder: each compiled program's optimized HLO as <engine>_<program>.hlo.txt "
+      "(grpo_jax/plan/hlo_inspect.py reads them)",
+  )
   p.add_argument("--json", default="")
   return p.parse_args(argv)
 
 
 def main(argv=None):
   args = parse_args(argv)
-  if args.platform == "h100":
+  if args.platform != "cpu":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin then wants no driver
   import jax
   import jax.numpy as jnp
@@ -117,6 +126,10 @@ def main(argv=None):
     if tpu_targets.cuda_plugin_version() is None:
       sys.exit("no jax-cuda13-plugin: run with .venv-aot (scripts/test_aot.sh), or --platform=cpu")
     target = tpu_targets.make_target("h100")
+  elif args.platform == "v5p-8":
+    if tpu_targets.libtpu_version() is None:
+      sys.exit("no libtpu: run with .venv-aot (scripts/test_aot.sh), or --platform=cpu")
+    target = tpu_targets.make_target("v5p-8")
   else:
     target = tpu_targets.make_target(None)
     target = target.__class__(**{**target.__dict__, "devices": target.devices[:1]})
@@ -148,7 +161,14 @@ def main(argv=None):
     t1 = time.perf_counter()
     compiled = lowered.compile(compiler_options=options)
     t2 = time.perf_counter()
-    print(f"  {label:<22} {t2 - t0:7.2f} s  (lower {t1 - t0:5.2f}, compile {t2 - t1:6.2f})")
+    if args.dump_hlo:
+      os.makedirs(args.dump_hlo, exist_ok=True)
+      name = label.replace(": ", "_").replace(" ", "_").replace("(", "").replace(")", "")
+      with open(os.path.join(args.dump_hlo, name + ".hlo.txt"), "w") as fh:
+        fh.write(compiled.as_text())
+    mem = compiled.memory_analysis()
+    temp = f", temp {mem.temp_size_in_bytes / 2**30:6.2f} GiB" if mem is not None else ""
+    print(f"  {label:<22} {t2 - t0:7.2f} s  (lower {t1 - t0:5.2f}, compile {t2 - t1:6.2f}{temp})")
     return compiled, t2 - t0
 
   timed("warm-up (a + 1)", lambda: jax.jit(lambda x: x + 1).lower(sds((8,), jnp.float32)))

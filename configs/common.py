@@ -220,8 +220,9 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.slot_chunk = 64
   # The slot engine's programs as one lax.scan over stacked layers and caches (True) instead of
   # a program per layer (False): an H100's compile of them 21 s instead of 35 s for Qwen3-0.6B
-  # (benchmarks/README.md "Slot engine"), but each decode step slices every layer's cache out
-  # of the stacks (on CPU 1.47x the step time; on an accelerator unmeasured).
+  # (benchmarks/README.md "Slot engine"), but each decode step copies every layer's weights out
+  # of the stacks (0.88 GB a step for Qwen3-0.6B) and, with XLA's attention (CPU, TPU; not the
+  # GPU's ragged kernel), its cache (on CPU 1.47x the step time; on an accelerator unmeasured).
   c.rollout.slot_scan_layers = False
   # Threads that compile the slot engine's programs for a prompt width at once, before its
   # first step there (XLA compiles with the GIL released: the step waits for the slowest

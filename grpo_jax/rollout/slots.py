@@ -44,13 +44,16 @@ The decode reads the compute-dtype, per-layer copy of the weights (cache.samplin
 once per weight version by `set_weights`; with `scan_layers=True` the same weights kept stacked
 (cache.stacked_sampling_copy) and caches stacked [L, slots, Hkv, S, K], which every program runs
 as one `lax.scan` over the layers (the decode carries the caches and scatters each layer's
-token into them in place: no cache copy per step; each layer's weights and cache are sliced out
-of the stacks, a read and a write of their size per step). Measured (benchmarks/slot_compile.py,
-Qwen3-0.6B recipe shapes): on CPU the scan halves a 28-layer decode's compile but steps 1.47x
-slower; for an H100 (deviceless) all programs compile in 21 s scanned vs 35 s per layer (the
-lockstep sampler: 64 s), most of it a fixed cost per program (5-8 s at 2 layers as at 28). The
-scan's runtime on an accelerator is unmeasured (the GPU's ragged kernel would read a copy of each
-layer's cache slice), so per-layer is the default.
+token into them in place: no cache copy per step). What a step still copies, read in the compiled
+HLO (benchmarks/slot_compile.py --dump_hlo, Qwen3-0.6B recipe shapes, 64 slots): each layer's
+weights, sliced out of the stacks (0.88 GB a step, on the H100 as async copies); on the GPU the
+ragged kernel reads its layer's slots of the stacked caches in place (decode_attention.ragged
+with `layer`), while XLA's attention (CPU, TPU) reads each layer's cache sliced out of the
+stack, a copy of the whole layer cache (2 x 168 MB per layer, 9.4 GB a step). Measured: on CPU
+the scan halves a 28-layer decode's compile but steps 1.47x slower; for an H100 (deviceless) all
+programs compile in 21 s scanned vs 35 s per layer (the lockstep sampler: 64 s), most of it a
+fixed cost per program (5-8 s at 2 layers as at 28). So per-layer is the default: the scan
+trades a step's copies for compile time (no accelerator runtime measured).
 
 KV layout (benchmarks/README.md "Slot engine"): per-slot contiguous caches [slots, Hkv, P + C, K]
 per layer (P + C rounded up to the ragged kernel's block on GPU). A prompt is prefilled once
@@ -148,9 +151,9 @@ class SlotEngine(SlotPrograms):
     """scan_layers: the decode (and prefills) as one `lax.scan` over stacked layers and caches
     [L, slots, Hkv, S, K] (compile time flat in depth) instead of a program per layer; None: as
     the policy's model.scan_layers. Default False, measured (benchmarks/slot_compile.py and
-    the module docstring): the scan slices each layer's weights and cache out of the stacks
-    every step (1.47x the per-layer decode's step time on CPU at 28 layers); for an H100 its
-    programs compile in 0.6x the per-layer ones' time (the module docstring).
+    the module docstring): the scan slices each layer's weights (and, but for the GPU's ragged
+    kernel, its cache) out of the stacks every step (1.47x the per-layer decode's step time on
+    CPU at 28 layers); for an H100 its programs compile in 0.6x the per-layer ones' time.
 
     turns: multi-turn rows (rollout/turns.py's ToolTurns, or any object with its methods): a
     row that stops is offered to `turns.stopped`; if it takes the row (a tool call is running),

@@ -208,6 +208,66 @@ def test_gpu_decode_attention_reads_written_slots_only(programs):
     )
 
 
+# ------------------------------------------------------------- the slot engine's layer scan
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "h100",
+        pytest.param(
+            "v5p-8",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="TPU keeps the XLA decode attention, which reads a layer's cache sliced "
+                "out of the stack: a copy per layer per step (why the per-layer engine is the "
+                "default: rollout/slots.py)",
+            ),
+        ),
+    ],
+)
+def test_scanned_slot_decode_reads_each_layers_cache_in_place(name):
+  """rollout.slot_scan_layers: the slot engine's decode scans the layers over caches stacked
+  [L, slots, Hkv, S, K] in its carry. On the H100 the ragged kernel reads its layer's written
+  slots of the stack in place (decode_attention.ragged(layer=...)): the decode slices no
+  layer's [1, slots, Hkv, S, K] cache out of it (2 x 168 MB per layer per step at Qwen3-0.6B's
+  recipe shapes before, benchmarks/README.md "Slot engine"), and each kernel's operands are
+  the whole stacks."""
+  from grpo_jax.rollout.slots import SlotEngine
+  from grpo_jax.rollout.types import GenerationConfig
+
+  target = _target(name)
+  cfg = small_qwen3(True)
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 1
+  mesh = build.make_mesh(cfg, devices=target.devices[:1])
+  policy = build.make_policy(cfg, mesh, abstract=True)
+  engine = SlotEngine(
+      policy.sampler_graphdef,
+      slots=B * G,
+      max_prompt_length=P,
+      max_new_tokens=C,
+      num_generations=G,
+      eos_ids=(0,),
+      mesh=mesh,
+      scan_layers=True,
+  )
+  gen = GenerationConfig(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+  programs = engine.abstract_programs(policy.params, policy.model_config, gen, rows_per_step=B * G)
+  fn, args = programs["decode"]
+  platform = target.devices[0].platform
+  with jax.set_mesh(mesh):
+    lowered = fn.lower(*args)
+  _, hlo, _ = tpu_targets.compile_program(lowered, platform, hlo=True)
+  layers, s = cfg.model.num_layers, engine.cache_len
+  stack = (layers, B * G, KV_HEADS, s, HEAD_DIM)
+  ops = [o for ops in hi.parse(hlo).values() for o in ops]
+  slices = [o for o in ops if o.opcode == "dynamic-slice" and hi.dims(o.type)[1] == (1, *stack[1:])]
+  assert not slices, "a layer's cache sliced out of the stack: " + _show(slices)
+  if platform == "gpu":
+    kernels = [o for o in ops if "ragged_decode_attention" in o.line and "custom-call" in o.opcode]
+    assert kernels and all(hi.dims(o.operands[1])[1] == stack for o in kernels), _show(kernels)
+
+
 # ----------------------------------------------------------------------------- packed rows
 
 PACKED_ROWS = 8  # packed rows of P + C slots (the plan's count, bucketed: abstract here)

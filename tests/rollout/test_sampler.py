@@ -467,6 +467,29 @@ def test_ragged_decode_attention_equals_xla_attention(length):
   np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
 
 
+def test_ragged_decode_attention_reads_a_stacks_layer_in_place():
+  """layer=l over caches stacked [L, N, Hkv, S, K] (the slot engine's layer scan) == the kernel
+  over stack[l], per-row lengths; the other layers are never read (NaN there changes nothing)."""
+  from grpo_jax.models.decoder import decode_attention
+
+  n, layers, hkv, r, kd, s = 4, 3, 2, 2, 32, 128
+  ks = jax.random.split(jax.random.key(1), 3)
+  q = jax.random.normal(ks[0], (n, 1, hkv * r, kd))
+  k = jax.random.normal(ks[1], (layers, n, hkv, s, kd))
+  v = jax.random.normal(ks[2], (layers, n, hkv, s, kd))
+  length = jnp.array([1, 64, 65, 128], jnp.int32)
+  none = jnp.zeros((n, hkv, 64, kd))
+  prefix = (none, none, jnp.zeros((n, 64), jnp.int32))
+  for layer in range(layers):
+    want = decode_attention.ragged(q, k[layer], v[layer], length, prefix, interpret=True)
+    other = jnp.arange(layers)[:, None, None, None, None] != layer
+    nan_k, nan_v = jnp.where(other, jnp.nan, k), jnp.where(other, jnp.nan, v)
+    got = decode_attention.ragged(
+        q, nan_k, nan_v, length, prefix, layer=jnp.int32(layer), interpret=True
+    )
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("block", [pytest.param(1, marks=pytest.mark.slow), 8])  # 8: GPU's default
 def test_ragged_decode_sampler_equals_xla_sampler(block):
   """The sampler with the ragged decode kernel (decode_attention="pallas": one phase, the

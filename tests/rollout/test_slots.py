@@ -223,13 +223,15 @@ def test_mesh_results_equal_single_device(model, inside):
   np.testing.assert_allclose(got.logprobs, one.logprobs, atol=1e-5)
 
 
-def test_ragged_kernel_with_per_row_lengths_equals_the_xla_attention(model):
+@pytest.mark.parametrize("scan", [False, True], ids=["per_layer", "scanned"])
+def test_ragged_kernel_with_per_row_lengths_equals_the_xla_attention(model, scan):
   """decode_attention="pallas" (Pallas's interpreter off GPU): each row's kernel reads its own
-  written slots; the same greedy tokens and log-probs as the XLA attention."""
+  written slots (scanned: of its layer in the stacked caches, in place); the same greedy
+  tokens and log-probs as the XLA attention."""
   ids, mask = prompts(CFG.vocab_size, b=2, seed=4)
   graphdef, state = nnx.split(model)
-  xla = engine(graphdef, 4, chunk=4, decode_attention="xla")
-  pallas = engine(graphdef, 4, chunk=4, decode_attention="pallas")
+  xla = engine(graphdef, 4, chunk=4, decode_attention="xla", scan_layers=scan)
+  pallas = engine(graphdef, 4, chunk=4, decode_attention="pallas", scan_layers=scan)
   assert pallas.ragged and not xla.ragged and pallas.cache_len % 64 == 0
   want = xla(state, ids, mask, jax.random.key(3), "greedy")
   got = pallas(state, ids, mask, jax.random.key(3), "greedy")

@@ -63,7 +63,7 @@ def supports(q_bthk, cache_k, prefix_k, *, interpret: bool = False) -> bool:
   )
 
 
-def ragged(q_bthk, k_nhsk, v_nhsk, length, prefix, *, interpret: bool = False):
+def ragged(q_bthk, k_nhsk, v_nhsk, length, prefix, *, layer=None, interpret: bool = False):
   """Decode attention of one query per row over its prompt (shared per group) and the first
   `length` slots of its cache; the same values as `attention.cache_attention` with the query at slot
   length - 1 and slots < length valid (f32 softmax; on GPU the
@@ -72,51 +72,70 @@ def ragged(q_bthk, k_nhsk, v_nhsk, length, prefix, *, interpret: bool = False):
   q [N, 1, H, K]; k, v [N, Hkv, S, K] (head-major cache, slots < length written); length: int32
   scalar (1..S), the lockstep sampler's, or [N], one per row (the slot engine's: each row at
   its own position); prefix = (pk, pv, p_valid): [N/G, Hkv, P, K], [N/G, P]. -> [N, 1, H, K].
-  `interpret`: Pallas's interpreter (off GPU: Kernels.interpret), else Triton."""
+  `layer` (an int32 scalar; the slot engine's layer scan): k, v are every layer's caches
+  stacked [L, N, Hkv, S, K] and the kernel reads layer `layer`'s written slots of them in
+  place (a `k[layer]` before the call is a copy of the layer's whole cache per step: on an
+  H100 2 x 168 MB per layer at Qwen3-0.6B's recipe shapes, benchmarks/README.md "Slot
+  engine"). `interpret`: Pallas's interpreter (off GPU: Kernels.interpret), else Triton."""
   pk, pv, p_valid = prefix
   n, _, h, kd = q_bthk.shape
-  hkv = k_nhsk.shape[1]
+  stacked = layer is not None
+  hkv = k_nhsk.shape[2 if stacked else 1]
   q = q_bthk.reshape(n, hkv, h // hkv, kd)
   length = jnp.asarray(length, jnp.int32).reshape(-1)
   per_row = length.shape[0] > 1 or n == 1
-  call = functools.partial(_call, groups=n // pk.shape[0], interpret=interpret, per_row=per_row)
+  layers = () if not stacked else (jnp.asarray(layer, jnp.int32).reshape(1),)
+  call = functools.partial(
+      _call, groups=n // pk.shape[0], interpret=interpret, per_row=per_row, stacked=stacked
+  )
   mesh = jax.sharding.get_abstract_mesh()
   if not mesh.empty and set(sharding.MESH_AXES) <= set(mesh.axis_names):
     qs = sharding.logical_to_spec(("batch", "kv_heads", "q_heads", "head_dim"), q.shape, mesh)
-    ks = sharding.logical_to_spec(("batch", "kv_heads", "length", "head_dim"), k_nhsk.shape, mesh)
+    per_layer = k_nhsk.shape[1:] if stacked else k_nhsk.shape  # (a stack's layers: whole)
+    ks = sharding.logical_to_spec(("batch", "kv_heads", "length", "head_dim"), per_layer, mesh)
     ps = sharding.logical_to_spec(("batch", "kv_heads", "length", "head_dim"), pk.shape, mesh)
     vs = sharding.logical_to_spec(("batch", "length"), p_valid.shape, mesh)
     if qs[0] != ks[0] or qs[0] != ps[0] or qs[1] != ks[1] or ps[1] != ks[1]:
       spec = jax.sharding.PartitionSpec  # rows or heads split unevenly: one shard does it all
       qs, ks, ps, vs = spec(), spec(), spec(), spec()
     qs = jax.sharding.PartitionSpec(qs[0], qs[1], None, None)
+    cache = jax.sharding.PartitionSpec(None, *ks) if stacked else ks
     call = jax.shard_map(
         call,
         mesh=mesh,
         check_vma=False,
         in_specs=(
             qs,
-            ks,
-            ks,
+            cache,
+            cache,
             ps,
             ps,
             vs,
             jax.sharding.PartitionSpec(qs[0]) if per_row else jax.sharding.PartitionSpec(),
+            *(jax.sharding.PartitionSpec() for _ in layers),
         ),
         out_specs=qs,
     )
-  out = call(q, k_nhsk, v_nhsk, pk, pv, p_valid.astype(jnp.int32), length)
+  out = call(q, k_nhsk, v_nhsk, pk, pv, p_valid.astype(jnp.int32), length, *layers)
   return out.reshape(n, 1, h, kd)
 
 
-def _call(q, k, v, pk, pv, p_valid, length, *, groups: int, interpret: bool, per_row: bool):
+def _call(
+    q, k, v, pk, pv, p_valid, length, *layer, groups: int, interpret: bool, per_row: bool, stacked
+):
   from jax.experimental import pallas as pl
 
   n, hkv, r, kd = q.shape
-  s, p = k.shape[2], pk.shape[2]
-  kernel = functools.partial(_kernel, rows=r, scale=kd**-0.5, prefix_blocks=p // BLOCK)
+  s, p = k.shape[-2], pk.shape[2]
+  kernel = functools.partial(
+      _kernel, rows=r, scale=kd**-0.5, prefix_blocks=p // BLOCK, stacked=stacked
+  )
   row = lambda i, j: (i, j, 0, 0)  # noqa: E731
   prompt = lambda i, j: (i // groups, j, 0, 0)  # noqa: E731
+  if stacked:  # the whole stack; the kernel reads its (layer, row, head)'s blocks
+    cache = pl.BlockSpec(k.shape, lambda i, j: (0,) * 5)
+  else:
+    cache = pl.BlockSpec((None, None, s, kd), row)
   kw = {}
   if not interpret:
     from jax.experimental.pallas import triton as plgpu
@@ -127,19 +146,20 @@ def _call(q, k, v, pk, pv, p_valid, length, *, groups: int, interpret: bool, per
       grid=(n, hkv),
       in_specs=[
           pl.BlockSpec((None, None, _ROWS, kd), row),
-          pl.BlockSpec((None, None, s, kd), row),
-          pl.BlockSpec((None, None, s, kd), row),
+          cache,
+          cache,
           pl.BlockSpec((None, None, p, kd), prompt),
           pl.BlockSpec((None, None, p, kd), prompt),
           pl.BlockSpec((None, p), lambda i, j: (i // groups, 0)),
           pl.BlockSpec((1,), (lambda i, j: (i,)) if per_row else (lambda i, j: (0,))),
+          *(pl.BlockSpec((1,), lambda i, j: (0,)) for _ in layer),
       ],
       out_specs=pl.BlockSpec((None, None, _ROWS, kd), row),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       interpret=interpret,
       name="ragged_decode_attention",
       **kw,
-  )(q, k, v, pk, pv, p_valid, length)
+  )(q, k, v, pk, pv, p_valid, length, *layer)
 
 
 def _kernel(
@@ -150,14 +170,15 @@ def _kernel(
     pv_ref,
     pvalid_ref,
     len_ref,
-    o_ref,
-    *,
+    *refs,
     rows: int,
     scale: float,
     prefix_blocks: int,
+    stacked: bool,
 ):
   """One (row, kv head): the online softmax (flash attention's) over the prompt's blocks, then
-  over the cache's written blocks; q rows past the GQA group (padding to _ROWS) are masked."""
+  over the cache's written blocks; q rows past the GQA group (padding to _ROWS) are masked.
+  `stacked`: k_ref, v_ref are the whole [L, N, Hkv, S, K] stacks and refs[0] the layer."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
 
@@ -182,11 +203,17 @@ def _kernel(
     return update(carry, pk_ref[sl, :], pv_ref[sl, :], pvalid_ref[sl] != 0)
 
   length = len_ref[0]
+  if stacked:
+    layer_ref, o_ref = refs
+    at = (layer_ref[0], pl.program_id(0), pl.program_id(1))
+  else:
+    (o_ref,) = refs
+    at = ()
 
   def cache_step(i, carry):
     sl = pl.ds(pl.multiple_of(i * BLOCK, BLOCK), BLOCK)
     ok = i * BLOCK + jnp.arange(BLOCK) < length
-    return update(carry, k_ref[sl, :], v_ref[sl, :], ok)
+    return update(carry, k_ref[(*at, sl, slice(None))], v_ref[(*at, sl, slice(None))], ok)
 
   carry = (
       jnp.zeros((_ROWS, kd), jnp.float32),

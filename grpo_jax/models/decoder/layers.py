@@ -413,7 +413,9 @@ class Block(nnx.Module):
     (x, cache k, cache v), the caches updated in place (written first, as `decode`). `layer` (an
     int32 scalar, under the layer scan): the caches are every layer's, stacked [L, B, Hkv, S, K];
     the token is written into layer `layer`'s slots of them (in place in the scan's carry) and
-    the attention reads that layer's."""
+    the attention reads that layer's: the ragged kernel in place, XLA's attention a copy of it
+    sliced out of the stack (a product and sum form that XLA could fuse was slower on CPU and
+    copied more on TPU: benchmarks/README.md "Slot engine")."""
     cfg = self.cfg
     t = x_btd.shape[1]
     positions = at_b[:, None] + jnp.arange(t, dtype=at_b.dtype)
@@ -426,22 +428,26 @@ class Block(nnx.Module):
         c.at[at].set(n.astype(c.dtype), unique_indices=True, mode="drop")
         for c, n in ((cache_k, k), (cache_v, v))
     )
-    if layer is None:
-      k, v = cache_k, cache_v
-    else:
-      k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (cache_k, cache_v))
-    b, s_len = x_btd.shape[0], k.shape[2]
+    b, shape = x_btd.shape[0], cache_k.shape[-4:]  # [B, Hkv, S, K]
     window = self._window(local)
     if kernels.ragged_decode and t == 1 and window is None and not cfg.attn_logit_softcap:
-      # One kernel over each row's written slots 0..at (GPU); its prompt block is an unread
-      # placeholder (no shared prompt here: the slot's cache holds it).
-      none = jnp.zeros((b, k.shape[1], decode_attention.BLOCK, k.shape[3]), k.dtype)
+      # One kernel over each row's written slots 0..at (GPU), reading a stack's layer in place;
+      # its prompt block is an unread placeholder (no shared prompt: the slot's cache holds it).
+      none = jnp.zeros((b, shape[1], decode_attention.BLOCK, shape[3]), cache_k.dtype)
       prefix = (none, none, jnp.zeros((b, decode_attention.BLOCK), jnp.int32))
-      if decode_attention.supports(q, k, none, interpret=kernels.interpret):
-        a = decode_attention.ragged(q, k, v, at_b + 1, prefix, interpret=kernels.interpret)
+      per_layer = jax.ShapeDtypeStruct(shape, cache_k.dtype)
+      if decode_attention.supports(q, per_layer, none, interpret=kernels.interpret):
+        a = decode_attention.ragged(
+            q, cache_k, cache_v, at_b + 1, prefix, layer=layer, interpret=kernels.interpret
+        )
         return self._residual(x_btd, a, kernels)[0], cache_k, cache_v
+    s_len = shape[2]
     kv_slot = jnp.arange(s_len)
     valid = jnp.ones((b, s_len), jnp.int32)  # slot_mask's causality does the rest
+    if layer is None:
+      k, v = cache_k, cache_v
+    else:  # (XLA's attention: the layer's cache sliced out of the stack, a copy per step)
+      k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (cache_k, cache_v))
     empty = jnp.zeros((b, k.shape[1], 0, k.shape[3]), k.dtype)
     prefix = (empty, empty, jnp.zeros((b, 0), jnp.int32))
     a = cache_attention(
