@@ -202,6 +202,7 @@ def main(argv=None):
         chunk=cfg.rollout.slot_chunk,
         scan_layers=scan,
         admit_in_decode=args.admission == "decode",
+        decode_attention=cfg.rollout.decode_attention,
     )
     engine.reset(gen, rows_per_step=b * g)
     engine._model_cfg = policy.model_config  # what set_weights reads from the weights

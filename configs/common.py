@@ -186,7 +186,9 @@ def base() -> ml_collections.ConfigDict:
   # The native sampler's decode attention: "auto" = on GPU one Pallas (Triton) kernel per layer
   # that reads only the cache slots written so far (models/decoder/decode_attention.py; no phases
   # needed), elsewhere the XLA attention; "xla" = the XLA attention everywhere; "pallas" = the
-  # kernel everywhere (off GPU in Pallas's interpreter: slow, for tests).
+  # kernel everywhere (off GPU in Pallas's interpreter: slow, for tests). The slot engine
+  # (rollout.slots) also has a TPU kernel (Mosaic: `ragged_tpu`, "auto" and "pallas" on TPU;
+  # "pallas_tpu" = it everywhere, off TPU interpreted; compiled for v5p, not run on a TPU).
   c.rollout.decode_attention = "auto"
   # With the XLA decode attention, the native sampler decodes in this many loops over a KV
   # cache that grows between them (a step reads about the slots written so far; each loop

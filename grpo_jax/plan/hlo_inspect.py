@@ -149,6 +149,36 @@ def while_loops(hlo: str) -> list[Loop]:
   return loops
 
 
+def every_iteration(hlo: str) -> frozenset:
+  """The computations some while loop's body runs on every iteration: its reach without what
+  only a conditional's branches run (e.g. a decode step's admission, taken on some steps),
+  from the loops that are not themselves inside such a branch."""
+  comps = parse(hlo)
+  branch = re.compile(
+      r"\b(?:true_computation|false_computation|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)"
+  )
+  todo = [
+      n
+      for ops in comps.values()
+      for o in ops
+      if o.opcode == "conditional"
+      for g in branch.findall(o.line)
+      for n in re.findall(_NAME, g)
+  ]
+  some = set()
+  while todo:
+    name = todo.pop()
+    if name in comps and name not in some:
+      some.add(name)
+      todo += [c for o in comps[name] for c in _called(o)]
+  return (
+      frozenset(
+          c for loop in while_loops(hlo) if loop.op.computation not in some for c in loop.reach
+      )
+      - some
+  )
+
+
 def loop_computations(hlo: str) -> frozenset:
   """Every computation reachable from some while loop's body (runs once per iteration)."""
   return frozenset().union(*(loop.reach for loop in while_loops(hlo)))

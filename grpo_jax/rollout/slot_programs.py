@@ -124,7 +124,9 @@ class SlotPrograms:
 
   def _model(self, weights):
     model = nnx.merge(self._copy_graphdef, weights)
-    model.kernels = Kernels.resolve(model.cfg, self.platform, ragged_decode=self.ragged)
+    model.kernels = Kernels.resolve(
+        model.cfg, self.platform, ragged_decode=self.ragged, ragged_tpu=self.ragged_tpu
+    )
     return model
 
   def _copy(self, state):

@@ -48,8 +48,9 @@ token into them in place: no cache copy per step). What a step still copies, rea
 HLO (benchmarks/slot_compile.py --dump_hlo, Qwen3-0.6B recipe shapes, 64 slots): each layer's
 weights, sliced out of the stacks (0.88 GB a step, on the H100 as async copies); on the GPU the
 ragged kernel reads its layer's slots of the stacked caches in place (decode_attention.ragged
-with `layer`), while XLA's attention (CPU, TPU) reads each layer's cache sliced out of the
-stack, a copy of the whole layer cache (2 x 168 MB per layer, 9.4 GB a step). Measured: on CPU
+with `layer`; on TPU `ragged_tpu` likewise), while XLA's attention (CPU) reads each layer's
+cache sliced out of the stack, a copy of the whole layer cache (2 x 168 MB per layer, 9.4 GB a
+step at those shapes). Measured: on CPU
 the scan halves a 28-layer decode's compile but steps 1.47x slower; for an H100 (deviceless) all
 programs compile in 21 s scanned vs 35 s per layer (the lockstep sampler: 64 s), most of it a
 fixed cost per program (5-8 s at 2 layers as at 28). So per-layer is the default: the scan
@@ -61,8 +62,10 @@ per group; its keys are copied into each of its G slots (P x G slots, not P: the
 per-row refill, and what multi-turn rows need, whose contexts diverge after the prompt). The
 XLA attention reads a phase's first P + e slots of every row's cache while every live row is
 short enough (`decode_phases`, as the lockstep sampler's; copied out once per phase), else
-every slot (masked past each row's position); on GPU (decode_attention "auto") one kernel per
-layer reads each row's written slots only (decode_attention.ragged with per-row lengths).
+every slot (masked past each row's position); on GPU and TPU (decode_attention "auto") one
+kernel per layer reads each row's written slots only (decode_attention.ragged, Triton's, with
+per-row lengths; on TPU ragged_tpu, Mosaic's, P + C rounded up to its 128-slot blocks, which
+reads a cache as XLA:TPU lays it out, slots before heads: no relayout per step).
 Sliding-window layers keep full caches here (no rings) and the XLA attention.
 
 Randomness: row r of a step with key `rng` draws its token at completion column t from
@@ -183,7 +186,7 @@ class SlotEngine(SlotPrograms):
     decode_phases: the decode attends to the caches' first P + e slots while every live row's
     next slot is below that, for the phase ends e of the lockstep sampler's
     `rollout.decode_phases` (sampler.phase_ends: 0 = auto, on CPU one per 32 new tokens, at
-    most 4; on TPU 1); 1 with the ragged kernel (it reads each row's written slots only). A
+    most 4; on TPU 1); 1 with a ragged kernel (it reads each row's written slots only). A
     decode call that starts with its rows short reads a part of the caches, as the lockstep
     sampler's phases do (on a uniform batch on CPU 0.91-0.96x the lockstep sampler ->
     0.99-1.06x: benchmarks/README.md "Slot engine")."""
@@ -214,11 +217,14 @@ class SlotEngine(SlotPrograms):
     # calls run nowhere on it, and it cannot read the slots' status.
     me = jax.process_index()
     self.local = mesh is None or any(d.process_index == me for d in mesh.devices.flat)
-    # The decode attention: on GPU by default one kernel over each row's written slots only
-    # (decode_attention.ragged, per-row lengths); else the XLA attention over every slot.
-    self.ragged = decode_attention_lib.choose(decode_attention, self.platform)
+    # The decode attention: on GPU and TPU by default one kernel over each row's written slots
+    # only (decode_attention.ragged / ragged_tpu, per-row lengths); else (CPU) the XLA
+    # attention over every slot (a phase's).
+    self.ragged, self.ragged_tpu = decode_attention_lib.choose_slots(
+        decode_attention, self.platform
+    )
     s = self.max_prompt_length + self.c
-    block = decode_attention_lib.BLOCK
+    block = decode_attention_lib.TPU_BLOCK if self.ragged_tpu else decode_attention_lib.BLOCK
     self.cache_len = -(-s // block) * block if self.ragged else s  # the kernel reads blocks
     ends = phase_ends(self.c, 1 if self.ragged else int(decode_phases), self.platform)
     self.decode_widths = tuple(self.max_prompt_length + e for e in ends[:-1]) + (self.cache_len,)

@@ -25,6 +25,7 @@ is no other dimension of the model.
 import glob
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -211,33 +212,24 @@ def test_gpu_decode_attention_reads_written_slots_only(programs):
 # ------------------------------------------------------------- the slot engine's layer scan
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "h100",
-        pytest.param(
-            "v5p-8",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="TPU keeps the XLA decode attention, which reads a layer's cache sliced "
-                "out of the stack: a copy per layer per step (why the per-layer engine is the "
-                "default: rollout/slots.py)",
-            ),
-        ),
-    ],
-)
-def test_scanned_slot_decode_reads_each_layers_cache_in_place(name):
-  """rollout.slot_scan_layers: the slot engine's decode scans the layers over caches stacked
-  [L, slots, Hkv, S, K] in its carry. On the H100 the ragged kernel reads its layer's written
-  slots of the stack in place (decode_attention.ragged(layer=...)): the decode slices no
-  layer's [1, slots, Hkv, S, K] cache out of it (2 x 168 MB per layer per step at Qwen3-0.6B's
-  recipe shapes before, benchmarks/README.md "Slot engine"), and each kernel's operands are
-  the whole stacks."""
+SLOT_KERNEL = {"gpu": "ragged_decode_attention", "tpu": "ragged_decode_attention_tpu"}
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scan"])
+@pytest.mark.parametrize("name", ["h100", "v5p-8"])
+def test_slot_decode_reads_written_blocks_in_place(name, scan):
+  """The slot engine's decode (rollout.slots, decode_attention auto): per step, one kernel per
+  layer over each row's written slots (decode_attention.ragged on the H100, ragged_tpu on the
+  v5p), reading the caches where they lie: no [1, slots, Hkv, S, K] layer slice of the stacked
+  caches (scan_layers; 2 x 168 MB per layer per step at Qwen3-0.6B's recipe shapes before) and
+  no copy of a layer's cache or more in what every step runs (the TPU's layout: the kernel
+  reads a cache written one slot per row as [.., S, Hkv, K], no relayout; benchmarks/README.md
+  "Slot engine"). Both fail on the code before 2026-12-07."""
   from grpo_jax.rollout.slots import SlotEngine
   from grpo_jax.rollout.types import GenerationConfig
 
   target = _target(name)
-  cfg = small_qwen3(True)
+  cfg = small_qwen3(scan)
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 1
   mesh = build.make_mesh(cfg, devices=target.devices[:1])
   policy = build.make_policy(cfg, mesh, abstract=True)
@@ -249,7 +241,7 @@ def test_scanned_slot_decode_reads_each_layers_cache_in_place(name):
       num_generations=G,
       eos_ids=(0,),
       mesh=mesh,
-      scan_layers=True,
+      scan_layers=scan,
   )
   gen = GenerationConfig(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
   programs = engine.abstract_programs(policy.params, policy.model_config, gen, rows_per_step=B * G)
@@ -259,13 +251,29 @@ def test_scanned_slot_decode_reads_each_layers_cache_in_place(name):
     lowered = fn.lower(*args)
   _, hlo, _ = tpu_targets.compile_program(lowered, platform, hlo=True)
   layers, s = cfg.model.num_layers, engine.cache_len
-  stack = (layers, B * G, KV_HEADS, s, HEAD_DIM)
+  layer_cache = (B * G, KV_HEADS, s, HEAD_DIM)
   ops = [o for ops in hi.parse(hlo).values() for o in ops]
-  slices = [o for o in ops if o.opcode == "dynamic-slice" and hi.dims(o.type)[1] == (1, *stack[1:])]
+  slices = [
+      o for o in ops if o.opcode == "dynamic-slice" and hi.dims(o.type)[1] == (1, *layer_cache)
+  ]
   assert not slices, "a layer's cache sliced out of the stack: " + _show(slices)
-  if platform == "gpu":
-    kernels = [o for o in ops if "ragged_decode_attention" in o.line and "custom-call" in o.opcode]
-    assert kernels and all(hi.dims(o.operands[1])[1] == stack for o in kernels), _show(kernels)
+  step = hi.every_iteration(hlo)
+  big = [
+      (o, n)
+      for o, n in hi.copies(hlo, within=step)
+      if n >= math.prod(layer_cache) * 2 and hi.dims(o.type)[0] == "bf16"
+  ]
+  assert not big, "copies of >= a layer's cache per decode step: " + _show(
+      [f"{o.type} {n} bytes ({o.computation})" for o, n in big]
+  )
+  kernel = SLOT_KERNEL[platform]
+  kernels = [
+      o
+      for o in ops
+      if o.opcode.startswith("custom-call") and re.search(rf'"?{kernel}\b(?!_tpu)', o.line)
+  ]
+  want = 1 if scan else layers
+  assert len(kernels) == want, f"{len(kernels)} {kernel} calls, want {want}: " + _show(kernels)
 
 
 # ----------------------------------------------------------------------------- packed rows

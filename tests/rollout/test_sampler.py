@@ -467,27 +467,51 @@ def test_ragged_decode_attention_equals_xla_attention(length):
   np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
 
 
-def test_ragged_decode_attention_reads_a_stacks_layer_in_place():
+@pytest.mark.parametrize("kernel", ["triton", "tpu"])
+def test_ragged_decode_attention_reads_a_stacks_layer_in_place(kernel):
   """layer=l over caches stacked [L, N, Hkv, S, K] (the slot engine's layer scan) == the kernel
-  over stack[l], per-row lengths; the other layers are never read (NaN there changes nothing)."""
+  over stack[l] == the XLA attention (f32: 1e-5), per-row lengths (one slot, whole and partial
+  blocks); the other layers and the slots past a row's last block read are never read (NaN
+  there changes nothing). `ragged` (Triton's, 64-slot blocks) and `ragged_tpu` (Mosaic's,
+  128-slot blocks of every kv head), in Pallas's interpreter."""
   from grpo_jax.models.decoder import decode_attention
+  from grpo_jax.models.decoder import attention
 
-  n, layers, hkv, r, kd, s = 4, 3, 2, 2, 32, 128
+  n, layers, hkv, r, kd, s = 4, 3, 2, 2, 32, 256
   ks = jax.random.split(jax.random.key(1), 3)
   q = jax.random.normal(ks[0], (n, 1, hkv * r, kd))
   k = jax.random.normal(ks[1], (layers, n, hkv, s, kd))
   v = jax.random.normal(ks[2], (layers, n, hkv, s, kd))
-  length = jnp.array([1, 64, 65, 128], jnp.int32)
-  none = jnp.zeros((n, hkv, 64, kd))
-  prefix = (none, none, jnp.zeros((n, 64), jnp.int32))
-  for layer in range(layers):
-    want = decode_attention.ragged(q, k[layer], v[layer], length, prefix, interpret=True)
-    other = jnp.arange(layers)[:, None, None, None, None] != layer
-    nan_k, nan_v = jnp.where(other, jnp.nan, k), jnp.where(other, jnp.nan, v)
-    got = decode_attention.ragged(
-        q, nan_k, nan_v, length, prefix, layer=jnp.int32(layer), interpret=True
+  length = jnp.array([1, 128, 129, 200], jnp.int32)
+  block = decode_attention.TPU_BLOCK if kernel == "tpu" else decode_attention.BLOCK
+  if kernel == "tpu":
+    run = lambda k, v, **kw: decode_attention.ragged_tpu(  # noqa: E731
+        q, k, v, length, interpret=True, **kw
     )
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  else:
+    none = jnp.zeros((n, hkv, 64, kd))
+    prefix = (none, none, jnp.zeros((n, 64), jnp.int32))
+    run = lambda k, v, **kw: decode_attention.ragged(  # noqa: E731
+        q, k, v, length, prefix, interpret=True, **kw
+    )
+  empty = jnp.zeros((n, hkv, 0, kd))
+  allowed = attention.slot_mask((length - 1)[:, None], jnp.arange(s), jnp.ones((n, s), jnp.int32))
+  unread = jnp.arange(s)[None, None, :, None] >= (-(-length // block) * block)[:, None, None, None]
+  for layer in range(layers):
+    want = attention.cache_attention(
+        q,
+        k[layer],
+        v[layer],
+        allowed,
+        (empty, empty, jnp.zeros((n, 0), jnp.int32)),
+        jnp.zeros((n, 1, 1, 0), bool),
+    )
+    one = run(k[layer], v[layer])
+    np.testing.assert_allclose(np.asarray(one), np.asarray(want), atol=1e-5, rtol=1e-5)
+    other = (jnp.arange(layers) != layer)[:, None, None, None, None] | unread[None]
+    nan_k, nan_v = jnp.where(other, jnp.nan, k), jnp.where(other, jnp.nan, v)
+    got = run(nan_k, nan_v, layer=jnp.int32(layer))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(one))
 
 
 @pytest.mark.parametrize("block", [pytest.param(1, marks=pytest.mark.slow), 8])  # 8: GPU's default

@@ -223,16 +223,20 @@ def test_mesh_results_equal_single_device(model, inside):
   np.testing.assert_allclose(got.logprobs, one.logprobs, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", ["pallas", "pallas_tpu"], ids=["triton", "tpu"])
 @pytest.mark.parametrize("scan", [False, True], ids=["per_layer", "scanned"])
-def test_ragged_kernel_with_per_row_lengths_equals_the_xla_attention(model, scan):
-  """decode_attention="pallas" (Pallas's interpreter off GPU): each row's kernel reads its own
-  written slots (scanned: of its layer in the stacked caches, in place); the same greedy
-  tokens and log-probs as the XLA attention."""
+def test_ragged_kernel_with_per_row_lengths_equals_the_xla_attention(model, scan, kernel):
+  """decode_attention="pallas" / "pallas_tpu" (the GPU's Triton kernel / the TPU's Mosaic one,
+  in Pallas's interpreter here): each row's kernel reads its own written slots (scanned: of its
+  layer in the stacked caches, in place); the same greedy tokens and log-probs as the XLA
+  attention."""
   ids, mask = prompts(CFG.vocab_size, b=2, seed=4)
   graphdef, state = nnx.split(model)
   xla = engine(graphdef, 4, chunk=4, decode_attention="xla", scan_layers=scan)
-  pallas = engine(graphdef, 4, chunk=4, decode_attention="pallas", scan_layers=scan)
-  assert pallas.ragged and not xla.ragged and pallas.cache_len % 64 == 0
+  pallas = engine(graphdef, 4, chunk=4, decode_attention=kernel, scan_layers=scan)
+  block = 128 if kernel == "pallas_tpu" else 64
+  assert pallas.ragged and not xla.ragged and pallas.cache_len % block == 0
+  assert pallas.ragged_tpu == (kernel == "pallas_tpu")
   want = xla(state, ids, mask, jax.random.key(3), "greedy")
   got = pallas(state, ids, mask, jax.random.key(3), "greedy")
   np.testing.assert_array_equal(got.tokens, want.tokens)

@@ -1,4 +1,5 @@
-"""Ragged decode attention: one kernel that reads only the cache slots written so far.
+"""Ragged decode attention: one kernel that reads only the cache slots written so far
+(`ragged`: Triton, the GPU's; `ragged_tpu`: Mosaic, the slot engine's on TPU, at the end).
 
 The group sampler's decode step (rollout/sampler.py) attends each row's query to its prompt's
 keys/values, kept once per group of G rows (`cache.share_prompt`: "prefix"), and to the
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 
 from grpo_jax.parallel import sharding
 
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = ("auto", "xla", "pallas", "pallas_tpu")
 # The sampler's choice when it is given none (rollout.Sampler(decode_attention=None)), a
 # process-wide default (benchmarks/accelerator.py's loop_xla sets "xla" in its child process).
 DEFAULT = "auto"
@@ -39,11 +40,26 @@ _ROWS = 16  # query rows per program: tensor-core dots need >= 16 (GQA groups ar
 
 def choose(impl: str | None, platform: str) -> bool:
   """Whether the sampler's decode runs `ragged`: impl "pallas" always (off GPU in Pallas's
-  interpreter: slow, for tests), "xla" never, "auto" on GPU (Triton); None: DEFAULT."""
+  interpreter: slow, for tests), "xla" never, "auto" on GPU (Triton); None: DEFAULT.
+  ("pallas_tpu", the slot engine's TPU kernel: the lockstep sampler keeps XLA's attention.)"""
   impl = DEFAULT if impl is None else impl
   if impl not in IMPLS:
     raise ValueError(f"decode_attention={impl!r}: use one of {', '.join(IMPLS)}")
   return impl == "pallas" or (impl == "auto" and platform in ("gpu", "cuda", "rocm"))
+
+
+def choose_slots(impl: str | None, platform: str) -> tuple[bool, bool]:
+  """The slot engine's decode attention -> (ragged, tpu): a kernel over each row's written
+  slots only, and whether it is the TPU's (`ragged_tpu`, Mosaic) rather than `ragged`
+  (Triton). "auto": `ragged` on GPU, `ragged_tpu` on TPU, XLA's attention on CPU; "pallas":
+  the platform's kernel (off GPU and TPU Triton's in Pallas's interpreter); "pallas_tpu":
+  `ragged_tpu` (off TPU in the interpreter: the CPU tests); "xla": neither; None: DEFAULT."""
+  impl = DEFAULT if impl is None else impl
+  choose(impl, platform)  # (validates)
+  tpu = platform == "tpu"
+  if impl == "pallas_tpu" or (impl in ("auto", "pallas") and tpu):
+    return True, True
+  return choose(impl, platform), False
 
 
 def supports(q_bthk, cache_k, prefix_k, *, interpret: bool = False) -> bool:
@@ -224,3 +240,167 @@ def _kernel(
   carry = jax.lax.fori_loop(0, pl.cdiv(length, BLOCK), cache_step, carry)
   acc, _, l = carry
   plgpu.store(o_ref, (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok)
+
+
+# ------------------------------------------------------------------------------------------ TPU
+
+TPU_BLOCK = 128  # cache slots per grid step of `ragged_tpu` (a lane-wide tile)
+
+
+def supports_tpu(q_bthk, cache_shape, *, interpret: bool = False) -> bool:
+  """Shapes `ragged_tpu` takes: one query per row, slots in whole TPU_BLOCKs; compiled for
+  TPU (not `interpret`) a head_dim that is a multiple of 128 (the TPU's lanes)."""
+  b, t, h, kd = q_bthk.shape
+  hkv, s = cache_shape[-3], cache_shape[-2]
+  lanes = interpret or kd % 128 == 0
+  return t == 1 and h % hkv == 0 and s % TPU_BLOCK == 0 and lanes
+
+
+def ragged_tpu(q_bthk, k_nhsk, v_nhsk, length, *, layer=None, interpret: bool = False):
+  """The slot engine's decode attention on TPU (a Mosaic kernel): each row's query over the
+  first length[b] slots of its own cache, no shared prompt; the same values as `ragged` with
+  an empty prompt (f32 scores and softmax; the probabilities meet V in the compute dtype).
+
+  q [N, 1, H, K]; k, v [N, Hkv, S, K] or, with `layer` (an int32 scalar), every layer's caches
+  stacked [L, N, Hkv, S, K], of which layer `layer` is read in place; length [N] int32 (1..S).
+  -> [N, 1, H, K]. The kernel reads the caches as [.., S, Hkv, K] (slots before heads: how
+  XLA:TPU lays out a cache written one slot per row, so the view is no copy), a block of
+  TPU_BLOCK slots of every kv head per grid step (row, block), the lengths and the layer
+  prefetched as scalars: a block past a row's length maps to the row's last written block, so
+  the pipeline fetches nothing new for it and the kernel skips it (an online softmax over the
+  written blocks). A block's [TPU_BLOCK x Hkv, K] keys meet all H queries in one product,
+  pairs of different heads masked (Hkv times the FLOPs of a per-head product, no relayout in
+  the kernel; the decode reads HBM, not the MXU, at its limit). `interpret`: Pallas's
+  interpreter (the CPU tests)."""
+  n, _, h, kd = q_bthk.shape
+  stacked = layer is not None
+  hkv, s = k_nhsk.shape[-3], k_nhsk.shape[-2]
+  rows = -(-h // 8) * 8  # (sublanes: the heads padded to whole tiles)
+  q = jnp.pad(q_bthk.reshape(n, h, kd), ((0, 0), (0, rows - h), (0, 0)))
+  k, v = (jnp.swapaxes(c, -3, -2) for c in (k_nhsk, v_nhsk))  # [.., N, S, Hkv, K]
+  length = jnp.asarray(length, jnp.int32).reshape(n)
+  at = jnp.asarray(layer if stacked else 0, jnp.int32).reshape(1)
+  call = functools.partial(
+      _call_tpu, blocks=s // TPU_BLOCK, group=h // hkv, stacked=stacked, interpret=interpret
+  )
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and set(sharding.MESH_AXES) <= set(mesh.axis_names):
+    spec = jax.sharding.PartitionSpec
+    qs = sharding.logical_to_spec(("batch", "q_heads", "head_dim"), q.shape, mesh)
+    per_layer = k.shape[1:] if stacked else k.shape
+    ks = sharding.logical_to_spec(("batch", "length", "kv_heads", "head_dim"), per_layer, mesh)
+    rows_spec = qs[0] if qs[0] == ks[0] else None  # (rows split unevenly: one shard does all)
+    qs, ks = spec(rows_spec, None, None), spec(rows_spec, None, None, None)
+    cache = spec(None, *ks) if stacked else ks
+    call = jax.shard_map(
+        call,
+        mesh=mesh,
+        check_vma=False,
+        in_specs=(spec(rows_spec), spec(), qs, cache, cache),
+        out_specs=qs,
+    )
+  out = call(length, at, q, k, v)
+  return out[:, :h].reshape(n, 1, h, kd)
+
+
+def _call_tpu(length, layer, q, k, v, *, blocks: int, group: int, stacked: bool, interpret):
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+
+  n, rows, kd = q.shape
+  hkv = k.shape[-2]
+
+  def block(i, b, length_ref, layer_ref):  # past the row's last written block: that block
+    last = jnp.maximum(length_ref[i] - 1, 0) // TPU_BLOCK
+    c = (i, jnp.minimum(b, last), 0, 0)
+    return (layer_ref[0], *c) if stacked else c
+
+  lead = (None,) if stacked else ()
+  cache = pl.BlockSpec((*lead, None, TPU_BLOCK, hkv, kd), block)
+  one = pl.BlockSpec((None, rows, kd), lambda i, b, *_: (i, 0, 0))
+  kw = {}
+  if not interpret:
+    kw["compiler_params"] = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
+  return pl.pallas_call(
+      functools.partial(_kernel_tpu, blocks=blocks, group=group, scale=kd**-0.5),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2,
+          grid=(n, blocks),
+          in_specs=[one, cache, cache],
+          out_specs=one,
+          scratch_shapes=[
+              pltpu.VMEM((rows, 128), jnp.float32),  # running max (lanes alike)
+              pltpu.VMEM((rows, 128), jnp.float32),  # running sum
+              pltpu.VMEM((rows, kd), jnp.float32),  # running output
+          ],
+      ),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      interpret=interpret,
+      name="ragged_decode_attention_tpu",
+      **kw,
+  )(length, layer, q, k, v)
+
+
+def _kernel_tpu(
+    length_ref,
+    layer_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    m_ref,
+    l_ref,
+    acc_ref,
+    *,
+    blocks,
+    group,
+    scale,
+):
+  """One (row, block of slots): the online softmax's update for a written block. Column c of
+  the block's flattened [TPU_BLOCK x Hkv] keys is slot c // Hkv of kv head c % Hkv, which
+  query head j reads iff j // group == c % Hkv."""
+  from jax.experimental import pallas as pl
+
+  del layer_ref  # (read by the index maps)
+  b = pl.program_id(1)
+  length = length_ref[pl.program_id(0)]
+  neg = jnp.finfo(jnp.float32).min
+
+  @pl.when(b == 0)
+  def _():
+    m_ref[...] = jnp.full(m_ref.shape, neg, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  @pl.when(b * TPU_BLOCK < length)
+  def _():
+    q = q_ref[...]  # [rows, K]
+    hkv, kd = k_ref.shape[-2], k_ref.shape[-1]
+    k = k_ref[...].reshape(TPU_BLOCK * hkv, kd)
+    v = v_ref[...].reshape(TPU_BLOCK * hkv, kd)
+    sc = (
+        jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        * scale
+    )  # [rows, TPU_BLOCK x Hkv]
+    col = jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
+    head = jax.lax.broadcasted_iota(jnp.int32, sc.shape, 0) // group
+    ok = (b * TPU_BLOCK + col // hkv < length) & (col % hkv == head)
+    sc = jnp.where(ok, sc, neg)
+    m_prev = m_ref[...][:, :1]
+    m_new = jnp.maximum(m_prev, sc.max(axis=1, keepdims=True))
+    corr = jnp.exp(m_prev - m_new)
+    prob = jnp.where(ok, jnp.exp(sc - m_new), 0.0)
+    slot = b * TPU_BLOCK + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0) // hkv
+    v = jnp.where(slot < length, v, jnp.zeros_like(v))  # (unwritten slots: never NaN * 0)
+    l_ref[...] = jnp.broadcast_to(
+        l_ref[...][:, :1] * corr + prob.sum(axis=1, keepdims=True), l_ref.shape
+    )
+    m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
+    pv = jax.lax.dot_general(
+        prob.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    acc_ref[...] = acc_ref[...] * corr + pv
+
+  @pl.when(b == blocks - 1)
+  def _():
+    o_ref[...] = (acc_ref[...] / l_ref[...][:, :1]).astype(o_ref.dtype)

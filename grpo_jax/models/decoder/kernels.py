@@ -43,12 +43,15 @@ class Kernels:
     ragged_decode: the decode step's attention is `decode_attention.ragged` (one kernel over the
       written cache slots only; the sampler's choice, rollout.decode_attention) where the
       layer's shapes allow it; else the XLA attention over every slot.
+    ragged_tpu: with ragged_decode, the slot engine's decode runs `decode_attention.ragged_tpu`
+      (the TPU's Mosaic kernel; off TPU in Pallas's interpreter) instead of the Triton one.
   """
 
   platform: str
   fused_attention: bool
   fuse_gate_up: bool
   ragged_decode: bool = False
+  ragged_tpu: bool = False
 
   @property
   def interpret(self) -> bool:
@@ -57,7 +60,12 @@ class Kernels:
 
   @classmethod
   def resolve(
-      cls, cfg: ModelConfig, platform: str | None = None, *, ragged_decode: bool = False
+      cls,
+      cfg: ModelConfig,
+      platform: str | None = None,
+      *,
+      ragged_decode: bool = False,
+      ragged_tpu: bool = False,
   ) -> "Kernels":
     """The kernels for `cfg` on `platform` (default: jax.default_backend()).
 
@@ -84,6 +92,7 @@ class Kernels:
         fused_attention=fused,
         fuse_gate_up=platform == "cpu",
         ragged_decode=ragged_decode,
+        ragged_tpu=ragged_decode and ragged_tpu,
     )
 
   @classmethod

@@ -430,7 +430,19 @@ class Block(nnx.Module):
     )
     b, shape = x_btd.shape[0], cache_k.shape[-4:]  # [B, Hkv, S, K]
     window = self._window(local)
-    if kernels.ragged_decode and t == 1 and window is None and not cfg.attn_logit_softcap:
+    ragged = kernels.ragged_decode and t == 1 and window is None and not cfg.attn_logit_softcap
+    interpret = kernels.platform != "tpu"
+    if (
+        ragged
+        and kernels.ragged_tpu
+        and decode_attention.supports_tpu(q, shape, interpret=interpret)
+    ):
+      # TPU: one Mosaic kernel over each row's written blocks, a stack's layer read in place.
+      a = decode_attention.ragged_tpu(
+          q, cache_k, cache_v, at_b + 1, layer=layer, interpret=interpret
+      )
+      return self._residual(x_btd, a, kernels)[0], cache_k, cache_v
+    if ragged and not kernels.ragged_tpu:
       # One kernel over each row's written slots 0..at (GPU), reading a stack's layer in place;
       # its prompt block is an unread placeholder (no shared prompt: the slot's cache holds it).
       none = jnp.zeros((b, shape[1], decode_attention.BLOCK, shape[3]), cache_k.dtype)
