@@ -225,7 +225,10 @@ def base() -> ml_collections.ConfigDict:
   # (benchmarks/README.md "Slot engine"), but each decode step copies every layer's weights out
   # of the stacks (0.88 GB a step for Qwen3-0.6B) and, with XLA's attention (CPU, TPU; not the
   # GPU's ragged kernel), its cache (on CPU 1.47x the step time; on an accelerator unmeasured).
-  c.rollout.slot_scan_layers = False
+  # None = auto: scanned on TPU (its kernel reads a stacked layer in place and the matmuls read
+  # their weights' slices where they lie: the v5p's compiled decode copies nothing per step,
+  # and it compiles ~2x faster), per layer on GPU and CPU.
+  c.rollout.slot_scan_layers = placeholder(bool)
   # Threads that compile the slot engine's programs for a prompt width at once, before its
   # first step there (XLA compiles with the GIL released: the step waits for the slowest
   # program, not the sum; benchmarks/README.md "Slot engine"). 0 = one per core this process

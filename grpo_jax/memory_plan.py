@@ -621,7 +621,7 @@ def _plan_slots(cfg, policy, inputs, mesh, measure_, row, log, host_ref):
       eos_ids=(0,),
       mesh=mesh,
       chunk=cfg.rollout.slot_chunk,
-      scan_layers=bool(cfg.rollout.slot_scan_layers),
+      scan_layers=slots_lib.scan_layers_option(cfg),
       steps_in_flight=streaming.steps_in_flight(cfg),
       decode_attention=cfg.rollout.decode_attention,
       # Multi-turn rows (rollout.tools): the extend program appends tool responses.

@@ -29,6 +29,7 @@ from grpo_jax.rollout.seq2seq_sampler import Seq2SeqSampler
 from grpo_jax.rollout import streaming
 from grpo_jax.rollout.slots import SlotEngine
 from grpo_jax.rollout.slots import admits_in_decode
+from grpo_jax.rollout.slots import scan_layers_option
 from grpo_jax.rollout.tools import formats as tool_formats
 from grpo_jax.rollout.tools import loader as tools_loader
 from grpo_jax.rollout.turns import ToolTurns
@@ -55,7 +56,7 @@ class NativeEngine:
       decode_attention: str | None = None,
       slots: int = 0,
       slot_chunk: int = 64,
-      slot_scan_layers: bool = False,
+      slot_scan_layers: bool | str = False,
       slot_compile_threads: int = 0,
       slot_admission: str = "auto",
       steps_in_flight: int = 1,
@@ -261,7 +262,7 @@ def make_engine(
       **config_options(config),
       slots=slots,
       slot_chunk=config.rollout.slot_chunk,
-      slot_scan_layers=bool(config.rollout.slot_scan_layers),
+      slot_scan_layers=scan_layers_option(config),
       slot_compile_threads=config.rollout.slot_compile_threads,
       slot_admission=config.rollout.slot_admission,
       steps_in_flight=streaming.steps_in_flight(config),

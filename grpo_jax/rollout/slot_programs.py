@@ -129,6 +129,21 @@ class SlotPrograms:
     )
     return model
 
+  @property
+  def slot_major(self) -> bool:
+    """Whether the caches are [slots, S, Hkv, K] (with the TPU's kernel: XLA:TPU lays a cache
+    written one slot per row out so, and the kernel reads it where it lies) rather than
+    head-major [slots, Hkv, S, K] (the Triton kernel's and XLA's attention's)."""
+    return self.ragged_tpu
+
+  def _constrain_cache(self, kv):
+    return _constrain_cache(kv, self.slot_major)
+
+  def _prefill(self, model, ids, mask):
+    """`Transformer.prefill_rows` -> (logits, ks, vs, length), the keys/values in the caches'
+    layout (head-major as prefill_rows makes them, or slot-major)."""
+    return model.prefill_rows(ids, mask, stacked=self.scan_layers, head_major=not self.slot_major)
+
   def _copy(self, state):
     model = nnx.merge(self.graphdef, state)
     model.kernels = Kernels.resolve(model.cfg, self.platform)
@@ -141,9 +156,11 @@ class SlotPrograms:
     model_cfg = self._model_cfg
     s, n, r = self.cache_len, self.num_slots, self.ring * self._rows_per_tag
     q, p, g = self.queue_len, self.max_prompt_length, self.g
-    shape = (n, model_cfg.num_kv_heads, s, model_cfg.head_dim)
+    hkv, hd = model_cfg.num_kv_heads, model_cfg.head_dim
+    # (slot-major with the TPU's kernel: [slots, S, Hkv, K], as XLA:TPU lays a cache out)
+    shape = (n, s, hkv, hd) if self.slot_major else (n, hkv, s, hd)
     dt = jnp.dtype(model_cfg.dtype)
-    staged = (q, model_cfg.num_kv_heads, p, model_cfg.head_dim)  # the device queue's prefills
+    staged = (q, p, hkv, hd) if self.slot_major else (q, hkv, p, hd)  # the queue's prefills
     layers = model_cfg.num_layers
     if self.scan_layers:
       zeros = lambda: jnp.zeros((layers, *shape), dt)  # noqa: E731
@@ -240,7 +257,7 @@ class SlotPrograms:
     (width, prompt width) serves every generation config; a row costs one decode step more.
     Padding entries come with the out-of-range slot and row: their writes are dropped."""
     model = self._model(weights)
-    _, ks, vs, length = model.prefill_rows(ids, mask, stacked=self.scan_layers)  # no logits
+    _, ks, vs, length = self._prefill(model, ids, mask)  # no logits
     compact = jnp.take_along_axis(ids, compaction(mask)[0], axis=1)
     return self._place(st, ks, vs, compact, length, slot_ids, row_ids, index, caps, keys)
 
@@ -253,13 +270,13 @@ class SlotPrograms:
     rep = lambda x: jnp.repeat(x, g, axis=0)  # noqa: E731
     put = lambda c, x: c.at[slot_ids].set(x.astype(c.dtype), mode="drop")  # noqa: E731
 
+    slots = (slot_ids, slice(0, w)) if self.slot_major else (slot_ids, slice(None), slice(0, w))
+
     def kv(cache, new):
       if scan:  # stacked [L, slots, ...]: the prompts' rows repeated on axis 1
         new = jnp.repeat(new, g, axis=1).astype(cache.dtype)
-        return cache.at[:, slot_ids, :, :w].set(new, mode="drop")
-      return tuple(
-          c.at[slot_ids, :, :w].set(rep(x).astype(c.dtype), mode="drop") for c, x in zip(cache, new)
-      )
+        return cache.at[(slice(None), *slots)].set(new, mode="drop")
+      return tuple(c.at[slots].set(rep(x).astype(c.dtype), mode="drop") for c, x in zip(cache, new))
 
     row_keys = jax.vmap(jax.random.fold_in)(rep(keys), index)
     last = jnp.maximum(length - 1, 0)
@@ -268,8 +285,8 @@ class SlotPrograms:
     return dict(
         st,
         seq=st["seq"].at[slot_ids, :w].set(rep(compact), mode="drop"),
-        k=_constrain_cache(kv(st["k"], ks)),
-        v=_constrain_cache(kv(st["v"], vs)),
+        k=self._constrain_cache(kv(st["k"], ks)),
+        v=self._constrain_cache(kv(st["v"], vs)),
         length=put(st["length"], rep(last)),
         token=put(st["token"], rep(last_token)),
         col=put(st["col"], jnp.zeros_like(slot_ids)),
@@ -290,7 +307,7 @@ class SlotPrograms:
     admission then only copies their keys/values into slots); their rows' outputs are marked
     not done."""
     model = self._model(weights)
-    _, ks, vs, length = model.prefill_rows(ids, mask, stacked=self.scan_layers)
+    _, ks, vs, length = self._prefill(model, ids, mask)
     compact = jnp.take_along_axis(ids, compaction(mask)[0], axis=1)
     q = self.queue_len
     j = jnp.arange(q)
@@ -362,9 +379,9 @@ class SlotPrograms:
     # (entries past the live slots read slot n - 1 and are not live; their writes are dropped)
     get = lambda x, axis=0: jnp.take(x, idx, axis=axis, mode="clip")  # noqa: E731
     if self.scan_layers:
-      cache = lambda c: _constrain_cache(get(c, 1))  # noqa: E731
+      cache = lambda c: self._constrain_cache(get(c, 1))  # noqa: E731
     else:
-      cache = lambda c: _constrain_cache(tuple(get(x) for x in c))  # noqa: E731
+      cache = lambda c: self._constrain_cache(tuple(get(x) for x in c))  # noqa: E731
     sub = dict(st, k=cache(st["k"]), v=cache(st["v"]))
     sub.update({name: get(st[name]) for name in _PER_SLOT})
     sub["live"] = sub["live"] & (idx < n)
@@ -376,8 +393,8 @@ class SlotPrograms:
       back = lambda c, new: put(c, new, 1)  # noqa: E731
     else:
       back = lambda c, new: tuple(put(x, y) for x, y in zip(c, new))  # noqa: E731
-    out = dict(sub, k=_constrain_cache(back(st["k"], sub["k"])))
-    out["v"] = _constrain_cache(back(st["v"], sub["v"]))
+    out = dict(sub, k=self._constrain_cache(back(st["k"], sub["k"])))
+    out["v"] = self._constrain_cache(back(st["v"], sub["v"]))
     out.update({name: put(st[name], sub[name]) for name in _PER_SLOT})
     return out
 
@@ -408,12 +425,12 @@ class SlotPrograms:
         admit = lambda s: jax.lax.while_loop(more, self._admit_queued, s)  # noqa: E731
         st = jax.lax.cond(more(st), admit, lambda s: s, st)
       live = st["live"]
-      at = jnp.minimum(st["length"], _width(st["k"], self.scan_layers) - 1)
+      at = jnp.minimum(st["length"], _width(st["k"], self.scan_layers, self.slot_major) - 1)
       logits, ks, vs = model.decode_rows(st["token"], st["k"], st["v"], at)
       st = dict(
           st,
-          k=_constrain_cache(ks),
-          v=_constrain_cache(vs),
+          k=self._constrain_cache(ks),
+          v=self._constrain_cache(vs),
           seq=st["seq"].at[every, at].set(st["token"], unique_indices=True),
           length=st["length"] + live,
           steps=st["steps"] + 1,
@@ -435,12 +452,12 @@ class SlotPrograms:
 
     def phase(c, w):
       i, fin, st = c
-      cut = lambda x: _cut(x, w, self.scan_layers)  # noqa: E731
-      sub = dict(st, k=_constrain_cache(cut(st["k"])), v=_constrain_cache(cut(st["v"])))
+      cut = lambda x: _cut(x, w, self.scan_layers, self.slot_major)  # noqa: E731
+      sub = dict(st, k=self._constrain_cache(cut(st["k"])), v=self._constrain_cache(cut(st["v"])))
       i, fin, sub = jax.lax.while_loop(functools.partial(cond, w=w), body, (i, fin, sub))
-      back = lambda x, y: _paste(x, y, self.scan_layers)  # noqa: E731
+      back = lambda x, y: _paste(x, y, self.scan_layers, self.slot_major)  # noqa: E731
       k, v = back(st["k"], sub["k"]), back(st["v"], sub["v"])
-      return i, fin, dict(sub, k=_constrain_cache(k), v=_constrain_cache(v))
+      return i, fin, dict(sub, k=self._constrain_cache(k), v=self._constrain_cache(v))
 
     zero = jnp.zeros((), jnp.int32)
     c = (zero, zero, st)
@@ -454,18 +471,20 @@ class SlotPrograms:
     model = self._model(weights)
     s_len = st["seq"].shape[1]
     mask = (jnp.arange(s_len)[None, :] < st["length"][:, None]).astype(jnp.int32)
-    _, ks, vs, _ = model.prefill_rows(st["seq"], mask, stacked=self.scan_layers)
+    _, ks, vs, _ = self._prefill(model, st["seq"], mask)
 
     def fresh(cache, new):
       if self.scan_layers:
         return new.astype(cache.dtype)
       return tuple(x.astype(c.dtype) for c, x in zip(cache, new))
 
-    st = dict(st, k=_constrain_cache(fresh(st["k"], ks)), v=_constrain_cache(fresh(st["v"], vs)))
+    st = dict(
+        st, k=self._constrain_cache(fresh(st["k"], ks)), v=self._constrain_cache(fresh(st["v"], vs))
+    )
     if self.admit_in_decode:
       p = st["q_ids"].shape[1]
       mask = (jnp.arange(p)[None, :] < st["q_len"][:, None]).astype(jnp.int32)
-      _, ks, vs, _ = model.prefill_rows(st["q_ids"], mask, stacked=self.scan_layers)
+      _, ks, vs, _ = self._prefill(model, st["q_ids"], mask)
       st = dict(st, q_k=fresh(st["q_k"], ks), q_v=fresh(st["q_v"], vs))
     return st
 
@@ -523,7 +542,7 @@ class SlotPrograms:
       seq = st["seq"].at[every[:, None], seq_at].set(feed, mode="drop")
       length = st["length"] + n_all
       mask = (jnp.arange(s_len)[None, :] < length[:, None]).astype(jnp.int32)
-      logits, ks, vs, _ = model.prefill_rows(seq, mask, stacked=self.scan_layers)
+      logits, ks, vs, _ = self._prefill(model, seq, mask)
       if not self.scan_layers:
         ks, vs = (
             tuple(x.astype(c.dtype) for c, x in zip(old, new))
@@ -543,8 +562,8 @@ class SlotPrograms:
     zero = jnp.zeros((e, r))
     st = dict(
         st,
-        k=_constrain_cache(ks),
-        v=_constrain_cache(vs),
+        k=self._constrain_cache(ks),
+        v=self._constrain_cache(vs),
         seq=st["seq"].at[every[:, None], seq_at].set(feed, mode="drop"),
         length=st["length"] + n_all,
         out_tokens=st["out_tokens"].at[out_r, out_c].set(tokens, mode="drop"),
@@ -562,28 +581,32 @@ class SlotPrograms:
     return self._record(st, jnp.where(on, every, n_slots), on, token, lp, raw, version)
 
 
-def _width(cache, scanned: bool) -> int:
-  """The slots per row of a cache (per-layer tuple of [B, Hkv, S, K], or stacked [L, ...])."""
-  return (cache.shape if scanned else cache[0].shape)[-2]
+def _width(cache, scanned: bool, slot_major: bool = False) -> int:
+  """The slots per row of a cache (per-layer tuple of [B, Hkv, S, K] or, slot-major,
+  [B, S, Hkv, K]; or stacked [L, ...])."""
+  return (cache.shape if scanned else cache[0].shape)[-3 if slot_major else -2]
 
 
-def _cut(cache, w: int, scanned: bool):
+def _cut(cache, w: int, scanned: bool, slot_major: bool = False):
   """The first `w` slots of every row of a cache (a copy)."""
-  return cache[..., :w, :] if scanned else tuple(c[..., :w, :] for c in cache)
+  cut = (lambda c: c[..., :w, :, :]) if slot_major else (lambda c: c[..., :w, :])
+  return cut(cache) if scanned else tuple(map(cut, cache))
 
 
-def _paste(cache, part, scanned: bool):
+def _paste(cache, part, scanned: bool, slot_major: bool = False):
   """`cache` with its first slots replaced by `part` (`_cut`'s shape; in place)."""
+  axis = -3 if slot_major else -2
   if scanned:
-    return jax.lax.dynamic_update_slice_in_dim(cache, part, 0, axis=-2)
-  return tuple(jax.lax.dynamic_update_slice_in_dim(c, x, 0, axis=-2) for c, x in zip(cache, part))
+    return jax.lax.dynamic_update_slice_in_dim(cache, part, 0, axis=axis)
+  return tuple(jax.lax.dynamic_update_slice_in_dim(c, x, 0, axis=axis) for c, x in zip(cache, part))
 
 
-def _constrain_cache(kv):
+def _constrain_cache(kv, slot_major: bool = False):
   """Per-layer caches (a tuple) or the stacked one [L, ...]: slots over the batch axes."""
+  names = ("length", "kv_heads") if slot_major else ("kv_heads", "length")
   if not isinstance(kv, tuple):
-    return sharding.constrain(kv, "layers", "batch", "kv_heads", "length", "head_dim")
-  return tuple(sharding.constrain(x, "batch", "kv_heads", "length", "head_dim") for x in kv)
+    return sharding.constrain(kv, "layers", "batch", *names, "head_dim")
+  return tuple(sharding.constrain(x, "batch", *names, "head_dim") for x in kv)
 
 
 def _host(x) -> np.ndarray:

@@ -64,8 +64,9 @@ XLA attention reads a phase's first P + e slots of every row's cache while every
 short enough (`decode_phases`, as the lockstep sampler's; copied out once per phase), else
 every slot (masked past each row's position); on GPU and TPU (decode_attention "auto") one
 kernel per layer reads each row's written slots only (decode_attention.ragged, Triton's, with
-per-row lengths; on TPU ragged_tpu, Mosaic's, P + C rounded up to its 128-slot blocks, which
-reads a cache as XLA:TPU lays it out, slots before heads: no relayout per step).
+per-row lengths; on TPU ragged_tpu, Mosaic's, P + C rounded up to its 128-slot blocks, the
+caches then kept slot-major [slots, S, Hkv, K], as XLA:TPU lays out a cache written one slot
+per row: no relayout per step, per call or per admission; benchmarks/README.md "Slot engine").
 Sliding-window layers keep full caches here (no rings) and the XLA attention.
 
 Randomness: row r of a step with key `rng` draws its token at completion column t from
@@ -107,6 +108,12 @@ REFILL_DIV = 8
 LATER = ("refresh", "decode_narrow")
 
 
+def scan_layers_option(config) -> bool | str:
+  """config.rollout.slot_scan_layers -> SlotEngine's scan_layers (None: "auto")."""
+  value = config.rollout.slot_scan_layers
+  return "auto" if value is None else bool(value)
+
+
 def admits_in_decode(admission: str, with_turns: bool) -> bool:
   """rollout.slot_admission -> SlotEngine's admit_in_decode: "decode", or "auto" without tool
   turns (a row paused on a tool call keeps its slot, which only the host knows)."""
@@ -143,7 +150,7 @@ class SlotEngine(SlotPrograms):
       chunk: int = 64,
       steps_in_flight: int = 1,
       decode_attention: str | None = None,
-      scan_layers: bool | None = False,
+      scan_layers: bool | str | None = False,
       turns=None,
       max_append: int = 0,
       reprefill_turns: bool = False,
@@ -153,10 +160,13 @@ class SlotEngine(SlotPrograms):
   ):
     """scan_layers: the decode (and prefills) as one `lax.scan` over stacked layers and caches
     [L, slots, Hkv, S, K] (compile time flat in depth) instead of a program per layer; None: as
-    the policy's model.scan_layers. Default False, measured (benchmarks/slot_compile.py and
-    the module docstring): the scan slices each layer's weights (and, but for the GPU's ragged
-    kernel, its cache) out of the stacks every step (1.47x the per-layer decode's step time on
-    CPU at 28 layers); for an H100 its programs compile in 0.6x the per-layer ones' time.
+    the policy's model.scan_layers; "auto": scanned with the TPU's kernel (its scanned decode
+    copies nothing per step, in the v5p's compiled HLO, and compiles ~2x faster), else per
+    layer. Default False, measured (benchmarks/slot_compile.py and the module docstring): the
+    scan slices each layer's weights (on the H100: 0.88 GB a step for Qwen3-0.6B) and, with
+    XLA's attention, its cache out of the stacks every step (1.47x the per-layer decode's step
+    time on CPU at 28 layers); for an H100 its programs compile in 0.6x the per-layer ones'
+    time.
 
     turns: multi-turn rows (rollout/turns.py's ToolTurns, or any object with its methods): a
     row that stops is offered to `turns.stopped`; if it takes the row (a tool call is running),
@@ -210,7 +220,6 @@ class SlotEngine(SlotPrograms):
     # slots, so admissions come in batches (one prefill each) yet slots idle little.
     self.refill = self.g * max(1, self.num_slots // (REFILL_DIV * self.g))
     self.ring = max(1, int(steps_in_flight))
-    self.scan_layers = scan_layers
     self.platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     # A process without devices in the mesh (placement=disaggregated: the trainer's processes
     # for the sampler's engine, and the other way round) schedules nothing: the programs it
@@ -223,6 +232,7 @@ class SlotEngine(SlotPrograms):
     self.ragged, self.ragged_tpu = decode_attention_lib.choose_slots(
         decode_attention, self.platform
     )
+    self.scan_layers = self.ragged_tpu if scan_layers == "auto" else scan_layers
     s = self.max_prompt_length + self.c
     block = decode_attention_lib.TPU_BLOCK if self.ragged_tpu else decode_attention_lib.BLOCK
     self.cache_len = -(-s // block) * block if self.ragged else s  # the kernel reads blocks

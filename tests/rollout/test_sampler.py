@@ -473,7 +473,7 @@ def test_ragged_decode_attention_reads_a_stacks_layer_in_place(kernel):
   over stack[l] == the XLA attention (f32: 1e-5), per-row lengths (one slot, whole and partial
   blocks); the other layers and the slots past a row's last block read are never read (NaN
   there changes nothing). `ragged` (Triton's, 64-slot blocks) and `ragged_tpu` (Mosaic's,
-  128-slot blocks of every kv head), in Pallas's interpreter."""
+  128-slot blocks of every kv head, slot-major caches), in Pallas's interpreter."""
   from grpo_jax.models.decoder import decode_attention
   from grpo_jax.models.decoder import attention
 
@@ -485,8 +485,9 @@ def test_ragged_decode_attention_reads_a_stacks_layer_in_place(kernel):
   length = jnp.array([1, 128, 129, 200], jnp.int32)
   block = decode_attention.TPU_BLOCK if kernel == "tpu" else decode_attention.BLOCK
   if kernel == "tpu":
+    # (its caches slot-major: [.., S, Hkv, K])
     run = lambda k, v, **kw: decode_attention.ragged_tpu(  # noqa: E731
-        q, k, v, length, interpret=True, **kw
+        q, jnp.swapaxes(k, -3, -2), jnp.swapaxes(v, -3, -2), length, interpret=True, **kw
     )
   else:
     none = jnp.zeros((n, hkv, 64, kd))

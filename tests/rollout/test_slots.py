@@ -378,3 +378,19 @@ def test_decode_phases_read_part_of_the_caches_with_the_same_results(model, insi
   np.testing.assert_allclose(out[4].logprobs, out[1].logprobs, atol=1e-5)
   np.testing.assert_allclose(out[4].raw_logprobs, out[1].raw_logprobs, atol=1e-5)
   assert stats[4] == stats[1]
+
+
+def test_scan_layers_auto_scans_with_the_tpu_kernel_only(model):
+  """rollout.slot_scan_layers None (the default) = "auto": the layer scan with the TPU kernel
+  (whose scanned decode copies nothing per step), a program per layer otherwise."""
+  from configs import tiny
+  from grpo_jax.rollout.slots import scan_layers_option
+
+  cfg = tiny.get_config()
+  assert cfg.rollout.slot_scan_layers is None and scan_layers_option(cfg) == "auto"
+  cfg.rollout.slot_scan_layers = True
+  assert scan_layers_option(cfg) is True
+  graphdef, _ = nnx.split(model)
+  assert not engine(graphdef, 4, scan_layers="auto").scan_layers  # (CPU: XLA's attention)
+  tpu = engine(graphdef, 4, scan_layers="auto", decode_attention="pallas_tpu")
+  assert tpu.scan_layers and tpu.slot_major

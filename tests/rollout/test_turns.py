@@ -182,6 +182,23 @@ def test_the_live_cache_equals_prefilling_the_whole_history_again(model, call):
   assert int(e2._state["extended"]) > 2 * int(e1._state["extended"])
 
 
+@pytest.mark.parametrize("again", [False, True], ids=["live", "reprefill"])
+def test_turns_with_the_tpu_kernels_slot_major_caches(model, call, again):
+  """decode_attention="pallas_tpu" (the TPU's kernel, interpreted here) keeps the caches
+  slot-major [slots, S, Hkv, K]: its decode steps, the appends (XLA's attention over the
+  transposed cache) and the re-prefill baseline draw the same tokens with the same log-probs
+  as the head-major caches of XLA's attention."""
+  gen = GenerationConfig(temperature=1.0)
+  kw = dict(reprefill_turns=again)
+  a_turns, b_turns = Scripted(call, delay=1), Scripted(call, delay=1)
+  _, _, _, a = run(model, 5, 3, gen, a_turns, decode_attention="xla", **kw)
+  e, _, _, b = run(model, 5, 3, gen, b_turns, decode_attention="pallas_tpu", **kw)
+  assert e.slot_major and len(a_turns.log) >= 3
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.tool_mask, b.tool_mask)
+  np.testing.assert_allclose(a.raw_logprobs, b.raw_logprobs, atol=1e-5)
+
+
 def test_without_turns_nothing_changes(model):
   """turns=None: tool_mask all zero and the rows as before (the existing slot tests pin the
   lockstep equality)."""

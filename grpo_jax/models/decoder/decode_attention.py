@@ -248,24 +248,26 @@ TPU_BLOCK = 128  # cache slots per grid step of `ragged_tpu` (a lane-wide tile)
 
 
 def supports_tpu(q_bthk, cache_shape, *, interpret: bool = False) -> bool:
-  """Shapes `ragged_tpu` takes: one query per row, slots in whole TPU_BLOCKs; compiled for
-  TPU (not `interpret`) a head_dim that is a multiple of 128 (the TPU's lanes)."""
+  """Shapes `ragged_tpu` takes (cache_shape head-major [.., Hkv, S, K]): one query per row,
+  slots in whole TPU_BLOCKs; compiled for TPU (not `interpret`) a head_dim that is a multiple
+  of 128 (the TPU's lanes)."""
   b, t, h, kd = q_bthk.shape
   hkv, s = cache_shape[-3], cache_shape[-2]
   lanes = interpret or kd % 128 == 0
   return t == 1 and h % hkv == 0 and s % TPU_BLOCK == 0 and lanes
 
 
-def ragged_tpu(q_bthk, k_nhsk, v_nhsk, length, *, layer=None, interpret: bool = False):
+def ragged_tpu(q_bthk, k_nshk, v_nshk, length, *, layer=None, interpret: bool = False):
   """The slot engine's decode attention on TPU (a Mosaic kernel): each row's query over the
   first length[b] slots of its own cache, no shared prompt; the same values as `ragged` with
   an empty prompt (f32 scores and softmax; the probabilities meet V in the compute dtype).
 
-  q [N, 1, H, K]; k, v [N, Hkv, S, K] or, with `layer` (an int32 scalar), every layer's caches
-  stacked [L, N, Hkv, S, K], of which layer `layer` is read in place; length [N] int32 (1..S).
-  -> [N, 1, H, K]. The kernel reads the caches as [.., S, Hkv, K] (slots before heads: how
-  XLA:TPU lays out a cache written one slot per row, so the view is no copy), a block of
-  TPU_BLOCK slots of every kv head per grid step (row, block), the lengths and the layer
+  q [N, 1, H, K]; k, v slot-major [N, S, Hkv, K] (slots before heads: how XLA:TPU lays out a
+  cache written one slot per row, so the slot engine keeps its caches so on TPU and nothing is
+  relaid out per step) or, with `layer` (an int32 scalar), every layer's caches stacked
+  [L, N, S, Hkv, K], of which layer `layer` is read in place; length [N] int32 (1..S).
+  -> [N, 1, H, K]. A block of TPU_BLOCK slots of every kv head per grid step (row, block),
+  the lengths and the layer
   prefetched as scalars: a block past a row's length maps to the row's last written block, so
   the pipeline fetches nothing new for it and the kernel skips it (an online softmax over the
   written blocks). A block's [TPU_BLOCK x Hkv, K] keys meet all H queries in one product,
@@ -274,10 +276,10 @@ def ragged_tpu(q_bthk, k_nhsk, v_nhsk, length, *, layer=None, interpret: bool = 
   interpreter (the CPU tests)."""
   n, _, h, kd = q_bthk.shape
   stacked = layer is not None
-  hkv, s = k_nhsk.shape[-3], k_nhsk.shape[-2]
+  s, hkv = k_nshk.shape[-3], k_nshk.shape[-2]
   rows = -(-h // 8) * 8  # (sublanes: the heads padded to whole tiles)
   q = jnp.pad(q_bthk.reshape(n, h, kd), ((0, 0), (0, rows - h), (0, 0)))
-  k, v = (jnp.swapaxes(c, -3, -2) for c in (k_nhsk, v_nhsk))  # [.., N, S, Hkv, K]
+  k, v = k_nshk, v_nshk
   length = jnp.asarray(length, jnp.int32).reshape(n)
   at = jnp.asarray(layer if stacked else 0, jnp.int32).reshape(1)
   call = functools.partial(

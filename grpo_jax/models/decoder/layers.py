@@ -406,7 +406,8 @@ class Block(nnx.Module):
     local layer).
 
     x [B, T, D] (token i of a row at slot at + i; slots past S are dropped); cache_k, cache_v
-    head-major [B, Hkv, S, K]; at [B] int32 (< S). With T = 1 and
+    head-major [B, Hkv, S, K] (with `kernels.ragged_tpu` slot-major [B, S, Hkv, K], the TPU
+    kernel's); at [B] int32 (< S). With T = 1 and
     `kernels.ragged_decode` (GPU) one kernel reads each row's slots 0..at only
     (decode_attention.ragged with per-row lengths; S a multiple of its BLOCK), where the layer
     allows it (no window, no soft-cap); else the XLA attention over all S slots, masked. ->
@@ -421,7 +422,8 @@ class Block(nnx.Module):
     positions = at_b[:, None] + jnp.arange(t, dtype=at_b.dtype)
     q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions, local)
     rows = jnp.arange(x_btd.shape[0])[:, None]
-    at = (rows, slice(None), positions)
+    slot_major = kernels.ragged_tpu  # (the TPU kernel's caches: [.., B, S, Hkv, K])
+    at = (rows, positions) if slot_major else (rows, slice(None), positions)
     at = at if layer is None else (layer, *at)
     # [B, T] slots, then heads: the [B, T, Hkv, K] keys as they are
     cache_k, cache_v = (
@@ -429,6 +431,8 @@ class Block(nnx.Module):
         for c, n in ((cache_k, k), (cache_v, v))
     )
     b, shape = x_btd.shape[0], cache_k.shape[-4:]  # [B, Hkv, S, K]
+    if slot_major:
+      shape = (shape[0], shape[2], shape[1], shape[3])
     window = self._window(local)
     ragged = kernels.ragged_decode and t == 1 and window is None and not cfg.attn_logit_softcap
     interpret = kernels.platform != "tpu"
@@ -460,6 +464,8 @@ class Block(nnx.Module):
       k, v = cache_k, cache_v
     else:  # (XLA's attention: the layer's cache sliced out of the stack, a copy per step)
       k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (cache_k, cache_v))
+    if slot_major:  # (a transposed copy: what the TPU kernel does not take, e.g. T > 1)
+      k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     empty = jnp.zeros((b, k.shape[1], 0, k.shape[3]), k.dtype)
     prefix = (empty, empty, jnp.zeros((b, 0), jnp.int32))
     a = cache_attention(

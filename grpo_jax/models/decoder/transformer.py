@@ -315,13 +315,14 @@ class Transformer(nnx.Module):
     )
     return (logits if all_logits else logits[:, 0]), cache, routes
 
-  def prefill_rows(self, tokens_bp, mask_bp, *, stacked: bool = False):
+  def prefill_rows(self, tokens_bp, mask_bp, *, stacked: bool = False, head_major: bool = True):
     """The slot engine's prefill (rollout/slots.py): a prompt batch (any padding) with each
     row's real tokens moved to its front, so slot j of a row holds its token at position j.
     -> (logits [B, V] f32 of the next token after each prompt's last real token, keys and
     values: per layer (a tuple) head-major [B, Hkv, P, K], or with `stacked` one array
     [L, B, Hkv, P, K], slots >= length unspecified, and length [B] int32, the real tokens of
-    each row)."""
+    each row). head_major False: the keys and values slot-major, [B, P, Hkv, K] ([L, B, P,
+    Hkv, K]), as the layers make them (the TPU kernel's caches: no transpose)."""
     src, _ = compaction(mask_bp)
     tokens, mask = _take(tokens_bp, src), _take(mask_bp, src)
     length = (mask_bp != 0).sum(-1).astype(jnp.int32)
@@ -333,11 +334,12 @@ class Transformer(nnx.Module):
     logits = self.logits_from_hidden(self.final_norm(last))[:, 0]
 
     def layout(kv):
+      swap = (lambda a: a.swapaxes(-3, -2)) if head_major else (lambda a: a)  # noqa: E731
       if stacked:
-        return jnp.stack(kv).swapaxes(2, 3) if isinstance(kv, tuple) else kv.swapaxes(2, 3)
+        return swap(jnp.stack(kv) if isinstance(kv, tuple) else kv)
       if isinstance(kv, tuple):
-        return tuple(a.swapaxes(1, 2) for a in kv)
-      return tuple(kv[i].swapaxes(1, 2) for i in range(kv.shape[0]))
+        return tuple(swap(a) for a in kv)
+      return tuple(swap(kv[i]) for i in range(kv.shape[0]))
 
     return logits, layout(ks), layout(vs), length
 
