@@ -223,8 +223,16 @@ def test_mesh_results_equal_single_device(model, inside):
   np.testing.assert_allclose(got.logprobs, one.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["pallas", "pallas_tpu"], ids=["triton", "tpu"])
-@pytest.mark.parametrize("scan", [False, True], ids=["per_layer", "scanned"])
+@pytest.mark.parametrize(
+    "scan,kernel",
+    [
+        (False, "pallas"),
+        (True, "pallas_tpu"),
+        pytest.param(True, "pallas", marks=pytest.mark.slow),  # (suite time)
+        pytest.param(False, "pallas_tpu", marks=pytest.mark.slow),
+    ],
+    ids=["per_layer-triton", "scanned-tpu", "scanned-triton", "per_layer-tpu"],
+)
 def test_ragged_kernel_with_per_row_lengths_equals_the_xla_attention(model, scan, kernel):
   """decode_attention="pallas" / "pallas_tpu" (the GPU's Triton kernel / the TPU's Mosaic one,
   in Pallas's interpreter here): each row's kernel reads its own written slots (scanned: of its

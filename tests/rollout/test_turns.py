@@ -182,7 +182,9 @@ def test_the_live_cache_equals_prefilling_the_whole_history_again(model, call):
   assert int(e2._state["extended"]) > 2 * int(e1._state["extended"])
 
 
-@pytest.mark.parametrize("again", [False, True], ids=["live", "reprefill"])
+@pytest.mark.parametrize(
+    "again", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["live", "reprefill"]
+)
 def test_turns_with_the_tpu_kernels_slot_major_caches(model, call, again):
   """decode_attention="pallas_tpu" (the TPU's kernel, interpreted here) keeps the caches
   slot-major [slots, S, Hkv, K]: its decode steps, the appends (XLA's attention over the
