@@ -87,7 +87,8 @@ measured here first:
                   MFU on real tokens (packed_update.real_flops / total / the matmul peak).
   slots           (not in the default order; ~100 s on an H200 expected, budget 120) the slot
                   engine (rollout/slots.py) vs the lockstep Sampler (benchmarks/slot_engine.py's
-                  modes: lockstep, streaming slots, on-policy slots) on the bf16 Qwen3-0.6B
+                  modes: lockstep, streaming slots, on-policy slots, the engine scanned as the
+                  config's auto on GPU and TPU; then streaming slots per layer) on the bf16 Qwen3-0.6B
                   policy, 3 batches of 16 prompts x G=4 at GSM8K's long-tailed lengths (P 256,
                   C 1024; --slots_completion=512 halves it, --slots_batches), the recipe's draw:
                   first run (compile included) and a steady run per mode, useful completion tok/s,
@@ -1701,17 +1702,19 @@ def slots_roofline(cfg, batches, g: int, rows: int, bandwidth: float) -> dict:
 def s_slots(ctx, sec, out):
   """The slot engine (rollout/slots.py) vs the lockstep Sampler on Qwen3-0.6B (bf16 params,
   ctx.policy's: the sampler section's policy, scan_layers as the recipe for the Sampler; the
-  slot engine's own per-layer decode) at GSM8K's long-tailed lengths (benchmarks/slot_engine.py:
+  slot engine as the config sets rollout.slot_scan_layers, then streaming per layer) at
+  GSM8K's long-tailed lengths (benchmarks/slot_engine.py:
   no stop token, each row's length imposed, the lockstep sampler run to its batch's longest
   row), the recipe's draw (temperature 0.9, top-k 50). Modes (slot_engine.py's): lockstep,
   streaming slots (64 slots, every batch queued), on-policy slots (32 slots, one batch at a
-  time), in that order (the last two optional past the budget). Per mode: the first run
+  time), streaming slots per layer, in that order (the last three optional past the budget). Per mode: the first run
   (compile included) and one steady run; useful completion tok/s, ratio vs lockstep, and the
   HBM roofline share: slots_roofline's seconds / the steady run's."""
   from benchmarks import slot_engine as se
   from benchmarks import packed_update as pu
   from configs import qwen3_8b
   from grpo_jax.parallel import multihost
+  from grpo_jax.rollout.slots import scan_layers_option
 
   w = slots_workload(ctx)
   recipe = qwen3_8b.get_config()
@@ -1755,7 +1758,10 @@ def s_slots(ctx, sec, out):
       f"max per batch {out['workload']['completion_max']}; lockstep fill {useful / issued:.3f}"
   )
   key = _replicated_key(ctx.args.seed, mesh)
-  modes = ("lockstep", "streaming slots", "on-policy slots")
+  # the engine as configured (rollout.slot_scan_layers unset: scanned on GPU and TPU), then
+  # streaming with a program per layer (what the scan's compile gain costs or saves per step)
+  scan = scan_layers_option(config)
+  modes = ("lockstep", "streaming slots", "on-policy slots", "streaming slots" + se.LAYERS)
   _, runs = se.make_runs(
       graphdef,
       state,
@@ -1772,8 +1778,10 @@ def s_slots(ctx, sec, out):
           decode_phases=config.rollout.decode_phases,
           decode_block=config.rollout.decode_block,
       ),
-      engine_kw=dict(mesh=mesh),
+      engine_kw=dict(mesh=mesh, scan_layers=scan),
   )
+  out["workload"]["slot_scan_layers"] = runs["streaming slots"][1].scan_layers
+  say(f"  slot engine: scan_layers {out['workload']['slot_scan_layers']} (config: {scan})")
   bw = _ceiling(ctx, "hbm_tb_s")
   roof = slots_roofline(cfg, [x[0] for x in batches], g, n, bw * 1e12) if bw else None
   if roof:

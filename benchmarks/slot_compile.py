@@ -92,8 +92,22 @@ def parse_args(argv=None):
       help="a folder: each compiled program's optimized HLO as <engine>_<program>.hlo.txt "
       "(grpo_jax/plan/hlo_inspect.py reads them)",
   )
+  p.add_argument(
+      "--xla",
+      action="append",
+      default=[],
+      help="an extra XLA compiler option name=value for every program (repeatable)",
+  )
   p.add_argument("--json", default="")
   return p.parse_args(argv)
+
+
+def _xla_option(text: str):
+  """'name=value' -> (name, value): true/false as bools, digits as ints, else the string."""
+  name, _, value = text.partition("=")
+  if value.lower() in ("true", "false"):
+    return name, value.lower() == "true"
+  return name, int(value) if value.lstrip("-").isdigit() else value
 
 
 def main(argv=None):
@@ -144,7 +158,9 @@ def main(argv=None):
   sds = lambda shape, dt, s=rep: jax.ShapeDtypeStruct(shape, dt, sharding=s)  # noqa: E731
   key = jax.eval_shape(lambda: jax.random.key(0))
   gpu = target.devices[0].platform == "gpu"
-  options = {"xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED"} if gpu else None
+  options = {"xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED"} if gpu else {}
+  options.update(_xla_option(o) for o in args.xla)
+  options = options or None
   programs = args.programs.split(",")
   print(
       f"[slot_compile] {target.compiler}; {name}: L={cfg.model.num_layers} "

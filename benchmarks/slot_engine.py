@@ -121,6 +121,8 @@ def run_slots(engine, state, batches, key, streaming: bool, generation=GENERATIO
 MODES = ("lockstep", "on-policy slots", "streaming slots", "streaming 2x slots")
 # The same slot modes with admission inside the decode (SlotEngine(admit_in_decode=True)).
 INSIDE = " +admit in decode"
+# A slot mode with a program per layer (SlotEngine(scan_layers=False)), whatever engine_kw says.
+LAYERS = " per layer"
 
 
 def make_runs(
@@ -156,6 +158,8 @@ def make_runs(
   for name in modes:
     inside = name.endswith(INSIDE)
     base = name.removesuffix(INSIDE)
+    per_layer = base.endswith(LAYERS)
+    base = base.removesuffix(LAYERS)
     if name == "lockstep":
       runs[name] = (
           lambda: run_lockstep(samplers, state, batches, key, generation),
@@ -165,7 +169,8 @@ def make_runs(
       continue
     count, streaming = slots[base]
     flight = dict(steps_in_flight=len(batches)) if streaming else {}
-    engine = SlotEngine(graphdef, slots=count, **flight, **kw, admit_in_decode=inside)
+    layers = dict(scan_layers=False) if per_layer else {}
+    engine = SlotEngine(graphdef, slots=count, **flight, **(kw | layers), admit_in_decode=inside)
     runs[name] = (
         lambda e=engine, s=streaming: run_slots(e, state, batches, key, s, generation),
         engine,

@@ -221,13 +221,12 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.slots = 0
   c.rollout.slot_chunk = 64
   # The slot engine's programs as one lax.scan over stacked layers and caches (True) instead of
-  # a program per layer (False): an H100's compile of them 21 s instead of 35 s for Qwen3-0.6B
-  # (benchmarks/README.md "Slot engine"), but each decode step copies every layer's weights out
-  # of the stacks (0.88 GB a step for Qwen3-0.6B) and, with XLA's attention (CPU, TPU; not the
-  # GPU's ragged kernel), its cache (on CPU 1.47x the step time; on an accelerator unmeasured).
-  # None = auto: scanned on TPU (its kernel reads a stacked layer in place and the matmuls read
-  # their weights' slices where they lie: the v5p's compiled decode copies nothing per step,
-  # and it compiles ~2x faster), per layer on GPU and CPU.
+  # a program per layer (False): an H100's compile of them about half the per-layer ones' for
+  # Qwen3-0.6B (benchmarks/README.md "Slot engine"). With a ragged decode kernel (GPU, TPU) a
+  # scanned step copies nothing: the kernel reads the stacked caches and each matmul its layer's
+  # weights where they lie (on GPU through cuBLAS and XLA's dynamic-slice fusion). With XLA's
+  # attention (CPU) each step copies every layer's cache out of the stack: 1.47x the step time.
+  # None = auto: scanned on GPU and TPU, per layer on CPU.
   c.rollout.slot_scan_layers = placeholder(bool)
   # Threads that compile the slot engine's programs for a prompt width at once, before its
   # first step there (XLA compiles with the GIL released: the step waits for the slowest

@@ -226,7 +226,13 @@ def test_accelerator_packed_and_slots_quick(tmp_path):
   assert pk["speedup"] > 0 and pk["goal"] == pytest.approx(0.8 / pk["fill"]["padded"])
   sl = res["slots"]
   modes = sl["modes"]
-  assert set(modes) == {"lockstep", "streaming slots", "on-policy slots"}
+  assert set(modes) == {
+      "lockstep",
+      "streaming slots",
+      "on-policy slots",
+      "streaming slots per layer",
+  }
+  assert sl["workload"]["slot_scan_layers"] is False  # (CPU: auto = a program per layer)
   for name, m in modes.items():
     assert m["tokens_per_sec"] > 0 and m["first_s"] > m["sec"] and m["of_hbm_roofline"] > 0, name
   assert modes["lockstep"]["vs_lockstep"] == 1

@@ -6,6 +6,7 @@ or XLA's *after_optimizations.txt dump; memory_plan --dump_hlo writes them). Pur
     converts(hlo, min_elements=1 << 16, within=decode.reach)  # f32->bf16 weight casts per step
     sorts(hlo, within=decode.reach)       # sorts (XLA's, cub's) run per step, operand shapes
     copies(hlo, within=decode.reach)      # copies per step and their bytes
+    slices(hlo, 1 << 20, within=decode.reach)  # dynamic slices written per step (not addresses)
     square_arrays(hlo, 144)               # f32 [..., 144, 144] arrays: attention scores
     collectives(hlo)                      # all-gathers, all-reduces, ... (largest_array: size)
 
@@ -246,6 +247,44 @@ def copies(hlo: str, *, within=None) -> list[tuple[Op, int]]:
       if o.opcode == "copy"
       or (o.opcode.startswith("custom-call:") and "memcpy" in o.opcode.lower())
   ]
+
+
+def slices(hlo: str, min_bytes: int, *, within=None) -> list[tuple[Op, int]]:
+  """(dynamic-slice op, bytes) of at least `min_bytes` written to memory by an instruction of
+  `within` (a loop body's own instructions, not those inside fusions): a dynamic-slice, or a
+  fusion (XLA:GPU's asynchronous fusion-start too) whose result is one; e.g. a layer's weights
+  copied out of a stack [L, ...] under a layer scan. Not a slice a fusion reads in place (one
+  fused into a dot's operand, or XLA:GPU's dynamic-slice fusion: the address of a cuBLAS
+  call's operand, offset from the loop index), nor one into a TPU's on-chip memory (S(1): a
+  prefetch, as copy-start)."""
+  comps = parse(hlo)
+  within = loop_computations(hlo) if within is None else within
+  fused = {
+      c for ops in comps.values() for o in ops if o.opcode.startswith("fusion") for c in _called(o)
+  }
+
+  def sliced(name):  # a fusion body's result: its root, through bitcasts, a dynamic-slice
+    by_name = {o.name: o for o in comps.get(name, ())}
+    root = next((o for o in comps.get(name, ()) if o.line.lstrip().startswith("ROOT")), None)
+    while root is not None and root.opcode == "bitcast":
+      operand = re.search(r"bitcast\(%([\w.\-]+)", root.line)
+      root = by_name.get(operand.group(1)) if operand else None
+    return root if root is not None and root.opcode == "dynamic-slice" else None
+
+  out = []
+  for name, ops in comps.items():  # (in text order)
+    if name not in within or name in fused:
+      continue
+    for o in ops:
+      if o.opcode == "dynamic-slice":
+        hit = o
+      elif o.opcode in ("fusion", "fusion-start"):
+        hit = next(filter(None, map(sliced, _called(o))), None)
+      else:
+        continue
+      if hit is not None and "S(1)" not in hit.type and nbytes(hit.type) >= min_bytes:
+        out.append((hit, nbytes(hit.type)))
+  return out
 
 
 def square_arrays(hlo: str, s: int, dtypes=("f32",)) -> list[tuple[str, str, str, tuple]]:

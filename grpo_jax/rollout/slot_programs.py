@@ -77,6 +77,23 @@ _CONTROL = (
 # The state's per-slot arrays besides the caches (a narrow decode gathers them).
 _PER_SLOT = ("length", "seq", "token", "col", "cap", "row", "live", "keys")
 
+# The programs that run the layers (a prefill or a decode over them).
+_LAYERED = ("admit", "decode", "decode_narrow", "refresh", "extend", "push")
+
+# XLA:GPU options for the scanned engine's layered programs: every GEMM reads its layer's
+# weights where they lie in the stacks [L, ...] (a cuBLAS call at an address offset by the
+# scan's loop index, computed on the host: XLA's dynamic-slice fusion), instead of an async
+# copy of the layer's slice before a Triton GEMM (31.5 MB per layer, 0.88 GB per decode step
+# for Qwen3-0.6B). Dynamic-slice fusion takes cuBLAS GEMMs only, hence no Triton GEMMs; and
+# XLA's dot merger would join the q/k/v (gate/up) GEMMs into one over their weights
+# concatenated per step, hence none. Read in the compiled HLO (tests/plan/
+# test_compiled_programs.py; benchmarks/README.md "Slot engine").
+SCANNED_GPU_OPTIONS = {
+    "xla_gpu_enable_dynamic_slice_fusion": True,
+    "xla_gpu_enable_triton_gemm": False,
+    "xla_disable_hlo_passes": "dot-merger",
+}
+
 
 class SlotPrograms:
   """The device side of the slot engine (see the module docstring); SlotEngine's base class."""
@@ -104,6 +121,8 @@ class SlotPrograms:
         kw["out_shardings"] = self._state_shardings()
       if self.mesh is not None and name == "take":
         kw["out_shardings"] = (Rollout.shardings(self.mesh), sharding.batch_sharding(self.mesh, 2))
+      if self.scan_layers and self.platform == "gpu" and name in _LAYERED:
+        kw["compiler_options"] = dict(SCANNED_GPU_OPTIONS)
       jitted = jax.jit(fn, **kw)
       self._programs[key] = jitted if self.mesh is None else _InMesh(jitted, self.mesh)
     return self._programs[key]

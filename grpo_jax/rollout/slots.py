@@ -44,17 +44,20 @@ The decode reads the compute-dtype, per-layer copy of the weights (cache.samplin
 once per weight version by `set_weights`; with `scan_layers=True` the same weights kept stacked
 (cache.stacked_sampling_copy) and caches stacked [L, slots, Hkv, S, K], which every program runs
 as one `lax.scan` over the layers (the decode carries the caches and scatters each layer's
-token into them in place: no cache copy per step). What a step still copies, read in the compiled
-HLO (benchmarks/slot_compile.py --dump_hlo, Qwen3-0.6B recipe shapes, 64 slots): each layer's
-weights, sliced out of the stacks (0.88 GB a step, on the H100 as async copies); on the GPU the
-ragged kernel reads its layer's slots of the stacked caches in place (decode_attention.ragged
-with `layer`; on TPU `ragged_tpu` likewise), while XLA's attention (CPU) reads each layer's
-cache sliced out of the stack, a copy of the whole layer cache (2 x 168 MB per layer, 9.4 GB a
-step at those shapes). Measured: on CPU
-the scan halves a 28-layer decode's compile but steps 1.47x slower; for an H100 (deviceless) all
-programs compile in 21 s scanned vs 35 s per layer (the lockstep sampler: 64 s), most of it a
-fixed cost per program (5-8 s at 2 layers as at 28). So per-layer is the default: the scan
-trades a step's copies for compile time (no accelerator runtime measured).
+token into them in place: no cache copy per step). What a step copies, read in the compiled
+HLO (benchmarks/slot_compile.py --dump_hlo, Qwen3-0.6B recipe shapes, 64 slots;
+tests/plan/test_compiled_programs.py): on GPU and TPU nothing of the layers' weights or
+caches: the ragged kernel reads its layer's slots of the stacked caches in place
+(decode_attention.ragged with `layer`; on TPU `ragged_tpu`), and each matmul its layer's
+weights where they lie in the stacks (TPU: the slice fused into the matmul; GPU: cuBLAS at an
+address offset from the loop index, XLA's dynamic-slice fusion, slot_programs.
+SCANNED_GPU_OPTIONS; before, 0.88 GB of async weight copies a step). XLA's attention (CPU)
+reads each layer's cache sliced out of the stack, a copy of the whole layer cache (2 x 168 MB
+per layer, 9.4 GB a step at those shapes): on CPU the scanned decode steps 1.47x slower, and
+the scan only halves a 28-layer decode's compile. So scan_layers "auto" (the config's default)
+scans on GPU and TPU and runs a program per layer on CPU; for an H100 (deviceless) the scanned
+programs compile in about half the per-layer ones' time (benchmarks/README.md "Slot engine";
+no accelerator runtime measured).
 
 KV layout (benchmarks/README.md "Slot engine"): per-slot contiguous caches [slots, Hkv, P + C, K]
 per layer (P + C rounded up to the ragged kernel's block on GPU). A prompt is prefilled once
@@ -160,13 +163,11 @@ class SlotEngine(SlotPrograms):
   ):
     """scan_layers: the decode (and prefills) as one `lax.scan` over stacked layers and caches
     [L, slots, Hkv, S, K] (compile time flat in depth) instead of a program per layer; None: as
-    the policy's model.scan_layers; "auto": scanned with the TPU's kernel (its scanned decode
-    copies nothing per step, in the v5p's compiled HLO, and compiles ~2x faster), else per
-    layer. Default False, measured (benchmarks/slot_compile.py and the module docstring): the
-    scan slices each layer's weights (on the H100: 0.88 GB a step for Qwen3-0.6B) and, with
-    XLA's attention, its cache out of the stacks every step (1.47x the per-layer decode's step
-    time on CPU at 28 layers); for an H100 its programs compile in 0.6x the per-layer ones'
-    time.
+    the policy's model.scan_layers; "auto" (the config's default): scanned where a ragged
+    kernel reads the stacked caches (GPU, TPU; their scanned decodes copy nothing per step in
+    the compiled HLO, and compile in about half the time), per layer on CPU (XLA's attention:
+    the scan copies each layer's cache out of the stack every step, 1.47x the step time).
+    Default False.
 
     turns: multi-turn rows (rollout/turns.py's ToolTurns, or any object with its methods): a
     row that stops is offered to `turns.stopped`; if it takes the row (a tool call is running),
@@ -232,7 +233,9 @@ class SlotEngine(SlotPrograms):
     self.ragged, self.ragged_tpu = decode_attention_lib.choose_slots(
         decode_attention, self.platform
     )
-    self.scan_layers = self.ragged_tpu if scan_layers == "auto" else scan_layers
+    # "auto": scanned where a kernel reads a stacked layer's caches in place (GPU, TPU).
+    scanned = self.ragged_tpu or (self.ragged and self.platform == "gpu")
+    self.scan_layers = scanned if scan_layers == "auto" else scan_layers
     s = self.max_prompt_length + self.c
     block = decode_attention_lib.TPU_BLOCK if self.ragged_tpu else decode_attention_lib.BLOCK
     self.cache_len = -(-s // block) * block if self.ragged else s  # the kernel reads blocks

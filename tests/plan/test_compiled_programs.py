@@ -224,7 +224,8 @@ def test_slot_decode_reads_written_blocks_in_place(name, scan):
   caches (scan_layers; 2 x 168 MB per layer per step at Qwen3-0.6B's recipe shapes before) and
   no copy of a layer's cache or more in what every step runs (the TPU's layout: the kernel
   reads a cache written one slot per row as [.., S, Hkv, K], no relayout; benchmarks/README.md
-  "Slot engine"). Both fail on the code before 2026-12-07."""
+  "Slot engine"); nor, scanned, a layer's weights copied out of the stacked weights. Each
+  fails on the code before 2026-12-07."""
   from grpo_jax.rollout.slots import SlotEngine
   from grpo_jax.rollout.types import GenerationConfig
 
@@ -274,6 +275,40 @@ def test_slot_decode_reads_written_blocks_in_place(name, scan):
   ]
   want = 1 if scan else layers
   assert len(kernels) == want, f"{len(kernels)} {kernel} calls, want {want}: " + _show(kernels)
+  # Nor a layer's weights sliced out of the stacked weights (scan_layers): each matmul reads
+  # them where they lie (on the H100 a cuBLAS call at an offset from the loop index, XLA's
+  # dynamic-slice fusion: slot_programs.SCANNED_GPU_OPTIONS; on the v5p the slice fused into
+  # the matmul's operand). Before 2026-12-07 the H100's were async copies before Triton GEMMs.
+  smallest = HIDDEN * KV_HEADS * HEAD_DIM * 2  # bytes of a k or v projection (bf16)
+  weights = hi.slices(hlo, smallest, within=step)
+  assert not weights, "a layer's weights copied out of the stacks per step: " + _show(
+      [f"{o.type} {n} bytes ({o.computation})" for o, n in weights]
+  )
+
+
+@pytest.mark.parametrize("name", ["h100", "v5p-8"])
+def test_slot_engine_scans_on_accelerators_by_default(name):
+  """rollout.slot_scan_layers None ("auto"): the layer scan on GPU and TPU, where the ragged
+  kernels read a stacked layer's caches in place (and the matmuls their weights: above); one
+  program per layer on CPU (tests/rollout/test_slots.py)."""
+  from grpo_jax.rollout.slots import SlotEngine
+
+  target = _target(name)
+  cfg = small_qwen3(True)
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 1
+  mesh = build.make_mesh(cfg, devices=target.devices[:1])
+  policy = build.make_policy(cfg, mesh, abstract=True)
+  engine = SlotEngine(
+      policy.sampler_graphdef,
+      slots=B * G,
+      max_prompt_length=P,
+      max_new_tokens=C,
+      num_generations=G,
+      eos_ids=(0,),
+      mesh=mesh,
+      scan_layers="auto",
+  )
+  assert engine.scan_layers and engine.ragged
 
 
 # ----------------------------------------------------------------------------- packed rows

@@ -388,9 +388,11 @@ def test_decode_phases_read_part_of_the_caches_with_the_same_results(model, insi
   assert stats[4] == stats[1]
 
 
-def test_scan_layers_auto_scans_with_the_tpu_kernel_only(model):
+def test_scan_layers_auto_scans_with_an_accelerators_kernel_only(model):
   """rollout.slot_scan_layers None (the default) = "auto": the layer scan with the TPU kernel
-  (whose scanned decode copies nothing per step), a program per layer otherwise."""
+  or on GPU with Triton's (whose scanned decodes copy nothing per step:
+  tests/plan/test_compiled_programs.py), a program per layer otherwise (CPU, even with
+  Triton's kernel interpreted)."""
   from configs import tiny
   from grpo_jax.rollout.slots import scan_layers_option
 
@@ -400,5 +402,6 @@ def test_scan_layers_auto_scans_with_the_tpu_kernel_only(model):
   assert scan_layers_option(cfg) is True
   graphdef, _ = nnx.split(model)
   assert not engine(graphdef, 4, scan_layers="auto").scan_layers  # (CPU: XLA's attention)
+  assert not engine(graphdef, 4, scan_layers="auto", decode_attention="pallas").scan_layers
   tpu = engine(graphdef, 4, scan_layers="auto", decode_attention="pallas_tpu")
   assert tpu.scan_layers and tpu.slot_major
