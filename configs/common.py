@@ -226,7 +226,8 @@ def base() -> ml_collections.ConfigDict:
   # scanned step copies nothing: the kernel reads the stacked caches and each matmul its layer's
   # weights where they lie (on GPU through cuBLAS and XLA's dynamic-slice fusion). With XLA's
   # attention (CPU) each step copies every layer's cache out of the stack: 1.47x the step time.
-  # None = auto: scanned on GPU and TPU, per layer on CPU.
+  # None = auto: scanned on GPU and TPU, per layer on CPU and for models with sliding-window or
+  # soft-capped layers (the kernel does not read them).
   c.rollout.slot_scan_layers = placeholder(bool)
   # Threads that compile the slot engine's programs for a prompt width at once, before its
   # first step there (XLA compiles with the GIL released: the step waits for the slowest

@@ -166,8 +166,9 @@ class SlotEngine(SlotPrograms):
     the policy's model.scan_layers; "auto" (the config's default): scanned where a ragged
     kernel reads the stacked caches (GPU, TPU; their scanned decodes copy nothing per step in
     the compiled HLO, and compile in about half the time), per layer on CPU (XLA's attention:
-    the scan copies each layer's cache out of the stack every step, 1.47x the step time).
-    Default False.
+    the scan copies each layer's cache out of the stack every step, 1.47x the step time) and
+    for a model whose layers the kernel does not all read (sliding windows, soft-capping:
+    decode_attention.reads_every_layer; known at `set_weights`). Default False.
 
     turns: multi-turn rows (rollout/turns.py's ToolTurns, or any object with its methods): a
     row that stops is offered to `turns.stopped`; if it takes the row (a tool call is running),
@@ -233,9 +234,12 @@ class SlotEngine(SlotPrograms):
     self.ragged, self.ragged_tpu = decode_attention_lib.choose_slots(
         decode_attention, self.platform
     )
-    # "auto": scanned where a kernel reads a stacked layer's caches in place (GPU, TPU).
+    # "auto": scanned where a kernel reads a stacked layer's caches in place (GPU, TPU), unless
+    # the model has layers it does not read (`_model_known`: XLA's attention would copy their
+    # caches out of the stacks every step).
+    self._scan_auto = scan_layers == "auto"
     scanned = self.ragged_tpu or (self.ragged and self.platform == "gpu")
-    self.scan_layers = scanned if scan_layers == "auto" else scan_layers
+    self.scan_layers = scanned if self._scan_auto else scan_layers
     s = self.max_prompt_length + self.c
     block = decode_attention_lib.TPU_BLOCK if self.ragged_tpu else decode_attention_lib.BLOCK
     self.cache_len = -(-s // block) * block if self.ragged else s  # the kernel reads blocks
@@ -289,6 +293,18 @@ class SlotEngine(SlotPrograms):
     self._on_device = collections.deque()  # groups pushed to the device queue, not admitted
     self._admitted = set()  # (admit_in_decode) rows in slots, as of the last call
 
+  def _model_known(self, model_cfg):
+    """The policy's ModelConfig, once (before any program is built): scan_layers None takes
+    the model's; "auto" runs a program per layer for a model whose layers the decode kernel
+    does not all read (soft-capping, sliding windows: decode_attention.reads_every_layer)."""
+    self._model_cfg = model_cfg
+    if self.scan_layers is None:
+      self.scan_layers = bool(model_cfg.scan_layers)
+    if self._scan_auto and self.scan_layers:
+      interpret = self.platform not in ("gpu", "tpu")
+      every = decode_attention_lib.reads_every_layer(model_cfg, self.ragged_tpu, interpret)
+      self.scan_layers = every
+
   # ------------------------------------------------------------------------- on-policy
 
   def __call__(self, state, prompt_ids, prompt_mask, rng, generation="greedy", caps=None):
@@ -331,9 +347,7 @@ class SlotEngine(SlotPrograms):
     far (one prefill of the live slots), so each later token's log-prob is exactly the new
     version's given the row's context (no keys of the old weights stay in a cache)."""
     if self._model_cfg is None:
-      self._model_cfg = nnx.merge(self.graphdef, state).cfg
-      if self.scan_layers is None:
-        self.scan_layers = bool(self._model_cfg.scan_layers)
+      self._model_known(nnx.merge(self.graphdef, state).cfg)
     self._weights = self._program("copy")(state)
     self._version = self._replicated(np.int32(version))
     held = np.any(self._slot_row >= 0) or self._on_device  # (queued: prefilled at push)
@@ -599,7 +613,7 @@ class SlotEngine(SlotPrograms):
     refill's and at the whole engine's width ("admit", "admit_all") and the full prompt
     width."""
     self.reset(generation, rows_per_step=rows_per_step)
-    self._model_cfg = model_cfg
+    self._model_known(model_cfg)
     rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     sds = lambda shape, dt, s=rep: jax.ShapeDtypeStruct(shape, dt, sharding=s)  # noqa: E731
     copy = self._program("copy")

@@ -405,3 +405,22 @@ def test_scan_layers_auto_scans_with_an_accelerators_kernel_only(model):
   assert not engine(graphdef, 4, scan_layers="auto", decode_attention="pallas").scan_layers
   tpu = engine(graphdef, 4, scan_layers="auto", decode_attention="pallas_tpu")
   assert tpu.scan_layers and tpu.slot_major
+  # A model whose layers the kernel does not all read (sliding windows, soft-capping): XLA's
+  # attention would copy their caches out of the stacks every step, so a program per layer.
+  gemma = build_model(PRESETS["tiny-gemma3"].replace(sliding_window=4), seed=0)
+  g_def, g_state = nnx.split(gemma)
+  windows = engine(g_def, 4, scan_layers="auto", decode_attention="pallas_tpu")
+  assert windows.scan_layers  # (the model is not known yet)
+  windows.set_weights(g_state, version=0)
+  assert not windows.scan_layers and windows.slot_major
+  from grpo_jax.models.decoder.decode_attention import reads_every_layer
+
+  for tpu in (False, True):
+    assert reads_every_layer(CFG, tpu, interpret=True)
+    assert not reads_every_layer(CFG.replace(attn_logit_softcap=50.0), tpu, interpret=True)
+    assert not reads_every_layer(gemma.cfg, tpu, interpret=True)
+  assert not reads_every_layer(CFG.replace(head_dim=24), False)  # (Triton: powers of two)
+  assert not reads_every_layer(CFG.replace(head_dim=64), True)  # (TPU: 128 lanes)
+  forced = engine(g_def, 4, scan_layers=True, decode_attention="pallas_tpu")
+  forced.set_weights(g_state, version=0)
+  assert forced.scan_layers  # (asked for)

@@ -62,6 +62,20 @@ def choose_slots(impl: str | None, platform: str) -> tuple[bool, bool]:
   return choose(impl, platform), False
 
 
+def reads_every_layer(cfg, tpu: bool, interpret: bool = False) -> bool:
+  """Whether the slot engine's decode kernel (`ragged_tpu` with `tpu`, else `ragged`) reads
+  every layer of a model (ModelConfig): no soft-capped scores, no sliding-window layer (under a
+  layer scan one such layer makes every layer's window a traced choice), and the heads its
+  tiles take (`supports` / `supports_tpu`); a layer it does not read runs XLA's attention."""
+  h, hkv, kd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  windows = cfg.sliding_window > 0 and any(cfg.local_layers)
+  if cfg.attn_logit_softcap or windows or h % hkv:
+    return False
+  if tpu:
+    return interpret or kd % 128 == 0
+  return h // hkv <= _ROWS and (interpret or (kd >= 16 and kd & (kd - 1) == 0))
+
+
 def supports(q_bthk, cache_k, prefix_k, *, interpret: bool = False) -> bool:
   """Shapes `ragged` takes: one query per row, GQA groups <= 16 rows, slots in whole blocks;
   compiled for GPU (not `interpret`: Triton tiles) a power-of-two head_dim >= 16."""
