@@ -28,6 +28,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.models.decoder.attention import cache_attention
+from grpo_jax.models.decoder.attention import slot_mask
 from grpo_jax.parallel import sharding
 
 IMPLS = ("auto", "xla", "pallas", "pallas_tpu")
@@ -74,6 +76,57 @@ def reads_every_layer(cfg, tpu: bool, interpret: bool = False) -> bool:
   if tpu:
     return interpret or kd % 128 == 0
   return h // hkv <= _ROWS and (interpret or (kd >= 16 and kd & (kd - 1) == 0))
+
+
+def over_slots(q_bthk, cache_k, cache_v, at_b, kernels, *, window=None, softcap=0.0, layer=None):
+  """The slot engine's decode attention (`layers.Block.decode_rows`): T new queries per row at
+  slots at_b .. at_b + T - 1 of the row's own cache, each over the row's slots up to its own
+  (the cache written first; a row's sequence lies contiguously from slot 0). -> [B, T, H, K].
+
+  q [B, T, H, K]; cache_k, cache_v head-major [B, Hkv, S, K] (with `kernels.ragged_tpu`
+  slot-major [B, S, Hkv, K]), or with `layer` (an int32 scalar, under the layer scan) every
+  layer's stacked [L, ...], of which layer `layer` is read. `kernels` (kernels.Kernels):
+  with T = 1, no window and no soft-cap, `ragged_tpu` (TPU) or `ragged` (GPU) reads each row's
+  written slots only, a stack's layer in place; else XLA's attention over all S slots,
+  masked, on the layer's cache (sliced out of a stack: a copy per step; transposed when
+  slot-major)."""
+  b, t = q_bthk.shape[:2]
+  shape = cache_k.shape[-4:]  # [B, Hkv, S, K]
+  slot_major = kernels.ragged_tpu
+  if slot_major:
+    shape = (shape[0], shape[2], shape[1], shape[3])
+  kernel = kernels.ragged_decode and t == 1 and window is None and not softcap
+  if kernel and slot_major:
+    interpret = kernels.platform != "tpu"
+    if supports_tpu(q_bthk, shape, interpret=interpret):
+      return ragged_tpu(q_bthk, cache_k, cache_v, at_b + 1, layer=layer, interpret=interpret)
+  elif kernel:
+    # (the prompt block: an unread placeholder; no shared prompt, the slot's cache holds it)
+    none = jnp.zeros((b, shape[1], BLOCK, shape[3]), cache_k.dtype)
+    prefix = (none, none, jnp.zeros((b, BLOCK), jnp.int32))
+    per_layer = jax.ShapeDtypeStruct(shape, cache_k.dtype)
+    if supports(q_bthk, per_layer, none, interpret=kernels.interpret):
+      return ragged(
+          q_bthk, cache_k, cache_v, at_b + 1, prefix, layer=layer, interpret=kernels.interpret
+      )
+  s = shape[2]
+  k, v = cache_k, cache_v
+  if layer is not None:
+    k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (k, v))
+  if slot_major:
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  positions = at_b[:, None] + jnp.arange(t, dtype=at_b.dtype)
+  valid = jnp.ones((b, s), jnp.int32)  # slot_mask's causality does the rest
+  empty = jnp.zeros((b, k.shape[1], 0, k.shape[3]), k.dtype)
+  return cache_attention(
+      q_bthk,
+      k,
+      v,
+      slot_mask(positions, jnp.arange(s), valid, window),
+      (empty, empty, jnp.zeros((b, 0), jnp.int32)),
+      jnp.zeros((b, 1, 1, 0), bool),
+      softcap=softcap,
+  )
 
 
 def supports(q_bthk, cache_k, prefix_k, *, interpret: bool = False) -> bool:

@@ -400,24 +400,20 @@ class Block(nnx.Module):
 
   def decode_rows(self, x_btd, cache_k, cache_v, at_b, kernels: Kernels, local=False, layer=None):
     """The slot engine's decode step (rollout/slots.py): one new token per row (or T, appended
-    after each other: a tool response fed into a live row), each row at its own position. A row's cache holds its sequence contiguously from slot 0 (prompt, then
-    completion: no padding), so a token's slot is its position: the token is written at slot
-    `at` of its row and attends to slots 0..at of it (the last `sliding_window` of them in a
-    local layer).
+    after each other: a tool response fed into a live row), each row at its own position. A
+    row's cache holds its sequence contiguously from slot 0 (prompt, then completion: no
+    padding), so a token's slot is its position: the token is written at slot `at` of its row
+    and attends to slots 0..at of it (the last `sliding_window` of them in a local layer).
 
     x [B, T, D] (token i of a row at slot at + i; slots past S are dropped); cache_k, cache_v
     head-major [B, Hkv, S, K] (with `kernels.ragged_tpu` slot-major [B, S, Hkv, K], the TPU
-    kernel's); at [B] int32 (< S). With T = 1 and
-    `kernels.ragged_decode` (GPU) one kernel reads each row's slots 0..at only
-    (decode_attention.ragged with per-row lengths; S a multiple of its BLOCK), where the layer
-    allows it (no window, no soft-cap); else the XLA attention over all S slots, masked. ->
-    (x, cache k, cache v), the caches updated in place (written first, as `decode`). `layer` (an
-    int32 scalar, under the layer scan): the caches are every layer's, stacked [L, B, Hkv, S, K];
-    the token is written into layer `layer`'s slots of them (in place in the scan's carry) and
-    the attention reads that layer's: the ragged kernel in place, XLA's attention a copy of it
-    sliced out of the stack (a product and sum form that XLA could fuse was slower on CPU and
-    copied more on TPU: benchmarks/README.md "Slot engine")."""
-    cfg = self.cfg
+    kernel's); at [B] int32 (< S). -> (x, cache k, cache v), the caches updated in place
+    (written first, as `decode`). `layer` (an int32 scalar, under the layer scan): the caches
+    are every layer's, stacked [L, B, ...]; the token is written into layer `layer`'s slots of
+    them (in place in the scan's carry). The attention, `decode_attention.over_slots`: a kernel
+    over each row's written slots (GPU, TPU; a stack's layer in place) where the layer allows
+    it, else XLA's over all S slots (a product and sum form that XLA could fuse was slower on
+    CPU and copied more on TPU: benchmarks/README.md "Slot engine")."""
     t = x_btd.shape[1]
     positions = at_b[:, None] + jnp.arange(t, dtype=at_b.dtype)
     q, k, v = self.attn.project_qkv(self.attn_norm(x_btd), positions, local)
@@ -430,52 +426,15 @@ class Block(nnx.Module):
         c.at[at].set(n.astype(c.dtype), unique_indices=True, mode="drop")
         for c, n in ((cache_k, k), (cache_v, v))
     )
-    b, shape = x_btd.shape[0], cache_k.shape[-4:]  # [B, Hkv, S, K]
-    if slot_major:
-      shape = (shape[0], shape[2], shape[1], shape[3])
-    window = self._window(local)
-    ragged = kernels.ragged_decode and t == 1 and window is None and not cfg.attn_logit_softcap
-    interpret = kernels.platform != "tpu"
-    if (
-        ragged
-        and kernels.ragged_tpu
-        and decode_attention.supports_tpu(q, shape, interpret=interpret)
-    ):
-      # TPU: one Mosaic kernel over each row's written blocks, a stack's layer read in place.
-      a = decode_attention.ragged_tpu(
-          q, cache_k, cache_v, at_b + 1, layer=layer, interpret=interpret
-      )
-      return self._residual(x_btd, a, kernels)[0], cache_k, cache_v
-    if ragged and not kernels.ragged_tpu:
-      # One kernel over each row's written slots 0..at (GPU), reading a stack's layer in place;
-      # its prompt block is an unread placeholder (no shared prompt: the slot's cache holds it).
-      none = jnp.zeros((b, shape[1], decode_attention.BLOCK, shape[3]), cache_k.dtype)
-      prefix = (none, none, jnp.zeros((b, decode_attention.BLOCK), jnp.int32))
-      per_layer = jax.ShapeDtypeStruct(shape, cache_k.dtype)
-      if decode_attention.supports(q, per_layer, none, interpret=kernels.interpret):
-        a = decode_attention.ragged(
-            q, cache_k, cache_v, at_b + 1, prefix, layer=layer, interpret=kernels.interpret
-        )
-        return self._residual(x_btd, a, kernels)[0], cache_k, cache_v
-    s_len = shape[2]
-    kv_slot = jnp.arange(s_len)
-    valid = jnp.ones((b, s_len), jnp.int32)  # slot_mask's causality does the rest
-    if layer is None:
-      k, v = cache_k, cache_v
-    else:  # (XLA's attention: the layer's cache sliced out of the stack, a copy per step)
-      k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (cache_k, cache_v))
-    if slot_major:  # (a transposed copy: what the TPU kernel does not take, e.g. T > 1)
-      k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-    empty = jnp.zeros((b, k.shape[1], 0, k.shape[3]), k.dtype)
-    prefix = (empty, empty, jnp.zeros((b, 0), jnp.int32))
-    a = cache_attention(
+    a = decode_attention.over_slots(
         q,
-        k,
-        v,
-        slot_mask(positions, kv_slot, valid, window),
-        prefix,
-        jnp.zeros((b, 1, 1, 0), bool),
-        softcap=cfg.attn_logit_softcap,
+        cache_k,
+        cache_v,
+        at_b,
+        kernels,
+        window=self._window(local),
+        softcap=self.cfg.attn_logit_softcap,
+        layer=layer,
     )
     return self._residual(x_btd, a, kernels)[0], cache_k, cache_v
 
