@@ -286,6 +286,44 @@ def test_slot_decode_reads_written_blocks_in_place(name, scan):
   )
 
 
+@pytest.mark.parametrize("dims", [(4, 1, 1), (1, 1, 4)], ids=["data", "tensor"])
+def test_slot_scanned_decode_reads_weights_in_place_on_4_gpus(dims):
+  """The scanned decode (the GPU's default) on 4 H100s, data- or tensor-parallel: each GEMM
+  still reads its layer's (local) weights in the stacks, no slice of them written per step.
+  (With fsdp each layer's shard is sliced out for its all-gather, which writes the whole
+  layer anyway: the per-layer engine gathers as much.)"""
+  from grpo_jax.rollout.slots import SlotEngine
+  from grpo_jax.rollout.types import GenerationConfig
+
+  target = _target("h100-4")
+  cfg = small_qwen3(True)
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = dims
+  mesh = build.make_mesh(cfg, devices=target.devices[:4])
+  policy = build.make_policy(cfg, mesh, abstract=True)
+  engine = SlotEngine(
+      policy.sampler_graphdef,
+      slots=B * G,
+      max_prompt_length=P,
+      max_new_tokens=C,
+      num_generations=G,
+      eos_ids=(0,),
+      mesh=mesh,
+      scan_layers="auto",
+  )
+  assert engine.scan_layers
+  gen = GenerationConfig(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+  programs = engine.abstract_programs(policy.params, policy.model_config, gen, rows_per_step=B * G)
+  fn, args = programs["decode"]
+  with jax.set_mesh(mesh):
+    lowered = fn.lower(*args)
+  _, hlo, _ = tpu_targets.compile_program(lowered, "gpu", hlo=True)
+  smallest = HIDDEN * KV_HEADS * HEAD_DIM * 2 // 4  # a k projection's bytes on one of 4 chips
+  weights = hi.slices(hlo, smallest, within=hi.every_iteration(hlo))
+  assert not weights, "a layer's weights copied out of the stacks per step: " + _show(
+      [f"{o.type} {n} bytes ({o.computation})" for o, n in weights]
+  )
+
+
 @pytest.mark.parametrize("name", ["h100", "v5p-8"])
 def test_slot_engine_scans_on_accelerators_by_default(name):
   """rollout.slot_scan_layers None ("auto"): the layer scan on GPU and TPU, where the ragged
