@@ -215,24 +215,16 @@ def test_gpu_decode_attention_reads_written_slots_only(programs):
 SLOT_KERNEL = {"gpu": "ragged_decode_attention", "tpu": "ragged_decode_attention_tpu"}
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scan"])
-@pytest.mark.parametrize("name", ["h100", "v5p-8"])
-def test_slot_decode_reads_written_blocks_in_place(name, scan):
-  """The slot engine's decode (rollout.slots, decode_attention auto): per step, one kernel per
-  layer over each row's written slots (decode_attention.ragged on the H100, ragged_tpu on the
-  v5p), reading the caches where they lie: no [1, slots, Hkv, S, K] layer slice of the stacked
-  caches (scan_layers; 2 x 168 MB per layer per step at Qwen3-0.6B's recipe shapes before) and
-  no copy of a layer's cache or more in what every step runs (the TPU's layout: the kernel
-  reads a cache written one slot per row as [.., S, Hkv, K], no relayout; benchmarks/README.md
-  "Slot engine"); nor, scanned, a layer's weights copied out of the stacked weights. Each
-  fails on the code before 2026-12-07."""
+def _slot_engine(name: str, scan, dims=(1, 1, 1)):
+  """-> (config, the slot engine on the target's first prod(dims) devices (mesh data x fsdp x
+  tensor), its compiled decode's HLO text): Qwen3-shaped, B x G slots, abstract weights."""
   from grpo_jax.rollout.slots import SlotEngine
   from grpo_jax.rollout.types import GenerationConfig
 
   target = _target(name)
-  cfg = small_qwen3(scan)
-  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 1
-  mesh = build.make_mesh(cfg, devices=target.devices[:1])
+  cfg = small_qwen3(bool(scan))
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = dims
+  mesh = build.make_mesh(cfg, devices=target.devices[: math.prod(dims)])
   policy = build.make_policy(cfg, mesh, abstract=True)
   engine = SlotEngine(
       policy.sampler_graphdef,
@@ -247,10 +239,25 @@ def test_slot_decode_reads_written_blocks_in_place(name, scan):
   gen = GenerationConfig(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
   programs = engine.abstract_programs(policy.params, policy.model_config, gen, rows_per_step=B * G)
   fn, args = programs["decode"]
-  platform = target.devices[0].platform
   with jax.set_mesh(mesh):
     lowered = fn.lower(*args)
-  _, hlo, _ = tpu_targets.compile_program(lowered, platform, hlo=True)
+  _, hlo, _ = tpu_targets.compile_program(lowered, target.devices[0].platform, hlo=True)
+  return cfg, engine, hlo
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scan"])
+@pytest.mark.parametrize("name", ["h100", "v5p-8"])
+def test_slot_decode_reads_written_blocks_in_place(name, scan):
+  """The slot engine's decode (rollout.slots, decode_attention auto): per step, one kernel per
+  layer over each row's written slots (decode_attention.ragged on the H100, ragged_tpu on the
+  v5p), reading the caches where they lie: no [1, slots, Hkv, S, K] layer slice of the stacked
+  caches (scan_layers; 2 x 168 MB per layer per step at Qwen3-0.6B's recipe shapes before) and
+  no copy of a layer's cache or more in what every step runs (the TPU's layout: the kernel
+  reads a cache written one slot per row as [.., S, Hkv, K], no relayout; benchmarks/README.md
+  "Slot engine"); nor, scanned, a layer's weights copied out of the stacked weights. Each
+  fails on the code before 2026-12-07."""
+  cfg, engine, hlo = _slot_engine(name, scan)
+  platform = "gpu" if name == "h100" else "tpu"
   layers, s = cfg.model.num_layers, engine.cache_len
   layer_cache = (B * G, KV_HEADS, s, HEAD_DIM)
   ops = [o for ops in hi.parse(hlo).values() for o in ops]
@@ -292,31 +299,8 @@ def test_slot_scanned_decode_reads_weights_in_place_on_4_gpus(dims):
   still reads its layer's (local) weights in the stacks, no slice of them written per step.
   (With fsdp each layer's shard is sliced out for its all-gather, which writes the whole
   layer anyway: the per-layer engine gathers as much.)"""
-  from grpo_jax.rollout.slots import SlotEngine
-  from grpo_jax.rollout.types import GenerationConfig
-
-  target = _target("h100-4")
-  cfg = small_qwen3(True)
-  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = dims
-  mesh = build.make_mesh(cfg, devices=target.devices[:4])
-  policy = build.make_policy(cfg, mesh, abstract=True)
-  engine = SlotEngine(
-      policy.sampler_graphdef,
-      slots=B * G,
-      max_prompt_length=P,
-      max_new_tokens=C,
-      num_generations=G,
-      eos_ids=(0,),
-      mesh=mesh,
-      scan_layers="auto",
-  )
+  _, engine, hlo = _slot_engine("h100-4", "auto", dims)
   assert engine.scan_layers
-  gen = GenerationConfig(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
-  programs = engine.abstract_programs(policy.params, policy.model_config, gen, rows_per_step=B * G)
-  fn, args = programs["decode"]
-  with jax.set_mesh(mesh):
-    lowered = fn.lower(*args)
-  _, hlo, _ = tpu_targets.compile_program(lowered, "gpu", hlo=True)
   smallest = HIDDEN * KV_HEADS * HEAD_DIM * 2 // 4  # a k projection's bytes on one of 4 chips
   weights = hi.slices(hlo, smallest, within=hi.every_iteration(hlo))
   assert not weights, "a layer's weights copied out of the stacks per step: " + _show(
@@ -329,23 +313,7 @@ def test_slot_engine_scans_on_accelerators_by_default(name):
   """rollout.slot_scan_layers None ("auto"): the layer scan on GPU and TPU, where the ragged
   kernels read a stacked layer's caches in place (and the matmuls their weights: above); one
   program per layer on CPU (tests/rollout/test_slots.py)."""
-  from grpo_jax.rollout.slots import SlotEngine
-
-  target = _target(name)
-  cfg = small_qwen3(True)
-  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 1
-  mesh = build.make_mesh(cfg, devices=target.devices[:1])
-  policy = build.make_policy(cfg, mesh, abstract=True)
-  engine = SlotEngine(
-      policy.sampler_graphdef,
-      slots=B * G,
-      max_prompt_length=P,
-      max_new_tokens=C,
-      num_generations=G,
-      eos_ids=(0,),
-      mesh=mesh,
-      scan_layers="auto",
-  )
+  _, engine, _ = _slot_engine(name, "auto")
   assert engine.scan_layers and engine.ragged
 
 
