@@ -40,7 +40,7 @@ threads; jax's caches cleared first): copy and init one after the other, then th
 every group, the decode (and the narrow one), the push (admission in the decode) and the take
 ("on_policy"; streaming, "total": also a refill's admission and the refresh) lowered in order, each compiled by one of N threads as soon as it is lowered
 (XLA compiles with the GIL released): the wall time of the set, and the time before the first
-decode: the engine waits for all but the LATER programs (rollout/slots.py: the refresh and the
+decode: the engine waits for all but the LATER programs (rollout/slot_ahead.py: the refresh and the
 narrow decode, lowered last and compiled once the others are), which compile behind it.
 """
 
@@ -312,7 +312,7 @@ def _parallel(kind, lowers, programs, workers, options, timed, results, mesh) ->
   refill = () if "push" in programs else ("admit_refill",)
   on_policy = (*admit, "decode", "decode_narrow", "take")
   streaming = (*admit, *refill, "decode", "decode_narrow", "take", "refresh")
-  from grpo_jax.rollout.slots import LATER
+  from grpo_jax.rollout.slot_ahead import LATER
 
   later = [n for n in LATER if n in programs]  # compiled behind the first decode
   for label, names in (("on_policy", on_policy), ("total", streaming)):
