@@ -35,13 +35,15 @@ grpo_jax/plan/tpu_targets.compile_program), the same for all.
 Printed: seconds per program (and its temporaries, XLA's memory analysis), each engine's sum and its ratio to the lockstep sampler, and the
 sum without refresh: what an on-policy run (rollout.max_staleness=0) compiles, as refresh runs
 only when new weights land while rows are in flight (streaming). --workers=N: the engine's
-programs once more as the engine compiles them ahead (rollout/slots.py, rollout.slot_compile_
-threads; jax's caches cleared first): copy and init one after the other, then the admission of
-every group, the decode (and the narrow one), the push (admission in the decode) and the take
-("on_policy"; streaming, "total": also a refill's admission and the refresh) lowered in order, each compiled by one of N threads as soon as it is lowered
-(XLA compiles with the GIL released): the wall time of the set, and the time before the first
-decode: the engine waits for all but the LATER programs (rollout/slot_ahead.py: the refresh and the
-narrow decode, lowered last and compiled once the others are), which compile behind it.
+programs once more as the engine compiles them ahead (rollout/slot_ahead.py,
+rollout.slot_compile_threads; jax's caches cleared first): copy, with init compiling beside it,
+then the admission of every group, the decode (and the narrow one), the push (admission in the
+decode) and the take ("on_policy"; streaming, "total": also a refill's admission and the
+refresh) lowered in order, each compiled by one of N threads as soon as it is lowered (XLA
+compiles with the GIL released): the wall time of the set, and the time before the first
+decode: the engine waits for all but the LATER programs (rollout/slot_ahead.py: the refresh
+and the narrow decode, lowered last and compiled once the others are), which compile behind
+it.
 """
 
 import argparse
@@ -320,9 +322,12 @@ def _parallel(kind, lowers, programs, workers, options, timed, results, mesh) ->
     names.sort(key=lambda n: n in later)  # (stable) submitted last, as the engine does
     jax.clear_caches()  # nothing compiled before is reused
     t0 = time.perf_counter()
-    timed(f"{kind}: copy (first)", lowers["copy"])  # the engine's set_weights, then init
-    timed(f"{kind}: init (first)", lowers["init"])
     with concurrent.futures.ThreadPoolExecutor(workers) as pool, jax.set_mesh(mesh):
+      # the engine's first set_weights: the empty state's program compiles in the pool while
+      # the weight copy compiles on the caller's thread (rollout/slot_ahead.py `_init_ahead`)
+      init = pool.submit(lowers["init"]().compile, compiler_options=options)
+      timed(f"{kind}: copy (first)", lowers["copy"])
+      init.result()
       compiles = [
           pool.submit(lowers[n]().compile, compiler_options=options)
           for n in names

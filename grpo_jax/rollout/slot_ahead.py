@@ -62,8 +62,6 @@ class SlotAhead(SlotPrograms):
       go = self._replicated(np.zeros(n, bool))
       return (st, w8, z(n), z(n, self.max_append), z(n), go, self._version, *self._scalars())
 
-    if self._pool is None:
-      self._pool = concurrent.futures.ThreadPoolExecutor(self.compile_threads)
     waits, later = [], []
     for k in sorted(todo, key=lambda k: k[0] in LATER):  # (stable: LATER ones last)
       self._compiled.add(k)  # each compile starts as soon as its program is lowered (the GIL)
@@ -72,11 +70,26 @@ class SlotAhead(SlotPrograms):
       if k[0] in LATER:
         later.append((k[0], lowered))
       else:
-        waits.append(self._pool.submit(lowered.compile))
+        waits.append(self._compile_pool().submit(lowered.compile))
     for done in waits:
       done.result()
     for name, lowered in later:  # (after the others: no thread of theirs taken)
-      self._later[name] = self._pool.submit(lowered.compile)
+      self._later[name] = self._compile_pool().submit(lowered.compile)
+
+  def _compile_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+    if self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(self.compile_threads)
+    return self._pool
+
+  def _init_ahead(self):
+    """The empty state's program compiled in the pool while the first weight copy compiles on
+    the caller's thread (`set_weights`, before the first call: the two are independent); its
+    first call waits for it (`_program`)."""
+    if ("init",) in self._compiled or self._state is not None or self._rows_per_tag is None:
+      return
+    self._compiled.add(("init",))
+    lowered = self._program("init").lower()
+    self._later["init"] = self._compile_pool().submit(lowered.compile)
 
   def _program(self, name, *shape):
     """SlotPrograms._program; a LATER program's first call waits for its compile ahead (jit's

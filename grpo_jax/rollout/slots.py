@@ -345,6 +345,7 @@ class SlotEngine(SlotAhead):
     version's given the row's context (no keys of the old weights stay in a cache)."""
     if self._model_cfg is None:
       self._model_known(nnx.merge(self.graphdef, state).cfg)
+    self._init_ahead()  # (compiles beside the copy's compile)
     self._weights = self._program("copy")(state)
     self._version = self._replicated(np.int32(version))
     held = np.any(self._slot_row >= 0) or self._on_device  # (queued: prefilled at push)

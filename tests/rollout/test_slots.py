@@ -258,8 +258,8 @@ def test_a_steps_programs_compile_at_once_before_the_first_admit(model, on_mesh,
   """compile_threads: both admission widths (groups stay queued after the first admission;
   with admission in the decode the push instead), the decode and the take compile in the
   pool's threads before the first admit, each once (a shape or sharding unlike the call's
-  would compile again, on the main thread), with the tokens of an engine compiling one at a
-  time."""
+  would compile again, on the main thread), and the empty state's program there too, beside
+  the first weight copy; with the tokens of an engine compiling one at a time."""
   if on_mesh and jax.device_count() < 8:
     pytest.skip("needs 8 (fake) devices")
   ids, mask = prompts(CFG.vocab_size, b=8, seed=5)
@@ -283,7 +283,7 @@ def test_a_steps_programs_compile_at_once_before_the_first_admit(model, on_mesh,
   admit = ("_admit",) if not inside else ()
   narrow = ("_decode_narrow",) if eng.narrow else ()  # (on the mesh: 3 slots over 4 shards)
   push = ("_push",) if inside else ()  # (the device queue's)
-  for part in (*admit, "_decode", "_take", *narrow, *push):
+  for part in (*admit, "_decode", "_take", *narrow, *push, "_init"):
     assert names(part, lambda t: t.startswith("ThreadPoolExecutor")), (part, seen)
     assert not names(part, main), f"{part} compiled again on the main thread: {seen}"
   assert len(names("_decode", lambda t: True)) == 1 and len(names("_take", lambda t: True)) == 1
