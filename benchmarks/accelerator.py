@@ -87,8 +87,10 @@ measured here first:
                   MFU on real tokens (packed_update.real_flops / total / the matmul peak).
   slots           (not in the default order; ~100 s on an H200 expected, budget 120) the slot
                   engine (rollout/slots.py) vs the lockstep Sampler (benchmarks/slot_engine.py's
-                  modes: lockstep, streaming slots, on-policy slots, the engine scanned as the
-                  config's auto on GPU and TPU; then streaming slots per layer) on the bf16 Qwen3-0.6B
+                  modes, --slots_modes: lockstep, streaming slots (the engine as configured:
+                  scanned on GPU and TPU), the same with each decode step one CUDA graph
+                  (rollout.slot_step_graphs), on-policy slots, streaming per layer, per layer
+                  with step graphs) on the bf16 Qwen3-0.6B
                   policy, 3 batches of 16 prompts x G=4 at GSM8K's long-tailed lengths (P 256,
                   C 1024; --slots_completion=512 halves it, --slots_batches), the recipe's draw:
                   first run (compile included) and a steady run per mode, useful completion tok/s,
@@ -1707,7 +1709,8 @@ def s_slots(ctx, sec, out):
   no stop token, each row's length imposed, the lockstep sampler run to its batch's longest
   row), the recipe's draw (temperature 0.9, top-k 50). Modes (slot_engine.py's): lockstep,
   streaming slots (64 slots, every batch queued), on-policy slots (32 slots, one batch at a
-  time), streaming slots per layer, in that order (the last three optional past the budget). Per mode: the first run
+  time), and the variants of --slots_modes (' step graphs': rollout.slot_step_graphs; ' per
+  layer': a program per layer), in its order (all but lockstep optional past the budget). Per mode: the first run
   (compile included) and one steady run; useful completion tok/s, ratio vs lockstep, and the
   HBM roofline share: slots_roofline's seconds / the steady run's."""
   from benchmarks import slot_engine as se
@@ -1759,9 +1762,12 @@ def s_slots(ctx, sec, out):
   )
   key = _replicated_key(ctx.args.seed, mesh)
   # the engine as configured (rollout.slot_scan_layers unset: scanned on GPU and TPU), then
-  # streaming with a program per layer (what the scan's compile gain costs or saves per step)
+  # its variants: each decode step one CUDA graph (rollout.slot_step_graphs), a program per
+  # layer (what the scan's compile gain costs or saves per step), both (--slots_modes)
   scan = scan_layers_option(config)
-  modes = ("lockstep", "streaming slots", "on-policy slots", "streaming slots" + se.LAYERS)
+  modes = tuple(m.strip() for m in ctx.args.slots_modes.split(",") if m.strip())
+  if modes[:1] != ("lockstep",):
+    raise ValueError(f"--slots_modes={ctx.args.slots_modes!r}: lockstep first (the baseline)")
   _, runs = se.make_runs(
       graphdef,
       state,
@@ -1780,7 +1786,8 @@ def s_slots(ctx, sec, out):
       ),
       engine_kw=dict(mesh=mesh, scan_layers=scan),
   )
-  out["workload"]["slot_scan_layers"] = runs["streaming slots"][1].scan_layers
+  configured = [e for n, (_, e, _) in runs.items() if e is not None and se.LAYERS not in n]
+  out["workload"]["slot_scan_layers"] = configured[0].scan_layers if configured else None
   say(f"  slot engine: scan_layers {out['workload']['slot_scan_layers']} (config: {scan})")
   bw = _ceiling(ctx, "hbm_tb_s")
   roof = slots_roofline(cfg, [x[0] for x in batches], g, n, bw * 1e12) if bw else None
@@ -2407,6 +2414,13 @@ def main(argv=None):
       help="the slots section's C (at most the recipe's 1024; 512 halves its time)",
   )
   ap.add_argument("--slots_batches", type=int, default=3, help="the slots section's batches")
+  ap.add_argument(
+      "--slots_modes",
+      default="lockstep,streaming slots,streaming slots step graphs,on-policy slots,"
+      "streaming slots per layer,streaming slots per layer step graphs",
+      help="the slots section's modes, in order (lockstep first; benchmarks/slot_engine.py's "
+      "names, ' per layer' / ' step graphs' variants; past the budget the rest are skipped)",
+  )
   ap.add_argument("--verbose", action="store_true", help="tracebacks of failures")
   args = ap.parse_args(argv)
   if args.quick and jax.default_backend() == "cpu":

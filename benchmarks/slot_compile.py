@@ -221,9 +221,10 @@ def main(argv=None):
         scan_layers=scan,
         admit_in_decode=args.admission == "decode",
         decode_attention=cfg.rollout.decode_attention,
+        step_graphs=cfg.rollout.slot_step_graphs,
     )
     engine.reset(gen, rows_per_step=b * g)
-    engine._model_cfg = policy.model_config  # what set_weights reads from the weights
+    engine._model_known(policy.model_config)  # what set_weights reads from the weights
     copy, secs = timed(f"{kind}: copy", lambda: engine._program("copy").lower(params))
     if "copy" in programs:
       results[f"{kind}:copy"] = secs

@@ -123,6 +123,8 @@ MODES = ("lockstep", "on-policy slots", "streaming slots", "streaming 2x slots")
 INSIDE = " +admit in decode"
 # A slot mode with a program per layer (SlotEngine(scan_layers=False)), whatever engine_kw says.
 LAYERS = " per layer"
+# A slot mode whose decode steps are each one CUDA graph (SlotEngine(step_graphs=True); GPU).
+GRAPHS = " step graphs"
 
 
 def make_runs(
@@ -158,6 +160,8 @@ def make_runs(
   for name in modes:
     inside = name.endswith(INSIDE)
     base = name.removesuffix(INSIDE)
+    graphs = base.endswith(GRAPHS)
+    base = base.removesuffix(GRAPHS)
     per_layer = base.endswith(LAYERS)
     base = base.removesuffix(LAYERS)
     if name == "lockstep":
@@ -169,8 +173,10 @@ def make_runs(
       continue
     count, streaming = slots[base]
     flight = dict(steps_in_flight=len(batches)) if streaming else {}
-    layers = dict(scan_layers=False) if per_layer else {}
-    engine = SlotEngine(graphdef, slots=count, **flight, **(kw | layers), admit_in_decode=inside)
+    variant = (dict(scan_layers=False) if per_layer else {}) | (
+        dict(step_graphs=True) if graphs else {}
+    )
+    engine = SlotEngine(graphdef, slots=count, **flight, **(kw | variant), admit_in_decode=inside)
     runs[name] = (
         lambda e=engine, s=streaming: run_slots(e, state, batches, key, s, generation),
         engine,

@@ -7,6 +7,7 @@ or XLA's *after_optimizations.txt dump; memory_plan --dump_hlo writes them). Pur
     sorts(hlo, within=decode.reach)       # sorts (XLA's, cub's) run per step, operand shapes
     copies(hlo, within=decode.reach)      # copies per step and their bytes
     slices(hlo, 1 << 20, within=decode.reach)  # dynamic slices written per step (not addresses)
+    thunks_outside_graphs(thunks, "kWhile")  # XLA:GPU's loops driven from the host
     square_arrays(hlo, 144)               # f32 [..., 144, 144] arrays: attention scores
     collectives(hlo)                      # all-gathers, all-reduces, ... (largest_array: size)
 
@@ -284,6 +285,26 @@ def slices(hlo: str, min_bytes: int, *, within=None) -> list[tuple[Op, int]]:
         continue
       if hit is not None and "S(1)" not in hit.type and nbytes(hit.type) >= min_bytes:
         out.append((hit, nbytes(hit.type)))
+  return out
+
+
+def thunks_outside_graphs(thunks: str, kind: str) -> list[str]:
+  """The thunks of `kind` ("kWhile", "kConditional", ...) in XLA:GPU's thunk sequence (the
+  text of a compile's *thunk_sequence_after_thunk_passes.txt: tpu_targets.gpu_thunk_sequence)
+  that are not inside a command buffer (a CUDA graph): each is driven from the host (a
+  while's or conditional's predicate read back per iteration, a graph launched per body)."""
+  graphs, out = [], []  # the indents of the command buffers open at a line
+  for line in thunks.splitlines():
+    m = re.match(r"^(\s*)\d+: (k\w+)", line)
+    if not m:
+      continue  # (condition: / body: / branch labels)
+    indent = len(m.group(1))
+    while graphs and indent <= graphs[-1]:
+      graphs.pop()
+    if m.group(2) == kind and not graphs:
+      out.append(line.strip())
+    if m.group(2) == "kCommandBuffer":
+      graphs.append(indent)
   return out
 
 

@@ -353,6 +353,24 @@ def compile_program(lowered, platform: str = "", *, hlo: bool = False):
   return compiled, text, {"deviceless_cub_disabled": 1}
 
 
+def gpu_thunk_sequence(lowered) -> str:
+  """XLA:GPU's thunk sequence of a lowered program (deviceless: compiled with XLA's sort kernel
+  instead of cub), the text of its *thunk_sequence_after_thunk_passes.txt: what the runtime
+  launches, command buffers (CUDA graphs) included (hlo_inspect.thunks_outside_graphs)."""
+  with tempfile.TemporaryDirectory(prefix="grpo_jax_thunks_") as dump:
+    lowered.compile(
+        compiler_options={
+            "xla_dump_to": dump,
+            "xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED",
+        }
+    )
+    paths = glob.glob(os.path.join(dump, "*thunk_sequence_after_thunk_passes.txt"))
+    if not paths:
+      raise RuntimeError(f"XLA:GPU wrote no *thunk_sequence_after_thunk_passes.txt into {dump}")
+    with open(max(paths, key=os.path.getsize)) as fh:
+      return fh.read()
+
+
 def _dumped_hlo(folder: str) -> str:
   """The optimized module XLA:GPU dumped into `folder` (xla_dump_to): the largest
   *_gpu_after_optimizations.txt (one per module it compiled; the program is the largest)."""

@@ -94,6 +94,25 @@ SCANNED_GPU_OPTIONS = {
     "xla_disable_hlo_passes": "dot-merger",
 }
 
+# XLA:GPU options that make a decode step one CUDA graph (SlotEngine(step_graphs=True),
+# rollout.slot_step_graphs; opt-in: not yet run on a GPU): by default a step's layer loop (a
+# `while` of known trip count) and its admission (a `conditional`) stay outside XLA's command
+# buffers, so a step launches one graph per layer and reads the conditional's predicate on the
+# host; with WHILE and CONDITIONAL commands and known-trip-count loops unrolled into the graph,
+# the step body is one command buffer (read in XLA's thunk sequence:
+# tests/plan/test_compiled_programs.py). The async wrapper of small dynamic-slice copies (the
+# layers' norm scales, on other streams) would keep the loop out of the graph, hence none.
+STEP_GRAPH_OPTIONS = {
+    "xla_gpu_enable_command_buffer": (
+        "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,COLLECTIVES_KERNEL,"
+        "WHILE,CONDITIONAL"
+    ),
+    "xla_gpu_command_buffer_unroll_loops": True,
+    "xla_disable_hlo_passes": "dot-merger,dynamic-slice-copy-fusion-async-wrapper",
+}
+# The programs a step graph takes: those that run decode steps.
+_STEPPED = ("decode", "decode_narrow", "extend")
+
 
 class SlotPrograms:
   """The device side of the slot engine (see the module docstring); SlotEngine's base class."""
@@ -121,11 +140,21 @@ class SlotPrograms:
         kw["out_shardings"] = self._state_shardings()
       if self.mesh is not None and name == "take":
         kw["out_shardings"] = (Rollout.shardings(self.mesh), sharding.batch_sharding(self.mesh, 2))
-      if self.scan_layers and self.platform == "gpu" and name in _LAYERED:
-        kw["compiler_options"] = dict(SCANNED_GPU_OPTIONS)
+      kw["compiler_options"] = self._gpu_options(name)
       jitted = jax.jit(fn, **kw)
       self._programs[key] = jitted if self.mesh is None else _InMesh(jitted, self.mesh)
     return self._programs[key]
+
+  def _gpu_options(self, name: str) -> dict | None:
+    """The XLA:GPU compiler options of program `name` (None off GPU or none)."""
+    if self.platform != "gpu":
+      return None
+    options = {}
+    if self.scan_layers and name in _LAYERED:
+      options.update(SCANNED_GPU_OPTIONS)
+    if getattr(self, "step_graphs", False) and name in _STEPPED:
+      options.update(STEP_GRAPH_OPTIONS)
+    return options or None
 
   def _state_shardings(self):
     """The state's layout on the mesh: caches' slots over (data, fsdp); the rest replicated

@@ -157,6 +157,7 @@ class SlotEngine(SlotAhead):
       compile_threads: int = 0,
       admit_in_decode: bool = False,
       decode_phases: int = 0,
+      step_graphs: bool = False,
   ):
     """scan_layers: the decode (and prefills) as one `lax.scan` over stacked layers and caches
     [L, slots, Hkv, S, K] (compile time flat in depth) instead of a program per layer; None: as
@@ -191,6 +192,10 @@ class SlotEngine(SlotAhead):
     done, or the device queue runs dry while the host holds more); each step admits as many
     queued groups as there are free slots for. No admit program then: the push's prefill is
     the only one. Not with turns (a paused row's slot is the host's to keep).
+
+    step_graphs (GPU): each decode step one CUDA graph, its layers and admission included
+    (slot_programs.STEP_GRAPH_OPTIONS; else a graph per layer and a host read of the
+    admission's predicate per step). Opt-in until measured on a GPU.
 
     decode_phases: the decode attends to the caches' first P + e slots while every live row's
     next slot is below that, for the phase ends e of the lockstep sampler's
@@ -242,6 +247,7 @@ class SlotEngine(SlotAhead):
     self.cache_len = -(-s // block) * block if self.ragged else s  # the kernel reads blocks
     ends = phase_ends(self.c, 1 if self.ragged else int(decode_phases), self.platform)
     self.decode_widths = tuple(self.max_prompt_length + e for e in ends[:-1]) + (self.cache_len,)
+    self.step_graphs = bool(step_graphs)
     self._programs = {}
     self._copy_graphdef = None
     self._model_cfg = None

@@ -215,9 +215,9 @@ def test_gpu_decode_attention_reads_written_slots_only(programs):
 SLOT_KERNEL = {"gpu": "ragged_decode_attention", "tpu": "ragged_decode_attention_tpu"}
 
 
-def _slot_engine(name: str, scan, dims=(1, 1, 1)):
+def _slot_decode(name: str, scan, dims=(1, 1, 1), **engine_kw):
   """-> (config, the slot engine on the target's first prod(dims) devices (mesh data x fsdp x
-  tensor), its compiled decode's HLO text): Qwen3-shaped, B x G slots, abstract weights."""
+  tensor), its decode lowered): Qwen3-shaped, B x G slots, abstract weights."""
   from grpo_jax.rollout.slots import SlotEngine
   from grpo_jax.rollout.types import GenerationConfig
 
@@ -235,14 +235,42 @@ def _slot_engine(name: str, scan, dims=(1, 1, 1)):
       eos_ids=(0,),
       mesh=mesh,
       scan_layers=scan,
+      **engine_kw,
   )
   gen = GenerationConfig(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
   programs = engine.abstract_programs(policy.params, policy.model_config, gen, rows_per_step=B * G)
   fn, args = programs["decode"]
   with jax.set_mesh(mesh):
-    lowered = fn.lower(*args)
-  _, hlo, _ = tpu_targets.compile_program(lowered, target.devices[0].platform, hlo=True)
+    return cfg, engine, fn.lower(*args)
+
+
+def _slot_engine(name: str, scan, dims=(1, 1, 1)):
+  """-> (config, the slot engine, its compiled decode's HLO text): `_slot_decode`'s."""
+  cfg, engine, lowered = _slot_decode(name, scan, dims)
+  platform = "gpu" if name.startswith("h100") else "tpu"
+  _, hlo, _ = tpu_targets.compile_program(lowered, platform, hlo=True)
   return cfg, engine, hlo
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scan"])
+def test_slot_decode_step_is_one_cuda_graph_with_step_graphs(scan):
+  """SlotEngine(step_graphs=True) (rollout.slot_step_graphs) on the H100: in XLA:GPU's thunk
+  sequence the decode step's layer loop and its admission (a conditional) run inside a
+  command buffer (a CUDA graph), not from the host; per layer the whole chunk's loop too.
+  Without it the layer loop and the admission are host-driven (the control)."""
+  from grpo_jax.plan.tpu_targets import gpu_thunk_sequence
+
+  # (admission inside the decode, the default without tools: a conditional per step)
+  _, engine, lowered = _slot_decode("h100", scan, step_graphs=True, admit_in_decode=True)
+  assert engine.scan_layers == scan
+  thunks = gpu_thunk_sequence(lowered)
+  outside = hi.thunks_outside_graphs(thunks, "kWhile")
+  assert len(outside) == (1 if scan else 0), outside  # (scanned: the steps' loop, host-driven)
+  assert not hi.thunks_outside_graphs(thunks, "kConditional")
+  _, _, control = _slot_decode("h100", scan, admit_in_decode=True)
+  thunks = gpu_thunk_sequence(control)
+  assert len(hi.thunks_outside_graphs(thunks, "kWhile")) >= (2 if scan else 1)
+  assert hi.thunks_outside_graphs(thunks, "kConditional")
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["layers", "scan"])
