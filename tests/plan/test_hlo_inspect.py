@@ -87,3 +87,32 @@ def test_slices_are_the_ones_written_to_memory():
   assert [(o.name, n) for o, n in found] == [("dynamic-slice.1", 64 * 128 * 2)]
   assert [o.name for o, _ in hi.slices(MODULE, 16)] == ["dynamic-slice.1", "dynamic-slice.6"]
   assert not hi.slices(MODULE, 64 * 128 * 2 + 1)
+
+
+# XLA:GPU's thunk sequence (its *thunk_sequence_after_thunk_passes.txt): a step loop driven
+# from the host, whose body is one command buffer holding a conditional and a layer loop.
+THUNKS = """000: kCommandBuffer [source       | next=002 (1)]
+    001: kCopy         [source       | sink        ] kCopy
+002: kWhile         [prev=000 (1) | sink        ]
+condition:
+    003: kCustomKernel [source       | sink        ] loop_and_fusion
+  body:
+    000: kCommandBuffer [source | sink]
+        004: kConditional  [source       | next=006 (1)]
+          false_branch:
+            005: kWhile [source | sink]
+condition:
+                007: kCustomKernel [source | sink] compare
+        006: kWhile          [prev=004 (1) | sink        ]
+condition:
+            008: kCustomKernel [source | sink] compare
+    009: kConditional  [source | sink]
+"""
+
+
+def test_thunks_outside_graphs_follow_the_command_buffers_nesting():
+  """The step loop and the conditional after the body's command buffer are outside any graph;
+  the conditional, the admission's loop and the layer loop inside it are not."""
+  assert [t.split(":")[0] for t in hi.thunks_outside_graphs(THUNKS, "kWhile")] == ["002"]
+  assert [t.split(":")[0] for t in hi.thunks_outside_graphs(THUNKS, "kConditional")] == ["009"]
+  assert not hi.thunks_outside_graphs(THUNKS, "kCopy")
