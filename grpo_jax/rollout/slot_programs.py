@@ -103,9 +103,10 @@ SCANNED_GPU_OPTIONS = {
 # tests/plan/test_compiled_programs.py). The async wrapper of small dynamic-slice copies (the
 # layers' norm scales, on other streams) would keep the loop out of the graph, hence none.
 STEP_GRAPH_OPTIONS = {
+    # (XLA's default commands, plus WHILE and CONDITIONAL; names that jax 0.11.2's XLA, the GPU
+    # machine's, knows too: not 0.12's COLLECTIVES_KERNEL; a decode on one GPU has none)
     "xla_gpu_enable_command_buffer": (
-        "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,COLLECTIVES_KERNEL,"
-        "WHILE,CONDITIONAL"
+        "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
     ),
     "xla_gpu_command_buffer_unroll_loops": True,
     "xla_disable_hlo_passes": "dot-merger,dynamic-slice-copy-fusion-async-wrapper",
@@ -140,7 +141,9 @@ class SlotPrograms:
         kw["out_shardings"] = self._state_shardings()
       if self.mesh is not None and name == "take":
         kw["out_shardings"] = (Rollout.shardings(self.mesh), sharding.batch_sharding(self.mesh, 2))
-      kw["compiler_options"] = self._gpu_options(name)
+      options = self._gpu_options(name)
+      if options:
+        kw["compiler_options"] = options
       jitted = jax.jit(fn, **kw)
       self._programs[key] = jitted if self.mesh is None else _InMesh(jitted, self.mesh)
     return self._programs[key]
