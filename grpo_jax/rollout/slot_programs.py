@@ -118,6 +118,8 @@ _STEPPED = ("decode", "decode_narrow", "extend")
 class SlotPrograms:
   """The device side of the slot engine (see the module docstring); SlotEngine's base class."""
 
+  step_graphs = False  # each decode step one CUDA graph on GPU (SlotEngine(step_graphs=True))
+
   def _static(self):
     """The generation config's static knobs (one compile per combination)."""
     gen: GenerationConfig = self._gen
@@ -155,7 +157,7 @@ class SlotPrograms:
     options = {}
     if self.scan_layers and name in _LAYERED:
       options.update(SCANNED_GPU_OPTIONS)
-    if getattr(self, "step_graphs", False) and name in _STEPPED:
+    if self.step_graphs and name in _STEPPED:
       options.update(STEP_GRAPH_OPTIONS)
     return options or None
 

@@ -247,8 +247,7 @@ def _slot_decode(name: str, scan, dims=(1, 1, 1), **engine_kw):
 def _slot_engine(name: str, scan, dims=(1, 1, 1)):
   """-> (config, the slot engine, its compiled decode's HLO text): `_slot_decode`'s."""
   cfg, engine, lowered = _slot_decode(name, scan, dims)
-  platform = "gpu" if name.startswith("h100") else "tpu"
-  _, hlo, _ = tpu_targets.compile_program(lowered, platform, hlo=True)
+  _, hlo, _ = tpu_targets.compile_program(lowered, engine.platform, hlo=True)
   return cfg, engine, hlo
 
 
@@ -285,7 +284,7 @@ def test_slot_decode_reads_written_blocks_in_place(name, scan):
   "Slot engine"); nor, scanned, a layer's weights copied out of the stacked weights. Each
   fails on the code before 2026-12-07."""
   cfg, engine, hlo = _slot_engine(name, scan)
-  platform = "gpu" if name == "h100" else "tpu"
+  platform = engine.platform
   layers, s = cfg.model.num_layers, engine.cache_len
   layer_cache = (B * G, KV_HEADS, s, HEAD_DIM)
   ops = [o for ops in hi.parse(hlo).values() for o in ops]
