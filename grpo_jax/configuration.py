@@ -752,8 +752,8 @@ def _check_micro_batch_tokens(c: _Checker, cfg, dp: int):
   if cfg.micro_batch_tokens < dp * width:
     c.fail(
         "micro_batch_tokens",
-        f"holds less than one row of max_prompt_length + max_completion_length = {width} "
-        f"slots per data-parallel device ({dp})",
+        f"gives each of the {dp} data-parallel devices {cfg.micro_batch_tokens // dp} token "
+        f"slots, less than one row of max_prompt_length + max_completion_length = {width}",
         f"use at least {dp * width} (or 0 for micro-batches by micro_batch_size)",
     )
 

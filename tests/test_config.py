@@ -381,8 +381,8 @@ def test_micro_batch_tokens_is_one_row_per_device_or_more_and_alone():
   with config.unlocked():
     config.micro_batch_size, config.micro_batch_tokens = 0, 8 * 13 - 1
   assert errors_of(config) == [
-      "micro_batch_tokens=103: holds less than one row of max_prompt_length + "
-      "max_completion_length = 13 slots per data-parallel device (8). Fix: use at least 104 "
+      "micro_batch_tokens=103: gives each of the 8 data-parallel devices 12 token slots, less "
+      "than one row of max_prompt_length + max_completion_length = 13. Fix: use at least 104 "
       "(or 0 for micro-batches by micro_batch_size)."
   ]
   with config.unlocked():
