@@ -89,8 +89,8 @@ measured here first:
                   engine (rollout/slots.py) vs the lockstep Sampler (benchmarks/slot_engine.py's
                   modes, --slots_modes: lockstep, streaming slots (the engine as configured:
                   scanned on GPU and TPU), the same with each decode step one CUDA graph
-                  (rollout.slot_step_graphs), on-policy slots, streaming per layer, per layer
-                  with step graphs) on the bf16 Qwen3-0.6B
+                  (rollout.step_graphs), on-policy slots, streaming per layer, per layer
+                  with step graphs, lockstep with step graphs) on the bf16 Qwen3-0.6B
                   policy, 3 batches of 16 prompts x G=4 at GSM8K's long-tailed lengths (P 256,
                   C 1024; --slots_completion=512 halves it, --slots_batches), the recipe's draw:
                   first run (compile included) and a steady run per mode, useful completion tok/s,
@@ -1709,7 +1709,7 @@ def s_slots(ctx, sec, out):
   no stop token, each row's length imposed, the lockstep sampler run to its batch's longest
   row), the recipe's draw (temperature 0.9, top-k 50). Modes (slot_engine.py's): lockstep,
   streaming slots (64 slots, every batch queued), on-policy slots (32 slots, one batch at a
-  time), and the variants of --slots_modes (' step graphs': rollout.slot_step_graphs; ' per
+  time), and the variants of --slots_modes (' step graphs': rollout.step_graphs; ' per
   layer': a program per layer), in its order (all but lockstep optional past the budget). Per mode: the first run
   (compile included) and one steady run; useful completion tok/s, ratio vs lockstep, and the
   HBM roofline share: slots_roofline's seconds / the steady run's."""
@@ -1762,7 +1762,7 @@ def s_slots(ctx, sec, out):
   )
   key = _replicated_key(ctx.args.seed, mesh)
   # the engine as configured (rollout.slot_scan_layers unset: scanned on GPU and TPU), then
-  # its variants: each decode step one CUDA graph (rollout.slot_step_graphs), a program per
+  # its variants: each decode step one CUDA graph (rollout.step_graphs), a program per
   # layer (what the scan's compile gain costs or saves per step), both (--slots_modes)
   scan = scan_layers_option(config)
   modes = tuple(m.strip() for m in ctx.args.slots_modes.split(",") if m.strip())
@@ -1798,7 +1798,7 @@ def s_slots(ctx, sec, out):
     run, engine, streaming = runs[name]
 
     def one(name=name, run=run, engine=engine, streaming=streaming):
-      first = se.check_run(name, run, issued if name == "lockstep" else useful)
+      first = se.check_run(name, run, useful if engine is not None else issued)
       r = dict(first_s=first, first_tokens_per_sec=useful / first)
       if name != "lockstep" and sec.over():
         r["steady"] = "skipped (section budget spent)"
@@ -2417,7 +2417,7 @@ def main(argv=None):
   ap.add_argument(
       "--slots_modes",
       default="lockstep,streaming slots,streaming slots step graphs,on-policy slots,"
-      "streaming slots per layer,streaming slots per layer step graphs",
+      "streaming slots per layer,streaming slots per layer step graphs,lockstep step graphs",
       help="the slots section's modes, in order (lockstep first; benchmarks/slot_engine.py's "
       "names, ' per layer' / ' step graphs' variants; past the budget the rest are skipped)",
   )

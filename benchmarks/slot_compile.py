@@ -221,7 +221,7 @@ def main(argv=None):
         scan_layers=scan,
         admit_in_decode=args.admission == "decode",
         decode_attention=cfg.rollout.decode_attention,
-        step_graphs=cfg.rollout.slot_step_graphs,
+        step_graphs=cfg.rollout.step_graphs,
     )
     engine.reset(gen, rows_per_step=b * g)
     engine._model_known(policy.model_config)  # what set_weights reads from the weights

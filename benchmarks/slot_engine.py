@@ -123,7 +123,9 @@ MODES = ("lockstep", "on-policy slots", "streaming slots", "streaming 2x slots")
 INSIDE = " +admit in decode"
 # A slot mode with a program per layer (SlotEngine(scan_layers=False)), whatever engine_kw says.
 LAYERS = " per layer"
-# A slot mode whose decode steps are each one CUDA graph (SlotEngine(step_graphs=True); GPU).
+# A mode whose decode loops run inside CUDA graphs (rollout.step_graphs; GPU): "lockstep step
+# graphs" (Sampler(step_graphs=True): its generate one graph) or a slot mode's (SlotEngine(
+# step_graphs=True): each decode step one graph).
 GRAPHS = " step graphs"
 
 
@@ -146,12 +148,13 @@ def make_runs(
   max_new_tokens, {mode: (run, engine or None, streaming)}); nothing compiled yet. sampler_kw /
   engine_kw: further Sampler / SlotEngine arguments (mesh, decode_phases, ...)."""
   n = batches[0][0].completion_n.size
-  samplers = {
-      m: Sampler(
-          graphdef, max_prompt_length=p, max_new_tokens=m, num_generations=g, **(sampler_kw or {})
-      )
-      for m in sorted({int(bt.completion_n.max()) for bt, _, _ in batches})
-  }
+  lengths = sorted({int(bt.completion_n.max()) for bt, _, _ in batches})
+
+  def lockstep_samplers(**variant):
+    kw = dict(max_prompt_length=p, num_generations=g) | (sampler_kw or {}) | variant
+    return {m: Sampler(graphdef, max_new_tokens=m, **kw) for m in lengths}
+
+  samplers = lockstep_samplers()
   kw = dict(max_prompt_length=p, max_new_tokens=c, num_generations=g, chunk=chunk)
   kw.update(engine_kw or {})
   slots = {"on-policy slots": (n // 2, False), "streaming slots": (n, True)}
@@ -164,9 +167,10 @@ def make_runs(
     base = base.removesuffix(GRAPHS)
     per_layer = base.endswith(LAYERS)
     base = base.removesuffix(LAYERS)
-    if name == "lockstep":
+    if base == "lockstep":
+      by_length = lockstep_samplers(step_graphs=True) if graphs else samplers
       runs[name] = (
-          lambda: run_lockstep(samplers, state, batches, key, generation),
+          lambda s=by_length: run_lockstep(s, state, batches, key, generation),
           None,
           False,
       )

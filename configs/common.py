@@ -229,11 +229,12 @@ def base() -> ml_collections.ConfigDict:
   # None = auto: scanned on GPU and TPU, per layer on CPU and for models with sliding-window or
   # soft-capped layers (the kernel does not read them).
   c.rollout.slot_scan_layers = placeholder(bool)
-  # GPU: each slot-engine decode step as one CUDA graph, its layer loop and admission included
-  # (XLA's WHILE and CONDITIONAL command buffers; else a graph per layer and a host read of the
-  # admission's predicate per step). Opt-in until measured on a GPU (benchmarks/accelerator.py's
-  # slots section runs both).
-  c.rollout.slot_step_graphs = False
+  # GPU: the decode loops inside CUDA graphs (XLA's WHILE and CONDITIONAL command buffers,
+  # rollout/gpu_options.py): the lockstep sampler's whole generate one graph, each slot-engine
+  # decode step one graph, its layer loop and admission included (else a graph per step or per
+  # layer, and a host read of each loop's predicate). Opt-in until measured on a GPU
+  # (benchmarks/accelerator.py's slots section runs both).
+  c.rollout.step_graphs = False
   # Threads that compile the slot engine's programs for a prompt width at once, before its
   # first step there (XLA compiles with the GIL released: the step waits for the slowest
   # program, not the sum; benchmarks/README.md "Slot engine"). 0 = one per core this process

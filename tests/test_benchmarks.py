@@ -233,6 +233,7 @@ def test_accelerator_packed_and_slots_quick(tmp_path):
       "on-policy slots",
       "streaming slots per layer",
       "streaming slots per layer step graphs",
+      "lockstep step graphs",
   }
   assert sl["workload"]["slot_scan_layers"] is False  # (CPU: auto = a program per layer)
   for name, m in modes.items():

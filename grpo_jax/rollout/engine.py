@@ -59,7 +59,7 @@ class NativeEngine:
       slot_scan_layers: bool | str = False,
       slot_compile_threads: int = 0,
       slot_admission: str = "auto",
-      slot_step_graphs: bool = False,
+      step_graphs: bool = False,
       steps_in_flight: int = 1,
       turns=None,
       max_append: int = 0,
@@ -68,7 +68,8 @@ class NativeEngine:
     """slots > 0: the slot engine (rollout/slots.py) with that many decode slots, room for
     `steps_in_flight` steps' rows at once (streaming: streaming.steps_in_flight), else the
     lockstep group sampler. record_routes: the lockstep sampler keeps the MoE routes of its
-    rollouts (Rollout.routes, routing replay: rl/replay.py). slot_admission: "decode" admits
+    rollouts (Rollout.routes, routing replay: rl/replay.py). step_graphs (GPU): either engine's
+    decode loops (steps) as CUDA graphs (rollout/gpu_options.py). slot_admission: "decode" admits
     queued groups inside the slot engine's decode, "host" between its chunks, "auto" decode
     unless `turns` (configs/common.py)."""
     self.mesh = mesh
@@ -91,7 +92,7 @@ class NativeEngine:
           or (slot_admission == "auto" and turns is None),
           decode_phases=decode_phases,
           decode_attention=decode_attention,
-          step_graphs=slot_step_graphs,
+          step_graphs=step_graphs,
           steps_in_flight=steps_in_flight,
           turns=turns,
           max_append=max_append,
@@ -104,6 +105,7 @@ class NativeEngine:
           decode_block=decode_block,
           decode_attention=decode_attention,
           record_routes=record_routes,
+          step_graphs=step_graphs,
           **kw,
       )
     else:  # encoder-decoder: prompts are the encoder's input
@@ -267,7 +269,6 @@ def make_engine(
       slot_scan_layers=scan_layers_option(config),
       slot_compile_threads=config.rollout.slot_compile_threads,
       slot_admission=config.rollout.slot_admission,
-      slot_step_graphs=config.rollout.slot_step_graphs,
       steps_in_flight=streaming.steps_in_flight(config),
       turns=turns,
       max_append=config.rollout.max_tool_response_tokens if turns is not None else 0,

@@ -45,6 +45,7 @@ from grpo_jax.models.decoder.cache import sampling_copy
 from grpo_jax.models.decoder.cache import share_prompt
 from grpo_jax.models.decoder.kernels import Kernels
 from grpo_jax.models.decoder.moe import routes_dtype
+from grpo_jax.rollout import gpu_options
 from grpo_jax.rollout import sampling
 from grpo_jax.rollout.types import GenerationConfig
 from grpo_jax.rollout.types import Rollout
@@ -68,10 +69,15 @@ class Sampler:
       decode_block: int = 0,
       decode_attention: str | None = None,
       record_routes: bool = False,
+      step_graphs: bool = False,
   ):
-    """record_routes: keep the MoE routes of every token fed (Rollout.routes; an MoE model)."""
+    """record_routes: keep the MoE routes of every token fed (Rollout.routes; an MoE model).
+    step_graphs (GPU; rollout.step_graphs): the decode loops inside one CUDA graph
+    (gpu_options.LOOP_GRAPH_OPTIONS), not a graph per step and a host read of each loop's
+    predicate; unmeasured on a GPU so far, hence opt-in."""
     self.graphdef = graphdef
     self.record_routes = record_routes
+    self.step_graphs = bool(step_graphs)
     self.max_prompt_length = max_prompt_length
     self.max_new_tokens = max_new_tokens
     self.num_generations = num_generations
@@ -99,6 +105,8 @@ class Sampler:
       kw = {}
       if self.mesh is not None:
         kw["out_shardings"] = Rollout.shardings(self.mesh, routes=self.record_routes)
+      if self.step_graphs and self.platform == "gpu":
+        kw["compiler_options"] = dict(gpu_options.LOOP_GRAPH_OPTIONS)
       self._compiled[key] = jax.jit(fn, **kw)
     return self._compiled[key]
 
@@ -304,6 +312,7 @@ def config_options(config) -> dict:
       decode_phases=r.decode_phases,
       decode_block=r.decode_block,
       decode_attention=r.decode_attention,
+      step_graphs=r.step_graphs,
   )
 
 

@@ -36,6 +36,7 @@ from grpo_jax.models.decoder.cache import stacked_sampling_copy
 from grpo_jax.models.decoder.kernels import Kernels
 from grpo_jax.models.decoder.transformer import compaction
 from grpo_jax.parallel import sharding
+from grpo_jax.rollout import gpu_options
 from grpo_jax.rollout import sampling
 from grpo_jax.rollout.types import GenerationConfig
 from grpo_jax.rollout.types import Rollout
@@ -80,37 +81,10 @@ _PER_SLOT = ("length", "seq", "token", "col", "cap", "row", "live", "keys")
 # The programs that run the layers (a prefill or a decode over them).
 _LAYERED = ("admit", "decode", "decode_narrow", "refresh", "extend", "push")
 
-# XLA:GPU options for the scanned engine's layered programs: every GEMM reads its layer's
-# weights where they lie in the stacks [L, ...] (a cuBLAS call at an address offset by the
-# scan's loop index, computed on the host: XLA's dynamic-slice fusion), instead of an async
-# copy of the layer's slice before a Triton GEMM (31.5 MB per layer, 0.88 GB per decode step
-# for Qwen3-0.6B). Dynamic-slice fusion takes cuBLAS GEMMs only, hence no Triton GEMMs; and
-# XLA's dot merger would join the q/k/v (gate/up) GEMMs into one over their weights
-# concatenated per step, hence none. Read in the compiled HLO (tests/plan/
-# test_compiled_programs.py; benchmarks/README.md "Slot engine").
-SCANNED_GPU_OPTIONS = {
-    "xla_gpu_enable_dynamic_slice_fusion": True,
-    "xla_gpu_enable_triton_gemm": False,
-    "xla_disable_hlo_passes": "dot-merger",
-}
-
-# XLA:GPU options that make a decode step one CUDA graph (SlotEngine(step_graphs=True),
-# rollout.slot_step_graphs; opt-in: not yet run on a GPU): by default a step's layer loop (a
-# `while` of known trip count) and its admission (a `conditional`) stay outside XLA's command
-# buffers, so a step launches one graph per layer and reads the conditional's predicate on the
-# host; with WHILE and CONDITIONAL commands and known-trip-count loops unrolled into the graph,
-# the step body is one command buffer (read in XLA's thunk sequence:
-# tests/plan/test_compiled_programs.py). The async wrapper of small dynamic-slice copies (the
-# layers' norm scales, on other streams) would keep the loop out of the graph, hence none.
-STEP_GRAPH_OPTIONS = {
-    # (XLA's default commands, plus WHILE and CONDITIONAL; names that jax 0.11.2's XLA, the GPU
-    # machine's, knows too: not 0.12's COLLECTIVES_KERNEL; a decode on one GPU has none)
-    "xla_gpu_enable_command_buffer": (
-        "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
-    ),
-    "xla_gpu_command_buffer_unroll_loops": True,
-    "xla_disable_hlo_passes": "dot-merger,dynamic-slice-copy-fusion-async-wrapper",
-}
+# XLA:GPU options (rollout/gpu_options.py): SCANNED_GPU_OPTIONS for the scanned engine's layered
+# programs, STEP_GRAPH_OPTIONS (rollout.step_graphs) for the programs that run decode steps.
+SCANNED_GPU_OPTIONS = gpu_options.SCANNED_GPU_OPTIONS
+STEP_GRAPH_OPTIONS = gpu_options.STEP_GRAPH_OPTIONS
 # The programs a step graph takes: those that run decode steps.
 _STEPPED = ("decode", "decode_narrow", "extend")
 
@@ -154,12 +128,12 @@ class SlotPrograms:
     """The XLA:GPU compiler options of program `name` (None off GPU or none)."""
     if self.platform != "gpu":
       return None
-    options = {}
+    sets = []
     if self.scan_layers and name in _LAYERED:
-      options.update(SCANNED_GPU_OPTIONS)
+      sets.append(SCANNED_GPU_OPTIONS)
     if self.step_graphs and name in _STEPPED:
-      options.update(STEP_GRAPH_OPTIONS)
-    return options or None
+      sets.append(STEP_GRAPH_OPTIONS)
+    return gpu_options.merged(*sets) or None
 
   def _state_shardings(self):
     """The state's layout on the mesh: caches' slots over (data, fsdp); the rest replicated

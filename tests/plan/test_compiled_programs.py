@@ -253,7 +253,7 @@ def _slot_engine(name: str, scan, dims=(1, 1, 1)):
 
 @pytest.mark.parametrize("scan", [False, True], ids=["layers", "scan"])
 def test_slot_decode_step_is_one_cuda_graph_with_step_graphs(scan):
-  """SlotEngine(step_graphs=True) (rollout.slot_step_graphs) on the H100: in XLA:GPU's thunk
+  """SlotEngine(step_graphs=True) (rollout.step_graphs) on the H100: in XLA:GPU's thunk
   sequence the decode step's layer loop and its admission (a conditional) run inside a
   command buffer (a CUDA graph), not from the host; per layer the whole chunk's loop too.
   Without it the layer loop and the admission are host-driven (the control)."""
@@ -270,6 +270,48 @@ def test_slot_decode_step_is_one_cuda_graph_with_step_graphs(scan):
   thunks = gpu_thunk_sequence(control)
   assert len(hi.thunks_outside_graphs(thunks, "kWhile")) >= (2 if scan else 1)
   assert hi.thunks_outside_graphs(thunks, "kConditional")
+
+
+def _lockstep_generate(step_graphs: bool):
+  """-> the lockstep Sampler's generate (small_qwen3, one H100, the recipe's top-k draw),
+  lowered with abstract weights."""
+  target = _target("h100")
+  cfg = small_qwen3(False)
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 1
+  mesh = build.make_mesh(cfg, devices=target.devices[:1])
+  policy = build.make_policy(cfg, mesh, abstract=True)
+  sampler = sampler_lib.Sampler(
+      policy.sampler_graphdef,
+      max_prompt_length=P,
+      max_new_tokens=C,
+      num_generations=G,
+      eos_ids=(0,),
+      mesh=mesh,
+      step_graphs=step_graphs,
+  )
+  assert sampler.step_graphs == step_graphs and len(sampler.phase_ends) == 1  # (ragged: 1 loop)
+  rep = sharding.replicated(mesh)
+  prompt = jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=sharding.batch_sharding(mesh, 2))
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
+  keys = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
+  fn = sampler._fn(int(cfg.rollout.top_k), cfg.rollout.top_p < 1.0, False)
+  with jax.set_mesh(mesh):
+    return fn.lower(policy.params, prompt, prompt, keys, scalar, scalar)
+
+
+def test_lockstep_generate_is_one_cuda_graph_with_step_graphs():
+  """Sampler(step_graphs=True) (rollout.step_graphs) on the H100: in XLA:GPU's thunk sequence
+  the decode's loops (over blocks of 8 steps, and the block's steps) run inside a command
+  buffer (a CUDA graph), not from the host. Without it both loops are host-driven (the
+  control: a predicate read and a graph launch per step)."""
+  from grpo_jax.plan.tpu_targets import gpu_thunk_sequence
+
+  thunks = gpu_thunk_sequence(_lockstep_generate(True))
+  assert not hi.thunks_outside_graphs(thunks, "kWhile")
+  assert not hi.thunks_outside_graphs(thunks, "kConditional")
+  control = gpu_thunk_sequence(_lockstep_generate(False))
+  assert len(hi.thunks_outside_graphs(control, "kWhile")) >= 2
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["layers", "scan"])

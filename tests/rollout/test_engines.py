@@ -123,3 +123,44 @@ def test_slot_scan_layers_reaches_the_engine_and_draws_the_per_layer_tokens(setu
     engine.close()
   np.testing.assert_array_equal(out[True][0], out[False][0])
   np.testing.assert_allclose(out[True][1], out[False][1], atol=1e-5)
+
+
+def test_step_graphs_reach_both_engines_and_their_gpu_options(setup):
+  """config.rollout.step_graphs reaches the lockstep Sampler and the SlotEngine (a no-op off
+  GPU); on GPU each slot program gets its option sets merged, disabled passes joined."""
+  from types import SimpleNamespace
+
+  from grpo_jax.rollout import gpu_options
+  from grpo_jax.rollout.slot_programs import SlotPrograms
+
+  s = setup
+  for slots in (0, B * G):
+    config = copy.deepcopy(s["config"])
+    config.rollout.slots = slots
+    config.rollout.step_graphs = True
+    engine = rollout.make_engine(config, s["policy"], s["tok"], s["mesh"], kind="native")
+    assert engine.sampler.step_graphs is True, type(engine.sampler)
+    engine.close()
+
+  both = gpu_options.merged(gpu_options.SCANNED_GPU_OPTIONS, gpu_options.STEP_GRAPH_OPTIONS)
+  assert both["xla_disable_hlo_passes"] == "dot-merger,dynamic-slice-copy-fusion-async-wrapper"
+  assert both["xla_gpu_enable_dynamic_slice_fusion"] is True
+  assert "WHILE" in both["xla_gpu_enable_command_buffer"].split(",")
+  assert gpu_options.merged() == {}
+  # (either order: a dict update would keep the later set's list alone)
+  assert gpu_options.merged(gpu_options.STEP_GRAPH_OPTIONS, gpu_options.SCANNED_GPU_OPTIONS) == both
+  options = lambda **kw: SlotPrograms._gpu_options(SimpleNamespace(**kw), "decode")  # noqa: E731
+  assert options(platform="gpu", scan_layers=True, step_graphs=True) == both
+  assert options(platform="gpu", scan_layers=False, step_graphs=True) == (
+      gpu_options.STEP_GRAPH_OPTIONS
+  )
+  assert options(platform="gpu", scan_layers=True, step_graphs=False) == (
+      gpu_options.SCANNED_GPU_OPTIONS
+  )
+  assert options(platform="cpu", scan_layers=True, step_graphs=True) is None
+  assert (
+      SlotPrograms._gpu_options(
+          SimpleNamespace(platform="gpu", scan_layers=False, step_graphs=True), "take"
+      )
+      is None
+  )
