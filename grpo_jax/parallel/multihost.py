@@ -164,3 +164,45 @@ def sharded_rows(value, mesh) -> jax.Array:
         lambda index: value[index],
         dtype=value.dtype,
     )
+
+
+# ------------------------------------------------ checkpoint leaves on some processes only
+
+
+def _local_to_a_process(x) -> bool:
+  """An array (or abstract one) on devices of some processes only, in a multi-process job:
+  e.g. the trainer's or the sampler's mesh with rollout.placement=disaggregated when each
+  process holds one role. Orbax writes only arrays that span every process."""
+  s = getattr(x, "sharding", None)
+  return (
+      jax.process_count() > 1
+      and s is not None
+      and ({d.process_index for d in s.device_set} != set(range(jax.process_count())))
+  )
+
+
+def savable(x):
+  """A leaf to hand Orbax's save (jax.tree.map over the tree; every process): an array that
+  spans every process as it is; one on some processes only as a host array, which process 0
+  writes: its value on process 0 (the loop keeps such arrays on the trainer's mesh, which holds
+  process 0's devices), a zero placeholder elsewhere."""
+  if not _local_to_a_process(x):
+    return x
+  if not any(d.process_index == 0 for d in x.sharding.device_set):
+    raise ValueError(f"a checkpoint leaf {x.shape} lives on devices process 0 does not hold")
+  return np.asarray(jax.device_get(x)) if jax.process_index() == 0 else np.zeros(x.shape, x.dtype)
+
+
+def readable(x):
+  """The restore target of a leaf `savable` wrote (x abstract, with its sharding)."""
+  return np.empty(x.shape, x.dtype) if _local_to_a_process(x) else x
+
+
+def placed(value, target):
+  """A leaf Orbax restored for `readable(target)` -> an array in the target's sharding."""
+  if not _local_to_a_process(target):
+    return value
+  value = np.asarray(value)
+  return jax.make_array_from_callback(
+      target.shape, target.sharding, lambda i: value[i], dtype=target.dtype
+  )

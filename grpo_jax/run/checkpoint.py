@@ -22,47 +22,10 @@ import os
 
 import grain
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
+from grpo_jax.parallel import multihost
 from grpo_jax.run import paths
-
-
-def _local_to_a_process(x) -> bool:
-  """An array (or abstract one) on devices of some processes only, in a multi-process job:
-  e.g. the trainer's or the sampler's mesh with rollout.placement=disaggregated when each
-  process holds one role. Orbax writes only arrays that span every process."""
-  s = getattr(x, "sharding", None)
-  return (
-      jax.process_count() > 1
-      and s is not None
-      and ({d.process_index for d in s.device_set} != set(range(jax.process_count())))
-  )
-
-
-def _savable(x):
-  """Such arrays go to Orbax as host arrays, which process 0 writes: their values on process
-  0 (the loop keeps them on the trainer's mesh, which holds process 0's devices), a zero
-  placeholder elsewhere."""
-  if not _local_to_a_process(x):
-    return x
-  if not any(d.process_index == 0 for d in x.sharding.device_set):
-    raise ValueError(f"a checkpoint leaf {x.shape} lives on devices process 0 does not hold")
-  return np.asarray(jax.device_get(x)) if jax.process_index() == 0 else np.zeros(x.shape, x.dtype)
-
-
-def _readable(x):
-  return np.empty(x.shape, x.dtype) if _local_to_a_process(x) else x
-
-
-def _placed(value, target):
-  """Host arrays read back for `_savable` leaves -> arrays in the target's sharding."""
-  if not _local_to_a_process(target):
-    return value
-  value = np.asarray(value)
-  return jax.make_array_from_callback(
-      target.shape, target.sharding, lambda i: value[i], dtype=target.dtype
-  )
 
 
 class DamagedCheckpoint(RuntimeError):
@@ -159,7 +122,7 @@ class Checkpointer:
   def save(self, step: int, state, data_iterator, meta: dict, *, force: bool = False) -> bool:
     """Starts an (async) save of `state` (pytree of jax arrays), the iterator and `meta`."""
     args = ocp.args.Composite(
-        state=ocp.args.StandardSave(jax.tree.map(_savable, state)),
+        state=ocp.args.StandardSave(jax.tree.map(multihost.savable, state)),
         data=grain.checkpoint.CheckpointSave(data_iterator),
         meta=ocp.args.JsonSave(meta),
     )
@@ -175,12 +138,12 @@ class Checkpointer:
     restored = self._manager.restore(
         step,
         args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(jax.tree.map(_readable, abstract_state)),
+            state=ocp.args.StandardRestore(jax.tree.map(multihost.readable, abstract_state)),
             data=grain.checkpoint.CheckpointRestore(data_iterator),
             meta=ocp.args.JsonRestore(),
         ),
     )
-    return jax.tree.map(_placed, restored["state"], abstract_state), restored["meta"]
+    return jax.tree.map(multihost.placed, restored["state"], abstract_state), restored["meta"]
 
   def restore_meta(self, step: int) -> dict:
     """Only the JSON item (cheap: tells the loop which phase and state shapes to expect)."""

@@ -236,15 +236,20 @@ LORA_ARGS = [
 ]
 
 
-@pytest.mark.slow  # ~2 min: LoRA over 2 processes (the default suite runs the full-model pair)
-def test_lora_two_processes_equal_one_through_a_resume(tmp_path, gcs):
+@pytest.mark.slow  # ~2 min each: LoRA over 2 processes (the default suite runs the full-model pair)
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_lora_two_processes_equal_one_through_a_resume(tmp_path, gcs, placement):
   """LoRA after a full SFT warm start on 2 processes x 4 devices, stopped after one GRPO step
-  and resumed (the folded base reloaded from the gs:// workdir's lora_base) == 1 x 8 straight."""
+  and resumed (the folded base reloaded from the gs:// workdir's lora_base) == 1 x 8 straight.
+  Disaggregated, each process holds one role: the folded base lives on process 0's devices
+  only, and its lora_base save and reload go through multihost.savable / placed (before: the
+  save refused the array, a config fuzz found it)."""
   single, pair = epath.Path(tmp_path / "single"), epath.Path(gcs) / "pair"
-  _launch_single(single, base=LORA_ARGS)
-  for rc, err in _launch_pair(pair, "--config.max_steps_per_run=1", base=LORA_ARGS):
+  args = [*LORA_ARGS, f"--config.rollout.placement={placement}"]
+  _launch_single(single, base=args)
+  for rc, err in _launch_pair(pair, "--config.max_steps_per_run=1", base=args):
     assert rc == 0, err[-3000:]
-  for rc, err in _launch_pair(pair, base=LORA_ARGS):
+  for rc, err in _launch_pair(pair, base=args):
     assert rc == 0, err[-3000:]
     assert "resuming from" in err
   ref, got = _logged(single), _logged(pair)

@@ -13,6 +13,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from grpo_jax.run import paths
+from grpo_jax.parallel import multihost
 from grpo_jax.parallel import sharding
 from grpo_jax.models.decoder import hf
 from grpo_jax.models import policy as policy_lib
@@ -131,8 +132,8 @@ def after_sft(config, session, policy, params, mesh, workdir):
       params
   )
   where = paths.path(workdir) / BASE_DIR
-  with ocp.StandardCheckpointer() as ckpt:
-    ckpt.save(where, split(params)[1], force=True)
+  with ocp.StandardCheckpointer() as ckpt:  # (disaggregated: the trainer's on some processes)
+    ckpt.save(where, jax.tree.map(multihost.savable, split(params)[1]), force=True)
   session.meta["lora_base"] = str(where)
   return params
 
@@ -142,7 +143,8 @@ def load_base(config, policy, mesh, where: str):
   if where and not where.startswith("init:") and where != config.model.hf_path:
     target = sharding.abstract_with(split(policy.params)[1], split(policy.param_shardings(mesh))[1])
     with ocp.StandardCheckpointer() as ckpt:
-      return ckpt.restore(where, target)
+      restored = ckpt.restore(where, jax.tree.map(multihost.readable, target))
+    return jax.tree.map(multihost.placed, restored, target)
   return split(lora_policy(config, mesh).params)[1]  # model.hf_path or the seed's init again
 
 
