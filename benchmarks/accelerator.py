@@ -29,7 +29,8 @@ measured here first:
                   scan_layers as the recipe unless --sampler_scan=0), 32 prompts x G=8 = 256
                   rows, prompt 128, 256 new tokens, no stop token (all 256 steps run).
                   Params bf16 and f32 (compute bf16, the recipe's); full-vocabulary draw at
-                  temperature 1 and the recipe's (temperature 0.9, top-k 50). tok/s from the
+                  temperature 1 and the recipe's (temperature 0.9, top-k 50); bf16/recipe/graphs
+                  the recipe's with rollout.step_graphs (its decode one CUDA graph). tok/s from the
                   median of the timed calls after a warm-up call; ms per decode step =
                   (rollout - prefill-only rollout) / 255 (the prefill-only sampler is the same
                   one built for 1 new token, as rollout.py does). HBM roofline of a decode
@@ -687,7 +688,9 @@ def s_ceilings(ctx, sec, out):
 # ============================================================================== 2. sampler
 
 
-def _sampler(policy, mesh, config, *, prompt_len, new_tokens, generations, attention=None):
+def _sampler(
+    policy, mesh, config, *, prompt_len, new_tokens, generations, attention=None, graphs=False
+):
   from grpo_jax.rollout import Sampler
 
   return Sampler(
@@ -701,6 +704,7 @@ def _sampler(policy, mesh, config, *, prompt_len, new_tokens, generations, atten
       decode_phases=config.rollout.decode_phases,
       decode_block=config.rollout.decode_block,
       decode_attention=attention,
+      step_graphs=graphs,
   )
 
 
@@ -743,28 +747,32 @@ def s_sampler(ctx, sec, out):
       f"  {b} prompts x G={g} = {n} rows, prompt {p}, {c} new tokens (no stop token), "
       f"scan_layers={bool(ctx.args.sampler_scan)}"
   )
-  # (param dtype, generation, new tokens, decode attention): in order of importance; the
-  # prefill-only run is the recipe's sampler built for one new token. Each further
-  # --sampler_attention (e.g. xla) adds the bf16 decode variants with it: NAME@xla.
+  # (param dtype, generation, new tokens, step graphs, decode attention): in order of
+  # importance; the prefill-only run is the recipe's sampler built for one new token;
+  # bf16/recipe/graphs the recipe's with its decode loops inside one CUDA graph
+  # (rollout.step_graphs; the same program off GPU). Each further --sampler_attention (e.g. xla)
+  # adds the bf16 decode variants with it: NAME@xla.
   attns = ctx.args.sampler_attention.split(",")
   variants = [
-      ("bfloat16", "recipe", c),
-      ("bfloat16", "recipe", 1),
-      ("bfloat16", "full_vocab", c),
-      ("float32", "recipe", c),
-      ("float32", "full_vocab", c),
+      ("bfloat16", "recipe", c, False),
+      ("bfloat16", "recipe", 1, False),
+      ("bfloat16", "full_vocab", c, False),
+      ("bfloat16", "recipe", c, True),
+      ("float32", "recipe", c, False),
+      ("float32", "full_vocab", c, False),
   ]
   if ctx.quick:  # the same paths with one program less (CPU compile time)
-    variants = variants[:4]
+    variants = variants[:5]
   variants = [v + (attns[0],) for v in variants] + [
-      v + (a,) for a in attns[1:] for v in variants if v[0] == "bfloat16" and v[2] != 1
+      v + (a,) for a in attns[1:] for v in variants if v[0] == "bfloat16" and v[2] != 1 and not v[3]
   ]
 
   def name_of(v):
-    pd, gen, new, attn = v
+    pd, gen, new, graphs, attn = v
     return (
         f"{'bf16' if pd == 'bfloat16' else 'f32'}/{gen}"
         + ("/prefill" if new == 1 else "")
+        + ("/graphs" if graphs else "")
         + (f"@{attn}" if attn != attns[0] else "")
     )
 
@@ -780,14 +788,21 @@ def s_sampler(ctx, sec, out):
   t_all = time.perf_counter()
   lowered, calls, phases = [], {}, {}
   for v in variants:
-    pd, gen, new, attn = v
+    pd, gen, new, graphs, attn = v
     if sec.over():
       runs[name_of(v)] = {"skipped": "section budget spent before lowering"}
       continue
     try:
       cfg_v, mesh, policy = ctx.policy(pd)
       sampler = _sampler(
-          policy, mesh, cfg_v, prompt_len=p, new_tokens=new, generations=g, attention=attn
+          policy,
+          mesh,
+          cfg_v,
+          prompt_len=p,
+          new_tokens=new,
+          generations=g,
+          attention=attn,
+          graphs=graphs,
       )
       ids = multihost.to_global(ids_np, mesh)
       mask = multihost.to_global(mask_np, mesh)
@@ -913,7 +928,7 @@ def s_sampler(ctx, sec, out):
 
   sec.item(out, "draw", draw, optional=False)
   s = ctx.results["summary"]
-  for name in ("bf16/recipe", "bf16/full_vocab", "f32/recipe") + tuple(
+  for name in ("bf16/recipe", "bf16/full_vocab", "bf16/recipe/graphs", "f32/recipe") + tuple(
       f"bf16/{gen}@{a}" for a in attns[1:] for gen in ("recipe", "full_vocab")
   ):
     r = runs.get(name, {})

@@ -122,9 +122,15 @@ def test_accelerator_benchmark_quick(tmp_path):
   assert c["matmul_bf16_tflops"] > 0 and c["hbm_tb_s"] > 0
   s = res["sampler"]
   runs = s["runs"]
-  assert set(runs) == {"bf16/recipe", "bf16/recipe/prefill", "bf16/full_vocab", "f32/recipe"}
+  assert set(runs) == {
+      "bf16/recipe",
+      "bf16/recipe/prefill",
+      "bf16/full_vocab",
+      "bf16/recipe/graphs",
+      "f32/recipe",
+  }
   w = s["workload"]
-  for name in ("bf16/recipe", "bf16/full_vocab", "f32/recipe"):
+  for name in ("bf16/recipe", "bf16/full_vocab", "bf16/recipe/graphs", "f32/recipe"):
     r = runs[name]
     assert r["tokens"] == w["rows"] * w["new_tokens"] and r["tok_s"] > 0
     assert r["decode_step_ms"] > 0 and r["roofline_step_ms"] > 0 and r["roofline_fraction"] > 0
