@@ -140,6 +140,14 @@ def sum_over_processes(x) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x)).sum(axis=0)
 
 
+def max_over_processes(x) -> np.ndarray:
+  """Elementwise max of a host value over all JAX processes (identity on one process)."""
+  x = np.asarray(x)
+  if jax.process_count() == 1:
+    return x
+  return np.asarray(multihost_utils.process_allgather(x)).max(axis=0)
+
+
 def any_process(flag: bool) -> bool:
   """True on every process when any process says True (e.g. 'I got SIGTERM')."""
   if jax.process_count() == 1:

@@ -553,15 +553,19 @@ def streaming(config) -> bool:
 
 def token_staleness(step: int, versions_nc, mask_nc) -> dict:
   """Per completion token, `step` minus the weight version that drew it: its mean and max
-  over this process's masked tokens (versions_nc, mask_nc: [n, C]); rollout/staleness: step
-  minus the oldest version in the batch (the max)."""
+  over the batch's masked tokens (versions_nc, mask_nc: [n, C], this process's rows; every
+  process calls it: the sums go over processes, so a process without rows, the trainer's with
+  rollout.placement=disaggregated, logs the batch's figures too); rollout/staleness: step minus
+  the oldest version in the batch (the max)."""
   ages = step - np.asarray(versions_nc)[np.asarray(mask_nc) > 0]
-  if not ages.size:
+  total, count = multihost.sum_over_processes(np.array([ages.sum(), ages.size], np.int32))
+  oldest = int(multihost.max_over_processes(np.int32(ages.max() if ages.size else -1)))
+  if not count:
     return {}
   return {
-      "rollout/staleness": int(ages.max()),
-      "rollout/staleness_token_mean": float(ages.mean()),
-      "rollout/staleness_token_max": int(ages.max()),
+      "rollout/staleness": oldest,
+      "rollout/staleness_token_mean": float(total / count),
+      "rollout/staleness_token_max": oldest,
   }
 
 

@@ -94,9 +94,13 @@ class Stream:
     return list(self._steps)
 
   def stats(self) -> dict[str, float]:
-    """rollout/slots_busy: live slots / slots over the decode steps since `reset`."""
+    """rollout/slots_busy: live slots / slots over the decode steps since `reset`, on every
+    process (sent from the sampler's: a collective, every process calls it)."""
     stats = self.slots.stats()  # {} on a process without the sampler's devices
-    return {"rollout/slots_busy": stats["busy"]} if stats else {}
+    steps, live = multihost.from_mesh_to_all(
+        np.array([stats.get("steps", 0), stats.get("live_steps", 0)], np.int32), self.slots.mesh
+    )
+    return {"rollout/slots_busy": float(live) / max(1, int(steps) * self.slots.num_slots)}
 
 
 def first_finished(finished, untaken: dict, *, batch_groups: int, due: int):
