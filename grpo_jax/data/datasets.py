@@ -25,7 +25,7 @@ def _read_records(path: str):
     raise FileNotFoundError(f"data file {path!r} does not exist")
   if path.endswith(".json"):
     try:
-      data = json.loads(paths.read_bytes(path).decode("utf-8"))
+      data = json.loads(paths.read_bytes(path).decode("utf-8-sig"))  # -sig: a BOM, if any
     except UnicodeDecodeError as e:
       raise DataError(
           f"{path}: not UTF-8 (byte offset {e.start}). Fix: re-encode the file as " "UTF-8"
@@ -42,7 +42,7 @@ def _read_records(path: str):
   with paths.path(path).open("rb") as f:
     for lineno, raw in enumerate(f, 1):
       try:
-        line = raw.decode("utf-8")
+        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # Windows tools add a BOM
       except UnicodeDecodeError as e:
         raise DataError(
             f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column "

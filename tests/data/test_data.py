@@ -58,6 +58,24 @@ def test_malformed_jsonl_rows_name_file_and_line(tmp_path, bad_line, words):
     assert w in msg, msg
 
 
+def test_a_byte_order_mark_is_read_past(tmp_path):
+  """Windows tools (Notepad, Excel's "UTF-8 CSV/JSON") start a file with a UTF-8 BOM: the first
+  row reads as without it, in .jsonl and .json; a BOM anywhere else is still a bad line."""
+  want = data.read_prompt_file(str(_write(tmp_path / "plain.jsonl", json.dumps(GOOD))))
+  f = _write(tmp_path / "bom.jsonl", "\ufeff" + json.dumps(GOOD) + "\n" + json.dumps(GOOD))
+  assert data.read_prompt_file(str(f)) == want * 2
+  j = _write(tmp_path / "bom.json", "\ufeff" + json.dumps([GOOD]))
+  assert data.read_prompt_file(str(j)) == want
+  f = _write(tmp_path / "bom2.jsonl", json.dumps(GOOD) + "\n\ufeff" + json.dumps(GOOD))
+  with pytest.raises(data.DataError, match=":2: invalid JSON"):
+    data.read_prompt_file(str(f))
+
+
+def _write(path, text):
+  path.write_text(text, encoding="utf-8")
+  return path
+
+
 def test_prompt_file_rows_and_extra_info(tmp_path):
   f = tmp_path / "p.jsonl"
   rows_in = [
