@@ -216,6 +216,18 @@ def test_logit_softcapping_is_refused_not_ignored():
     ModelConfig.from_hf_config(cfg)
 
 
+@pytest.mark.parametrize("kind,act", [("qwen3", "gelu"), ("llama", "relu")])
+def test_an_mlp_activation_other_than_silu_is_refused_not_ignored(kind, act):
+  """The native Qwen3/Llama MLP is SwiGLU: a folder whose hidden_act is another function would
+  load and compute other logits without a word; it is refused by name ("swish" is SiLU)."""
+  from grpo_jax.models.decoder.config import ModelConfig
+
+  cfg = hf_model(kind, (QWEN3 if kind == "qwen3" else LLAMA)[0]).config.to_dict()
+  ModelConfig.from_hf_config(dict(cfg, hidden_act="swish"))
+  with pytest.raises(ValueError, match=f"hidden_act='{act}'"):
+    ModelConfig.from_hf_config(dict(cfg, hidden_act=act))
+
+
 def test_shape_mismatch_names_tensor_and_shapes(tmp_path):
   model = hf_model("qwen3", QWEN3[0])
   model.save_pretrained(tmp_path, safe_serialization=True)

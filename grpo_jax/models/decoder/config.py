@@ -303,6 +303,12 @@ class ModelConfig:
               f"unsupported: {key}={cap} on {arch} (logit soft-capping is read "
               "for Gemma folders only; otherwise it would silently differ)"
           )
+    act = hf.get("hidden_act") or "silu"
+    if arch not in GEMMA and act not in ("silu", "swish"):  # HF's ACT2FN: the same function
+      raise ValueError(
+          f"unsupported: hidden_act={act!r} for {arch} (the native MLP is SwiGLU, "
+          "hidden_act='silu'; any other activation would silently differ)"
+      )
     window = 0
     if arch in GEMMA or hf.get("use_sliding_window"):
       window = int(hf.get("sliding_window") or 0)
