@@ -132,20 +132,21 @@ def from_mesh_to_all(value: np.ndarray, mesh) -> np.ndarray:
   )
 
 
+def per_process(x) -> np.ndarray:
+  """[processes, *x.shape]: every process's host value, by process index (reduce it as needed:
+  one gather where a sum and a max would take two)."""
+  x = np.asarray(x)
+  if jax.process_count() == 1:
+    return x[None]
+  return np.asarray(multihost_utils.process_allgather(x)).reshape(-1, *x.shape)
+
+
 def sum_over_processes(x) -> np.ndarray:
   """Elementwise sum of a host value over all JAX processes (identity on one process)."""
   x = np.asarray(x)
   if jax.process_count() == 1:
     return x
   return np.asarray(multihost_utils.process_allgather(x)).sum(axis=0)
-
-
-def max_over_processes(x) -> np.ndarray:
-  """Elementwise max of a host value over all JAX processes (identity on one process)."""
-  x = np.asarray(x)
-  if jax.process_count() == 1:
-    return x
-  return np.asarray(multihost_utils.process_allgather(x)).max(axis=0)
 
 
 def any_process(flag: bool) -> bool:

@@ -558,8 +558,9 @@ def token_staleness(step: int, versions_nc, mask_nc) -> dict:
   rollout.placement=disaggregated, logs the batch's figures too); rollout/staleness: step minus
   the oldest version in the batch (the max)."""
   ages = step - np.asarray(versions_nc)[np.asarray(mask_nc) > 0]
-  total, count = multihost.sum_over_processes(np.array([ages.sum(), ages.size], np.int32))
-  oldest = int(multihost.max_over_processes(np.int32(ages.max() if ages.size else -1)))
+  mine = np.array([ages.sum(), ages.size, ages.max() if ages.size else -1], np.int64)
+  every = multihost.per_process(mine)  # [processes, 3]: one gather a step
+  total, count, oldest = every[:, 0].sum(), every[:, 1].sum(), int(every[:, 2].max())
   if not count:
     return {}
   return {

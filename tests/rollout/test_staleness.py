@@ -200,3 +200,20 @@ def test_streaming_disaggregated_kill_9_then_relaunch_resumes_exactly(tmp_path):
   assert max(want[k]["rollout/staleness"] for k in want if k[0] == "grpo") >= 1
   for key in want:
     assert want[key] == got[key], key
+
+
+def test_token_staleness_counts_the_masked_tokens_of_every_row():
+  """rollout/staleness_token_mean/_max: step minus each masked token's weight version, over
+  the batch's tokens (padding and tool tokens, mask 0, count nowhere); no tokens: no figures."""
+  from grpo_jax.rollout import source
+
+  versions = np.array([[4, 4, 3, 0], [2, 2, 2, 2], [5, 5, 5, 5]])
+  mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+  got = source.token_staleness(5, versions, mask)
+  ages = [1, 1, 2, 3, 3]
+  assert got == {
+      "rollout/staleness": 3,
+      "rollout/staleness_token_mean": pytest.approx(np.mean(ages)),
+      "rollout/staleness_token_max": 3,
+  }
+  assert source.token_staleness(5, versions, np.zeros_like(mask)) == {}
