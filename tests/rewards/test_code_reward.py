@@ -87,18 +87,23 @@ def test_each_test_gets_its_share_of_the_time():
 
 
 def _launchers():
+  """This process's live sandbox launchers (another pytest worker's, e.g. the python tool's
+  tests running beside this file under -n 2, are not this test's to count)."""
   out = []
   for pid in os.listdir("/proc"):
     try:
       with open(f"/proc/{pid}/cmdline", "rb") as f:
-        if pid.isdigit() and f.read().endswith(b"rewards/sandbox.py\x00--launch\x00"):
-          out.append(int(pid))
-    except OSError:
-      pass
+        launcher = f.read().endswith(b"rewards/sandbox_launcher.py\x00--launch\x00")
+      with open(f"/proc/{pid}/stat", "rb") as f:
+        parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError):
+      continue
+    if pid.isdigit() and launcher and parent == os.getpid():
+      out.append(int(pid))
   return out
 
 
-def test_a_callers_alarm_interrupts_cleanly():
+def test_a_callers_alarm_interrupts_cleanly(monkeypatch):
   """The reward computer's in-process timeout (a repeating SIGALRM) may land anywhere in a run:
   the run stops early, cleans up (no process, no workdir left), then the caller's handler runs."""
 
@@ -114,8 +119,14 @@ def test_a_callers_alarm_interrupts_cleanly():
       frame = frame.f_back
 
   code.sandbox_info()
+  # The runs' workdirs go to a folder of this test's own (another pytest worker's sandboxes
+  # write theirs to the shared temp dir meanwhile); readable by all, like /tmp, so a root
+  # scorer's uid-65534 program can enter its workdir.
+  private = tempfile.mkdtemp(prefix="grpo_alarm_test_")
+  os.chmod(private, 0o755)
+  monkeypatch.setattr(tempfile, "tempdir", private)
   previous = signal.signal(signal.SIGALRM, on_alarm)
-  interrupted, t0, t0_wall = 0, time.monotonic(), time.time()
+  interrupted, t0 = 0, time.monotonic()
   try:
     for delay in [0.0001] + [0.001 * i for i in range(1, 25)] + [0.05, 0.1]:
       signal.setitimer(signal.ITIMER_REAL, delay, 0.002)  # re-fires, like the computer's timer
@@ -138,12 +149,8 @@ def test_a_callers_alarm_interrupts_cleanly():
       break
     time.sleep(0.05)
   assert not _launchers()
-  assert not [
-      d
-      for d in os.listdir(tempfile.gettempdir())
-      if d.startswith("grpo_code_")
-      and os.path.getmtime(os.path.join(tempfile.gettempdir(), d)) >= t0_wall - 1
-  ]
+  assert not os.listdir(private)  # every run's workdir removed
+  os.rmdir(private)
 
 
 # ---------------------------------------------------------------- registration and routing
