@@ -111,3 +111,13 @@ def test_a_config_file_found_nowhere_is_one_line(tmp_path):
   lines = r.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: --config=configs/nope.py: no such file")
   assert os.path.join(ROOT, "configs") in lines[0]
+  # From the checkout itself the two places are one: named once.
+  r = subprocess.run(
+      [sys.executable, "-m", "grpo_jax.main", "--config=configs/nope.py"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  root = os.path.realpath(ROOT)
+  assert r.returncode == 2 and f"no such file in {root}. Fix:" in r.stderr, r.stderr

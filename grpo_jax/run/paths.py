@@ -211,8 +211,9 @@ def config_file_args(argv: list[str]) -> list[str]:
       continue
     candidate = os.path.join(PACKAGE_ROOT, file)
     if not os.path.isfile(candidate):
+      where = dict.fromkeys(os.path.realpath(p) for p in (os.getcwd(), PACKAGE_ROOT))  # once
       sys.stderr.write(
-          f"error: --config={value}: no such file in {os.getcwd()} or in {PACKAGE_ROOT}. Fix: "
+          f"error: --config={value}: no such file in {' or in '.join(where)}. Fix: "
           f"give the config file's path (the shipped ones: {os.path.join(PACKAGE_ROOT, 'configs')})\n"
       )
       sys.exit(2)
