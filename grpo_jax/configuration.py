@@ -883,6 +883,27 @@ def _check_debug(c: _Checker, cfg):
   c.one_of("debug.transfer_guard", TRANSFER_GUARDS, "transfer guard level")
 
 
+def split_comma_lists(config, prefix: str = "") -> list[str]:
+  """Tuple fields given as `--config.reward.functions=answer_match,answer_format`: ml_collections
+  reads a bare list of names as ONE string, ('answer_match,answer_format',) (numbers it splits
+  itself); no name of a function, generation config or key holds a comma, so such an element is
+  split here, in place. -> the fields changed. ('a','b') and "a" keep working as before."""
+  changed = []
+  for key, value in config.items():
+    field = prefix + key
+    if hasattr(value, "items"):
+      changed += split_comma_lists(value, field + ".")
+    elif isinstance(value, tuple) and any(isinstance(v, str) and "," in v for v in value):
+      config[key] = tuple(
+          part.strip()
+          for v in value
+          for part in (v.split(",") if isinstance(v, str) else [v])
+          if not isinstance(part, str) or part.strip()
+      )
+      changed.append(field)
+  return changed
+
+
 def validate(
     config, *, num_devices: int | None = None, num_processes: int | None = None
 ) -> list[str]:

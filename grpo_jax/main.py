@@ -143,6 +143,7 @@ def main(argv):
   from grpo_jax import configuration
 
   config = _CONFIG.value
+  configuration.split_comma_lists(config)  # --config.reward.functions=a,b
   if _PRINT_CONFIG.value:
     print(config)
     return

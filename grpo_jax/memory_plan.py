@@ -680,6 +680,9 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     std_logging.getLogger().setLevel(std_logging.WARNING)
   config = _CONFIG.value
+  from grpo_jax import configuration
+
+  configuration.split_comma_lists(config)  # --config.reward.functions=a,b
   try:
     if _TOPOLOGY.value:
       # Compile-only targets need no accelerator here; keep jax off any local TPU runtime.

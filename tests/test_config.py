@@ -205,6 +205,29 @@ def test_typo_in_override_names_the_field():
   assert "Traceback" not in r.stderr
 
 
+def test_a_comma_separated_list_sets_a_tuple_field():
+  """`--config.reward.functions=a,b` is what a user types for a tuple of names; ml_collections
+  reads it as the one name 'a,b' (a validation error naming 'a,b'): main splits it."""
+  r = _main(
+      "--config=configs/tiny.py",
+      "--config.reward.functions=answer_match, answer_format",
+      "--config.eval.generation_configs=greedy,standard",
+      "--config.eval.pass_k=1,2",
+      "--print_config",
+  )
+  assert r.returncode == 0, r.stderr
+  printed = r.stdout.replace(" ", "")
+  assert "functions:!!python/tuple\n-answer_match\n-answer_format\n" in printed
+  assert "generation_configs:!!python/tuple\n-greedy\n-standard\n" in printed
+  assert "pass_k:!!python/tuple\n-1\n-2\n" in printed
+  c = load("tiny")
+  c.eval.generation_configs, c.reward.weights = ("greedy",), (1.0, 0.1)
+  assert configuration.split_comma_lists(c) == [] and c.eval.generation_configs == ("greedy",)
+  c.eval.generation_configs = ("greedy,", "liberal")
+  assert configuration.split_comma_lists(c) == ["eval.generation_configs"]
+  assert c.eval.generation_configs == ("greedy", "liberal")
+
+
 def test_bad_value_on_command_line_stops_before_training(tmp_path):
   r = _main(
       "--config=configs/tiny.py",
