@@ -558,6 +558,11 @@ def write_report(workdirs, out: str | None = None) -> str:
   for w in workdirs:
     if not paths.isdir(w):
       raise FileNotFoundError(f"--workdir={w}: no such folder")
+    if not any(paths.exists(paths.path(w) / f) for f in ("config.json", "metrics.jsonl")):
+      raise FileNotFoundError(  # a run writes config.json at its start, then metrics.jsonl
+          f"--workdir={w} holds neither config.json nor metrics.jsonl: not a training run's "
+          "folder. Fix: name the --workdir a run wrote (the demo's: runs/tiny-<date>-<time>)"
+      )
   runs = [load_run(w, n) for w, n in zip(workdirs, _names(workdirs))]
   out = paths.path(out or paths.path(workdirs[0]) / "report")
   paths.makedirs(out)

@@ -207,6 +207,25 @@ def test_run_in_progress(tmp_path):
   assert_pngs(tmp_path / "report", links)
 
 
+def test_a_folder_that_is_no_run_is_one_error_line(tmp_path):
+  """A folder a run never wrote (no config.json, no metrics.jsonl: a typo'd or parent folder)
+  is an error naming it, not a report of nothing written into it."""
+  (tmp_path / "notes.txt").write_text("x")
+  r = subprocess.run(
+      [sys.executable, "-m", "grpo_jax.report", f"--workdir={tmp_path}"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
+  assert r.returncode == 1
+  assert r.stderr.strip().splitlines() == [
+      f"error: --workdir={tmp_path} holds neither config.json nor metrics.jsonl: not a training "
+      "run's folder. Fix: name the --workdir a run wrote (the demo's: runs/tiny-<date>-<time>)"
+  ]
+  assert not (tmp_path / "report").exists()
+
+
 def test_gcs_workdir(gcs):
   workdir = f"{gcs}/runs/r1"
   write_run(workdir, lr=1e-3, before=0.125, after=0.375)
