@@ -176,6 +176,26 @@ def test_bad_value_gives_one_clear_line(case):
   assert "Fix:" in errors[0]
 
 
+@pytest.mark.parametrize(
+    "name,fix",
+    [
+        ("xsum_t5", "Fix: --config.lora.rank=0 (full fine-tuning)"),
+        (
+            "tiny_maxtext",
+            "Fix: --config.lora.rank=0 (full fine-tuning), or --config.model.impl=native",
+        ),
+    ],
+)
+def test_lora_on_a_policy_without_adapters_names_a_fix_that_applies(name, fix):
+  """T5 is native already: its fix is no LoRA (model.impl=native would change nothing);
+  a MaxText decoder can also switch to the native one."""
+  config = load(name)
+  with config.unlocked():
+    config.lora.rank = 4
+  lines = [e for e in errors_of(config) if e.startswith("lora.rank=4")]
+  assert len(lines) == 1 and lines[0].endswith(fix), lines
+
+
 def test_many_bad_values_are_reported_together():
   config = load("tiny")
   with config.unlocked():

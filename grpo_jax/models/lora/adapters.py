@@ -129,7 +129,12 @@ def problems(config) -> list[str]:
     out.append(
         f"lora.rank={lc.rank} with model.impl={m.impl!r}, model.family={m.family!r}: "
         "adapters are built for the native decoder only (MaxText's layers and T5 have no "
-        "hook). Fix: --config.model.impl=native, or --config.lora.rank=0"
+        "hook). Fix: --config.lora.rank=0 (full fine-tuning)"
+        + (
+            ", or --config.model.impl=native"
+            if m.impl != "native" and m.family == "decoder"
+            else ""
+        )
     )
   if lc.alpha <= 0:
     out.append(f"lora.alpha={lc.alpha}: must be > 0 (the update is scaled by alpha / rank)")
