@@ -14,7 +14,7 @@
               rollout -> rewards; on-policy or rollout.max_staleness steps ahead) -> advantages
               and old/ref log-probs (4-5) -> num_iterations updates, the sampler's weights and
               the reference follow (6) -> the step's figures (7a) -> log / eval / checkpoint /
-              stop every N steps (7b)
+              stop when the Schedule says (7b)
   finish      evaluation after training, DIR/summary.json
 
 Timing: each region is a profiling.phase span (run/profiling.py), which marks it in the trace
@@ -108,7 +108,8 @@ def _run(config, workdir: str) -> dict:
           device = {**parts.grpo.figures(batch, upd, kl_rewards_n), **upd_metrics}
           _log_step(parts, step, batch, span, device)
 
-      # 7b. Every N steps: log, evaluate, checkpoint; stop on SIGTERM or the step budget.
+      # 7b. What the Schedule says is due: log, evaluate, checkpoint; stop on SIGTERM or the
+      # step budget.
       _every_n_steps(parts, step, state)
 
     # ------------------------------------------------------------------------- finish
@@ -140,6 +141,7 @@ class Parts:
   train_iter: Any
   first_step: int
   steps_per_epoch: int
+  schedule: "Schedule"  # 7b: when logging, evaluation, checkpoints and the budget stop are due
 
 
 def _setup(config, session, mesh, sampler_mesh) -> tuple[Parts, dict]:
@@ -258,6 +260,7 @@ def _setup(config, session, mesh, sampler_mesh) -> tuple[Parts, dict]:
           train_iter=train_iter,
           first_step=first_step,
           steps_per_epoch=data_lib.batches_per_epoch(len(train_data), config.batch_size),
+          schedule=Schedule.of(config, first_step),
       ),
       state,
   )
@@ -323,27 +326,62 @@ def _log_step(parts: Parts, step: int, batch, span, device: dict):
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """When 7b's periodic work is due after GRPO step `step` (updates done; counted from 1):
+  the loop asks, the config's intervals answer. first_step: the step this process started at
+  (max_steps_per_run counts from there)."""
+
+  num_steps: int
+  first_step: int
+  log_every: int
+  eval_every: int  # 0: only before and after training
+  save_every: int
+  max_steps_per_run: int  # 0: no limit
+
+  @classmethod
+  def of(cls, config, first_step: int) -> "Schedule":
+    return cls(
+        config.num_steps,
+        first_step,
+        config.log_interval_steps,
+        config.eval_interval_steps,
+        config.save_interval_steps,
+        config.max_steps_per_run,
+    )
+
+  def budget_spent(self, step: int) -> bool:
+    """This process has run its max_steps_per_run and steps remain (stop, checkpointed)."""
+    return (
+        self.max_steps_per_run > 0
+        and step < self.num_steps
+        and step - self.first_step >= self.max_steps_per_run
+    )
+
+  def log(self, step: int) -> bool:
+    """The figures reach the log: every log_every steps, at the end and at a budget stop."""
+    return step % self.log_every == 0 or step == self.num_steps or self.budget_spent(step)
+
+  def evaluate(self, step: int) -> bool:
+    """Every eval_every steps but the last (the evaluation after training covers it)."""
+    return bool(self.eval_every) and step % self.eval_every == 0 and step < self.num_steps
+
+  def save(self, step: int) -> bool:
+    return step % self.save_every == 0 or step == self.num_steps
+
+
 def _every_n_steps(parts: Parts, step: int, state: dict):
-  """7b. The trace window and the memory profile; every N steps: log, evaluate, checkpoint;
-  the stop on SIGTERM or at the step budget (max_steps_per_run). `step`: updates done."""
-  config, session, log = parts.config, parts.session, parts.log
+  """7b. The trace window and the memory profile; what the Schedule says is due: log,
+  evaluate, checkpoint; the stop on SIGTERM or at the step budget. `step`: updates done."""
+  session, log, when = parts.session, parts.log, parts.schedule
   parts.profiler.step_end(step - 1, block_on=state["params"])
   parts.memory_profile.step_end(step)
   if step == parts.first_step + 1:
     profiling.log_memory("the first step (sampler cache, update)")
-  ckpt_step = config.sft_steps + step  # checkpoints and TensorBoard count the SFT steps too
-  budget_spent = (
-      bool(config.max_steps_per_run)
-      and step < config.num_steps
-      and (step - parts.first_step >= config.max_steps_per_run)
-  )
-  if step % config.log_interval_steps == 0 or step == config.num_steps or budget_spent:
+  ckpt_step = parts.config.sft_steps + step  # checkpoints and TensorBoard count SFT's too
+  if when.log(step):
     log.flush()
-  if (
-      config.eval_interval_steps
-      and step % config.eval_interval_steps == 0
-      and (step < config.num_steps)
-  ):
+  if when.evaluate(step):
     session.meta["history"].append(
         {
             "step": step,
@@ -352,10 +390,10 @@ def _every_n_steps(parts: Parts, step: int, state: dict):
             ),
         }
     )
-  if step % config.save_interval_steps == 0 or step == config.num_steps:
+  if when.save(step):
     log.flush()  # the checkpoint records how many metric rows precede it
     session.save(ckpt_step, _saved(parts, state), parts.train_iter)
-  if session.stop_requested(budget_spent=budget_spent):
+  if session.stop_requested(budget_spent=when.budget_spent(step)):
     log.flush()
     session.stop(ckpt_step, _saved(parts, state), parts.train_iter)
 

@@ -192,6 +192,26 @@ def test_stop_on_a_save_step_exits_0_and_resumes(tmp_path):
   assert train.run(config, workdir)["final_step"] == 6
 
 
+def test_the_schedule_of_periodic_work():
+  """7b's decisions, 10 GRPO steps: logs every 3 and at the end; evaluations every 4 but never at
+  the last step (the evaluation after training is that one); checkpoints every 4 and at the end;
+  a process started at step 2 with a budget of 5 steps stops after step 7 (logged there too)."""
+  when = train.Schedule(
+      num_steps=10, first_step=2, log_every=3, eval_every=4, save_every=4, max_steps_per_run=5
+  )
+  steps = range(3, 11)
+  assert [s for s in steps if when.log(s)][:3] == [3, 6, 7]  # 7: the budget's stop
+  unlimited = dataclasses.replace(when, max_steps_per_run=0)
+  assert [s for s in steps if unlimited.log(s)] == [3, 6, 9, 10]
+  assert [s for s in steps if when.budget_spent(s)] == [7, 8, 9]  # the loop stops at the first
+  assert [s for s in steps if when.save(s)] == [4, 8, 10]
+  assert [s for s in range(1, 13) if dataclasses.replace(when, eval_every=5).evaluate(s)] == [5]
+  assert not any(dataclasses.replace(when, eval_every=0).evaluate(s) for s in steps)
+  # No budget: a run to the end; a budget reaching the end: no early stop at the last step.
+  assert not any(unlimited.budget_spent(s) for s in steps)
+  assert not dataclasses.replace(when, max_steps_per_run=8).budget_spent(10)
+
+
 def test_sigterm_saves_a_restorable_checkpoint_and_exits_0(tmp_path):
   """Every step is a save step here, so the SIGTERM stop lands on a step the interval save has
   just written (issue 16's crash): written once, exit 0."""
