@@ -101,7 +101,12 @@ class Checkpointer:
   def __init__(self, directory: str, *, max_to_keep: int, async_save: bool = True):
     self.directory = os.fspath(paths.path(directory))  # local: absolute; gs://: as given
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
+        max_to_keep=max_to_keep,
+        create=True,
+        enable_async_checkpointing=async_save,
+        # A save a kill -9 / preemption cut short leaves its temporary folder (a whole
+        # checkpoint's bytes, e.g. ~100 GB for 8B): the next launch removes it.
+        cleanup_tmp_directories=True,
     )
     self._manager = ocp.CheckpointManager(
         self.directory,

@@ -265,6 +265,29 @@ def _compare(a, b):
   assert steps == list(range(1, 7))
 
 
+def test_a_save_cut_short_leaves_no_temporary_folder_after_the_next_launch(tmp_path):
+  """kill -9 mid-write leaves Orbax's temporary folder (as big as a checkpoint); the next
+  launch's checkpointer removes it, and keeps the complete checkpoints."""
+  import jax.numpy as jnp
+
+  from grpo_jax import data as data_lib
+  from grpo_jax.run import checkpoint as ckpt_lib
+
+  d = tmp_path / "checkpoints"
+  it = data_lib.make_prompt_iterator(16, batch_size=4, seed=0)
+  first = ckpt_lib.Checkpointer(str(d), max_to_keep=4, async_save=False)
+  first.save(2, {"w": jnp.ones(3)}, it, {"phase": "grpo"})
+  first.wait()
+  cut = d / "4.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp"  # what the kill left
+  cut.mkdir(parents=True)
+  (cut / "shard").write_bytes(b"x" * 1000)
+  again = ckpt_lib.Checkpointer(str(d), max_to_keep=4, async_save=False)
+  again.save(6, {"w": jnp.ones(3)}, it, {"phase": "grpo"})  # (a save waits for the clean-up)
+  again.wait()
+  assert sorted(os.listdir(d)) == ["2", "6"]
+  assert again.all_steps() == [2, 6]
+
+
 @pytest.mark.slow  # suite time (-m slow runs it)
 def test_kill_during_a_checkpoint_write_resumes_bit_identical(tmp_path, straight_run):
   """SIGKILL while Orbax is writing a checkpoint (its temporary folder exists): the same
@@ -274,6 +297,7 @@ def test_kill_during_a_checkpoint_write_resumes_bit_identical(tmp_path, straight
   assert killed, "the run ended before a checkpoint write was seen"
   _finish(workdir)
   _compare(straight_run, workdir)
+  assert not _orbax_tmp(workdir)  # the cut write's folder is gone
 
 
 @pytest.mark.slow
