@@ -894,12 +894,10 @@ def split_comma_lists(config, prefix: str = "") -> list[str]:
     if hasattr(value, "items"):
       changed += split_comma_lists(value, field + ".")
     elif isinstance(value, tuple) and any(isinstance(v, str) and "," in v for v in value):
-      config[key] = tuple(
-          part.strip()
-          for v in value
-          for part in (v.split(",") if isinstance(v, str) else [v])
-          if not isinstance(part, str) or part.strip()
-      )
+      parts = []
+      for v in value:
+        parts += [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else [v]
+      config[key] = tuple(parts)
       changed.append(field)
   return changed
 

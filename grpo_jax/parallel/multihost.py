@@ -144,9 +144,7 @@ def per_process(x) -> np.ndarray:
 def sum_over_processes(x) -> np.ndarray:
   """Elementwise sum of a host value over all JAX processes (identity on one process)."""
   x = np.asarray(x)
-  if jax.process_count() == 1:
-    return x
-  return np.asarray(multihost_utils.process_allgather(x)).sum(axis=0)
+  return x if jax.process_count() == 1 else per_process(x).sum(axis=0)
 
 
 def any_process(flag: bool) -> bool:
